@@ -1,0 +1,27 @@
+"""Frozen configuration, built once at launch and passed down to every stage.
+
+Values found at run time (the number of KV blocks) travel as messages, never as mutations.
+"""
+
+from conveyor.config.engine import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    StagesConfig,
+)
+from conveyor.config.errors import ConfigError
+from conveyor.config.model import SUPPORTED_ARCHITECTURES, ModelConfig
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "CacheConfig",
+    "ConfigError",
+    "EngineConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+    "ServerConfig",
+    "StagesConfig",
+]

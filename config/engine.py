@@ -1,0 +1,63 @@
+"""Engine configuration: one frozen dataclass per concern, gathered in EngineConfig.
+
+`conveyor serve` builds an EngineConfig once from the command line, writes it to the run
+directory as JSON (msgspec), and every stage process reads it back; the Python API builds the
+same object in-process. Nothing mutates it afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from conveyor.config.model import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # fixed pool size; None: sized by the worker from free memory
+    gpu_memory_utilization: float = 0.90  # CUDA: fraction of device memory the worker may hold
+    cpu_kv_cache_gib: float = 1.0  # CPU: KV pool size when num_kv_blocks is not given
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # the per-step token budget (decodes + prompt chunks)
+    max_num_seqs: int = 256  # sequences running at once
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    device: str = "cpu"  # "cpu" or "cuda"
+    tensor_parallel_size: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StagesConfig:
+    """How many processes each scalable stage runs."""
+
+    num_ingress: int = 1
+    num_tokenizers: int = 1
+    num_detokenizers: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    run_dir: str = ""  # private 0700 directory holding the ipc sockets; set by the launcher
+    max_body_bytes: int = 4 * 1024 * 1024
+    log_level: str = "info"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    stages: StagesConfig = StagesConfig()
+    server: ServerConfig = ServerConfig()
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,18 @@
+"""Every environment variable conveyor reads, in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where generated checkpoints (the embedded default model) are kept."""
+    root = os.environ.get("CONVEYOR_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "conveyor"
+    )
+    return Path(root)
+
+
+def log_level() -> str:
+    return os.environ.get("CONVEYOR_LOG_LEVEL", "info")

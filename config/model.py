@@ -1,0 +1,164 @@
+"""ModelConfig: what the serving code needs from a Hugging Face checkpoint directory.
+
+Reads `config.json` (and `generation_config.json` for stop ids) without importing torch or
+transformers, so every stage can build it cheaply. Both the transformers 4 spellings
+(`torch_dtype`, `rope_theta`) and the transformers 5 ones (`dtype`, `rope_parameters`) are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from conveyor.config.errors import ConfigError
+
+# The model families the worker implements; all share one decoder (gpu/models/llama.py).
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # rope_type plus its parameters, as (key, value) pairs so the dataclass stays hashable.
+    rope_scaling: tuple[tuple[str, float | str], ...]
+    max_position_embeddings: int
+    max_model_len: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # q/k/v projections carry a bias (Qwen2 always; Llama when attention_bias)
+    o_bias: bool  # o_proj carries a bias (Llama attention_bias)
+    mlp_bias: bool
+    sliding_window: int | None
+    dtype: str  # one of DTYPES: the checkpoint's, or the --dtype override
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    served_name: str
+
+    @property
+    def rope_type(self) -> str:
+        return str(dict(self.rope_scaling).get("rope_type", "default"))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: str | None = None,
+        max_model_len: int | None = None,
+        served_name: str | None = None,
+    ) -> "ModelConfig":
+        root = Path(path).expanduser()
+        if not root.is_dir():
+            raise ConfigError(f"model path {str(path)!r} is not a directory")
+        hf = _read_json(root / "config.json", required=True)
+        gen = _read_json(root / "generation_config.json", required=False)
+
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"unsupported architecture {archs or hf.get('model_type')!r} in {root}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            num_heads = int(hf["num_attention_heads"])
+            hidden = int(hf["hidden_size"])
+            max_pos = int(hf.get("max_position_embeddings", 2048))
+            cfg = cls(
+                path=str(root.resolve()),
+                architecture=arch,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+                head_dim=int(hf.get("head_dim") or hidden // num_heads),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=_rope_theta(hf),
+                rope_scaling=_rope_scaling(hf),
+                max_position_embeddings=max_pos,
+                max_model_len=min(max_model_len or max_pos, max_pos),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+                o_bias=arch != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
+                mlp_bias=bool(hf.get("mlp_bias", False)),
+                sliding_window=_sliding_window(hf),
+                dtype=_dtype(dtype or hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+                bos_token_id=_first(gen.get("bos_token_id", hf.get("bos_token_id"))),
+                eos_token_ids=_ids(gen.get("eos_token_id", hf.get("eos_token_id"))),
+                served_name=served_name or root.resolve().name,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"malformed config.json in {root}: {e!r}") from None
+        if cfg.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(f"unsupported rope_type {cfg.rope_type!r} in {root}")
+        return cfg
+
+
+def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        if required:
+            raise ConfigError(f"no config.json in {path.parent}: not a Hugging Face checkpoint") from None
+        return {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    params = hf.get("rope_parameters") or {}
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _rope_scaling(hf: dict[str, Any]) -> tuple[tuple[str, float | str], ...]:
+    scaling = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    scaling.pop("rope_theta", None)
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    scaling.setdefault("rope_type", "default")
+    return tuple(sorted((k, v) for k, v in scaling.items() if isinstance(v, (int, float, str))))
+
+
+def _sliding_window(hf: dict[str, Any]) -> int | None:
+    window = hf.get("sliding_window")
+    if window is None or hf.get("use_sliding_window") is False:
+        return None
+    return int(window)
+
+
+def _dtype(name: str) -> str:
+    name = str(name).removeprefix("torch.")
+    name = {"float": "float32", "half": "float16", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)
+    if name not in DTYPES:
+        raise ConfigError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPES)}")
+    return name
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _first(value: Any) -> int | None:
+    ids = _ids(value)
+    return ids[0] if ids else None

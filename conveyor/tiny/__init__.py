@@ -1,0 +1,1 @@
+"""conveyor/tiny"""

@@ -1,0 +1,96 @@
+"""One typed sender and receiver over pyzmq, used by every stage (plus the receiver's asyncio twin).
+
+A receiver binds one PULL socket and decodes with one typed decoder; a message that fails to
+decode is logged and dropped, never fatal. A sender connects a PUSH socket to one address (a
+fixed destination) or several (zmq round-robins between them: a stage pool).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+HIGH_WATER_MARK = 0  # unbounded: a stage never drops a message it was handed
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Any) -> bytes:
+    return _encoder.encode(msg)
+
+
+class Sender:
+    def __init__(self, ctx: zmq.Context, addresses: str | list[str]):
+        self.socket = ctx.socket(zmq.PUSH)
+        self.socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        for addr in [addresses] if isinstance(addresses, str) else addresses:
+            self.socket.connect(addr)
+
+    def send(self, msg: Any) -> None:
+        self.socket.send(_encoder.encode(msg), copy=False)
+
+    def send_bytes(self, data: bytes) -> None:
+        self.socket.send(data, copy=False)
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class _ReceiverBase(Generic[T]):
+    def __init__(self, ctx: zmq.Context, address: str, type: Any):
+        self.socket = ctx.socket(zmq.PULL)
+        self.socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+        self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(address)
+        self.address = address
+        self._decoder = msgspec.msgpack.Decoder(type)
+
+    def decode(self, data: bytes | memoryview) -> T | None:
+        try:
+            return self._decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.error("dropped an undecodable message on %s: %s", self.address, e)
+            return None
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class Receiver(_ReceiverBase[T]):
+    def poll(self, timeout_ms: int | None) -> bool:
+        return bool(self.socket.poll(timeout_ms))
+
+    def recv(self, timeout_ms: int | None = None) -> T | None:
+        """The next message, or None after timeout_ms (or when the message was undecodable)."""
+        if timeout_ms is not None and not self.socket.poll(timeout_ms):
+            return None
+        return self.decode(self.socket.recv(copy=False).buffer)
+
+    def recv_nowait(self) -> T | None:
+        try:
+            frame = self.socket.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        return self.decode(frame.buffer)
+
+    def has_pending(self) -> bool:
+        return bool(self.socket.poll(0))
+
+
+class AsyncReceiver(_ReceiverBase[T]):
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, type: Any):
+        super().__init__(ctx, address, type)
+
+    async def recv(self) -> T | None:
+        frame = await self.socket.recv(copy=False)
+        return self.decode(frame.buffer)

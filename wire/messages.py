@@ -1,0 +1,237 @@
+"""Every message that crosses a process boundary, grouped by the stage that receives it.
+
+Wire rules (vLLM v1's, and ours): msgspec Structs encoded array-like, defaults omitted, no GC
+tracking; new fields only ever go at the end of a struct; one tagged union per inbound socket,
+decoded by one typed decoder. A request's data travels in full once; per step only what changed.
+
+    ingress --TokenizeRequest--> tokenizer --ScheduleRequest--> scheduler --StepPlan--> worker
+       ^  \\------AbortRequest------------------------------------^  ^          |
+       |                                                            +-StepResult-+
+       +--RequestAccepted/Rejected (tokenizer), DeltaBatch (detokenizer) <--TokenBatch-- scheduler
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class Struct(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Base for everything on the wire."""
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 1  # EOS, a stop token id (later: a stop string)
+    LENGTH = 2  # max_tokens, or the context is full
+    ABORT = 3  # the client went away or the request was cancelled
+
+    @property
+    def openai(self) -> str:
+        return "stop" if self is FinishReason.STOP else "length" if self is FinishReason.LENGTH else "abort"
+
+
+class SamplingParams(Struct):
+    """How to pick tokens and when to stop; the Python API's `SamplingParams` is this struct.
+
+    temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those filters. With a seed, the
+    draw for output token i depends only on (seed, i), so it is the same whatever the batch.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: until EOS or the context is full
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError("n must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be non-negative")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+# --- received by a tokenizer ----------------------------------------------------------------
+
+
+class ChatMessage(Struct):
+    role: str
+    content: str
+
+
+class TokenizeRequest(Struct, tag=1):
+    request_id: str
+    ingress: int  # index of the ingress process that owns the HTTP connection
+    params: SamplingParams
+    arrival_time: float  # time.time() at the ingress
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+TokenizerInbound = TokenizeRequest
+
+
+# --- received by the scheduler --------------------------------------------------------------
+
+
+class ScheduleRequest(Struct, tag=2):
+    request_id: str
+    ingress: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+class AbortRequest(Struct, tag=3):
+    request_ids: list[str]
+
+
+class WorkerReady(Struct, tag=4):
+    rank: int
+    num_kv_blocks: int  # blocks this rank could allocate; the scheduler uses the minimum
+
+
+class StepResult(Struct, tag=5):
+    step: int
+    # One sampled id per sampling row of the plan, in plan order (rows whose chunk reaches the
+    # end of the sequence's known tokens).
+    sampled_token_ids: list[int]
+    busy_time: float = 0.0  # seconds the device computed this step
+    idle_time: float = 0.0  # seconds it waited on the host since the last step ended
+
+
+SchedulerInbound = ScheduleRequest | AbortRequest | WorkerReady | StepResult
+
+
+# --- received by a worker -------------------------------------------------------------------
+
+
+class NewSeq(Struct):
+    """A sequence the worker has not seen (or sees again after preemption), sent once in full."""
+
+    seq_id: int
+    token_ids: list[int]  # prompt, plus any outputs already generated (after preemption)
+    params: SamplingParams
+    num_prompt_tokens: int  # outputs start here: the seeded draw for output i uses index i
+
+
+class ScheduledSeq(Struct):
+    """One row of a step: compute `num_tokens` more of the sequence's known tokens."""
+
+    seq_id: int
+    num_tokens: int
+    new_block_ids: list[int] = []  # appended to the sequence's block table before the step
+
+
+class StepPlan(Struct, tag=10):
+    """One forward pass. The worker keeps each sequence's tokens, computed count and block table,
+    appends what it samples, and drops a sequence when it appears in `finished_seq_ids`."""
+
+    step: int
+    new_seqs: list[NewSeq]
+    scheduled: list[ScheduledSeq]
+    finished_seq_ids: list[int] = []
+
+
+class Shutdown(Struct, tag=11):
+    pass
+
+
+WorkerInbound = StepPlan | Shutdown
+
+
+# --- received by a detokenizer --------------------------------------------------------------
+
+
+class DetokSeq(Struct):
+    """A sequence's first appearance at its detokenizer."""
+
+    seq_id: int
+    request_id: str
+    index: int  # choice index within the request (n > 1)
+    ingress: int
+    prompt_tail: list[int]  # last prompt tokens: decoding context for the first output tokens
+    num_prompt_tokens: int
+    skip_special_tokens: bool = True
+
+
+class SeqTokens(Struct):
+    seq_id: int
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+
+
+class TokenBatch(Struct, tag=12):
+    """All new tokens of one scheduler step for the sequences one detokenizer owns."""
+
+    step: int
+    new_seqs: list[DetokSeq]
+    updates: list[SeqTokens]
+
+
+DetokenizerInbound = TokenBatch
+
+
+# --- received by an ingress -----------------------------------------------------------------
+
+
+class RequestAccepted(Struct, tag=20):
+    request_id: str
+    num_prompt_tokens: int
+
+
+class RequestRejected(Struct, tag=21):
+    """An error for the client, in the OpenAI error shape."""
+
+    request_id: str
+    status: int
+    message: str
+    error_type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class TextDelta(Struct):
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # tokens generated so far for this choice
+
+
+class DeltaBatch(Struct, tag=22):
+    deltas: list[TextDelta]
+
+
+class EngineStatus(Struct, tag=23):
+    ready: bool
+
+
+IngressInbound = RequestAccepted | RequestRejected | DeltaBatch | EngineStatus
+
+
+# --- received by the launcher ---------------------------------------------------------------
+
+
+class StageReady(Struct, tag=30):
+    stage: str
+    index: int
+
+
+LauncherInbound = StageReady
