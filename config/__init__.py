@@ -10,6 +10,8 @@ from conveyor.config.engine import (
     SchedulerConfig,
     ServerConfig,
     StagesConfig,
+    config_from_json,
+    config_to_json,
 )
 from conveyor.config.errors import ConfigError
 from conveyor.config.model import SUPPORTED_ARCHITECTURES, ModelConfig
@@ -24,4 +26,6 @@ __all__ = [
     "SchedulerConfig",
     "ServerConfig",
     "StagesConfig",
+    "config_from_json",
+    "config_to_json",
 ]

@@ -61,3 +61,15 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def config_to_json(config: EngineConfig) -> bytes:
+    import msgspec
+
+    return msgspec.json.encode(config)
+
+
+def config_from_json(data: bytes) -> EngineConfig:
+    import msgspec
+
+    return msgspec.json.decode(data, type=EngineConfig)

@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HIGH_WATER_MARK = 0  # unbounded: a stage never drops a message it was handed
+SEND_LINGER_MS = 2000  # a closed sender still delivers what it queued (connects are asynchronous)
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 _encoder = msgspec.msgpack.Encoder()
@@ -31,7 +32,7 @@ class Sender:
     def __init__(self, ctx: zmq.Context, addresses: str | list[str]):
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
-        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.LINGER, SEND_LINGER_MS)
         for addr in [addresses] if isinstance(addresses, str) else addresses:
             self.socket.connect(addr)
 
@@ -42,7 +43,7 @@ class Sender:
         self.socket.send(data, copy=False)
 
     def close(self) -> None:
-        self.socket.close(linger=0)
+        self.socket.close()
 
 
 class _ReceiverBase(Generic[T]):

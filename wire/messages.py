@@ -151,7 +151,13 @@ class Shutdown(Struct, tag=11):
     pass
 
 
-WorkerInbound = StepPlan | Shutdown
+class InitializeCache(Struct, tag=13):
+    """Sent once every rank reported WorkerReady: the pool size all ranks agree on."""
+
+    num_kv_blocks: int
+
+
+WorkerInbound = StepPlan | InitializeCache | Shutdown
 
 
 # --- received by a detokenizer --------------------------------------------------------------

@@ -1,0 +1,92 @@
+"""Build an EngineConfig from user-facing options: shared by `conveyor serve` and `LLM(...)`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from conveyor.config.engine import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    StagesConfig,
+)
+from conveyor.config.errors import ConfigError
+from conveyor.config.model import ModelConfig
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {device!r}; choose auto, cpu or cuda")
+    return device
+
+
+def build_engine_config(
+    model: str | None = None,
+    *,
+    dtype: str = "auto",
+    device: str = "auto",
+    max_model_len: int | None = None,
+    served_model_name: str | None = None,
+    block_size: int = 16,
+    num_kv_blocks: int | None = None,
+    kv_cache_gib: float | None = None,
+    gpu_memory_utilization: float = 0.90,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 256,
+    tensor_parallel_size: int = 1,
+    ingress_workers: int = 1,
+    tokenizer_workers: int = 1,
+    detokenizer_workers: int = 1,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+) -> EngineConfig:
+    if tensor_parallel_size != 1:
+        raise ConfigError("tensor parallelism is not implemented yet; use --tensor-parallel-size 1")
+    for name, value in (
+        ("block-size", block_size), ("max-num-batched-tokens", max_num_batched_tokens),
+        ("max-num-seqs", max_num_seqs), ("ingress-workers", ingress_workers),
+        ("tokenizer-workers", tokenizer_workers), ("detokenizer-workers", detokenizer_workers),
+    ):  # fmt: skip
+        if value < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {value}")
+    if num_kv_blocks is not None and num_kv_blocks < 1:
+        raise ConfigError(f"--num-kv-blocks must be at least 1, got {num_kv_blocks}")
+    device = resolve_device(device)
+    if model is None:
+        from conveyor.tiny.checkpoint import ensure_default_model
+
+        model = str(ensure_default_model())
+    model_config = ModelConfig.from_pretrained(
+        model,
+        dtype=None if dtype == "auto" else dtype,
+        max_model_len=max_model_len,
+        served_name=served_model_name,
+    )
+    if device == "cpu" and model_config.dtype == "float16":
+        # Half-precision matmuls on CPU are slow or missing; bf16 and fp32 are fine.
+        model_config = dataclasses.replace(model_config, dtype="float32")
+    cache = CacheConfig(
+        block_size=block_size,
+        num_kv_blocks=num_kv_blocks,
+        gpu_memory_utilization=gpu_memory_utilization,
+        **({"cpu_kv_cache_gib": kv_cache_gib} if kv_cache_gib is not None else {}),
+    )
+    return EngineConfig(
+        model=model_config,
+        cache=cache,
+        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
+        parallel=ParallelConfig(device=device, tensor_parallel_size=tensor_parallel_size),
+        stages=StagesConfig(
+            num_ingress=ingress_workers,
+            num_tokenizers=tokenizer_workers,
+            num_detokenizers=detokenizer_workers,
+        ),
+        server=ServerConfig(host=host, port=port),
+    )
+

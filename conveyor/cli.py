@@ -1,0 +1,81 @@
+"""The `conveyor` command: `conveyor serve` starts the daemon (every stage, supervised).
+
+Bad options and bad checkpoints get one line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from conveyor.config import ConfigError
+from conveyor.config.env import log_level
+
+
+def serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a checkpoint over the OpenAI-compatible HTTP API")
+    p.add_argument("--model", help="local Hugging Face checkpoint directory (default: the embedded tiny Llama)")
+    p.add_argument("--served-model-name", help="model name in the API (default: the directory name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, help="fix the KV pool size (default: from free memory)")
+    p.add_argument("--kv-cache-gib", type=float, help="CPU: memory for the KV pool in GiB (default 1)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per forward pass")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--ingress-workers", type=int, default=1, help="HTTP processes sharing the port")
+    p.add_argument("--tokenizer-workers", type=int, default=1)
+    p.add_argument("--detokenizer-workers", type=int, default=1)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from conveyor.config.build import build_engine_config
+    from conveyor.stages.launcher import Launcher
+
+    config = build_engine_config(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        served_model_name=args.served_model_name,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        kv_cache_gib=args.kv_cache_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        tensor_parallel_size=args.tensor_parallel_size,
+        ingress_workers=args.ingress_workers,
+        tokenizer_workers=args.tokenizer_workers,
+        detokenizer_workers=args.detokenizer_workers,
+        host=args.host,
+        port=args.port,
+    )
+    return Launcher(config).serve()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="conveyor", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=log_level().upper(), format="%(asctime)s %(levelname)s [launcher] %(message)s", datefmt="%H:%M:%S"
+    )
+    try:
+        return serve(args)
+    except ConfigError as e:
+        print(f"conveyor: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Paged attention over flattened ("varlen") tokens: the torch reference path (CPU and CUDA).
+
+A step's tokens from all its rows are concatenated: q [T, Hq, D], k/v [T, Hkv, D]. Each layer's
+KV cache is one tensor [2, num_blocks, block_size, Hkv, D]; token p of a sequence lives in block
+block_table[p // block_size] at offset p % block_size. `paged_attention` writes the step's new
+k/v at `slot_mapping`, then lets every row attend to its whole context read back through its
+block table: query j of a row with q_len queries and seq_len context sits at position
+seq_len - q_len + j (causal), and sees at most `sliding_window` positions back, itself included.
+
+Rows with one query (decodes, or a prompt's last chunk of one token) are batched into one padded
+gather and one scaled_dot_product_attention call; longer rows (prompt chunks) run one call each.
+AttentionMetadata is built once per step and holds the masks every layer shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class DecodeBatch:
+    """The single-query rows of a step, attended to in one call."""
+
+    token_index: torch.Tensor | None  # [Bd] int64 rows' tokens in the step; None: every token
+    block_tables: torch.Tensor  # [Bd, nb] int64, padded with block 0 (masked out)
+    mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool, True where a key is visible
+
+
+@dataclasses.dataclass
+class PrefillChunk:
+    """One multi-query row: tokens [start, end) of the step, context seq_len."""
+
+    start: int
+    end: int
+    seq_len: int
+    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
+    mask: torch.Tensor | None  # [q_len, seq_len] bool; None: plain causal over fresh tokens only
+
+    @property
+    def is_fresh(self) -> bool:
+        """No earlier context: the keys are exactly this chunk's own new k/v."""
+        return self.seq_len == self.end - self.start
+
+
+@dataclasses.dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32: context length after this step, new tokens included
+    query_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    decode: DecodeBatch | None
+    prefills: list[PrefillChunk]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: torch.Tensor,
+        positions: torch.Tensor,
+        block_size: int,
+        sliding_window: int | None,
+    ) -> "AttentionMetadata":
+        """From host lists and device tensors: block_tables [B, max_blocks] int32 and positions
+        [T] int64, already on the target device. Masks are built on that device."""
+        device = block_tables.device
+        num_rows = len(query_lens)
+        starts = [0] * (num_rows + 1)
+        for i, q_len in enumerate(query_lens):
+            starts[i + 1] = starts[i] + q_len
+        q_lens_t = torch.tensor(query_lens, dtype=torch.int32).to(device, non_blocking=True)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True)
+
+        # slot of each new token: its row's block table entry for the position, plus the offset.
+        row_of_token = torch.repeat_interleave(torch.arange(num_rows, device=device), q_lens_t, output_size=starts[-1])
+        block_ids = block_tables[row_of_token, positions // block_size].long()
+        slot_mapping = block_ids * block_size + positions % block_size
+
+        decode_rows = [i for i, q_len in enumerate(query_lens) if q_len == 1]
+        decode = None
+        if decode_rows:
+            decode = _decode_batch(decode_rows, starts, seq_lens, block_tables, block_size, sliding_window)
+        prefills = [
+            _prefill_chunk(i, starts, seq_lens[i], block_tables, block_size, sliding_window)
+            for i, q_len in enumerate(query_lens)
+            if q_len > 1
+        ]
+        return cls(
+            slot_mapping=slot_mapping,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True),
+            seq_lens=seq_lens_t,
+            query_lens=q_lens_t,
+            block_tables=block_tables,
+            decode=decode,
+            prefills=prefills,
+        )
+
+
+def _decode_batch(rows, starts, seq_lens, block_tables, block_size, sliding_window) -> DecodeBatch:
+    device = block_tables.device
+    lens = [seq_lens[i] for i in rows]
+    num_blocks = -(-max(lens) // block_size)
+    if len(rows) == block_tables.shape[0]:  # every row decodes: no gathers needed
+        token_index, tables = None, block_tables[:, :num_blocks]
+    else:
+        rows_t = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        token_index = torch.tensor([starts[i] for i in rows], dtype=torch.int64).to(device, non_blocking=True)
+        tables = block_tables[rows_t, :num_blocks]
+    lens_t = torch.tensor(lens, dtype=torch.int64).to(device, non_blocking=True)[:, None]  # [Bd, 1]
+    key_pos = torch.arange(num_blocks * block_size, device=device)[None, :]  # [1, L]
+    mask = key_pos < lens_t  # the query sits at lens - 1
+    if sliding_window is not None:
+        mask &= key_pos >= lens_t - sliding_window
+    return DecodeBatch(token_index, tables.long(), mask[:, None, None, :])
+
+
+def _prefill_chunk(row, starts, seq_len, block_tables, block_size, sliding_window) -> PrefillChunk:
+    device = block_tables.device
+    start, end = starts[row], starts[row + 1]
+    q_len = end - start
+    block_ids = block_tables[row, : -(-seq_len // block_size)].long()
+    mask = None
+    if q_len != seq_len or (sliding_window is not None and seq_len > sliding_window):
+        query_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]  # [q_len, 1]
+        key_pos = torch.arange(seq_len, device=device)[None, :]  # [1, seq_len]
+        mask = key_pos <= query_pos
+        if sliding_window is not None:
+            mask &= key_pos > query_pos - sliding_window
+    return PrefillChunk(start, end, seq_len, block_ids, mask)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_cache [2, N, bs, Hkv, D]; k, v [T, Hkv, D]; slot_mapping [T] int64."""
+    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])  # [2, N * bs, Hkv, D]
+    flat[0].index_copy_(0, slot_mapping, k)
+    flat[1].index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] (rotated) -> attention output [T, Hq, D]."""
+    write_kv(kv_cache, k, v, meta.slot_mapping)
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    decode = meta.decode
+    if decode is not None and decode.token_index is None:  # every row decodes
+        return _attend_decodes(q, kv_cache, decode, num_kv_heads, group, scale)
+    out = torch.empty_like(q)
+    if decode is not None:
+        out[decode.token_index] = _attend_decodes(q[decode.token_index], kv_cache, decode, num_kv_heads, group, scale)
+    for chunk in meta.prefills:
+        qc = q[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        if chunk.is_fresh:  # the new k/v are the whole context: skip the gather
+            kc, vc = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
+        else:  # [nb, bs, Hkv, D] -> [seq_len, Hkv, D]
+            kv = kv_cache[:, chunk.block_ids].view(2, -1, num_kv_heads, head_dim)[:, : chunk.seq_len]
+            kc, vc = kv[0], kv[1]
+        o = F.scaled_dot_product_attention(
+            qc,
+            kc.transpose(0, 1)[None],  # [1, Hkv, seq_len, D]
+            vc.transpose(0, 1)[None],
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=group > 1,
+        )
+        out[chunk.start : chunk.end] = o[0].transpose(0, 1)
+    return out
+
+
+def _attend_decodes(q, kv_cache, decode: DecodeBatch, num_kv_heads, group, scale) -> torch.Tensor:
+    """q [Bd, Hq, D] -> [Bd, Hq, D]. The `group` query heads sharing a kv head are laid out as
+    that head's query rows, [Bd, Hkv, group, D], so GQA needs no repeated keys."""
+    num_rows, num_heads, head_dim = q.shape
+    kv = kv_cache[:, decode.block_tables]  # [2, Bd, nb, bs, Hkv, D]
+    kv = kv.view(2, num_rows, -1, num_kv_heads, head_dim).transpose(2, 3)  # [2, Bd, Hkv, L, D]
+    o = F.scaled_dot_product_attention(
+        q.view(num_rows, num_kv_heads, group, head_dim), kv[0], kv[1], attn_mask=decode.mask, scale=scale
+    )
+    return o.reshape(num_rows, num_heads, head_dim)

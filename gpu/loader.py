@@ -1,0 +1,85 @@
+"""Load a Hugging Face safetensors checkpoint into our model.
+
+The model is built on the meta device (no random init), materialised empty on the target device
+in ModelConfig.dtype, then every parameter is filled from the checkpoint by name: our parameter
+names are the safetensors names. Either `model.safetensors` or a sharded checkpoint described by
+`model.safetensors.index.json` is read. Problems a user can cause (no weight files, a tensor
+missing or of the wrong shape) raise ConfigError with one clear line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from conveyor.config.errors import ConfigError
+from conveyor.config.model import ModelConfig
+from conveyor.gpu.models import LlamaForCausalLM, build_model
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Buffers some checkpoints carry that we compute instead of load.
+SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def load_model(config: ModelConfig, device: torch.device | str) -> LlamaForCausalLM:
+    """Build the model for `config` on `device` with the checkpoint's weights, in eval mode."""
+    device = torch.device(device)
+    dtype = getattr(torch, config.dtype)
+    with torch.device("meta"):
+        model = build_model(config, rope_device=device)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty gives each parameter its own storage: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights(model, config.path)
+    return model.eval().requires_grad_(False)
+
+
+def load_weights(model: torch.nn.Module, path: str | Path) -> None:
+    """Copy every parameter of `model` from the safetensors files in `path`, casting dtype."""
+    params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
+    missing = set(params)
+    for file in weight_files(Path(path)):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except (OSError, SafetensorError) as e:
+            raise ConfigError(f"cannot read weight file {file}: {e}") from None
+        with handle as f:
+            for name in f.keys():
+                if name.endswith(SKIPPED_SUFFIXES) or name not in params:
+                    continue  # unknown extras (e.g. a tied lm_head shipped anyway) are ignored
+                tensor = f.get_tensor(name)
+                param = params[name]
+                if tensor.shape != param.shape:
+                    raise ConfigError(
+                        f"weight {name} in {file.name} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(param.shape)}: checkpoint and config.json disagree"
+                    )
+                with torch.no_grad():
+                    param.copy_(tensor)
+                missing.discard(name)
+    if missing:
+        shown = ", ".join(sorted(missing)[:3]) + (" ..." if len(missing) > 3 else "")
+        raise ConfigError(f"checkpoint {path} lacks {len(missing)} weight(s): {shown}")
+
+
+def weight_files(root: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, single or sharded."""
+    index = root / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"cannot read {index}: {e!r}") from None
+        files = [root / name for name in sorted(set(weight_map.values()))]
+    elif (root / SINGLE_FILE).is_file():
+        files = [root / SINGLE_FILE]
+    else:
+        raise ConfigError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}: only safetensors checkpoints load")
+    absent = [f.name for f in files if not f.is_file()]
+    if absent:
+        raise ConfigError(f"checkpoint {root} is missing weight file(s): {', '.join(absent)}")
+    return files

@@ -1,0 +1,51 @@
+"""The OpenAI error shape: `{"error": {"message", "type", "param", "code"}}`, for every non-200.
+
+ApiError is raised anywhere under a route (request decoding, validation, a tokenizer's
+RequestRejected) and turned into that body by the app's middleware, so a client never sees a
+bare aiohttp page or a 500 for input it got wrong.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+# The `type` OpenAI puts in an error body, by HTTP status.
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        default_type = "server_error" if status >= 500 else "invalid_request_error"
+        self.error_type = error_type or _TYPES.get(status, default_type)
+
+    def body(self) -> bytes:
+        error = {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
+        return msgspec.json.encode({"error": error})
+
+    def response(self) -> web.Response:
+        return web.Response(status=self.status, body=self.body(), content_type="application/json")
+
+
+def not_ready() -> ApiError:
+    return ApiError(503, "the engine is still loading or has stopped", code="engine_not_ready")

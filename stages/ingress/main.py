@@ -1,0 +1,69 @@
+"""The ingress stage process: HTTP in, TokenizeRequest out; TextDelta batches in, SSE/JSON out.
+
+Binds `ingress-<index>` and takes IngressInbound (RequestAccepted, RequestRejected, DeltaBatch,
+EngineStatus); sends TokenizeRequest to the tokenizer pool (zmq round-robins it), AbortRequest
+to the scheduler, and StageReady to the launcher once the HTTP site listens. Several ingress
+processes share the port (SO_REUSEPORT); request ids carry the index, so replies come back here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from conveyor.config import EngineConfig
+from conveyor.stages.ingress.app import build_app
+from conveyor.stages.ingress.engine_client import EngineClient
+from conveyor.wire.addresses import address
+from conveyor.wire.channel import AsyncReceiver, Sender
+from conveyor.wire.messages import IngressInbound, StageReady
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 2.0  # how long open HTTP connections get to finish when the stage stops
+
+
+async def serve(config: EngineConfig, index: int) -> None:
+    """Run until cancelled; then close the HTTP site and the sockets."""
+    run_dir = config.server.run_dir
+    ctx = zmq.asyncio.Context()
+    sync_ctx = zmq.Context.shadow(ctx)  # senders never wait: unbounded PUSH queues
+    receiver = AsyncReceiver(ctx, address(run_dir, "ingress", index), IngressInbound)
+    tokenizers = Sender(sync_ctx, [address(run_dir, "tokenizer", i) for i in range(config.stages.num_tokenizers)])
+    scheduler = Sender(sync_ctx, address(run_dir, "scheduler", 0))
+    launcher = Sender(sync_ctx, address(run_dir, "launcher", 0))
+    engine = EngineClient(index, tokenizers, scheduler)
+    pump = asyncio.create_task(_receive(receiver, engine), name=f"ingress-{index}-receive")
+
+    runner = web.AppRunner(
+        build_app(config, engine),
+        handler_cancellation=True,  # a client that goes away cancels its handler: we abort
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        access_log=None,
+    )
+    try:
+        await runner.setup()
+        site = web.TCPSite(runner, config.server.host, config.server.port, reuse_port=True)
+        await site.start()
+        log.info("ingress %d listening on http://%s:%d", index, config.server.host, config.server.port)
+        launcher.send(StageReady(stage="ingress", index=index))
+        await pump  # runs until cancelled
+    finally:
+        pump.cancel()
+        await asyncio.gather(pump, return_exceptions=True)
+        engine.fail_all()  # open streams end with an error event instead of being cut
+        await runner.cleanup()
+        for socket in (receiver, tokenizers, scheduler, launcher):
+            socket.close()
+        ctx.term()
+
+
+async def _receive(receiver: AsyncReceiver, engine: EngineClient) -> None:
+    while True:
+        msg = await receiver.recv()
+        if msg is not None:
+            engine.dispatch(msg)

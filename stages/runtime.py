@@ -1,0 +1,110 @@
+"""What every stage process shares: start-up from the run directory, logging, signals, readiness.
+
+The launcher starts each stage as `python -m conveyor.stages STAGE INDEX CONFIG_JSON`. A stage's
+`run(config, index, ctx)` owns its sockets and loops until SIGTERM/SIGINT, which arrive here as
+`StageStopped` (raised from the signal handler) so that `finally` blocks close sockets cleanly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+
+import zmq
+
+from conveyor.config import ConfigError, EngineConfig, config_from_json
+from conveyor.config.env import log_level
+from conveyor.wire.addresses import address
+from conveyor.wire.channel import Sender
+from conveyor.wire.messages import StageReady
+
+STAGES = ("ingress", "tokenizer", "scheduler", "worker", "detokenizer")
+PR_SET_PDEATHSIG = 1
+
+
+class StageStopped(Exception):
+    """Raised in a stage's main thread when it is asked to stop."""
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(
+        level=log_level().upper(),
+        format=f"%(asctime)s %(levelname)s [{name}] %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process if the launcher dies without cleaning up."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def raise_on_signals() -> None:
+    def handler(signum, frame):
+        raise StageStopped(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def run_async(coro) -> None:
+    """Run an asyncio stage on uvloop; SIGTERM/SIGINT cancel it so its cleanup runs."""
+    import asyncio
+
+    import uvloop
+
+    async def supervised():
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, task.cancel)
+        try:
+            await coro
+        except asyncio.CancelledError:
+            pass
+
+    uvloop.run(supervised())
+
+
+def report_ready(ctx: zmq.Context, config: EngineConfig, stage: str, index: int) -> None:
+    sender = Sender(ctx, address(config.server.run_dir, "launcher", 0))
+    sender.send(StageReady(stage=stage, index=index))
+    sender.close()
+
+
+def main(argv: list[str]) -> int:
+    stage, index, config_path = argv[0], int(argv[1]), argv[2]
+    if stage not in STAGES:
+        print(f"conveyor: unknown stage {stage!r}", file=sys.stderr)
+        return 2
+    name = f"{stage}-{index}"
+    setup_logging(name)
+    die_with_parent()
+    with open(config_path, "rb") as f:
+        config = config_from_json(f.read())
+    module = __import__(f"conveyor.stages.{stage}.main", fromlist=["run"])
+    try:
+        if hasattr(module, "serve"):
+            run_async(module.serve(config, index))
+        else:
+            raise_on_signals()
+            module.run(config, index)
+    except (StageStopped, KeyboardInterrupt):
+        pass
+    except ConfigError as e:
+        logging.getLogger(name).error("%s", e)
+        return 2
+    except Exception:
+        logging.getLogger(name).exception("stage failed")
+        return 1
+    finally:
+        logging.getLogger(name).debug("stopped (pid %d)", os.getpid())
+    return 0

@@ -1,0 +1,143 @@
+"""The scheduler stage process: receive, schedule, send to the worker, fan tokens out.
+
+Takes (one socket, SchedulerInbound): ScheduleRequest from tokenizers, AbortRequest from ingress,
+WorkerReady and StepResult from worker rank 0.
+Sends: InitializeCache and StepPlan to every worker rank; one TokenBatch per detokenizer per step;
+StageReady to the launcher.
+
+Overlap: as soon as step n's sampled ids arrive, step n+1 is planned and sent before step n's
+tokens go to the detokenizers, so detokenization and streaming run while the worker computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from conveyor.config import EngineConfig
+from conveyor.stages import metrics
+from conveyor.stages.runtime import report_ready
+from conveyor.stages.scheduler.block_pool import BlockPool
+from conveyor.stages.scheduler.plan import sequences_for, step_plan, token_batches
+from conveyor.stages.scheduler.scheduler import ScheduledStep, Scheduler, SeqUpdate
+from conveyor.wire.addresses import address
+from conveyor.wire.channel import Receiver, Sender
+from conveyor.wire.messages import (
+    AbortRequest,
+    InitializeCache,
+    ScheduleRequest,
+    SchedulerInbound,
+    StepResult,
+    WorkerReady,
+)
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerStage:
+    def __init__(self, config: EngineConfig, ctx: zmq.Context):
+        run_dir = config.server.run_dir
+        self.config = config
+        self.inbox: Receiver[SchedulerInbound] = Receiver(ctx, address(run_dir, "scheduler", 0), SchedulerInbound)
+        self.workers = [Sender(ctx, address(run_dir, "worker", r)) for r in range(config.parallel.tensor_parallel_size)]
+        self.detokenizers = [Sender(ctx, address(run_dir, "detokenizer", d)) for d in range(config.stages.num_detokenizers)]
+        self.scheduler: Scheduler | None = None
+        self.in_flight: ScheduledStep | None = None
+        self.next_seq_id = 0
+        self.preemptions_seen = 0
+
+    def start(self) -> None:
+        """Wait for every worker rank's capacity, then size the pool they all can hold."""
+        reports: dict[int, int] = {}
+        while len(reports) < len(self.workers):
+            msg = self.inbox.recv()
+            if isinstance(msg, WorkerReady):
+                reports[msg.rank] = msg.num_kv_blocks
+        num_blocks = min(reports.values())
+        for worker in self.workers:
+            worker.send(InitializeCache(num_blocks))
+        model = self.config.model
+        self.scheduler = Scheduler(
+            self.config.scheduler,
+            BlockPool(num_blocks, self.config.cache.block_size),
+            max_model_len=model.max_model_len,
+            eos_token_ids=model.eos_token_ids,
+        )
+        metrics.kv_blocks_total.set(num_blocks)
+        log.info("KV pool: %d blocks of %d tokens", num_blocks, self.config.cache.block_size)
+
+    def loop(self) -> None:
+        while True:
+            # Block only when there is nothing to plan: a step is in flight, or no work at all.
+            idle = self.in_flight is not None or not self.scheduler.has_work()
+            msg = self.inbox.recv(timeout_ms=None if idle else 0)
+            updates: list[SeqUpdate] = []
+            while msg is not None:
+                updates += self.handle(msg)
+                msg = self.inbox.recv_nowait()
+            if self.in_flight is None:
+                self.plan_next()  # the worker starts step n+1 before step n's tokens go out
+            self.emit(updates + self.scheduler.take_aborted_updates())
+
+    def handle(self, msg: SchedulerInbound) -> list[SeqUpdate]:
+        match msg:
+            case ScheduleRequest():
+                seqs = sequences_for(msg, self.next_seq_id, len(self.detokenizers))
+                self.next_seq_id += len(seqs)
+                for seq in seqs:
+                    self.scheduler.add(seq)
+                metrics.prompt_tokens.inc(len(msg.prompt_token_ids))
+            case AbortRequest():
+                for request_id in msg.request_ids:
+                    self.scheduler.abort(request_id)
+            case StepResult():
+                step, self.in_flight = self.in_flight, None
+                if step is None or step.step != msg.step:
+                    log.error("step result %d does not match the step in flight", msg.step)
+                    return []
+                updates = self.scheduler.update(step, msg.sampled_token_ids)
+                metrics.generation_tokens.inc(sum(len(u.new_token_ids) for u in updates))
+                return updates
+            case WorkerReady():
+                log.warning("unexpected WorkerReady from rank %d", msg.rank)
+        return []
+
+    def plan_next(self) -> None:
+        step = self.scheduler.schedule()
+        if step is not None:
+            plan = step_plan(step)
+            for worker in self.workers:
+                worker.send(plan)
+            self.in_flight = step if step.rows else None
+            metrics.steps.inc()
+        self.record_gauges()
+
+    def emit(self, updates: list[SeqUpdate]) -> None:
+        if not updates:
+            return
+        step = self.scheduler.num_steps
+        for sender, batch in zip(self.detokenizers, token_batches(step, updates, len(self.detokenizers))):
+            if batch is not None:
+                sender.send(batch)
+
+    def record_gauges(self) -> None:
+        s = self.scheduler
+        metrics.kv_blocks_used.set(s.blocks.num_used)
+        metrics.requests_running.set(len(s.running))
+        metrics.requests_waiting.set(len(s.waiting))
+        if s.num_preemptions > self.preemptions_seen:
+            metrics.preemptions.inc(s.num_preemptions - self.preemptions_seen)
+            self.preemptions_seen = s.num_preemptions
+
+
+def run(config: EngineConfig, index: int) -> None:
+    ctx = zmq.Context()
+    stage = SchedulerStage(config, ctx)
+    try:
+        stage.start()
+        report_ready(ctx, config, "scheduler", index)
+        stage.loop()
+    finally:
+        ctx.destroy(linger=0)

@@ -1,0 +1,43 @@
+"""The worker stage process: one per device (tensor-parallel rank). Runs the model.
+
+Takes (WorkerInbound): InitializeCache once, then StepPlan per step, from the scheduler.
+Sends: WorkerReady (its KV capacity) and, from rank 0, one StepResult per step with rows.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from conveyor.config import EngineConfig
+from conveyor.gpu.runner import ModelRunner
+from conveyor.stages.runtime import report_ready
+from conveyor.wire.addresses import address
+from conveyor.wire.channel import Receiver, Sender
+from conveyor.wire.messages import InitializeCache, Shutdown, StepPlan, WorkerInbound, WorkerReady
+
+log = logging.getLogger(__name__)
+
+
+def run(config: EngineConfig, rank: int) -> None:
+    run_dir = config.server.run_dir
+    runner = ModelRunner(config, rank)
+    ctx = zmq.Context()
+    try:
+        inbox: Receiver[WorkerInbound] = Receiver(ctx, address(run_dir, "worker", rank), WorkerInbound)
+        scheduler = Sender(ctx, address(run_dir, "scheduler", 0))
+        scheduler.send(WorkerReady(rank=rank, num_kv_blocks=runner.num_available_blocks()))
+        while True:
+            match inbox.recv():
+                case InitializeCache(num_kv_blocks=num_blocks):
+                    runner.initialize_cache(num_blocks)
+                    report_ready(ctx, config, "worker", rank)
+                case StepPlan() as plan:
+                    result = runner.execute(plan)
+                    if rank == 0 and plan.scheduled:
+                        scheduler.send(result)
+                case Shutdown():
+                    return
+    finally:
+        ctx.destroy(linger=0)

@@ -1,0 +1,163 @@
+"""Shared fixtures: tiny checkpoints of each supported family, transformers' reference greedy
+decoding on them, and a real `conveyor serve` daemon (every stage as its own process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# Small enough that three daemons and three reference models stay quick on two cores.
+SMALL = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """Generated checkpoints go to a per-session cache unless the caller chose one."""
+    if "CONVEYOR_CACHE_DIR" not in os.environ:
+        os.environ["CONVEYOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("conveyor-cache"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    from conveyor.tiny.checkpoint import make_checkpoint
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {
+        arch: make_checkpoint(root / arch, arch, seed=i + 1, **SMALL) for i, arch in enumerate(ARCHITECTURES)
+    }
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    from conveyor.tiny.checkpoint import ensure_default_model
+
+    return ensure_default_model()
+
+
+class Reference:
+    """transformers' own model on a checkpoint: greedy continuation, token by token."""
+
+    def __init__(self, path: Path):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def greedy(self, prompt_ids: list[int], num_tokens: int) -> list[int]:
+        """Argmax at every position, EOS included (compare with ignore_eos=True)."""
+        ids = list(prompt_ids)
+        with self.torch.inference_mode():
+            for _ in range(num_tokens):
+                logits = self.model(self.torch.tensor([ids])).logits[0, -1]
+                ids.append(int(logits.argmax()))
+        return ids[len(prompt_ids) :]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text).input_ids
+
+
+@pytest.fixture(scope="session")
+def reference():
+    cache: dict[Path, Reference] = {}
+
+    def get(path: Path) -> Reference:
+        if path not in cache:
+            cache[path] = Reference(path)
+        return cache[path]
+
+    return get
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    """`conveyor serve` in a subprocess; stopped with SIGTERM like an operator would."""
+
+    def __init__(self, *args: str, timeout: float = 120.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "conveyor", "serve", "--port", str(self.port), "--device", "cpu", *args]
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.process.returncode}:\n{self.process.stdout.read()}")
+            try:
+                if requests.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError("daemon did not become healthy")
+
+    def post(self, path: str, body: dict, **kw) -> requests.Response:
+        return requests.post(f"{self.url}{path}", json=body, timeout=120, **kw)
+
+    def metric(self, name: str) -> float:
+        text = requests.get(f"{self.url}/metrics", timeout=10).text
+        values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ") or line.startswith(name + "{")]
+        assert values, f"{name} not in /metrics"
+        return sum(values)
+
+    def stop(self) -> str:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.stdout.read() if self.process.stdout else ""
+
+
+@pytest.fixture(scope="module")
+def daemon_factory():
+    started: list[Daemon] = []
+
+    def start(*args: str) -> Daemon:
+        d = Daemon(*args)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+def stream_events(response: requests.Response) -> list[dict | str]:
+    """Parse an SSE body into JSON events, with the final "[DONE]" kept as a string."""
+    events = []
+    for line in response.iter_lines(decode_unicode=True):
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: ") :]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events

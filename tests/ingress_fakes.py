@@ -1,0 +1,247 @@
+"""A fake engine and a background server for the ingress tests.
+
+FakeEngine is a thread that binds the tokenizer-0, scheduler-0 and launcher-0 sockets of a run
+directory and answers every TokenizeRequest the way the real stages would, deterministically:
+  - a prompt containing TOO_LONG: RequestRejected(400, code="context_length_exceeded");
+  - a prompt containing SLOW: accepted, then one token every 20 ms that never finishes, until an
+    AbortRequest for it arrives;
+  - a prompt containing NO_ACCEPT: no RequestAccepted, the first TextDelta implies it;
+  - anything else: accepted, then one DeltaBatch per token, token i being id 100 + i with text
+    " t{i}", NUM_TOKENS of them (finish "stop"), or max_tokens of them if fewer (finish "length").
+ServerThread runs the real `serve()` on uvloop in a thread of its own; `post`, `sse`,
+`assert_error` and `raw_post` are the tests' HTTP helpers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import socket
+import threading
+import time
+from pathlib import Path
+
+import requests
+import uvloop
+import zmq
+
+from conveyor.config import EngineConfig, ModelConfig, ServerConfig
+from conveyor.stages.ingress.main import serve
+from conveyor.wire.addresses import address
+from conveyor.wire.channel import Receiver, Sender
+from conveyor.wire.messages import (
+    AbortRequest,
+    DeltaBatch,
+    EngineStatus,
+    FinishReason,
+    LauncherInbound,
+    RequestAccepted,
+    RequestRejected,
+    SchedulerInbound,
+    TextDelta,
+    TokenizeRequest,
+    TokenizerInbound,
+)
+
+NUM_TOKENS = 5
+MODEL_NAME = "fake-model"
+MAX_MODEL_LEN = 256
+VOCAB_SIZE = 1000
+MAX_BODY_BYTES = 64 * 1024
+
+
+def make_config(root: Path, run_dir: str) -> EngineConfig:
+    ckpt = root / "ckpt"
+    ckpt.mkdir()
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": MAX_MODEL_LEN,
+    }
+    (ckpt / "config.json").write_text(json.dumps(hf))
+    model = ModelConfig.from_pretrained(ckpt, served_name=MODEL_NAME)
+    server = ServerConfig(host="127.0.0.1", port=free_port(), run_dir=run_dir, max_body_bytes=MAX_BODY_BYTES)
+    return EngineConfig(model=model, server=server)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt_text(req: TokenizeRequest) -> str:
+    if req.messages is not None:
+        return " ".join(m.content for m in req.messages)
+    return req.prompt if req.prompt is not None else " ".join(map(str, req.prompt_token_ids or []))
+
+
+# --- HTTP helpers ---------------------------------------------------------------------------
+
+
+def post(url: str, path: str, body, **kw) -> requests.Response:
+    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return requests.post(url + path, data=data, headers={"Content-Type": "application/json"}, timeout=10, **kw)
+
+
+def sse(response: requests.Response) -> list:
+    """Parse a text/event-stream body: every event is `data: ...`; returns JSON payloads, then "[DONE]"."""
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    raw = response.content.decode()
+    assert raw.endswith("\n\n")
+    events = []
+    for block in raw[:-2].split("\n\n"):
+        assert block.startswith("data: "), block
+        payload = block[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    return events[:-1]
+
+
+def assert_error(response: requests.Response, status: int, param=None, code=None) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["Content-Type"].startswith("application/json")
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param and error["code"] == code
+    return error
+
+
+def raw_post(url: str, path: str, body: dict) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+class FakeEngine(threading.Thread):
+    def __init__(self, run_dir: str):
+        super().__init__(daemon=True, name="fake-engine")
+        self.run_dir = run_dir
+        self.requests: list[TokenizeRequest] = []
+        self.aborts: list[str] = []
+        self.stage_ready: list[tuple[str, int]] = []
+        self._outbox: queue.Queue = queue.Queue()
+        self._slow: dict[str, int] = {}  # request id -> tokens sent so far
+        self._stopping = threading.Event()
+        self._bound = threading.Event()
+
+    def start(self) -> None:
+        super().start()
+        assert self._bound.wait(5)
+
+    def send(self, msg) -> None:
+        """Send a message to the ingress from the engine's thread (zmq sockets are not shared)."""
+        self._outbox.put(msg)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.join(5)
+
+    def run(self) -> None:
+        ctx = zmq.Context()
+        tokenizer = Receiver(ctx, address(self.run_dir, "tokenizer", 0), TokenizerInbound)
+        scheduler = Receiver(ctx, address(self.run_dir, "scheduler", 0), SchedulerInbound)
+        launcher = Receiver(ctx, address(self.run_dir, "launcher", 0), LauncherInbound)
+        self.ingress = Sender(ctx, address(self.run_dir, "ingress", 0))
+        poller = zmq.Poller()
+        for r in (tokenizer, scheduler, launcher):
+            poller.register(r.socket, zmq.POLLIN)
+        self._bound.set()
+        while not self._stopping.is_set():
+            poller.poll(20)
+            while (req := tokenizer.recv_nowait()) is not None:
+                self.requests.append(req)
+                self._answer(req)
+            while (msg := scheduler.recv_nowait()) is not None:
+                if isinstance(msg, AbortRequest):
+                    self.aborts.extend(msg.request_ids)
+                    for request_id in msg.request_ids:
+                        self._slow.pop(request_id, None)
+            while (ready := launcher.recv_nowait()) is not None:
+                self.stage_ready.append((ready.stage, ready.index))
+            while not self._outbox.empty():
+                msg = self._outbox.get()
+                if msg == EngineStatus(ready=False):
+                    self._slow.clear()
+                self.ingress.send(msg)
+            for request_id, num_sent in self._slow.items():
+                self._slow[request_id] = num_sent + 1
+                self.ingress.send(DeltaBatch([TextDelta(request_id, 0, f" s{num_sent}", [100 + num_sent])]))
+        for s in (tokenizer, scheduler, launcher, self.ingress):
+            s.close()
+        ctx.term()
+
+    def _answer(self, req: TokenizeRequest) -> None:
+        text = prompt_text(req)
+        rid = req.request_id
+        if "TOO_LONG" in text:
+            message = f"prompt is longer than the {MAX_MODEL_LEN} tokens this model takes"
+            self.ingress.send(RequestRejected(rid, 400, message, param="prompt", code="context_length_exceeded"))
+            return
+        num_prompt = len(text.split())
+        if "NO_ACCEPT" not in text:
+            self.ingress.send(RequestAccepted(rid, num_prompt))
+        if "SLOW" in text:
+            self._slow[rid] = 0
+            return
+        max_tokens = req.params.max_tokens
+        num_tokens = NUM_TOKENS if max_tokens is None else min(NUM_TOKENS, max_tokens)
+        reason = FinishReason.LENGTH if max_tokens is not None and max_tokens <= NUM_TOKENS else FinishReason.STOP
+        for i in range(num_tokens):
+            last = i == num_tokens - 1
+            delta = TextDelta(rid, 0, f" t{i}", [100 + i], reason if last else None, num_prompt, i + 1)
+            self.ingress.send(DeltaBatch([delta]))
+
+
+class ServerThread(threading.Thread):
+    """serve(config, 0) on a uvloop loop; `stop()` cancels it and re-raises what it raised."""
+
+    def __init__(self, config: EngineConfig):
+        super().__init__(daemon=True, name="ingress-0")
+        self.config = config
+        self.error: BaseException | None = None
+        self._started = threading.Event()
+
+    def run(self) -> None:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            try:
+                runner.run(self._main())
+            except BaseException as e:  # noqa: BLE001 - handed to the test
+                self.error = e
+
+    async def _main(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.ensure_future(serve(self.config, 0))
+        self._started.set()
+        try:
+            await self.task
+        except asyncio.CancelledError:
+            pass
+
+    def stop(self, timeout: float = 10) -> None:
+        assert self._started.wait(5)
+        self.loop.call_soon_threadsafe(self.task.cancel)
+        self.join(timeout)
+        assert not self.is_alive(), "serve() did not return after cancellation"
+        if self.error is not None:
+            raise self.error
+
+
+def wait_for(predicate, timeout: float = 5.0, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

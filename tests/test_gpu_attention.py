@@ -1,0 +1,100 @@
+"""Paged attention against a dense float64 reference, on random data in shuffled blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor.gpu.attention import AttentionMetadata, paged_attention
+
+
+def dense_reference(q, k, v, window):
+    """q [q_len, Hq, D] at the last q_len of k/v's [L, Hkv, D] positions -> [q_len, Hq, D]."""
+    q_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, head_dim = k.shape
+    group = num_heads // num_kv_heads
+    k = k.double().repeat_interleave(group, dim=1)  # query head h reads kv head h // group
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * head_dim**-0.5
+    query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+    key_pos = torch.arange(seq_len)[None, :]
+    visible = key_pos <= query_pos
+    if window is not None:
+        visible &= key_pos > query_pos - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def run_case(seq_lens, q_lens, num_heads, num_kv_heads, window, block_size=4, head_dim=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 5  # a few blocks nobody owns
+    ids = torch.randperm(num_blocks, generator=gen).tolist()  # non-contiguous tables
+    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim)
+    tables = torch.zeros(len(seq_lens), max(-(-n // block_size) for n in seq_lens), dtype=torch.int32)
+    full_k, full_v, queries, new_k, new_v, positions, slots = [], [], [], [], [], [], []
+    for i, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
+        n = -(-seq_len // block_size)
+        tables[i, :n] = torch.tensor([ids.pop() for _ in range(n)])
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+        for p in range(seq_len - q_len):  # earlier steps' context, already in the cache
+            cache[0, tables[i, p // block_size], p % block_size] = k[p]
+            cache[1, tables[i, p // block_size], p % block_size] = v[p]
+        full_k.append(k)
+        full_v.append(v)
+        queries.append(torch.randn(q_len, num_heads, head_dim, generator=gen))
+        new_k.append(k[seq_len - q_len :])
+        new_v.append(v[seq_len - q_len :])
+        positions += range(seq_len - q_len, seq_len)
+        new_pos = range(seq_len - q_len, seq_len)
+        slots += [int(tables[i, p // block_size]) * block_size + p % block_size for p in new_pos]
+
+    meta = AttentionMetadata.build(q_lens, seq_lens, tables, torch.tensor(positions), block_size, window)
+    assert meta.slot_mapping.tolist() == slots
+    assert meta.query_start_loc.tolist() == [0, *torch.tensor(q_lens).cumsum(0).tolist()]
+    out = paged_attention(torch.cat(queries), torch.cat(new_k), torch.cat(new_v), cache, meta, head_dim**-0.5)
+
+    start = 0
+    for i, q in enumerate(queries):
+        expected = dense_reference(q, full_k[i], full_v[i], window)
+        got = out[start : start + len(q)]
+        start += len(q)
+        assert torch.allclose(got.double(), expected, atol=1e-5), f"row {i}"
+        # Every context token, old and new, sits in the cache where the block table says.
+        flat = cache.view(2, -1, num_kv_heads, head_dim)
+        pos = torch.arange(seq_lens[i])
+        slot = tables[i].long()[pos // block_size] * block_size + pos % block_size
+        assert torch.equal(flat[0, slot], full_k[i]) and torch.equal(flat[1, slot], full_v[i])
+    return meta
+
+
+HEADS = [(8, 2), (4, 4)]  # GQA with 4 queries per kv head, and plain multi-head
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("window", [None, 5])
+def test_mixed_decode_and_prefill_batch(num_heads, num_kv_heads, window):
+    # decode, chunk after context, fresh prompt, decode, one-token prompt, last chunk of one token
+    seq_lens = [9, 23, 11, 30, 1, 14]
+    q_lens = [1, 7, 11, 1, 1, 1]
+    meta = run_case(seq_lens, q_lens, num_heads, num_kv_heads, window)
+    assert meta.decode is not None and meta.decode.token_index.tolist() == [0, 19, 20, 21]
+    assert [(c.start, c.end, c.is_fresh) for c in meta.prefills] == [(1, 8, False), (8, 19, True)]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
+@pytest.mark.parametrize("window", [None, 3])
+def test_all_decode_batch(num_heads, num_kv_heads, window):
+    meta = run_case([5, 17, 2, 40], [1, 1, 1, 1], num_heads, num_kv_heads, window, seed=1)
+    assert meta.decode.token_index is None and meta.prefills == []
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_prefill_only_batch(window):
+    meta = run_case([13, 8, 21], [13, 3, 9], 8, 2, window, block_size=8, seed=2)
+    assert meta.decode is None and len(meta.prefills) == 3
+
+
+def test_window_longer_than_context_changes_nothing():
+    gen_args = dict(num_heads=8, num_kv_heads=2, seed=3)
+    run_case([10, 12], [4, 1], window=64, **gen_args)

@@ -1,0 +1,293 @@
+"""The ingress stage end to end over HTTP: the real serve() against a fake engine (ingress_fakes)."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import openai
+import pytest
+import requests
+
+from conveyor.wire.addresses import make_run_dir
+from conveyor.wire.messages import EngineStatus
+from tests.ingress_fakes import (
+    MAX_BODY_BYTES,
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    NUM_TOKENS,
+    FakeEngine,
+    ServerThread,
+    assert_error,
+    make_config,
+    post,
+    raw_post,
+    sse,
+    wait_for,
+)
+
+TEXT = "".join(f" t{i}" for i in range(NUM_TOKENS))
+IDS = [100 + i for i in range(NUM_TOKENS)]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    run_dir = make_run_dir()
+    config = make_config(tmp_path_factory.mktemp("ingress"), run_dir)
+    engine = FakeEngine(run_dir)
+    engine.start()
+    thread = ServerThread(config)
+    thread.start()
+    url = f"http://{config.server.host}:{config.server.port}"
+    assert wait_for(lambda: engine.stage_ready == [("ingress", 0)]), "no StageReady from the ingress"
+    assert requests.get(f"{url}/health").status_code == 503  # listening, engine not ready yet
+    engine.send(EngineStatus(ready=True))
+    assert wait_for(lambda: requests.get(f"{url}/health").status_code == 200)
+    yield url, engine, config
+    thread.stop()
+    engine.stop()
+
+
+def test_health_follows_engine_status(server):
+    url, engine, _ = server
+    assert requests.get(f"{url}/health").json() == {"status": "ok"}
+    engine.send(EngineStatus(ready=False))
+    assert wait_for(lambda: requests.get(f"{url}/health").status_code == 503)
+    assert requests.get(f"{url}/health").json() == {"status": "loading"}
+    assert_error(post(url, "/v1/completions", {"prompt": "hi"}), 503, code="engine_not_ready")
+    engine.send(EngineStatus(ready=True))
+    assert wait_for(lambda: requests.get(f"{url}/health").status_code == 200)
+
+
+def test_models_and_metrics(server):
+    url, _, _ = server
+    models = requests.get(f"{url}/v1/models").json()
+    assert models["object"] == "list" and len(models["data"]) == 1
+    card = models["data"][0]
+    assert card["id"] == MODEL_NAME and card["object"] == "model" and card["max_model_len"] == MAX_MODEL_LEN
+    metrics = requests.get(f"{url}/metrics")
+    assert metrics.status_code == 200 and metrics.headers["Content-Type"].startswith("text/plain")
+    assert "# TYPE" in metrics.text
+
+
+def test_completion(server):
+    url, engine, _ = server
+    body = {"model": MODEL_NAME, "prompt": "one two three", "max_tokens": 50, "temperature": 0.5,
+            "top_p": 0.9, "top_k": 7, "seed": 3, "stop_token_ids": [2], "ignore_eos": True,
+            "return_token_ids": True, "user": "u", "some_extension": {"x": 1}}
+    out = post(url, "/v1/completions", body).json()
+    assert out["object"] == "text_completion" and out["model"] == MODEL_NAME
+    assert re.fullmatch(r"cmpl-0-\d+-[0-9a-f]+", out["id"])
+    [choice] = out["choices"]
+    assert choice == {"index": 0, "text": TEXT, "logprobs": None, "finish_reason": "stop", "token_ids": IDS}
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": NUM_TOKENS, "total_tokens": 3 + NUM_TOKENS}
+    req = engine.requests[-1]
+    assert req.request_id == out["id"] and req.ingress == 0 and req.prompt == "one two three"
+    p = req.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (50, 0.5, 0.9, 7, 3)
+    assert p.stop_token_ids == [2] and p.ignore_eos and p.skip_special_tokens
+
+
+@pytest.mark.parametrize("prompt", [[5, 6, 7], [[5, 6, 7]], ["a b c"]])
+def test_completion_prompt_forms(server, prompt):
+    url, engine, _ = server
+    out = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 2}).json()
+    assert out["choices"][0]["text"] == " t0 t1" and out["choices"][0]["finish_reason"] == "length"
+    assert "token_ids" not in out["choices"][0]
+    req = engine.requests[-1]
+    assert (req.prompt, req.prompt_token_ids) == (("a b c", None) if prompt == ["a b c"] else (None, [5, 6, 7]))
+    assert req.params.max_tokens == 2
+
+
+def test_chat(server):
+    url, engine, _ = server
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+    out = post(url, "/v1/chat/completions", {"messages": messages, "max_completion_tokens": 3}).json()
+    assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-0-")
+    [choice] = out["choices"]
+    assert choice["message"] == {"role": "assistant", "content": " t0 t1 t2"}
+    assert choice["finish_reason"] == "length" and choice["logprobs"] is None
+    req = engine.requests[-1]
+    assert [(m.role, m.content) for m in req.messages] == [("system", "be brief"), ("user", "hi\nthere")]
+    assert req.add_generation_prompt and req.params.max_tokens == 3
+    # Without max_tokens a chat runs until EOS or the context is full.
+    post(url, "/v1/chat/completions", {"messages": messages, "add_generation_prompt": False})
+    assert engine.requests[-1].params.max_tokens is None and not engine.requests[-1].add_generation_prompt
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_stream(server, chat, include_usage):
+    url, _, _ = server
+    body = {"max_tokens": 4, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": include_usage}}
+    if chat:
+        body["messages"] = [{"role": "user", "content": "a b"}]
+    else:
+        body["prompt"] = "a b"
+    chunks = sse(post(url, "/v1/chat/completions" if chat else "/v1/completions", body))
+    usage = chunks.pop() if include_usage else None
+    assert len({c["id"] for c in chunks}) == 1 and len(chunks) >= 1
+    assert all(c["object"] == ("chat.completion.chunk" if chat else "text_completion") for c in chunks)
+    choices = [c["choices"][0] for c in chunks]
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+    assert sum((c["token_ids"] for c in choices), []) == IDS[:4]
+    if chat:
+        assert choices[0]["delta"]["role"] == "assistant"
+        assert all("role" not in c["delta"] for c in choices[1:])
+        assert "".join(c["delta"].get("content", "") for c in choices) == " t0 t1 t2 t3"
+    else:
+        assert "".join(c["text"] for c in choices) == " t0 t1 t2 t3"
+    if include_usage:
+        assert all(c["usage"] is None for c in chunks)
+        assert usage["choices"] == [] and usage["id"] == chunks[0]["id"]
+        assert usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+    else:
+        assert all("usage" not in c for c in chunks)
+
+
+def test_first_delta_implies_acceptance(server):
+    url, _, _ = server
+    chunks = sse(post(url, "/v1/completions", {"prompt": "NO_ACCEPT", "stream": True}))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == TEXT
+    out = post(url, "/v1/completions", {"prompt": "NO_ACCEPT x", "max_tokens": 30}).json()
+    assert out["choices"][0]["text"] == TEXT and out["usage"]["prompt_tokens"] == 2
+
+
+def test_openai_sdk(server):
+    url, _, _ = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    out = client.completions.create(
+        model=MODEL_NAME, prompt="hello", max_tokens=3, extra_body={"return_token_ids": True}
+    )
+    assert out.choices[0].text == " t0 t1 t2" and out.choices[0].finish_reason == "length"
+    assert out.choices[0].token_ids == IDS[:3] and out.usage.completion_tokens == 3
+    stream = client.completions.create(
+        model=MODEL_NAME, prompt="hello", stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == TEXT
+    assert chunks[-1].usage.completion_tokens == NUM_TOKENS
+
+    messages = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=2)
+    assert chat.choices[0].message.content == " t0 t1" and chat.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == TEXT
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt="TOO_LONG", stream=True)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=messages)
+
+
+BAD_INPUTS = [
+    # (path, body, status, param, code)
+    ("/v1/completions", b'{"prompt": "hi", ', 400, None, None),
+    ("/v1/completions", b"", 400, None, None),
+    ("/v1/completions", b"[1, 2]", 400, None, None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", None),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", None),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed", None),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", None),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", None),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"]}, 400, "stop", None),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids", None),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", None),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4o"}, 404, "model", "model_not_found"),
+    ("/v1/completions", {"prompt": "x" * (MAX_BODY_BYTES + 1)}, 413, None, "request_too_large"),
+    ("/v1/completions", {"prompt": "TOO_LONG", "stream": True}, 400, "prompt", "context_length_exceeded"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "TOO_LONG"}], "stream": True}, 400,
+     "prompt", "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, code", BAD_INPUTS)
+def test_bad_input(server, path, body, status, param, code):
+    url, _, _ = server
+    response = post(url, path, body)
+    assert "data:" not in response.text  # rejected before any SSE byte
+    assert_error(response, status, param, code)
+    good = {"prompt": "ok"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "ok"}]}
+    assert post(url, path, good).status_code == 200
+
+
+def test_unknown_route_and_method(server):
+    url, _, _ = server
+    assert_error(requests.get(f"{url}/v1/nothing"), 404)
+    assert_error(requests.get(f"{url}/v1/completions"), 405)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_abort_when_a_stream_is_closed(server, path):
+    url, engine, _ = server
+    body = {"stream": True, "max_tokens": 1000}
+    body |= {"prompt": "SLOW"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "SLOW"}]}
+    sock = raw_post(url, path, body)
+    received = b""
+    while b"data: " not in received:
+        received += sock.recv(65536)
+    request_id = re.search(rb'"id":"([^"]+)"', received + sock.recv(65536)).group(1).decode()
+    sock.close()
+    assert wait_for(lambda: request_id in engine.aborts), f"no AbortRequest for {request_id}"
+
+
+def test_abort_when_a_non_stream_client_goes_away(server):
+    url, engine, _ = server
+    num_requests = len(engine.requests)
+    sock = raw_post(url, "/v1/completions", {"prompt": "SLOW", "max_tokens": 1000})
+    assert wait_for(lambda: len(engine.requests) > num_requests)
+    request_id = engine.requests[-1].request_id
+    sock.close()
+    assert wait_for(lambda: request_id in engine.aborts), f"no AbortRequest for {request_id}"
+
+
+def test_finished_requests_are_not_aborted(server):
+    url, engine, _ = server
+    ids = [post(url, "/v1/completions", {"prompt": "x"}).json()["id"] for _ in range(3)]
+    ids.append(sse(post(url, "/v1/completions", {"prompt": "x", "stream": True}))[0]["id"])
+    assert not set(ids) & set(engine.aborts)
+    assert len(set(ids)) == 4
+
+
+def test_oversize_chunked_body(server):
+    url, _, _ = server
+    chunks = (b"x" * 16384 for _ in range(MAX_BODY_BYTES // 16384 + 2))  # no Content-Length
+    assert_error(requests.post(f"{url}/v1/completions", data=chunks, timeout=10), 413, code="request_too_large")
+
+
+def test_engine_stop_fails_requests_in_flight(server):
+    url, engine, _ = server
+    num_requests = len(engine.requests)
+    answers = {}
+    waiting = threading.Thread(target=lambda: answers.update(r=post(url, "/v1/completions", {"prompt": "SLOW"})))
+    waiting.start()
+    streamed = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "SLOW"}], "stream": True},
+                    stream=True)
+    assert wait_for(lambda: len(engine.requests) == num_requests + 2)
+    body = streamed.iter_content(None)
+    first = next(body)  # the stream began
+    engine.send(EngineStatus(ready=False))
+    waiting.join(10)
+    assert_error(answers["r"], 503, code="engine_not_ready")
+    raw = (first + b"".join(body)).decode()
+    assert raw.startswith("data: {")
+    assert raw.endswith('"code":"engine_not_ready"}}\n\ndata: [DONE]\n\n'), raw[-200:]
+    engine.send(EngineStatus(ready=True))
+    assert wait_for(lambda: requests.get(f"{url}/health").status_code == 200)
+    assert post(url, "/v1/completions", {"prompt": "ok"}).status_code == 200

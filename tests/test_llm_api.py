@@ -1,0 +1,78 @@
+"""The Python API: greedy output equals transformers' own model, token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor import SamplingParams
+from tests.conftest import ARCHITECTURES
+
+NUM_TOKENS = 12
+PROMPTS = [
+    "Hello, my name is",
+    "The quick brown fox jumps over the lazy dog, and then the dog " * 4,  # longer than the budget
+    "a",
+]
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints):
+    from conveyor import LLM
+
+    # A 32-token budget: the long prompt (~60 tokens) is split across steps.
+    return {arch: LLM(str(path), device="cpu", max_num_batched_tokens=32, num_kv_blocks=128) for arch, path in checkpoints.items()}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_matches_transformers(arch, engines, checkpoints, reference):
+    llm, ref = engines[arch], reference(checkpoints[arch])
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params)
+    assert max(len(o.prompt_token_ids) for o in outputs) > 32
+    for prompt, out in zip(PROMPTS, outputs):
+        assert out.prompt_token_ids == ref.encode(prompt)
+        assert out.outputs[0].token_ids == ref.greedy(out.prompt_token_ids, NUM_TOKENS), prompt
+        assert out.outputs[0].finish_reason == "length"
+        assert out.outputs[0].text == ref.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    assert llm.scheduler.blocks.num_used == 0
+
+
+def test_token_id_prompts_and_chat(engines, checkpoints, reference):
+    llm, ref = engines["LlamaForCausalLM"], reference(checkpoints["LlamaForCausalLM"])
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    ids = ref.encode("Tokens in, tokens out")
+    assert llm.generate([ids], params)[0].outputs[0].token_ids == ref.greedy(ids, 5)
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    out = llm.chat(messages, params)[0]
+    expected_prompt = ref.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(expected_prompt, list):
+        expected_prompt = expected_prompt["input_ids"]
+    assert out.prompt_token_ids == expected_prompt
+    assert out.outputs[0].token_ids == ref.greedy(expected_prompt, 5)
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent(engines):
+    llm = engines["LlamaForCausalLM"]
+    prompt = ["Once upon a time"]
+
+    def sample(seed):
+        params = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=seed, max_tokens=16, ignore_eos=True)
+        return llm.generate(prompt, params)[0].outputs[0].token_ids
+
+    assert sample(1) == sample(1)
+    assert sample(1) != sample(2)
+
+
+def test_stop_token_ids_and_bad_prompts(engines):
+    llm = engines["LlamaForCausalLM"]
+    first = llm.generate("Stop here", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0]
+    stop_id = first.token_ids[1]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, stop_token_ids=[stop_id])
+    stopped = llm.generate("Stop here", params)
+    assert stopped[0].outputs[0].token_ids == first.token_ids[: first.token_ids.index(stop_id) + 1]
+    assert stopped[0].outputs[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match="context length"):
+        llm.generate("x " * 3000, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[5, 10**6]], SamplingParams(max_tokens=4))

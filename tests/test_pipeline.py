@@ -1,0 +1,139 @@
+"""The whole daemon, every stage its own process: equivalence with transformers over HTTP,
+concurrency, KV blocks returned, process supervision and clean shutdown."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.conftest import ARCHITECTURES, stream_events
+
+pytestmark = pytest.mark.slow
+NUM_TOKENS = 10
+BUDGET = "32"  # step token budget: the long prompt below is chunked across steps
+PROMPTS = ["The capital of France", "Tell me a long story about a river, a boat and a fox. " * 5]
+
+
+def complete(daemon, prompt, *, stream: bool, max_tokens=NUM_TOKENS, **extra):
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "stream": stream, **extra}  # fmt: skip
+    r = daemon.post("/v1/completions", body, stream=stream)
+    assert r.status_code == 200, r.text
+    if not stream:
+        choice = r.json()["choices"][0]
+        return choice["token_ids"], choice["text"], r.json()["usage"]
+    events = stream_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [e for e in events[:-1] if e["choices"]]
+    ids = [t for c in chunks for t in c["choices"][0].get("token_ids") or []]
+    return ids, "".join(c["choices"][0]["text"] for c in chunks), None
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_http_greedy_matches_transformers(arch, checkpoints, reference, daemon_factory):
+    daemon = daemon_factory("--model", str(checkpoints[arch]), "--max-num-batched-tokens", BUDGET, "--num-kv-blocks", "128")
+    ref = reference(checkpoints[arch])
+    for prompt in PROMPTS:
+        prompt_ids = ref.encode(prompt)
+        expected = ref.greedy(prompt_ids, NUM_TOKENS)
+        ids, text, usage = complete(daemon, prompt, stream=False)
+        assert ids == expected
+        assert text == ref.tokenizer.decode(expected, skip_special_tokens=True)
+        assert usage == {"prompt_tokens": len(prompt_ids), "completion_tokens": NUM_TOKENS, "total_tokens": len(prompt_ids) + NUM_TOKENS}
+        assert complete(daemon, prompt, stream=True)[:2] == (ids, text)
+    assert len(ref.encode(PROMPTS[1])) > int(BUDGET)
+
+    messages = [{"role": "user", "content": "Say hello"}]
+    chat_ids = ref.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    chat_ids = chat_ids if isinstance(chat_ids, list) else chat_ids["input_ids"]
+    body = {"messages": messages, "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    r = daemon.post("/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == ref.greedy(chat_ids, NUM_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def default_daemon(daemon_factory):
+    return daemon_factory("--max-num-batched-tokens", "64", "--num-kv-blocks", "512")
+
+
+def test_concurrent_streams_equal_sequential(default_daemon):
+    prompts = [f"Request number {i}: " + "tell me about the sea " * (i % 7) for i in range(32)]
+    one_by_one = [complete(default_daemon, p, stream=True, max_tokens=16)[0] for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(lambda p: complete(default_daemon, p, stream=True, max_tokens=16)[0], prompts))
+    assert together == one_by_one
+    assert all(len(ids) == 16 for ids in together)
+    # Every request finished: the scheduler holds no KV block.
+    deadline = time.monotonic() + 5
+    while default_daemon.metric("conveyor_kv_blocks_used") != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert default_daemon.metric("conveyor_kv_blocks_used") == 0
+    assert default_daemon.metric("conveyor_kv_blocks_total") == 512
+
+
+def test_bad_requests_get_errors_and_the_daemon_keeps_serving(default_daemon):
+    d = default_daemon
+    r = requests.post(f"{d.url}/v1/completions", data=b"{not json", headers={"Content-Type": "application/json"}, timeout=10)
+    assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "param", "code"}
+    r = d.post("/v1/completions", {"model": "no-such-model", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    r = d.post("/v1/completions", {"prompt": "word " * 3000, "max_tokens": 5, "stream": True}, stream=True)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = d.post("/v1/completions", {"prompt": [1, 2, 10**7], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = d.post("/v1/chat/completions", {"messages": "not a list"})
+    assert r.status_code == 400
+    assert complete(d, "still here?", stream=False, max_tokens=3)[0]
+    assert requests.get(f"{d.url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
+
+
+def test_one_process_per_stage_and_clean_shutdown(daemon_factory):
+    daemon = daemon_factory("--tokenizer-workers", "2", "--detokenizer-workers", "2", "--num-kv-blocks", "64")
+    kids = _children(daemon.process.pid)
+    stages = sorted(_cmdline(k)[3] for k in kids if "conveyor.stages" in _cmdline(k))
+    assert stages == ["detokenizer", "detokenizer", "ingress", "scheduler", "tokenizer", "tokenizer", "worker"]
+    run_dir = Path(_cmdline(kids[0])[-2]).parent
+    assert run_dir.is_dir() and (run_dir.stat().st_mode & 0o777) == 0o700
+    assert {p.suffix for p in run_dir.iterdir()} >= {".sock"}
+    assert complete(daemon, "two tokenizers", stream=True, max_tokens=4)[0]
+
+    daemon.process.send_signal(signal.SIGTERM)
+    assert daemon.process.wait(timeout=30) == 0
+    for k in kids:
+        assert not Path(f"/proc/{k}").exists() or "conveyor.stages" not in _cmdline(k), f"stage {k} survived"
+    assert not run_dir.exists()
+
+
+def test_a_dead_stage_brings_the_daemon_down(daemon_factory):
+    daemon = daemon_factory("--num-kv-blocks", "64")
+    worker = next(k for k in _children(daemon.process.pid) if "worker" in _cmdline(k))
+    os.kill(worker, signal.SIGKILL)
+    assert daemon.process.wait(timeout=30) == 1
+    assert not _children(daemon.process.pid)
