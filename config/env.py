@@ -16,3 +16,8 @@ def cache_dir() -> Path:
 
 def log_level() -> str:
     return os.environ.get("CONVEYOR_LOG_LEVEL", "info")
+
+
+def prometheus_multiproc_dir() -> str | None:
+    """prometheus-client's own variable: the launcher sets it for every stage process."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None

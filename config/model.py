@@ -137,9 +137,21 @@ def _rope_scaling(hf: dict[str, Any]) -> tuple[tuple[str, float | str], ...]:
 
 
 def _sliding_window(hf: dict[str, Any]) -> int | None:
+    """The window every layer applies, or None; a window on only some layers is refused."""
     window = hf.get("sliding_window")
     if window is None or hf.get("use_sliding_window") is False:
         return None
+    if "layer_types" in hf:  # transformers 5 spells out each layer's attention
+        kinds = set(hf["layer_types"])
+    elif "max_window_layers" in hf:  # Qwen2: layers from max_window_layers on are windowed
+        first, num_layers = int(hf["max_window_layers"]), int(hf["num_hidden_layers"])
+        kinds = {"full_attention"} if first >= num_layers else {"sliding_attention"} if first == 0 else {"mixed"}
+    else:
+        kinds = {"sliding_attention"}
+    if kinds == {"full_attention"}:
+        return None
+    if kinds != {"sliding_attention"}:
+        raise ConfigError("a sliding window on only some layers is not supported")
     return int(window)
 
 

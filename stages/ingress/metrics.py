@@ -8,15 +8,16 @@ Every stage process writes its metrics into the prometheus-client multiprocess d
 from __future__ import annotations
 
 import asyncio
-import os
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from conveyor.config.env import prometheus_multiproc_dir
+
 
 def make_registry() -> CollectorRegistry:
-    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")  # prometheus-client's own variable
+    path = prometheus_multiproc_dir()
     if not path:
         return REGISTRY
     registry = CollectorRegistry()

@@ -1,0 +1,59 @@
+"""ModelConfig reads both transformers 4 and 5 spellings of config.json and refuses what the
+decoder cannot run, with one clear line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conveyor.config import ConfigError, EngineConfig, ModelConfig, config_from_json, config_to_json
+
+BASE = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 128,
+}  # fmt: skip
+
+
+def load(tmp_path, **fields):
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, **fields}))
+    return ModelConfig.from_pretrained(tmp_path)
+
+
+def test_transformers_4_and_5_spellings_agree(tmp_path):
+    v4 = load(tmp_path, torch_dtype="bfloat16", rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0})
+    v5 = load(tmp_path, dtype="bfloat16", rope_parameters={"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0})
+    assert v4 == v5
+    assert (v5.dtype, v5.rope_theta, v5.rope_type, v5.num_kv_heads, v5.head_dim) == ("bfloat16", 5e5, "linear", 4, 8)
+
+
+def test_qwen2_biases_and_windows(tmp_path):
+    qwen = load(tmp_path, architectures=["Qwen2ForCausalLM"], sliding_window=64, use_sliding_window=False)
+    assert (qwen.qkv_bias, qwen.o_bias, qwen.sliding_window) == (True, False, None)
+    with pytest.raises(ConfigError, match="only some layers"):
+        load(tmp_path, sliding_window=64, use_sliding_window=True, max_window_layers=1)
+
+
+def test_max_model_len_is_capped_by_the_model(tmp_path):
+    assert load(tmp_path).max_model_len == 128
+    (tmp_path / "config.json").write_text(json.dumps(BASE))
+    assert ModelConfig.from_pretrained(tmp_path, max_model_len=64).max_model_len == 64
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
+        ({"dtype": "int8"}, "unsupported dtype"),
+        ({"rope_parameters": {"rope_type": "yarn"}}, "unsupported rope_type"),
+        ({"hidden_size": None}, "malformed config.json"),
+    ],
+)
+def test_refusals(tmp_path, fields, message):
+    with pytest.raises(ConfigError, match=message):
+        load(tmp_path, **fields)
+
+
+def test_engine_config_round_trips_through_json(tmp_path):
+    config = EngineConfig(model=load(tmp_path, rope_scaling={"rope_type": "llama3", "factor": 8.0}))
+    assert config_from_json(config_to_json(config)) == config
