@@ -20,10 +20,20 @@ class CacheConfig:
     cpu_kv_cache_gib: float = 1.0  # CPU: KV pool size when num_kv_blocks is not given
 
 
+SCHEDULING_POLICIES = ("splitfuse", "prefill_first", "orca")
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # the per-step token budget (decodes + prompt chunks)
     max_num_seqs: int = 256  # sequences running at once
+    # splitfuse: decodes first, then prompt chunks filling the budget exactly (Dynamic SplitFuse).
+    # prefill_first: whole prompts in steps of their own, decodes only when no prompt waits
+    #   (vLLM before chunked prefill). orca: decodes plus whole prompts that fit, never split.
+    policy: str = "splitfuse"
+    enable_prefix_caching: bool = True
+    max_queued_requests: int | None = None  # waiting requests past which new ones get 429
+    max_queued_tokens: int | None = None  # waiting prompt tokens past which new ones get 429
 
 
 @dataclasses.dataclass(frozen=True)

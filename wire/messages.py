@@ -47,10 +47,13 @@ class SamplingParams(Struct):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
 
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError("n must be at least 1")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError("best_of must be at least n")
         if self.temperature < 0:
             raise ValueError("temperature must be non-negative")
         if not 0 < self.top_p <= 1:
@@ -61,6 +64,11 @@ class SamplingParams(Struct):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for the request: best_of if given, else n."""
+        return self.best_of or self.n
 
 
 # --- received by a tokenizer ----------------------------------------------------------------
@@ -80,6 +88,7 @@ class TokenizeRequest(Struct, tag=1):
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    priority: int = 0  # lower runs first; equal priorities are first come first served
 
 
 TokenizerInbound = TokenizeRequest
@@ -94,6 +103,7 @@ class ScheduleRequest(Struct, tag=2):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    priority: int = 0
 
 
 class AbortRequest(Struct, tag=3):
@@ -108,10 +118,14 @@ class WorkerReady(Struct, tag=4):
 class StepResult(Struct, tag=5):
     step: int
     # One sampled id per sampling row of the plan, in plan order (rows whose chunk reaches the
-    # end of the sequence's known tokens).
+    # end of the sequence's known tokens); a row with forks adds one id per fork right after its
+    # own, in fork order.
     sampled_token_ids: list[int]
     busy_time: float = 0.0  # seconds the device computed this step
     idle_time: float = 0.0  # seconds it waited on the host since the last step ended
+    # log p(id) under the model's own distribution (log_softmax of the raw logits, before
+    # temperature or filters), aligned with sampled_token_ids: ranks best_of candidates.
+    sampled_logprobs: list[float] = []
 
 
 SchedulerInbound = ScheduleRequest | AbortRequest | WorkerReady | StepResult
@@ -127,14 +141,29 @@ class NewSeq(Struct):
     token_ids: list[int]  # prompt, plus any outputs already generated (after preemption)
     params: SamplingParams
     num_prompt_tokens: int  # outputs start here: the seeded draw for output i uses index i
+    index: int = 0  # choice index within its request: seeded draws mix it in, so samples differ
+
+
+class Fork(Struct):
+    seq_id: int
+    index: int  # choice index of the new sequence
 
 
 class ScheduledSeq(Struct):
-    """One row of a step: compute `num_tokens` more of the sequence's known tokens."""
+    """One row of a step: compute `num_tokens` more of the sequence's known tokens.
+
+    Before the step, `replaced_blocks` (table position, new block id) rewrite entries of the
+    block table (copy-on-write: the plan's copy_blocks filled the new block), then
+    `new_block_ids` are appended. A sampling row with `forks` draws one token for itself and
+    one per fork from the same logits; each fork starts as a copy of this sequence (tokens,
+    computed count, block table) taken after the step, plus its own token.
+    """
 
     seq_id: int
     num_tokens: int
-    new_block_ids: list[int] = []  # appended to the sequence's block table before the step
+    new_block_ids: list[int] = []
+    replaced_blocks: list[tuple[int, int]] = []
+    forks: list[Fork] = []
 
 
 class StepPlan(Struct, tag=10):
@@ -145,6 +174,7 @@ class StepPlan(Struct, tag=10):
     new_seqs: list[NewSeq]
     scheduled: list[ScheduledSeq]
     finished_seq_ids: list[int] = []
+    copy_blocks: list[tuple[int, int]] = []  # (src, dst) KV block copies, before the forward
 
 
 class Shutdown(Struct, tag=11):
@@ -173,12 +203,14 @@ class DetokSeq(Struct):
     prompt_tail: list[int]  # last prompt tokens: decoding context for the first output tokens
     num_prompt_tokens: int
     skip_special_tokens: bool = True
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class SeqTokens(Struct):
     seq_id: int
     token_ids: list[int]
     finish_reason: FinishReason | None = None
+    cumulative_logprob: float = 0.0  # sum of the sequence's sampled-token logprobs so far
 
 
 class TokenBatch(Struct, tag=12):
@@ -196,6 +228,8 @@ DetokenizerInbound = TokenBatch
 
 
 class RequestAccepted(Struct, tag=20):
+    """From the scheduler, once the request passed admission control (the queue bounds)."""
+
     request_id: str
     num_prompt_tokens: int
 
@@ -209,6 +243,7 @@ class RequestRejected(Struct, tag=21):
     error_type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+    retry_after: float | None = None  # seconds, for a 429: sent as the Retry-After header
 
 
 class TextDelta(Struct):
@@ -219,6 +254,8 @@ class TextDelta(Struct):
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # tokens generated so far for this choice
+    num_cached_tokens: int = 0
+    cumulative_logprob: float = 0.0
 
 
 class DeltaBatch(Struct, tag=22):
