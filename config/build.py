@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from conveyor.config.engine import (
+    SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     ParallelConfig,
@@ -39,6 +40,10 @@ def build_engine_config(
     gpu_memory_utilization: float = 0.90,
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 256,
+    scheduling_policy: str = "splitfuse",
+    enable_prefix_caching: bool = True,
+    max_queued_requests: int | None = None,
+    max_queued_tokens: int | None = None,
     tensor_parallel_size: int = 1,
     ingress_workers: int = 1,
     tokenizer_workers: int = 1,
@@ -55,8 +60,14 @@ def build_engine_config(
     ):  # fmt: skip
         if value < 1:
             raise ConfigError(f"--{name} must be at least 1, got {value}")
-    if num_kv_blocks is not None and num_kv_blocks < 1:
-        raise ConfigError(f"--num-kv-blocks must be at least 1, got {num_kv_blocks}")
+    for name, value in (
+        ("num-kv-blocks", num_kv_blocks), ("max-queued-requests", max_queued_requests),
+        ("max-queued-tokens", max_queued_tokens),
+    ):  # fmt: skip
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {value}")
+    if scheduling_policy not in SCHEDULING_POLICIES:
+        raise ConfigError(f"unknown scheduling policy {scheduling_policy!r}; choose {', '.join(SCHEDULING_POLICIES)}")
     device = resolve_device(device)
     if model is None:
         from conveyor.tiny.checkpoint import ensure_default_model
@@ -80,7 +91,14 @@ def build_engine_config(
     return EngineConfig(
         model=model_config,
         cache=cache,
-        scheduler=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            policy=scheduling_policy,
+            enable_prefix_caching=enable_prefix_caching,
+            max_queued_requests=max_queued_requests,
+            max_queued_tokens=max_queued_tokens,
+        ),
         parallel=ParallelConfig(device=device, tensor_parallel_size=tensor_parallel_size),
         stages=StagesConfig(
             num_ingress=ingress_workers,

@@ -28,10 +28,27 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.90)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per forward pass")
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    p.add_argument("--scheduling-policy", default="splitfuse", choices=["splitfuse", "prefill_first", "orca"])
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--max-queued-requests", type=int, help="waiting requests past which new ones get 429")
+    p.add_argument("--max-queued-tokens", type=int, help="waiting prompt tokens past which new ones get 429")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--ingress-workers", type=int, default=1, help="HTTP processes sharing the port")
     p.add_argument("--tokenizer-workers", type=int, default=1)
     p.add_argument("--detokenizer-workers", type=int, default=1)
+
+
+def bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    which = p.add_subparsers(dest="bench", required=True)
+    step = which.add_parser("step", help="CPU cost of one scheduler step over N running decodes")
+    step.add_argument("--running", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
+
+
+def bench(args: argparse.Namespace) -> int:
+    from conveyor.bench import step
+
+    return step.main(args.running)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -50,6 +67,10 @@ def serve(args: argparse.Namespace) -> int:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        scheduling_policy=args.scheduling_policy,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
         ingress_workers=args.ingress_workers,
         tokenizer_workers=args.tokenizer_workers,
@@ -64,12 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser(sub)
+    bench_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=log_level().upper(), format="%(asctime)s %(levelname)s [launcher] %(message)s", datefmt="%H:%M:%S"
     )
     try:
-        return serve(args)
+        return serve(args) if args.command == "serve" else bench(args)
     except ConfigError as e:
         print(f"conveyor: error: {e}", file=sys.stderr)
         return 2

@@ -17,9 +17,10 @@ from tokenizers import Tokenizer
 
 from conveyor.config.build import build_engine_config
 from conveyor.stages.detokenizer.incremental import IncrementalDetokenizer
-from conveyor.stages.scheduler.block_pool import BlockPool
-from conveyor.stages.scheduler.plan import PROMPT_TAIL_TOKENS, sequences_for, step_plan
+from conveyor.stages.scheduler.block_manager import BlockManager
+from conveyor.stages.scheduler.plan import PROMPT_TAIL_TOKENS, step_plan
 from conveyor.stages.scheduler.scheduler import Scheduler
+from conveyor.stages.scheduler.sequence import Sequence
 from conveyor.stages.tokenizer.encoder import PromptEncoder
 from conveyor.stages.tokenizer.main import Rejected, prepare
 from conveyor.wire.messages import ChatMessage, SamplingParams, TokenizeRequest
@@ -31,6 +32,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    cumulative_logprob: float = 0.0
 
 
 @dataclasses.dataclass
@@ -40,6 +42,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class LLM:
@@ -56,12 +59,15 @@ class LLM:
         self.runner.initialize_cache(num_blocks)
         self.scheduler = Scheduler(
             self.config.scheduler,
-            BlockPool(num_blocks, self.config.cache.block_size),
+            BlockManager(
+                num_blocks,
+                self.config.cache.block_size,
+                enable_prefix_caching=self.config.scheduler.enable_prefix_caching,
+            ),
             max_model_len=self.config.model.max_model_len,
             eos_token_ids=self.config.model.eos_token_ids,
         )
         self._ids = itertools.count()
-        self._next_seq_id = 0
 
     def generate(
         self,
@@ -104,39 +110,47 @@ class LLM:
             sampling_params = [sampling_params] * len(requests)
         if len(sampling_params) != len(requests):
             raise ValueError("give one SamplingParams, or one per prompt")
-        seqs = []
         for req, params in zip(requests, sampling_params):
             req = msgspec.structs.replace(req, params=params)
             try:
                 scheduled = prepare(self.encoder, self.config, req)
             except Rejected as e:
                 raise ValueError(str(e)) from None
-            seqs.append(sequences_for(scheduled, self._next_seq_id, num_detokenizers=1))
-            self._next_seq_id += len(seqs[-1])
-            for seq in seqs[-1]:
-                self.scheduler.add(seq)
-        self._drain()
-        return [
-            RequestOutput(
-                request_id=req.request_id,
-                prompt=prompt if isinstance(prompt, str) else None,
-                prompt_token_ids=group[0].token_ids[: group[0].num_prompt_tokens],
-                outputs=[self._completion(seq) for seq in group],
+            self.scheduler.add_request(scheduled)
+        samples = self._drain()
+        outputs = []
+        for req, prompt in zip(requests, prompts):
+            seqs = sorted(samples[req.request_id], key=lambda s: s.index)
+            if seqs[0].params.num_samples > seqs[0].params.n:  # best_of: the n most likely
+                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: seqs[0].params.n]
+            outputs.append(
+                RequestOutput(
+                    request_id=req.request_id,
+                    prompt=prompt if isinstance(prompt, str) else None,
+                    prompt_token_ids=seqs[0].token_ids[: seqs[0].num_prompt_tokens],
+                    outputs=[self._completion(seq, i) for i, seq in enumerate(seqs)],
+                    num_cached_tokens=seqs[0].num_cached_tokens,
+                )
             )
-            for req, prompt, group in zip(requests, prompts, seqs)
-        ]
+        return outputs
 
-    def _drain(self) -> None:
+    def _drain(self) -> dict[str, list[Sequence]]:
+        """Step until every request finished; each request's sequences (all its samples)."""
+        samples: dict[str, dict[int, Sequence]] = {}
         while self.scheduler.has_work():
             step = self.scheduler.schedule()
             if step is None:
-                raise RuntimeError("the scheduler has work but cannot plan a step")
-            result = self.runner.execute(step_plan(step))
-            self.scheduler.update(step, result.sampled_token_ids)
+                updates = self.scheduler.take_aborted_updates()
+            else:
+                result = self.runner.execute(step_plan(step))
+                updates = self.scheduler.update(step, result.sampled_token_ids, result.sampled_logprobs)
+            for update in updates:
+                samples.setdefault(update.seq.request_id, {})[update.seq.seq_id] = update.seq
+        return {request_id: list(seqs.values()) for request_id, seqs in samples.items()}
 
-    def _completion(self, seq) -> CompletionOutput:
+    def _completion(self, seq: Sequence, index: int) -> CompletionOutput:
         tail = seq.token_ids[max(0, seq.num_prompt_tokens - PROMPT_TAIL_TOKENS) : seq.num_prompt_tokens]
         decoder = IncrementalDetokenizer(self.tokenizer, tail, seq.params.skip_special_tokens)
         text = decoder.step(seq.output_token_ids, final=True)
         reason = seq.finish_reason.openai if seq.finish_reason is not None else None
-        return CompletionOutput(seq.index, text, seq.output_token_ids, reason)
+        return CompletionOutput(index, text, seq.output_token_ids, reason, seq.cumulative_logprob)

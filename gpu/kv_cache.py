@@ -2,7 +2,8 @@
 
 One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim] in the model dtype:
 index 0 holds keys, 1 values. Block b of every layer belongs to the same sequence, so the
-scheduler hands out block ids once for all layers.
+scheduler hands out block ids once for all layers. `copy_blocks` does a plan's copy-on-write
+copies (a forked sequence about to write into a block it shares).
 """
 
 from __future__ import annotations
@@ -58,3 +59,23 @@ def allocate_kv_caches(
     # Zeroed, not empty: padded block-table entries read block 0, and garbage there could be NaN
     # (masked scores are dropped, but NaN * 0 in the value product is not).
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+    """Copy block src into block dst, keys and values, in every layer, for each (src, dst).
+
+    All sources are read before any destination is written; destinations must be distinct.
+    """
+    if not pairs:
+        return
+    num_blocks = kv_caches[0].shape[1]
+    src, dst = zip(*pairs)
+    if not 0 <= min(src + dst) <= max(src + dst) < num_blocks:
+        raise ValueError(f"block copy {pairs} outside [0, {num_blocks})")
+    if len(set(dst)) != len(dst):
+        raise ValueError(f"block copy {pairs} writes a block twice")
+    device = kv_caches[0].device
+    src_t = torch.tensor(src, dtype=torch.int64).to(device, non_blocking=True)  # [P]
+    dst_t = torch.tensor(dst, dtype=torch.int64).to(device, non_blocking=True)  # [P]
+    for cache in kv_caches:  # [2, num_blocks, block_size, Hkv, D]
+        cache.index_copy_(1, dst_t, cache.index_select(1, src_t))

@@ -1,10 +1,13 @@
-"""ModelRunner: runs one StepPlan on the device and returns the sampled token ids.
+"""ModelRunner: runs one StepPlan on the device and returns the sampled token ids and logprobs.
 
 It owns the model, the KV caches and the per-sequence state the plans refer to by seq_id (token
-ids, how many have KV in the cache, block table, sampling params). Per plan: drop finished
-sequences, register new ones (a known seq_id is replaced: a resume after preemption, computed
-again from 0), then every ScheduledSeq row computes its next `num_tokens` tokens; a row whose
-computed count reaches its known tokens samples one more, which is appended to the sequence.
+ids, how many have KV in the cache, block table, sampling params, choice index). Per plan: drop
+finished sequences, register new ones (a known seq_id is replaced: a resume after preemption,
+computed again from 0 or from its prefix-cache hit), copy the plan's KV blocks (copy-on-write),
+rewrite then extend each row's block table, then every ScheduledSeq row computes its next
+`num_tokens` tokens. A row whose computed count reaches its known tokens samples one more, which
+is appended to the sequence, and one per fork from the same logits: each fork starts as a copy
+of the sequence plus its own token.
 
 Inputs are built on the host with one pass per sequence (never per token), then copied
 non-blocking (from pinned memory on CUDA). The scheduler side sees only StepPlan / StepResult.
@@ -20,10 +23,10 @@ import torch
 
 from conveyor.config.engine import EngineConfig
 from conveyor.gpu.attention import AttentionMetadata
-from conveyor.gpu.kv_cache import allocate_kv_caches, num_blocks_for_memory
+from conveyor.gpu.kv_cache import allocate_kv_caches, copy_blocks, num_blocks_for_memory
 from conveyor.gpu.loader import load_model
-from conveyor.gpu.sampler import sample
-from conveyor.wire.messages import NewSeq, SamplingParams, StepPlan, StepResult
+from conveyor.gpu.sampler import sample, sampled_logprobs
+from conveyor.wire.messages import Fork, NewSeq, SamplingParams, ScheduledSeq, StepPlan, StepResult
 
 
 @dataclasses.dataclass
@@ -33,6 +36,7 @@ class SeqState:
     num_prompt_tokens: int
     num_computed: int = 0  # tokens whose KV is in the cache
     block_table: list[int] = dataclasses.field(default_factory=list)
+    index: int = 0  # choice index within the request: seeded draws mix it in
 
     @property
     def num_output_tokens(self) -> int:
@@ -77,31 +81,64 @@ class ModelRunner:
             self.seqs.pop(seq_id, None)
         for new in plan.new_seqs:
             self.seqs[new.seq_id] = self._register(new)
+        copy_blocks(self.kv_caches, plan.copy_blocks)
 
         sampled: list[int] = []
+        logprobs: list[float] = []
         busy = 0.0
         if plan.scheduled:
             rows = [self.seqs[row.seq_id] for row in plan.scheduled]
             for seq, row in zip(rows, plan.scheduled):
-                seq.block_table.extend(row.new_block_ids)
+                _update_block_table(seq, row)
             num_tokens = [row.num_tokens for row in plan.scheduled]
             inputs = self._prepare(rows, num_tokens)
+            forks = self._check_forks(plan.scheduled, inputs.sampling_rows)
             started = time.perf_counter()
-            sampled = self._run(rows, inputs)
+            sampled, logprobs = self._run(rows, inputs, forks)
             busy = time.perf_counter() - started  # _run ends in a device sync (tolist / synchronize)
             # Advance the state only after the step succeeded.
             for seq, n in zip(rows, num_tokens):
                 seq.num_computed += n
-            for i, token in zip(inputs.sampling_rows, sampled, strict=True):
-                rows[i].token_ids.append(token)
+            self._append_sampled([rows[i] for i in inputs.sampling_rows], forks, sampled)
         self._last_return = time.perf_counter()
-        return StepResult(step=plan.step, sampled_token_ids=sampled, busy_time=busy, idle_time=idle)
+        return StepResult(
+            step=plan.step, sampled_token_ids=sampled, busy_time=busy, idle_time=idle, sampled_logprobs=logprobs
+        )
 
     def _register(self, new: NewSeq) -> SeqState:
         vocab = self.config.model.vocab_size
         if new.token_ids and not 0 <= min(new.token_ids) <= max(new.token_ids) < vocab:
             raise ValueError(f"seq {new.seq_id}: token id out of range [0, {vocab})")
-        return SeqState(list(new.token_ids), new.params, new.num_prompt_tokens)
+        if not 0 <= new.num_computed_tokens <= len(new.token_ids):
+            raise ValueError(f"seq {new.seq_id}: {new.num_computed_tokens} cached of {len(new.token_ids)} tokens")
+        # A prefix-cache hit: the leading num_computed_tokens already have KV in the row's blocks.
+        return SeqState(
+            list(new.token_ids), new.params, new.num_prompt_tokens, new.num_computed_tokens, index=new.index
+        )
+
+    def _check_forks(self, scheduled: list[ScheduledSeq], sampling_rows: list[int]) -> list[list[Fork]]:
+        """The forks of each sampling row; raises if a non-sampling row forks or a fork's seq_id
+        is taken."""
+        sampling = set(sampling_rows)
+        new_ids = [f.seq_id for i, row in enumerate(scheduled) for f in row.forks if i in sampling]
+        if any(row.forks for i, row in enumerate(scheduled) if i not in sampling):
+            raise ValueError("a row that does not sample cannot fork")
+        if len(set(new_ids)) != len(new_ids) or any(i in self.seqs for i in new_ids):
+            raise ValueError(f"fork seq_ids {new_ids} repeat or are already live")
+        return [scheduled[i].forks for i in sampling_rows]
+
+    def _append_sampled(self, sampling: list[SeqState], forks: list[list[Fork]], sampled: list[int]) -> None:
+        """Each sampling row's token, then one new sequence per fork: the row's state after the
+        step (its own block table list) plus the fork's token. `sampled` is in draw order."""
+        tokens = iter(sampled)
+        for seq, row_forks in zip(sampling, forks, strict=True):
+            own = next(tokens)
+            for fork in row_forks:
+                self.seqs[fork.seq_id] = dataclasses.replace(
+                    seq, token_ids=[*seq.token_ids, next(tokens)], block_table=list(seq.block_table), index=fork.index
+                )
+            seq.token_ids.append(own)
+        assert next(tokens, None) is None, "more sampled ids than draws"
 
     def _prepare(self, rows: list[SeqState], num_tokens: list[int]) -> StepInputs:
         """Host lists -> device tensors, one pass per sequence."""
@@ -147,17 +184,30 @@ class ModelRunner:
             sampling_rows=sampling_rows,
         )
 
-    def _run(self, rows: list[SeqState], inputs: StepInputs) -> list[int]:
+    def _run(
+        self, rows: list[SeqState], inputs: StepInputs, forks: list[list[Fork]]
+    ) -> tuple[list[int], list[float]]:
+        """Forward and sampling -> (token ids, their logprobs), one per draw: each sampling row,
+        then its forks in order."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)  # [T, H]
         if not inputs.sampling_rows:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            return []
+            return [], []
         logits = self.model.compute_logits(hidden[inputs.logit_index])  # [S, V] float32
-        sampling = [rows[i] for i in inputs.sampling_rows]
-        params = [seq.params for seq in sampling]
-        output_indices = [seq.num_output_tokens for seq in sampling]
-        return sample(logits, params, output_indices).tolist()
+        params, output_indices, choice_indices, logit_rows = [], [], [], []
+        for row, (i, row_forks) in enumerate(zip(inputs.sampling_rows, forks, strict=True)):
+            seq = rows[i]
+            for index in (seq.index, *(fork.index for fork in row_forks)):
+                params.append(seq.params)
+                output_indices.append(seq.num_output_tokens)  # forks draw the same output position
+                choice_indices.append(index)
+                logit_rows.append(row)
+        # [N] draw -> logits row; None when no row forks (N = S, no gather of the logits).
+        draw_rows = None if len(logit_rows) == len(forks) else self._to_device(torch.tensor(logit_rows))
+        token_ids = sample(logits, params, output_indices, choice_indices, draw_rows)  # [N] int64
+        logprobs = sampled_logprobs(logits, token_ids, draw_rows)  # [N] float32
+        return token_ids.tolist(), logprobs.tolist()
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -185,10 +235,21 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
             num_rows = min(sched.max_num_seqs, total)
             logits = self.model.compute_logits(hidden[:num_rows])
-            sample(logits, [params] * num_rows, [0] * num_rows)
+            token_ids = sample(logits, [params] * num_rows, [0] * num_rows)
+            sampled_logprobs(logits, token_ids)
             torch.cuda.synchronize(self.device)
         finally:
             self.kv_caches = saved
+
+
+def _update_block_table(seq: SeqState, row: ScheduledSeq) -> None:
+    """Copy-on-write replacements first (their blocks were filled by the plan's copy_blocks),
+    then the row's new blocks."""
+    for pos, block in row.replaced_blocks:
+        if not 0 <= pos < len(seq.block_table):
+            raise ValueError(f"seq {row.seq_id}: replaced block position {pos} outside its {len(seq.block_table)}")
+        seq.block_table[pos] = block
+    seq.block_table.extend(row.new_block_ids)
 
 
 def _device(name: str, rank: int) -> torch.device:

@@ -27,3 +27,6 @@ prompt_tokens = Counter("conveyor_prompt_tokens", "Prompt tokens of admitted req
 generation_tokens = Counter("conveyor_generation_tokens", "Tokens generated")
 steps = Counter("conveyor_scheduler_steps", "Forward passes planned")
 preemptions = Counter("conveyor_preemptions", "Sequences preempted by recomputation")
+prefix_cache_queries = Counter("conveyor_prefix_cache_queries", "Full KV blocks looked up in the prefix cache")
+prefix_cache_hits = Counter("conveyor_prefix_cache_hits", "Full KV blocks found in the prefix cache")
+rejections = Counter("conveyor_rejections", "Requests refused because the waiting queue was full")

@@ -14,10 +14,18 @@ from pathlib import Path
 
 import pytest
 import requests
+from hypothesis import settings
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # Small enough that three daemons and three reference models stay quick on two cores.
 SMALL = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+# Property tests explore new examples on every developer run; CI replays a fixed sequence so a
+# red build always means a change broke something, not that the search got lucky.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,13 +1,19 @@
 """A fake engine and a background server for the ingress tests.
 
 FakeEngine is a thread that binds the tokenizer-0, scheduler-0 and launcher-0 sockets of a run
-directory and answers every TokenizeRequest the way the real stages would, deterministically:
+directory and answers every TokenizeRequest the way the real stages would (the tokenizer's 400,
+then the scheduler's admission), deterministically:
   - a prompt containing TOO_LONG: RequestRejected(400, code="context_length_exceeded");
+  - a prompt containing QUEUE_FULL: RequestRejected(429, retry_after=2.5), as a full scheduler;
   - a prompt containing SLOW: accepted, then one token every 20 ms that never finishes, until an
     AbortRequest for it arrives;
   - a prompt containing NO_ACCEPT: no RequestAccepted, the first TextDelta implies it;
-  - anything else: accepted, then one DeltaBatch per token, token i being id 100 + i with text
-    " t{i}", NUM_TOKENS of them (finish "stop"), or max_tokens of them if fewer (finish "length").
+  - anything else: accepted, then one DeltaBatch per step holding a delta for every choice still
+    running (`params.num_samples` of them). Choice j, token i is `token(j, i)` and weighs
+    `token_logprob(j)`; choice j runs `choice_length(j)` tokens (finish "stop"), or max_tokens if
+    that is not more (finish "length").
+Every delta says num_prompt_tokens (the prompt's words) and, for a prompt containing CACHED,
+num_cached_tokens = num_prompt_tokens - 1.
 ServerThread runs the real `serve()` on uvloop in a thread of its own; `post`, `sse`,
 `assert_error` and `raw_post` are the tests' HTTP helpers.
 """
@@ -73,6 +79,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def choice_length(index: int) -> int:
+    return max(1, NUM_TOKENS - index)
+
+
+def token(index: int, i: int) -> tuple[str, int]:
+    """Text and id of choice `index`'s token i: " t{i}" and 100 + i for choice 0."""
+    return (f" t{i}" if index == 0 else f" t{i}/{index}"), 100 + i + 20 * index
+
+
+def token_logprob(index: int) -> float:
+    """Choice 0 takes -1.0 a token, choice 1 -1.5, choice 2 -0.5, and so on around."""
+    return -0.5 * (1 + (index + 1) % 3)
+
+
+def choice_output(index: int, max_tokens: int | None) -> tuple[str, list[int], str, float]:
+    """What choice `index` generates: text, ids, finish reason and cumulative logprob."""
+    length = choice_length(index)
+    num_tokens, reason = (max_tokens, "length") if max_tokens is not None and max_tokens <= length else (length, "stop")
+    tokens = [token(index, i) for i in range(num_tokens)]
+    return "".join(t for t, _ in tokens), [i for _, i in tokens], reason, num_tokens * token_logprob(index)
 
 
 def prompt_text(req: TokenizeRequest) -> str:
@@ -185,23 +213,30 @@ class FakeEngine(threading.Thread):
     def _answer(self, req: TokenizeRequest) -> None:
         text = prompt_text(req)
         rid = req.request_id
-        if "TOO_LONG" in text:
+        if "TOO_LONG" in text:  # the tokenizer's verdict
             message = f"prompt is longer than the {MAX_MODEL_LEN} tokens this model takes"
             self.ingress.send(RequestRejected(rid, 400, message, param="prompt", code="context_length_exceeded"))
             return
+        if "QUEUE_FULL" in text:  # the scheduler's
+            self.ingress.send(RequestRejected(rid, 429, "the waiting queue is full", retry_after=2.5))
+            return
         num_prompt = len(text.split())
+        num_cached = num_prompt - 1 if "CACHED" in text else 0
         if "NO_ACCEPT" not in text:
             self.ingress.send(RequestAccepted(rid, num_prompt))
         if "SLOW" in text:
             self._slow[rid] = 0
             return
-        max_tokens = req.params.max_tokens
-        num_tokens = NUM_TOKENS if max_tokens is None else min(NUM_TOKENS, max_tokens)
-        reason = FinishReason.LENGTH if max_tokens is not None and max_tokens <= NUM_TOKENS else FinishReason.STOP
-        for i in range(num_tokens):
-            last = i == num_tokens - 1
-            delta = TextDelta(rid, 0, f" t{i}", [100 + i], reason if last else None, num_prompt, i + 1)
-            self.ingress.send(DeltaBatch([delta]))
+        outputs = [choice_output(j, req.params.max_tokens) for j in range(req.params.num_samples)]
+        for i in range(max(len(ids) for _, ids, _, _ in outputs)):
+            deltas = []
+            for j, (_, ids, reason, _) in enumerate(outputs):
+                if i < len(ids):
+                    text, token_id = token(j, i)
+                    finish = FinishReason[reason.upper()] if i == len(ids) - 1 else None
+                    logprob = (i + 1) * token_logprob(j)
+                    deltas.append(TextDelta(rid, j, text, [token_id], finish, num_prompt, i + 1, num_cached, logprob))
+            self.ingress.send(DeltaBatch(deltas))
 
 
 class ServerThread(threading.Thread):

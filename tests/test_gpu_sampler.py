@@ -1,10 +1,10 @@
-"""The sampler: greedy, top-k, top-p, temperature, and per-request seeds."""
+"""The sampler: greedy, top-k, top-p, temperature, per-request seeds, draws sharing a row, logprobs."""
 
 from __future__ import annotations
 
 import torch
 
-from conveyor.gpu.sampler import sample, seed_for
+from conveyor.gpu.sampler import sample, sampled_logprobs, seed_for
 from conveyor.wire.messages import SamplingParams
 
 V = 50
@@ -84,3 +84,44 @@ def test_temperature_sampling_follows_softmax():
     chi2 = ((counts - expected) ** 2 / expected).sum().item()
     assert chi2 < 25.0  # 5 degrees of freedom: p < 0.001 above ~20.5
     assert counts[0] > counts[1] > counts[2] > counts[3] > counts[4]
+
+
+def test_draws_sharing_a_row():
+    x = logits(3)
+    rows = torch.tensor([0, 0, 0, 1, 2, 2])
+    greedy = [SamplingParams(temperature=0.0)] * 6
+    assert torch.equal(sample(x, greedy, [0] * 6, logit_rows=rows), x.argmax(-1)[rows])
+    top1 = [SamplingParams(temperature=1.0, top_k=1)] * 6
+    assert torch.equal(sample(x, top1, [0] * 6, list(range(6)), rows), x.argmax(-1)[rows])
+    # unseeded draws of one row get their own noise: 40 draws from a uniform row are not all equal
+    uniform = torch.zeros(1, V)
+    one_row = torch.zeros(40, dtype=torch.long)
+    draws = sample(uniform, [SamplingParams(temperature=1.0)] * 40, [0] * 40, logit_rows=one_row)
+    assert len(set(draws.tolist())) > 10
+
+
+def test_seeded_choices_differ_reproducibly():
+    x = torch.zeros(2, V)  # uniform
+    seeded = SamplingParams(temperature=1.0, seed=5)
+    rows = torch.zeros(8, dtype=torch.long)
+    first = sample(x, [seeded] * 8, [3] * 8, list(range(8)), rows).tolist()
+    assert len(set(first)) > 3
+    # each draw depends on (seed, output index, choice index) only, not on its neighbours
+    other = SamplingParams(temperature=0.5)
+    mixed = sample(x, [other, seeded, seeded], [0, 3, 3], [0, 5, 0], torch.tensor([1, 0, 0])).tolist()
+    assert mixed[1:] == [first[5], first[0]]
+    assert sample(x[:1], [seeded], [3]).item() == first[0]  # choice 0 is the n = 1 stream
+    assert seed_for(9, 4) == seed_for(9, 4, 0)
+    assert len({seed_for(s, i, c) for s in range(20) for i in range(20) for c in range(5)}) == 2000
+
+
+def test_sampled_logprobs_are_raw_log_softmax():
+    x = logits(3)
+    ids = torch.tensor([4, 7, 7, 0])
+    rows = torch.tensor([0, 0, 1, 2])
+    expected = torch.log_softmax(x, -1)[rows, ids]
+    assert torch.equal(sampled_logprobs(x, ids, rows), expected)
+    assert torch.equal(sampled_logprobs(x, ids[:3]), torch.log_softmax(x, -1)[[0, 1, 2], ids[:3]])
+    tokens = sample(x, [SamplingParams(temperature=0.3, top_k=3)] * 3, [0] * 3)
+    got = sampled_logprobs(x, tokens)
+    assert (got <= 0).all() and torch.equal(got, torch.log_softmax(x, -1)[[0, 1, 2], tokens])  # not x / 0.3

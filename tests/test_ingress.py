@@ -19,6 +19,7 @@ from tests.ingress_fakes import (
     FakeEngine,
     ServerThread,
     assert_error,
+    choice_output,
     make_config,
     post,
     raw_post,
@@ -28,6 +29,17 @@ from tests.ingress_fakes import (
 
 TEXT = "".join(f" t{i}" for i in range(NUM_TOKENS))
 IDS = [100 + i for i in range(NUM_TOKENS)]
+
+
+def usage_of(prompt: int, completion: int, cached: int = 0) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def with_prompt(body: dict, chat: bool, prompt: str = "a b") -> tuple[str, dict]:
+    if chat:
+        return "/v1/chat/completions", body | {"messages": [{"role": "user", "content": prompt}]}
+    return "/v1/completions", body | {"prompt": prompt}
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +92,10 @@ def test_completion(server):
     assert re.fullmatch(r"cmpl-0-\d+-[0-9a-f]+", out["id"])
     [choice] = out["choices"]
     assert choice == {"index": 0, "text": TEXT, "logprobs": None, "finish_reason": "stop", "token_ids": IDS}
-    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": NUM_TOKENS, "total_tokens": 3 + NUM_TOKENS}
+    assert out["usage"] == usage_of(3, NUM_TOKENS)
     req = engine.requests[-1]
     assert req.request_id == out["id"] and req.ingress == 0 and req.prompt == "one two three"
+    assert req.priority == 0 and (req.params.n, req.params.best_of) == (1, None)
     p = req.params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (50, 0.5, 0.9, 7, 3)
     assert p.stop_token_ids == [2] and p.ignore_eos and p.skip_special_tokens
@@ -143,7 +156,7 @@ def test_stream(server, chat, include_usage):
     if include_usage:
         assert all(c["usage"] is None for c in chunks)
         assert usage["choices"] == [] and usage["id"] == chunks[0]["id"]
-        assert usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+        assert usage["usage"] == usage_of(2, 4)
     else:
         assert all("usage" not in c for c in chunks)
 
@@ -154,6 +167,101 @@ def test_first_delta_implies_acceptance(server):
     assert "".join(c["choices"][0]["text"] for c in chunks) == TEXT
     out = post(url, "/v1/completions", {"prompt": "NO_ACCEPT x", "max_tokens": 30}).json()
     assert out["choices"][0]["text"] == TEXT and out["usage"]["prompt_tokens"] == 2
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_n_choices(server, chat):
+    url, engine, _ = server
+    path, body = with_prompt({"n": 3, "max_tokens": 4, "return_token_ids": True}, chat)
+    out = post(url, path, body).json()
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    for j, choice in enumerate(out["choices"]):
+        text, ids, reason, _ = choice_output(j, 4)
+        assert (choice["message"]["content"] if chat else choice["text"]) == text
+        assert choice["token_ids"] == ids and choice["finish_reason"] == reason
+    assert [c["finish_reason"] for c in out["choices"]] == ["length", "length", "stop"]
+    assert out["usage"] == usage_of(2, 4 + 4 + 3)
+    assert (engine.requests[-1].params.n, engine.requests[-1].params.best_of) == (3, None)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_n_choices_stream(server, chat):
+    url, _, _ = server
+    body = {"n": 3, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    path, body = with_prompt(body, chat)
+    chunks = sse(post(url, path, body))
+    usage = chunks.pop()
+    assert usage["choices"] == [] and usage["usage"] == usage_of(2, 4 + 4 + 3)
+    assert all(len(c["choices"]) == 1 for c in chunks)
+    by_index: dict[int, list[dict]] = {}
+    for c in chunks:
+        by_index.setdefault(c["choices"][0]["index"], []).append(c["choices"][0])
+    assert sorted(by_index) == [0, 1, 2]
+    for j, choices in by_index.items():
+        text, _, reason, _ = choice_output(j, 4)
+        assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + [reason]
+        if chat:
+            assert choices[0]["delta"]["role"] == "assistant"
+            assert all("role" not in c["delta"] for c in choices[1:])
+            assert "".join(c["delta"].get("content", "") for c in choices) == text
+        else:
+            assert "".join(c["text"] for c in choices) == text
+
+
+@pytest.mark.parametrize("n, best_of, best", [(1, 3, [2]), (2, 4, [2, 3]), (2, 2, [0, 1])])
+@pytest.mark.parametrize("chat", [False, True])
+def test_best_of_returns_the_most_likely_choices(server, chat, n, best_of, best):
+    """The fake's cumulative logprobs at max_tokens 4: choice 0 -4.0, 1 -6.0, 2 -1.5, 3 -2.0."""
+    url, engine, _ = server
+    path, body = with_prompt({"n": n, "best_of": best_of, "max_tokens": 4, "return_token_ids": True}, chat)
+    out = post(url, path, body).json()
+    assert [c["index"] for c in out["choices"]] == list(range(n))
+    for choice, j in zip(out["choices"], best, strict=True):
+        text, ids, reason, _ = choice_output(j, 4)
+        assert (choice["message"]["content"] if chat else choice["text"]) == text
+        assert choice["token_ids"] == ids and choice["finish_reason"] == reason
+    num_generated = sum(len(choice_output(j, 4)[1]) for j in range(best_of))
+    assert out["usage"] == usage_of(2, num_generated)
+    assert (engine.requests[-1].params.n, engine.requests[-1].params.best_of) == (n, best_of)
+
+
+def test_best_of_equal_to_n_streams(server):
+    url, _, _ = server
+    chunks = sse(post(url, "/v1/completions", {"prompt": "a", "n": 2, "best_of": 2, "stream": True}))
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("chat", [False, True])
+def test_queue_full_is_a_429_with_retry_after(server, chat, stream):
+    url, _, _ = server
+    path, body = with_prompt({"stream": stream}, chat, prompt="QUEUE_FULL")
+    response = post(url, path, body)
+    assert "data:" not in response.text
+    error = assert_error(response, 429, code="rate_limit_exceeded")
+    assert error["type"] == "rate_limit_error" and error["message"] == "the waiting queue is full"
+    assert response.headers["Retry-After"] == "3"  # ceil(2.5)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_priority_reaches_the_tokenizer(server, chat):
+    url, engine, _ = server
+    path, body = with_prompt({"priority": -5}, chat)
+    assert post(url, path, body).status_code == 200
+    assert engine.requests[-1].priority == -5
+    path, body = with_prompt({"priority": 7, "stream": True}, chat)
+    sse(post(url, path, body))
+    assert engine.requests[-1].priority == 7
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_cached_tokens_in_usage(server, chat):
+    url, _, _ = server
+    path, body = with_prompt({"max_tokens": 2}, chat, prompt="CACHED a b c")
+    assert post(url, path, body).json()["usage"] == usage_of(4, 2, cached=3)
+    path, body = with_prompt({"max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}, chat,
+                             prompt="CACHED a b c")
+    assert sse(post(url, path, body))[-1]["usage"] == usage_of(4, 2, cached=3)
 
 
 def test_openai_sdk(server):
@@ -183,6 +291,13 @@ def test_openai_sdk(server):
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=messages)
+    with pytest.raises(openai.RateLimitError) as e:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "QUEUE_FULL"}])
+    assert e.value.code == "rate_limit_exceeded" and e.value.response.headers["Retry-After"] == "3"
+
+    out = client.completions.create(model=MODEL_NAME, prompt="hello", n=2, best_of=3, max_tokens=4)
+    assert [c.text for c in out.choices] == [choice_output(2, 4)[0], choice_output(0, 4)[0]]
+    assert out.usage.completion_tokens == 11 and out.usage.prompt_tokens_details.cached_tokens == 0
 
 
 BAD_INPUTS = [
@@ -195,7 +310,12 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", None),
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", None),
     ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed", None),
-    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", None),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", None),
+    ("/v1/completions", {"prompt": "hi", "n": 129}, 400, "n", None),
+    ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of", None),
+    ("/v1/completions", {"prompt": "hi", "best_of": 129}, 400, "best_of", None),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3, "stream": True}, 400, "best_of", None),
+    ("/v1/completions", {"prompt": "hi", "priority": 1.5}, 400, "priority", None),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", None),
     ("/v1/completions", {"prompt": "hi", "stop": ["x"]}, 400, "stop", None),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids", None),
@@ -214,6 +334,8 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "TOO_LONG"}], "stream": True}, 400,
      "prompt", "context_length_exceeded"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2, "best_of": 4,
+                              "stream": True}, 400, "best_of", None),
 ]
 
 

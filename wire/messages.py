@@ -7,7 +7,8 @@ decoded by one typed decoder. A request's data travels in full once; per step on
     ingress --TokenizeRequest--> tokenizer --ScheduleRequest--> scheduler --StepPlan--> worker
        ^  \\------AbortRequest------------------------------------^  ^          |
        |                                                            +-StepResult-+
-       +--RequestAccepted/Rejected (tokenizer), DeltaBatch (detokenizer) <--TokenBatch-- scheduler
+       +-- RequestRejected (tokenizer: 400), RequestAccepted / RequestRejected (scheduler: 429),
+           DeltaBatch (detokenizer) <--TokenBatch-- scheduler
 """
 
 from __future__ import annotations
@@ -142,6 +143,9 @@ class NewSeq(Struct):
     params: SamplingParams
     num_prompt_tokens: int  # outputs start here: the seeded draw for output i uses index i
     index: int = 0  # choice index within its request: seeded draws mix it in, so samples differ
+    # Leading tokens whose KV is already in the blocks its table will name (prefix-cache hit):
+    # the worker starts computing after them.
+    num_computed_tokens: int = 0
 
 
 class Fork(Struct):

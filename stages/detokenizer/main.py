@@ -59,6 +59,8 @@ class Detokenizer:
                     finish_reason=update.finish_reason,
                     num_prompt_tokens=info.num_prompt_tokens,
                     num_output_tokens=state.num_output_tokens,
+                    num_cached_tokens=info.num_cached_tokens,
+                    cumulative_logprob=update.cumulative_logprob,
                 )
             )
             if update.finish_reason is not None:

@@ -1,10 +1,11 @@
 """The aiohttp application: the OpenAI-compatible routes, /health, /v1/models and /metrics.
 
 A generation request is parsed (protocol.py), submitted as a TokenizeRequest, and answered from
-its RequestStream: the first event is the tokenizer's verdict (RequestRejected becomes an error
-answer before any SSE byte; RequestAccepted or a first TextDelta starts the answer), then
-TextDelta events until every choice has a finish reason. A client that goes away before that
-(a failed write, or aiohttp cancelling the handler) turns into an AbortRequest to the scheduler.
+its RequestStream: the first event is the engine's verdict (RequestRejected, a tokenizer's 400 or
+the scheduler's 429 with Retry-After, becomes an error answer before any SSE byte; the
+scheduler's RequestAccepted or a first TextDelta starts the answer), then TextDelta events until
+every choice has a finish reason. A client that goes away before that (a failed write, or
+aiohttp cancelling the handler) turns into an AbortRequest to the scheduler.
 A rejection after the answer began (the engine stopping) ends a stream with an error event.
 """
 
@@ -100,7 +101,7 @@ class Routes:
             request_id,
             model.served_name,
             chat=chat,
-            n=gen.params.n,
+            params=gen.params,
             stream=gen.stream,
             include_usage=gen.include_usage,
             return_token_ids=gen.return_token_ids,
@@ -189,4 +190,13 @@ async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
 
 
 def _rejection(msg: RequestRejected) -> ApiError:
-    return ApiError(msg.status, msg.message, param=msg.param, code=msg.code, error_type=msg.error_type)
+    # The wire's default type is a 400's: a 429 or a 5xx that kept it gets its status's type instead.
+    keeps_default = msg.error_type == "invalid_request_error" and (msg.status == 429 or msg.status >= 500)
+    return ApiError(
+        msg.status,
+        msg.message,
+        param=msg.param,
+        code=msg.code or ("rate_limit_exceeded" if msg.status == 429 else None),
+        error_type=None if keeps_default else msg.error_type,
+        retry_after=msg.retry_after,
+    )

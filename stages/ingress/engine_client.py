@@ -1,8 +1,9 @@
 """The ingress's view of the engine: readiness, and the in-flight requests keyed by request id.
 
 Sends TokenizeRequest (to the tokenizer pool) and AbortRequest (to the scheduler). Takes every
-IngressInbound message through `dispatch`: RequestAccepted, RequestRejected and each TextDelta go
-to their request's `RequestStream`; EngineStatus flips `ready` (and when the engine stops, every
+IngressInbound message through `dispatch`: RequestAccepted (from the scheduler, after admission),
+RequestRejected (a 400 from a tokenizer, a 429 from the scheduler) and each TextDelta go to their
+request's `RequestStream`; EngineStatus flips `ready` (and when the engine stops, every
 request in flight gets a 503 rejection). Messages for a request that is no longer here (it
 finished, or its client went away) are dropped.
 """
@@ -79,6 +80,7 @@ class EngineClient:
                 prompt_token_ids=gen.prompt_token_ids,
                 messages=gen.messages,
                 add_generation_prompt=gen.add_generation_prompt,
+                priority=gen.priority,
             )
         )
         return stream

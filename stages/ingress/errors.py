@@ -1,11 +1,14 @@
 """The OpenAI error shape: `{"error": {"message", "type", "param", "code"}}`, for every non-200.
 
-ApiError is raised anywhere under a route (request decoding, validation, a tokenizer's
-RequestRejected) and turned into that body by the app's middleware, so a client never sees a
-bare aiohttp page or a 500 for input it got wrong.
+ApiError is raised anywhere under a route (request decoding, validation, a RequestRejected from
+a tokenizer or the scheduler) and turned into that body by the app's middleware, so a client
+never sees a bare aiohttp page or a 500 for input it got wrong. A 429 says when to come back in
+a `Retry-After` header (whole seconds, at least 1).
 """
 
 from __future__ import annotations
+
+import math
 
 import msgspec
 from aiohttp import web
@@ -30,6 +33,7 @@ class ApiError(Exception):
         param: str | None = None,
         code: str | None = None,
         error_type: str | None = None,
+        retry_after: float | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -38,13 +42,15 @@ class ApiError(Exception):
         self.code = code
         default_type = "server_error" if status >= 500 else "invalid_request_error"
         self.error_type = error_type or _TYPES.get(status, default_type)
+        self.retry_after = retry_after  # seconds
 
     def body(self) -> bytes:
         error = {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
         return msgspec.json.encode({"error": error})
 
     def response(self) -> web.Response:
-        return web.Response(status=self.status, body=self.body(), content_type="application/json")
+        headers = {} if self.retry_after is None else {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
+        return web.Response(status=self.status, body=self.body(), content_type="application/json", headers=headers)
 
 
 def not_ready() -> ApiError:

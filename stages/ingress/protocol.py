@@ -3,7 +3,8 @@
 `parse_completion` and `parse_chat` turn raw body bytes into a `Generation`: what goes into the
 TokenizeRequest (prompt text, prompt ids or chat messages, plus SamplingParams) and how to answer
 (stream, usage, token ids). Every problem is an ApiError naming the offending `param`; unknown
-fields are ignored, as OpenAI-compatible servers do.
+fields are ignored, as OpenAI-compatible servers do. `best_of` (accepted on both routes, as vLLM
+does) asks for that many samples of which the `n` most likely are returned, so it cannot stream.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from conveyor.wire.messages import ChatMessage, SamplingParams
 
 # Anything that travels on the wire as msgpack must fit in 64 bits.
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+MAX_SAMPLES = 128  # n and best_of above this are a 400: each sample is a sequence in the batch
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -38,6 +40,8 @@ class _Common(_Body, kw_only=True):
     top_k: Int64 | None = None
     seed: Int64 | None = None
     n: Int64 = 1
+    best_of: Int64 | None = None
+    priority: Int64 = 0  # lower runs first
     stop: str | list[str] | None = None
     stop_token_ids: list[Int64] | None = None
     ignore_eos: bool = False
@@ -83,6 +87,7 @@ class Generation:
     prompt_token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    priority: int = 0
 
 
 def parse_completion(data: bytes, vocab_size: int) -> Generation:
@@ -132,8 +137,12 @@ def _generation(body: _Common, max_tokens: int | None, vocab_size: int) -> Gener
     for token_id in body.stop_token_ids or []:
         if not 0 <= token_id < vocab_size:
             raise ApiError(400, f"stop token id {token_id} is outside the vocabulary", param="stop_token_ids")
+    for name, value in (("n", body.n), ("best_of", body.best_of)):
+        if value is not None and value > MAX_SAMPLES:
+            raise ApiError(400, f"{name} must be at most {MAX_SAMPLES}", param=name)
     fields = dict(
         n=body.n,
+        best_of=body.best_of,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
@@ -150,14 +159,15 @@ def _generation(body: _Common, max_tokens: int | None, vocab_size: int) -> Gener
     except ValueError as e:
         field = str(e).split(" ", 1)[0]  # SamplingParams messages start with the field's name
         raise ApiError(400, str(e), param=field if field in SamplingParams.__struct_fields__ else None) from None
-    if params.n != 1:
-        raise ApiError(400, "only n=1 is supported for now", param="n")
+    if body.stream and params.num_samples > params.n:
+        raise ApiError(400, "best_of greater than n cannot be streamed", param="best_of")
     return Generation(
         params=params,
         stream=body.stream,
         include_usage=body.stream and body.stream_options is not None and body.stream_options.include_usage,
         return_token_ids=body.return_token_ids,
         model=body.model,
+        priority=body.priority,
     )
 
 

@@ -1,10 +1,14 @@
 """OpenAI response bodies built from TextDelta events: one JSON answer, or server-sent events.
 
 A `ResponseBuilder` follows one request: `accept` records the prompt length, `add` folds each
-TextDelta into its choice (counts always, text and ids only for a non-stream answer), `body()`
-gives the whole answer, and `sse_chunks()` turns a batch of deltas into `data: {json}` events,
-one per choice, the chat role only in a choice's first chunk and finish_reason null until its
-terminal chunk. `usage_chunk()` and `DONE` end a stream.
+TextDelta into its choice (counts and cumulative logprob always, text and ids only for a
+non-stream answer), `body()` gives the whole answer, and `sse_chunks()` turns a batch of deltas
+into `data: {json}` events, one per choice, the chat role only in a choice's first chunk and
+finish_reason null until its terminal chunk. `usage_chunk()` and `DONE` end a stream.
+
+The engine generates `params.num_samples` choices. With best_of > n (never streamed) the answer
+holds the n of them with the highest cumulative logprob, best first, re-indexed 0..n-1; usage
+counts every generated token, as the engine spent them.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from conveyor.wire.messages import FinishReason, TextDelta
+from conveyor.wire.messages import FinishReason, SamplingParams, TextDelta
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -29,6 +33,7 @@ class Choice:
         self.finish_reason: FinishReason | None = None
         self.num_output_tokens = 0
         self.num_chunks_sent = 0
+        self.cumulative_logprob = 0.0
 
     @property
     def finished(self) -> bool:
@@ -42,7 +47,7 @@ class ResponseBuilder:
         model: str,
         *,
         chat: bool,
-        n: int = 1,
+        params: SamplingParams,
         stream: bool = False,
         include_usage: bool = False,
         return_token_ids: bool = False,
@@ -50,13 +55,14 @@ class ResponseBuilder:
         self.request_id = request_id
         self.model = model
         self.chat = chat
-        self.n = n
+        self.n = params.n  # choices in the answer, out of num_samples generated
         self.stream = stream
         self.include_usage = include_usage
         self.return_token_ids = return_token_ids
         self.created = int(time.time())
         self.num_prompt_tokens = 0
-        self.choices = [Choice() for _ in range(n)]
+        self.num_cached_tokens = 0
+        self.choices = [Choice() for _ in range(params.num_samples)]
 
     @property
     def finished(self) -> bool:
@@ -73,6 +79,8 @@ class ResponseBuilder:
         choice = self.choices[delta.index]
         if delta.num_prompt_tokens:
             self.num_prompt_tokens = delta.num_prompt_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        choice.cumulative_logprob = delta.cumulative_logprob  # a running sum: the latest is the total
         # The detokenizer's running count is authoritative; counting ids covers a delta without one.
         choice.num_output_tokens = max(choice.num_output_tokens + len(delta.token_ids), delta.num_output_tokens)
         if delta.finish_reason is not None:
@@ -85,7 +93,7 @@ class ResponseBuilder:
 
     def body(self) -> bytes:
         choices = []
-        for index, c in enumerate(self.choices):
+        for index, c in enumerate(self._best()):
             text = "".join(c.text_parts)
             choice: dict[str, Any] = {"index": index}
             if self.chat:
@@ -99,6 +107,12 @@ class ResponseBuilder:
             choices.append(choice)
         head = self._head("chat.completion" if self.chat else "text_completion")
         return _encode({**head, "choices": choices, "usage": self._usage()})
+
+    def _best(self) -> list[Choice]:
+        """The n choices of the answer: all of them, or the n most likely of best_of samples."""
+        if len(self.choices) == self.n:
+            return self.choices
+        return sorted(self.choices, key=lambda c: c.cumulative_logprob, reverse=True)[: self.n]
 
     # --- a stream -----------------------------------------------------------------------
 
@@ -141,9 +155,14 @@ class ResponseBuilder:
     def _head(self, object: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": object, "created": self.created, "model": self.model}
 
-    def _usage(self) -> dict[str, int]:
+    def _usage(self) -> dict[str, Any]:
         prompt, out = self.num_prompt_tokens, self.num_output_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": out,
+            "total_tokens": prompt + out,
+            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+        }
 
 
 def _reason(reason: FinishReason | None) -> str | None:

@@ -3,6 +3,7 @@
 Takes (one socket, SchedulerInbound): ScheduleRequest from tokenizers, AbortRequest from ingress,
 WorkerReady and StepResult from worker rank 0.
 Sends: InitializeCache and StepPlan to every worker rank; one TokenBatch per detokenizer per step;
+RequestAccepted, or RequestRejected (429) past the queue bounds, to the request's ingress;
 StageReady to the launcher.
 
 Overlap: as soon as step n's sampled ids arrive, step n+1 is planned and sent before step n's
@@ -19,14 +20,17 @@ import zmq
 from conveyor.config import EngineConfig
 from conveyor.stages import metrics
 from conveyor.stages.runtime import report_ready
-from conveyor.stages.scheduler.block_pool import BlockPool
-from conveyor.stages.scheduler.plan import sequences_for, step_plan, token_batches
-from conveyor.stages.scheduler.scheduler import ScheduledStep, Scheduler, SeqUpdate
+from conveyor.stages.scheduler.block_manager import BlockManager
+from conveyor.stages.scheduler.plan import step_plan, token_batches
+from conveyor.stages.scheduler.scheduler import QueueFull, ScheduledStep, Scheduler
+from conveyor.stages.scheduler.step import SeqUpdate
 from conveyor.wire.addresses import address
 from conveyor.wire.channel import Receiver, Sender
 from conveyor.wire.messages import (
     AbortRequest,
     InitializeCache,
+    RequestAccepted,
+    RequestRejected,
     ScheduleRequest,
     SchedulerInbound,
     StepResult,
@@ -43,10 +47,13 @@ class SchedulerStage:
         self.inbox: Receiver[SchedulerInbound] = Receiver(ctx, address(run_dir, "scheduler", 0), SchedulerInbound)
         self.workers = [Sender(ctx, address(run_dir, "worker", r)) for r in range(config.parallel.tensor_parallel_size)]
         self.detokenizers = [Sender(ctx, address(run_dir, "detokenizer", d)) for d in range(config.stages.num_detokenizers)]
+        self.ingresses = [Sender(ctx, address(run_dir, "ingress", i)) for i in range(config.stages.num_ingress)]
         self.scheduler: Scheduler | None = None
         self.in_flight: ScheduledStep | None = None
-        self.next_seq_id = 0
-        self.preemptions_seen = 0
+        self.num_requests = 0
+        self.seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        self.prompt_tokens_per_s = 0.0  # moving average, for Retry-After
+        self.last_step_end = time.monotonic()
 
     def start(self) -> None:
         """Wait for every worker rank's capacity, then size the pool they all can hold."""
@@ -58,15 +65,15 @@ class SchedulerStage:
         num_blocks = min(reports.values())
         for worker in self.workers:
             worker.send(InitializeCache(num_blocks))
-        model = self.config.model
+        cfg = self.config
         self.scheduler = Scheduler(
-            self.config.scheduler,
-            BlockPool(num_blocks, self.config.cache.block_size),
-            max_model_len=model.max_model_len,
-            eos_token_ids=model.eos_token_ids,
+            cfg.scheduler,
+            BlockManager(num_blocks, cfg.cache.block_size, enable_prefix_caching=cfg.scheduler.enable_prefix_caching),
+            max_model_len=cfg.model.max_model_len,
+            eos_token_ids=cfg.model.eos_token_ids,
         )
         metrics.kv_blocks_total.set(num_blocks)
-        log.info("KV pool: %d blocks of %d tokens", num_blocks, self.config.cache.block_size)
+        log.info("KV pool: %d blocks of %d tokens", num_blocks, cfg.cache.block_size)
 
     def loop(self) -> None:
         while True:
@@ -84,11 +91,7 @@ class SchedulerStage:
     def handle(self, msg: SchedulerInbound) -> list[SeqUpdate]:
         match msg:
             case ScheduleRequest():
-                seqs = sequences_for(msg, self.next_seq_id, len(self.detokenizers))
-                self.next_seq_id += len(seqs)
-                for seq in seqs:
-                    self.scheduler.add(seq)
-                metrics.prompt_tokens.inc(len(msg.prompt_token_ids))
+                self.admit(msg)
             case AbortRequest():
                 for request_id in msg.request_ids:
                     self.scheduler.abort(request_id)
@@ -97,12 +100,29 @@ class SchedulerStage:
                 if step is None or step.step != msg.step:
                     log.error("step result %d does not match the step in flight", msg.step)
                     return []
-                updates = self.scheduler.update(step, msg.sampled_token_ids)
+                self.record_step(step)
+                updates = self.scheduler.update(step, msg.sampled_token_ids, msg.sampled_logprobs)
                 metrics.generation_tokens.inc(sum(len(u.new_token_ids) for u in updates))
                 return updates
             case WorkerReady():
                 log.warning("unexpected WorkerReady from rank %d", msg.rank)
         return []
+
+    def admit(self, request: ScheduleRequest) -> None:
+        reply_to = self.ingresses[request.ingress]
+        try:
+            seq = self.scheduler.add_request(request, detokenizer=self.num_requests % len(self.detokenizers))
+        except QueueFull as e:
+            queued = self.scheduler.waiting.num_tokens
+            retry_after = min(60.0, max(1.0, queued / max(self.prompt_tokens_per_s, 1.0)))
+            reply_to.send(RequestRejected(request.request_id, 429, f"the server is busy: {e}",
+                                          error_type="rate_limit_error", retry_after=retry_after))  # fmt: skip
+            metrics.rejections.inc()
+            return
+        self.num_requests += 1
+        if seq is not None:
+            reply_to.send(RequestAccepted(request.request_id, len(request.prompt_token_ids)))
+            metrics.prompt_tokens.inc(len(request.prompt_token_ids))
 
     def plan_next(self) -> None:
         step = self.scheduler.schedule()
@@ -122,14 +142,26 @@ class SchedulerStage:
             if batch is not None:
                 sender.send(batch)
 
+    def record_step(self, step: ScheduledStep) -> None:
+        now = time.monotonic()
+        prompt_tokens = sum(r.num_tokens for r in step.rows if r.num_tokens > 1)
+        rate = prompt_tokens / max(now - self.last_step_end, 1e-6)
+        self.prompt_tokens_per_s = 0.9 * self.prompt_tokens_per_s + 0.1 * rate
+        self.last_step_end = now
+
     def record_gauges(self) -> None:
-        s = self.scheduler
-        metrics.kv_blocks_used.set(s.blocks.num_used)
+        s, blocks = self.scheduler, self.scheduler.blocks
+        metrics.kv_blocks_used.set(blocks.num_used)
         metrics.requests_running.set(len(s.running))
         metrics.requests_waiting.set(len(s.waiting))
-        if s.num_preemptions > self.preemptions_seen:
-            metrics.preemptions.inc(s.num_preemptions - self.preemptions_seen)
-            self.preemptions_seen = s.num_preemptions
+        for name, counter, value in (
+            ("preemptions", metrics.preemptions, s.num_preemptions),
+            ("queries", metrics.prefix_cache_queries, blocks.num_cache_queries),
+            ("hits", metrics.prefix_cache_hits, blocks.num_cache_hits),
+        ):
+            if value > self.seen[name]:
+                counter.inc(value - self.seen[name])
+                self.seen[name] = value
 
 
 def run(config: EngineConfig, index: int) -> None:

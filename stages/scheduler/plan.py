@@ -1,53 +1,33 @@
-"""Translate between the scheduler's objects and the wire: requests in, step plans and tokens out.
-
-Shared by the scheduler stage and the in-process Python API, so both drive the worker alike.
-"""
+"""Translate the scheduler's decisions into wire messages: step plans for the worker and token
+batches for the detokenizers. Shared by the scheduler stage and the in-process Python API."""
 
 from __future__ import annotations
 
-from conveyor.stages.scheduler.scheduler import ScheduledStep, SeqUpdate
-from conveyor.stages.scheduler.sequence import Sequence
-from conveyor.wire.messages import (
-    DetokSeq,
-    NewSeq,
-    ScheduledSeq,
-    ScheduleRequest,
-    SeqTokens,
-    StepPlan,
-    TokenBatch,
-)
+from conveyor.stages.scheduler.step import ScheduledStep, SeqUpdate
+from conveyor.wire.messages import DetokSeq, Fork, NewSeq, ScheduledSeq, SeqTokens, StepPlan, TokenBatch
 
 PROMPT_TAIL_TOKENS = 6  # decoding context the detokenizer needs for the first output tokens
-
-
-def sequences_for(request: ScheduleRequest, first_seq_id: int, num_detokenizers: int) -> list[Sequence]:
-    return [
-        Sequence(
-            first_seq_id + i,
-            request.request_id,
-            request.prompt_token_ids,
-            request.params,
-            index=i,
-            ingress=request.ingress,
-            detokenizer=(first_seq_id + i) % num_detokenizers,
-            arrival_time=request.arrival_time,
-        )
-        for i in range(request.params.n)
-    ]
 
 
 def step_plan(step: ScheduledStep) -> StepPlan:
     return StepPlan(
         step=step.step,
         new_seqs=[
-            NewSeq(seq.seq_id, list(seq.token_ids), seq.params, seq.num_prompt_tokens)
-            for seq in step.new_seqs
+            NewSeq(seq.seq_id, list(seq.token_ids), seq.params, seq.num_prompt_tokens, seq.index, computed)
+            for seq, computed in zip(step.new_seqs, step.new_seqs_computed)
         ],
         scheduled=[
-            ScheduledSeq(seq.seq_id, num, blocks)
-            for (seq, num), blocks in zip(step.rows, step.new_block_ids)
+            ScheduledSeq(
+                row.seq.seq_id,
+                row.num_tokens,
+                row.new_block_ids,
+                row.replaced_blocks,
+                [Fork(child.seq_id, child.index) for child in row.forks],
+            )
+            for row in step.rows
         ],
         finished_seq_ids=step.finished_seq_ids,
+        copy_blocks=step.copy_blocks,
     )
 
 
@@ -61,16 +41,18 @@ def token_batches(step: int, updates: list[SeqUpdate], num_detokenizers: int) ->
             batch = batches[seq.detokenizer] = TokenBatch(step=step, new_seqs=[], updates=[])
         if not seq.known_by_detokenizer:
             seq.known_by_detokenizer = True
+            tail_start = max(0, seq.num_prompt_tokens - PROMPT_TAIL_TOKENS)
             batch.new_seqs.append(
                 DetokSeq(
                     seq_id=seq.seq_id,
                     request_id=seq.request_id,
                     index=seq.index,
                     ingress=seq.ingress,
-                    prompt_tail=seq.token_ids[max(0, seq.num_prompt_tokens - PROMPT_TAIL_TOKENS) : seq.num_prompt_tokens],
+                    prompt_tail=seq.token_ids[tail_start : seq.num_prompt_tokens],
                     num_prompt_tokens=seq.num_prompt_tokens,
                     skip_special_tokens=seq.params.skip_special_tokens,
+                    num_cached_tokens=seq.num_cached_tokens,
                 )
             )
-        batch.updates.append(SeqTokens(seq.seq_id, update.new_token_ids, update.finish_reason))
+        batch.updates.append(SeqTokens(seq.seq_id, update.new_token_ids, update.finish_reason, seq.cumulative_logprob))
     return batches

@@ -1,53 +1,48 @@
 """Scheduler: which sequences run in the next forward pass, and how many tokens of each.
 
-Each step has one token budget (max_num_batched_tokens). Running sequences come first, decodes
-before unfinished prompts, then waiting sequences are admitted first come first served; a prompt
-longer than what is left of the budget is split across steps (chunked prefill). KV blocks are
-allocated as tokens are scheduled and freed when a sequence ends. When blocks run out, the most
-recently admitted running sequence is preempted by recomputation: its blocks are freed and it goes
-back to the front of the waiting queue with every token it has, to be recomputed later.
+Each step has one token budget (max_num_batched_tokens). Under the default policy, Dynamic
+SplitFuse, running sequences come first (decodes, then prompts under way) and waiting sequences
+are admitted in (priority, arrival) order into what is left, the last one's prompt split so the
+budget is met exactly. Two baselines exist for the simulator: prefill_first (whole prompts in
+steps of their own; vLLM before chunked prefill) and orca (decodes plus whole prompts).
 
-The step's token counts are committed when the step is planned (`schedule`); the sampled tokens
-arrive later (`update`). Pure Python: no torch, no zmq.
+Memory: a sequence reuses every cached full block of its known tokens at admission (never the
+block of its last token, whose logits are needed); blocks are allocated as tokens are scheduled,
+named in the prefix cache as they fill, and freed when the sequence ends. A write into a block
+another sequence still holds first copies it (copy-on-write). When not one token of a running
+sequence fits, the running sequence with the lowest priority and latest arrival is preempted by
+recomputation: its blocks are freed and it waits again with every token it has.
+
+Parallel samples: a request for k samples runs as one sequence until its prompt is computed; the
+step that samples its first token forks k-1 siblings sharing all its blocks.
+
+Token counts are committed when a step is planned (`schedule`); sampled ids arrive later
+(`update`). Pure Python: no torch, no zmq.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections import deque
 
 from conveyor.config import SchedulerConfig
-from conveyor.stages.scheduler.block_pool import BlockPool
+from conveyor.stages.scheduler.block_manager import BlockManager
 from conveyor.stages.scheduler.sequence import Sequence, SeqStatus
-from conveyor.wire.messages import FinishReason
+from conveyor.stages.scheduler.step import Row, ScheduledStep, SeqUpdate
+from conveyor.stages.scheduler.waiting_queue import WaitingQueue
+from conveyor.wire.messages import FinishReason, ScheduleRequest
 
 EARLY_ABORT_TTL_S = 60.0  # an abort may overtake its request (they come from different stages)
 
 
-@dataclasses.dataclass
-class ScheduledStep:
-    step: int
-    rows: list[tuple[Sequence, int]]  # (sequence, tokens computed this step), in plan order
-    samples: list[bool]  # per row: the chunk reaches the last known token, so a token is sampled
-    new_seqs: list[Sequence]  # sequences the worker sees for the first time (or after preemption)
-    new_block_ids: list[list[int]]  # per row: blocks to append to the worker's block table
-    finished_seq_ids: list[int]  # sequences the worker may forget
-    num_tokens: int
-
-
-@dataclasses.dataclass
-class SeqUpdate:
-    seq: Sequence
-    new_token_ids: list[int]
-    finish_reason: FinishReason | None
+class QueueFull(Exception):
+    """The waiting queue is at its bound: the request is refused (HTTP 429)."""
 
 
 class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        blocks: BlockPool,
+        blocks: BlockManager,
         *,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
@@ -56,22 +51,46 @@ class Scheduler:
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.by_request: dict[str, list[Sequence]] = {}
         self.num_steps = 0
         self.num_preemptions = 0
+        self._next_seq_id = 0
         self._finished_for_worker: list[int] = []
         self._aborted_updates: list[SeqUpdate] = []
         self._early_aborts: dict[str, float] = {}
 
     # --- requests in and out -------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
+    def add_request(self, request: ScheduleRequest, detokenizer: int = 0) -> Sequence | None:
+        """Queue a request as one sequence (it forks later for several samples). Raises
+        QueueFull past the queue bounds; None when the request was already aborted."""
+        cfg = self.config
+        if cfg.max_queued_requests is not None and len(self.waiting) >= cfg.max_queued_requests:
+            raise QueueFull(f"{len(self.waiting)} requests are waiting (--max-queued-requests)")
+        tokens = len(request.prompt_token_ids)
+        if cfg.max_queued_tokens is not None and self.waiting.num_tokens + tokens > cfg.max_queued_tokens:
+            raise QueueFull(f"{self.waiting.num_tokens} prompt tokens are waiting (--max-queued-tokens)")
+        seq = Sequence(
+            self._new_seq_id(),
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            ingress=request.ingress,
+            detokenizer=detokenizer,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+        )
+        return seq if self.add(seq) else None
+
+    def add(self, seq: Sequence) -> bool:
         if self._early_aborts.pop(seq.request_id, None) is not None:
-            return
+            return False
+        self._next_seq_id = max(self._next_seq_id, seq.seq_id + 1)
         self.by_request.setdefault(seq.request_id, []).append(seq)
-        self.waiting.append(seq)
+        self.waiting.push(seq)
+        return True
 
     def abort(self, request_id: str) -> None:
         seqs = self.by_request.get(request_id)
@@ -80,168 +99,274 @@ class Scheduler:
             self._early_aborts = {r: t for r, t in self._early_aborts.items() if now - t < EARLY_ABORT_TTL_S}
             self._early_aborts[request_id] = now
             return
-        for seq in seqs:
-            if seq.status is SeqStatus.WAITING:
-                self.waiting.remove(seq)
+        for seq in list(seqs):
             if not seq.is_finished:
                 self._finish(seq, FinishReason.ABORT)
-                self._aborted_updates.append(SeqUpdate(seq, [], FinishReason.ABORT))
         self.running = [s for s in self.running if not s.is_finished]
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    # --- one step ------------------------------------------------------------------------
-
-    def schedule(self) -> ScheduledStep | None:
-        budget = self.config.max_num_batched_tokens
-        rows: list[tuple[Sequence, int]] = []
-        scheduled: set[int] = set()
-        preemptions_before = self.num_preemptions
-
-        # Decodes first (one token each), then prompts already under way, in admission order.
-        for phase_decode in (True, False):
-            for seq in list(self.running):
-                if budget == 0:
-                    break
-                if seq.is_finished or seq.seq_id in scheduled or seq.status is not SeqStatus.RUNNING:
-                    continue
-                if (seq.num_uncomputed_tokens == 1) != phase_decode:
-                    continue
-                num = self._reserve(seq, min(seq.num_uncomputed_tokens, budget), scheduled)
-                if num == 0:
-                    continue
-                rows.append((seq, num))
-                scheduled.add(seq.seq_id)
-                budget -= num
-
-        # Then admit waiting sequences while the budget, the seat count and the pool allow (not
-        # in a step that had to preempt: the pool is short, and the victim would just bounce).
-        preempted = self.num_preemptions != preemptions_before
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            num = self._fit(seq, min(seq.num_uncomputed_tokens, budget))
-            if num < 1:
-                break
-            needed = self.blocks.blocks_needed(seq.num_computed_tokens + num, len(seq.block_ids))
-            self.waiting.popleft()
-            seq.block_ids += self.blocks.allocate(needed)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            rows.append((seq, num))
-            scheduled.add(seq.seq_id)
-            budget -= num
-
-        if not rows and not self._finished_for_worker:
-            return None
-        new_seqs, new_block_ids, samples = [], [], []
-        for seq, num in rows:
-            if not seq.known_by_worker:
-                seq.known_by_worker = True
-                seq.num_blocks_sent = 0
-                new_seqs.append(seq)
-            new_block_ids.append(seq.block_ids[seq.num_blocks_sent :])
-            seq.num_blocks_sent = len(seq.block_ids)
-            seq.num_computed_tokens += num
-            samples.append(seq.num_computed_tokens == seq.num_tokens)
-        finished, self._finished_for_worker = self._finished_for_worker, []
-        self.num_steps += 1
-        return ScheduledStep(
-            step=self.num_steps,
-            rows=rows,
-            samples=samples,
-            new_seqs=new_seqs,
-            new_block_ids=new_block_ids,
-            finished_seq_ids=finished,
-            num_tokens=self.config.max_num_batched_tokens - budget,
-        )
-
-    def update(self, step: ScheduledStep, sampled_token_ids: list[int]) -> list[SeqUpdate]:
-        """Apply a step's sampled tokens (one per row that reached its last known token)."""
-        updates, self._aborted_updates = self._aborted_updates, []
-        sampled = iter(sampled_token_ids)
-        for (seq, _), samples in zip(step.rows, step.samples):
-            if not samples:
-                continue  # a prompt chunk short of the end
-            token = next(sampled)
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # aborted or preempted while the step ran: the token is dropped
-            seq.token_ids.append(token)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self._finish(seq, reason)
-            updates.append(SeqUpdate(seq, [token], reason))
-        self.running = [s for s in self.running if not s.is_finished]
-        return updates
 
     def take_aborted_updates(self) -> list[SeqUpdate]:
         updates, self._aborted_updates = self._aborted_updates, []
         return updates
 
-    # --- helpers -------------------------------------------------------------------------
+    # --- one step ------------------------------------------------------------------------
 
-    def _fit(self, seq: Sequence, num: int) -> int:
-        """How many of `num` more tokens fit in the sequence's blocks plus the free ones."""
-        capacity = (len(seq.block_ids) + self.blocks.num_free) * self.blocks.block_size
-        return min(num, capacity - seq.num_computed_tokens)
+    def schedule(self) -> ScheduledStep | None:
+        budget = self.config.max_num_batched_tokens
+        rows: list[Row] = []
+        copies: list[tuple[int, int]] = []
+        scheduled: set[int] = set()
+        preemptions_before = self.num_preemptions
+        policy = self.config.policy
 
-    def _reserve(self, seq: Sequence, num: int, scheduled: set[int]) -> int:
+        if policy == "prefill_first":
+            budget = self._admit(budget, rows, chunk=False)
+            if not rows:  # no prompt could start: a decode-only (or prompt-continuation) step
+                budget = self._run_running(budget, rows, copies, scheduled)
+        else:
+            budget = self._run_running(budget, rows, copies, scheduled)
+            # Admit only in a step that did not have to preempt: the pool is short, and the
+            # victim would just bounce back in.
+            if self.num_preemptions == preemptions_before:
+                budget = self._admit(budget, rows, chunk=policy == "splitfuse")
+
+        if not rows and not self._finished_for_worker:
+            return None
+        new_seqs, new_seqs_computed, num_sampled = [], [], 0
+        for row in rows:
+            seq = row.seq
+            if not seq.known_by_worker:
+                seq.known_by_worker = True
+                seq.num_blocks_sent = 0
+                new_seqs.append(seq)
+                new_seqs_computed.append(seq.num_computed_tokens)
+            row.new_block_ids = seq.block_ids[seq.num_blocks_sent :]
+            seq.num_blocks_sent = len(seq.block_ids)
+            seq.num_computed_tokens += row.num_tokens
+            self._register_full_blocks(seq)
+            row.samples = seq.num_computed_tokens == len(seq.token_ids)
+            if row.samples:
+                if seq.num_pending_forks:
+                    row.forks = self._fork(seq)
+                num_sampled += 1 + len(row.forks)
+        finished, self._finished_for_worker = self._finished_for_worker, []
+        self.num_steps += 1
+        return ScheduledStep(
+            step=self.num_steps,
+            rows=rows,
+            new_seqs=new_seqs,
+            new_seqs_computed=new_seqs_computed,
+            copy_blocks=copies,
+            finished_seq_ids=finished,
+            num_tokens=self.config.max_num_batched_tokens - budget,
+            num_sampled=num_sampled,
+        )
+
+    def update(
+        self, step: ScheduledStep, sampled_token_ids: list[int], sampled_logprobs: list[float] | None = None
+    ) -> list[SeqUpdate]:
+        """Apply a step's sampled ids: one per sampling row, then one per fork of that row."""
+        if len(sampled_token_ids) != step.num_sampled:
+            raise ValueError(f"step {step.step}: {len(sampled_token_ids)} ids for {step.num_sampled} draws")
+        updates, self._aborted_updates = self._aborted_updates, []
+        logprobs = iter(sampled_logprobs) if sampled_logprobs else None
+        sampled = iter(sampled_token_ids)
+        eos, max_model_len = self.eos_token_ids, self.max_model_len
+        for row in step.rows:
+            if not row.samples:
+                continue  # a prompt chunk short of the end
+            for seq in (row.seq, *row.forks) if row.forks else (row.seq,):
+                token = next(sampled)
+                logprob = next(logprobs) if logprobs is not None else 0.0
+                if seq.status is not SeqStatus.RUNNING:
+                    continue  # aborted or preempted while the step ran: the draw is dropped
+                seq.token_ids.append(token)
+                seq.cumulative_logprob += logprob
+                params = seq.params
+                if (token in eos and not params.ignore_eos) or token in params.stop_token_ids:
+                    reason = FinishReason.STOP
+                elif (params.max_tokens is not None and len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens) or len(seq.token_ids) >= max_model_len:
+                    reason = FinishReason.LENGTH
+                else:
+                    reason = None
+                if reason is not None:
+                    self._finish(seq, reason, report=False)
+                updates.append(SeqUpdate(seq, [token], reason))
+        self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
+        return updates
+
+    # --- the two halves of a step ----------------------------------------------------------
+
+    def _run_running(self, budget: int, rows: list[Row], copies: list, scheduled: set[int]) -> int:
+        """Decodes first (one token each), then prompts under way, in admission order."""
+        decodes, prompts = [], []
+        for seq in self.running:
+            if seq.status is SeqStatus.RUNNING:
+                (decodes if len(seq.token_ids) - seq.num_computed_tokens == 1 else prompts).append(seq)
+        bs, ref_count = self.blocks.block_size, self.blocks.ref_count
+        for seq in decodes:
+            if budget == 0:
+                return 0
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted to make room for an earlier one
+            computed = seq.num_computed_tokens
+            if computed % bs and ref_count(seq.block_ids[computed // bs]) == 1:
+                row = Row(seq, 1, [], [])  # the common case: room left in its own last block
+            elif (row := self._reserve(seq, 1, scheduled, copies)) is None:
+                continue
+            rows.append(row)
+            scheduled.add(seq.seq_id)
+            budget -= 1
+        for seq in prompts:
+            if budget == 0:
+                return 0
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            row = self._reserve(seq, min(seq.num_uncomputed_tokens, budget), scheduled, copies)
+            if row is not None:
+                rows.append(row)
+                scheduled.add(seq.seq_id)
+                budget -= row.num_tokens
+        return budget
+
+    def _admit(self, budget: int, rows: list[Row], *, chunk: bool) -> int:
+        """Start waiting sequences while the budget, the seats and the pool allow."""
+        bs = self.blocks.block_size
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting.peek()
+            if seq is None:
+                break
+            hits = []
+            if seq.num_computed_tokens == 0:
+                hits = self.blocks.lookup(seq.full_block_hashes(bs, (seq.num_tokens - 1) // bs))
+            num = min(seq.num_tokens - len(hits) * bs, budget)
+            whole_prompt_fits = num == seq.num_tokens - len(hits) * bs
+            if not chunk and not whole_prompt_fits and (rows or budget < self.config.max_num_batched_tokens):
+                break  # no splitting: it waits for a step with room for all of it
+            revived = sum(1 for b in hits if self.blocks.ref_count(b) == 0)
+            num = min(num, (self.blocks.num_free - revived) * bs)
+            if num < 1:
+                if not self.running and not rows:  # the whole pool is free and still too small
+                    self._finish(seq, FinishReason.LENGTH)
+                    continue
+                break
+            self.waiting.pop()
+            self.blocks.share(hits)
+            seq.block_ids = hits
+            seq.num_registered_blocks = len(hits)  # hits are named already
+            seq.num_computed_tokens = len(hits) * bs
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.block_ids += self.blocks.allocate(self.blocks.blocks_needed(seq.num_computed_tokens + num, len(hits)))
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            rows.append(Row(seq, num, [], []))
+            budget -= num
+        return budget
+
+    # --- blocks --------------------------------------------------------------------------
+
+    def _reserve(self, seq: Sequence, num: int, scheduled: set[int], copies: list) -> Row | None:
         """Blocks for up to `num` more tokens of a running sequence: a prompt chunk shrinks to
-        what fits; when not one token fits, later arrivals are preempted. Returns tokens reserved."""
-        while (fit := self._fit(seq, num)) < 1:
-            victim = next(
-                (s for s in reversed(self.running) if s.seq_id not in scheduled and not s.is_finished),
-                None,
+        what fits; when not one token fits, others are preempted. None: nothing reserved."""
+        bs, blocks = self.blocks.block_size, self.blocks
+        while True:
+            written = seq.num_computed_tokens // bs  # the block the first new token goes into
+            cow = seq.num_computed_tokens % bs != 0 and blocks.ref_count(seq.block_ids[written]) > 1
+            capacity = (len(seq.block_ids) + blocks.num_free - cow) * bs - seq.num_computed_tokens
+            if (fit := min(num, capacity)) >= 1:
+                break
+            victim = max(
+                (s for s in self.running if s.status is SeqStatus.RUNNING and s.seq_id not in scheduled),
+                key=lambda s: s.sort_key,
+                default=None,
             )
             if victim is None or victim is seq:
-                if self.blocks.num_used == len(seq.block_ids):
+                if blocks.num_used == len(seq.block_ids):
                     # It holds the whole pool and still needs more: it can never finish.
                     self._finish(seq, FinishReason.LENGTH)
-                    self._aborted_updates.append(SeqUpdate(seq, [], FinishReason.LENGTH))
-                elif victim is seq:
+                elif victim is seq:  # the least important itself: it yields
                     self._preempt(seq)
-                return 0
+                return None
             self._preempt(victim)
-        needed = self.blocks.blocks_needed(seq.num_computed_tokens + fit, len(seq.block_ids))
-        seq.block_ids += self.blocks.allocate(needed)
-        return fit
+        replaced = []
+        if cow:
+            shared = seq.block_ids[written]
+            (own,) = blocks.allocate(1)
+            copies.append((shared, own))
+            seq.block_ids[written] = own
+            blocks.free([shared])
+            replaced.append((written, own))
+        seq.block_ids += blocks.allocate(blocks.blocks_needed(seq.num_computed_tokens + fit, len(seq.block_ids)))
+        return Row(seq, fit, [], replaced)
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        if not self.blocks.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.blocks.block_size
+        if num_full > seq.num_registered_blocks:
+            hashes = seq.full_block_hashes(self.blocks.block_size, num_full)
+            for i in range(seq.num_registered_blocks, num_full):
+                self.blocks.register(seq.block_ids[i], hashes[i])
+            seq.num_registered_blocks = num_full
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        children = []
+        for index in range(1, seq.num_pending_forks + 1):
+            child = seq.fork(self._new_seq_id(), index)
+            self.blocks.share(child.block_ids)
+            child.num_blocks_sent = len(child.block_ids)  # the worker copies the parent's table
+            self.by_request[seq.request_id].append(child)
+            self.running.append(child)
+            children.append(child)
+        seq.num_pending_forks = 0
+        return children
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq.block_ids)
         seq.block_ids = []
-        seq.num_computed_tokens = 0
-        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = seq.num_registered_blocks = 0
         seq.num_preemptions += 1
         if seq.known_by_worker:
             seq.known_by_worker = False
             self._finished_for_worker.append(seq.seq_id)
         self.running.remove(seq)
-        self.waiting.appendleft(seq)
+        self.waiting.push(seq)
         self.num_preemptions += 1
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason, *, report: bool = True) -> None:
+        """End a sequence and free its blocks; `report` queues the update for the detokenizer
+        (update() reports the sequences that finish on a sampled token itself)."""
+        if seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.blocks.free(seq.block_ids)
         seq.block_ids = []
         if seq.known_by_worker:
             self._finished_for_worker.append(seq.seq_id)
+        if report:
+            self._aborted_updates.append(SeqUpdate(seq, [], reason))
         seqs = self.by_request.get(seq.request_id)
         if seqs is not None and all(s.is_finished for s in seqs):
             del self.by_request[seq.request_id]
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        params = seq.params
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return FinishReason.STOP
-        if token in params.stop_token_ids:
-            return FinishReason.STOP
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return FinishReason.LENGTH
-        if seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+    def _new_seq_id(self) -> int:
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        return seq_id
+
+    # --- accounting ----------------------------------------------------------------------
+
+    def kv_slots(self) -> tuple[int, int]:
+        """(token slots in blocks held by sequences, slots holding a computed token); shared
+        blocks count once. 1 - filled/allocated is the KV memory wasted inside blocks."""
+        bs = self.blocks.block_size
+        filled: dict[int, int] = {}
+        for seq in self.running:
+            computed = seq.num_computed_tokens
+            for i, block in enumerate(seq.block_ids):
+                filled[block] = max(filled.get(block, 0), min(bs, computed - i * bs))
+        return self.blocks.num_used * bs, sum(filled.values())

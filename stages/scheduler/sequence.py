@@ -1,13 +1,15 @@
-"""Sequence: the scheduler's state for one generated sequence (one choice of one request).
+"""Sequence: the scheduler's state for one generated sequence (one sample of one request).
 
 Tokens are known (prompt plus sampled outputs) or computed (their KV is in the cache). Each step
-catches computed up to known; there is no separate prefill or decode phase.
+catches computed up to known; there is no separate prefill or decode phase. A request asking for
+several samples starts as one sequence that forks when its prompt is done (`num_pending_forks`).
 """
 
 from __future__ import annotations
 
 import enum
 
+from conveyor.stages.scheduler.block_manager import ROOT_HASH, chain_hash
 from conveyor.wire.messages import FinishReason, SamplingParams
 
 
@@ -20,9 +22,10 @@ class SeqStatus(enum.Enum):
 class Sequence:
     __slots__ = (
         "seq_id", "request_id", "index", "ingress", "detokenizer", "params", "arrival_time",
-        "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids",
-        "num_blocks_sent", "known_by_worker", "known_by_detokenizer", "status",
-        "finish_reason", "num_preemptions",
+        "priority", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
+        "block_ids", "block_hashes", "num_registered_blocks", "num_blocks_sent",
+        "known_by_worker", "known_by_detokenizer", "status", "finish_reason",
+        "num_preemptions", "num_pending_forks", "cumulative_logprob",
     )  # fmt: skip
 
     def __init__(
@@ -36,24 +39,31 @@ class Sequence:
         ingress: int = 0,
         detokenizer: int = 0,
         arrival_time: float = 0.0,
+        priority: int = 0,
     ):
         self.seq_id = seq_id
         self.request_id = request_id
-        self.index = index
+        self.index = index  # sample index within the request
         self.ingress = ingress
         self.detokenizer = detokenizer
         self.params = params
         self.arrival_time = arrival_time
+        self.priority = priority
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache supplied at first admission
         self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids
+        self.num_registered_blocks = 0  # prefix of block_ids already offered to the prefix cache
         self.num_blocks_sent = 0  # prefix of block_ids the worker already holds
         self.known_by_worker = False
         self.known_by_detokenizer = False
         self.status = SeqStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        self.num_pending_forks = params.num_samples - 1
+        self.cumulative_logprob = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +84,33 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Scheduling order: lower priority value first, then arrival, then id."""
+        return (self.priority, self.arrival_time, self.seq_id)
+
+    def full_block_hashes(self, block_size: int, num_blocks: int) -> list[int]:
+        """Chained hashes of the first `num_blocks` blocks (all of whose tokens are known)."""
+        hashes = self.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(chain_hash(parent, self.token_ids[i * block_size : (i + 1) * block_size]))
+        return hashes[:num_blocks]
+
+    def fork(self, seq_id: int, index: int) -> "Sequence":
+        """A sibling sharing everything computed so far (the caller shares the blocks)."""
+        child = Sequence.__new__(Sequence)
+        for name in Sequence.__slots__:
+            setattr(child, name, getattr(self, name))
+        child.seq_id, child.index = seq_id, index
+        child.token_ids = list(self.token_ids)
+        child.block_ids = list(self.block_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.num_pending_forks = 0
+        child.known_by_detokenizer = False
+        return child
 
     def __repr__(self) -> str:
         return (

@@ -1,8 +1,9 @@
 """The tokenizer stage process (one of a pool): chat template, encoding, context-length check.
 
 Takes (TokenizerInbound): TokenizeRequest from any ingress (zmq round-robins the pool).
-Sends: ScheduleRequest to the scheduler; RequestAccepted or RequestRejected to the owning ingress,
-so a prompt that cannot fit is answered with a 400 before any byte of a stream is written.
+Sends: ScheduleRequest to the scheduler (which answers the ingress with RequestAccepted, or a
+429 RequestRejected when its queue is full); RequestRejected to the owning ingress for a prompt
+that cannot be encoded or cannot fit, so it is a 400 before any byte of a stream is written.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from conveyor.stages.tokenizer.encoder import PromptEncoder
 from conveyor.wire.addresses import address
 from conveyor.wire.channel import Receiver, Sender
 from conveyor.wire.messages import (
-    RequestAccepted,
     RequestRejected,
     ScheduleRequest,
     TokenizeRequest,
@@ -74,7 +74,7 @@ def prepare(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest) 
         )
     if params.max_tokens is None:
         params = msgspec.structs.replace(params, max_tokens=budget)
-    return ScheduleRequest(req.request_id, req.ingress, list(ids), params, req.arrival_time)
+    return ScheduleRequest(req.request_id, req.ingress, list(ids), params, req.arrival_time, priority=req.priority)
 
 
 def run(config: EngineConfig, index: int) -> None:
@@ -100,7 +100,6 @@ def run(config: EngineConfig, index: int) -> None:
                 log.exception("failed to tokenize %s", req.request_id)
                 reply_to.send(RequestRejected(req.request_id, 400, f"cannot tokenize the prompt: {e}"))
                 continue
-            reply_to.send(RequestAccepted(req.request_id, len(request.prompt_token_ids)))
             scheduler.send(request)
     finally:
         ctx.destroy(linger=0)

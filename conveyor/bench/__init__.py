@@ -1,0 +1,1 @@
+"""Benchmarks: `conveyor bench step` (the scheduler's CPU cost per step)."""

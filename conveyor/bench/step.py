@@ -1,0 +1,62 @@
+"""`conveyor bench step`: the CPU cost of one scheduler step over N running decodes.
+
+One step here is what the scheduler process does between two forward passes: `schedule()`,
+turning the decision into a StepPlan, encoding it for the wire, and `update()` with the sampled
+ids (plus the TokenBatch for the detokenizer). The worker is replaced by a stub that returns one
+id per sampling row, so only scheduler-side time is measured. Reported: the median over many
+steps, in steady state (every sequence decoding, blocks allocated as they fill).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from conveyor.config import SchedulerConfig
+from conveyor.stages.scheduler.block_manager import BlockManager
+from conveyor.stages.scheduler.plan import step_plan, token_batches
+from conveyor.stages.scheduler.scheduler import Scheduler
+from conveyor.wire.channel import encode
+from conveyor.wire.messages import SamplingParams, ScheduleRequest
+
+
+def measure(num_running: int, *, steps: int = 200, prompt_len: int = 200, block_size: int = 16) -> dict:
+    max_tokens = 10_000_000  # never finishes during the run
+    # prefill warm-up decodes too (up to ~prompt_len * num_running / budget steps), then `steps`
+    num_blocks = num_running * ((2 * prompt_len + steps) // block_size + 4)
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=max(2048, num_running), max_num_seqs=num_running),
+        BlockManager(num_blocks, block_size),
+        max_model_len=1 << 20,
+    )
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(num_running):
+        prompt = [(i * 31 + j) % 4000 for j in range(prompt_len)]  # distinct: no prefix sharing
+        sched.add_request(ScheduleRequest(f"r{i}", 0, prompt, params, 0.0))
+    while any(s.num_computed_tokens < s.num_tokens - 1 for s in sched.running) or sched.waiting:
+        step = sched.schedule()  # prefill until everyone decodes
+        sched.update(step, [7] * step.num_sampled)
+
+    timings = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step = sched.schedule()
+        wire = encode(step_plan(step))
+        updates = sched.update(step, [7] * step.num_sampled)
+        for batch in token_batches(step.step, updates, 1):
+            encode(batch)
+        timings.append(time.perf_counter() - start)
+        assert len(step.rows) == num_running and len(wire) > 0
+    return {
+        "running": num_running,
+        "median_ms": statistics.median(timings) * 1e3,
+        "p90_ms": statistics.quantiles(timings, n=10)[-1] * 1e3,
+    }
+
+
+def main(sizes: list[int]) -> int:
+    print(f"{'running':>8} {'median ms':>10} {'p90 ms':>8}")
+    for n in sizes:
+        r = measure(n)
+        print(f"{r['running']:>8} {r['median_ms']:>10.3f} {r['p90_ms']:>8.3f}")
+    return 0

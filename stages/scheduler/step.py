@@ -1,0 +1,38 @@
+"""What one scheduling decision produces (ScheduledStep) and what a step's result changes
+(SeqUpdate). stages/scheduler/plan.py turns these into wire messages."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from conveyor.stages.scheduler.sequence import Sequence
+from conveyor.wire.messages import FinishReason
+
+
+@dataclasses.dataclass(slots=True)
+class Row:
+    seq: Sequence
+    num_tokens: int  # tokens of the sequence computed this step
+    new_block_ids: list[int]  # appended to the worker's block table
+    replaced_blocks: list[tuple[int, int]]  # (table position, new block): copy-on-write
+    samples: bool = False  # the chunk reaches the last known token: one token is drawn
+    forks: list[Sequence] = dataclasses.field(default_factory=list)  # siblings drawn from it
+
+
+@dataclasses.dataclass
+class ScheduledStep:
+    step: int
+    rows: list[Row]
+    new_seqs: list[Sequence]  # sequences the worker sees for the first time (or after preemption)
+    new_seqs_computed: list[int]  # per new sequence: tokens already in the cache (prefix hit)
+    copy_blocks: list[tuple[int, int]]  # (src, dst) block copies before the forward
+    finished_seq_ids: list[int]  # sequences the worker may forget
+    num_tokens: int
+    num_sampled: int  # ids the step's result must carry: one per sampling row, one per fork
+
+
+@dataclasses.dataclass(slots=True)
+class SeqUpdate:
+    seq: Sequence
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None

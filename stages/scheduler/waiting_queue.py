@@ -1,0 +1,52 @@
+"""WaitingQueue: sequences not running, in scheduling order, with the counts admission control
+reads. Ordered by (priority, arrival, id): first come first served unless priorities differ, and
+a preempted sequence (an old arrival) goes back near the front. A heap with lazy removal: an
+aborted sequence stays in the heap, marked finished, until it reaches the top.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from conveyor.stages.scheduler.sequence import Sequence, SeqStatus
+
+
+class WaitingQueue:
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple[int, float, int], Sequence]] = []
+        self.num_seqs = 0
+        self.num_tokens = 0  # known tokens of the waiting sequences (their prompts, mostly)
+
+    def __len__(self) -> int:
+        return self.num_seqs
+
+    def __bool__(self) -> bool:
+        return self.num_seqs > 0
+
+    def push(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        heapq.heappush(self._heap, (seq.sort_key, seq))
+        self.num_seqs += 1
+        self.num_tokens += seq.num_tokens
+
+    def peek(self) -> Sequence | None:
+        heap = self._heap
+        while heap and heap[0][1].status is not SeqStatus.WAITING:
+            heapq.heappop(heap)  # aborted while waiting
+        return heap[0][1] if heap else None
+
+    def pop(self) -> Sequence:
+        seq = self.peek()
+        if seq is None:
+            raise IndexError("pop from an empty waiting queue")
+        heapq.heappop(self._heap)
+        self._forget(seq)
+        return seq
+
+    def remove(self, seq: Sequence) -> None:
+        """Forget a waiting sequence whose status the caller is about to change (lazy removal)."""
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        self.num_seqs -= 1
+        self.num_tokens -= seq.num_tokens
