@@ -50,7 +50,11 @@ def build_engine_config(
     detokenizer_workers: int = 1,
     host: str = "127.0.0.1",
     port: int = 8000,
+    api_key: str | None = None,
+    allowed_origins: tuple[str, ...] = (),
+    chat_template: str | None = None,
 ) -> EngineConfig:
+    """`chat_template` is a path to a Jinja file or the template text itself."""
     if tensor_parallel_size != 1:
         raise ConfigError("tensor parallelism is not implemented yet; use --tensor-parallel-size 1")
     for name, value in (
@@ -105,6 +109,22 @@ def build_engine_config(
             num_tokenizers=tokenizer_workers,
             num_detokenizers=detokenizer_workers,
         ),
-        server=ServerConfig(host=host, port=port),
+        server=ServerConfig(
+            host=host,
+            port=port,
+            api_key=api_key,
+            allowed_origins=tuple(allowed_origins),
+            chat_template=_read_template(chat_template),
+        ),
     )
 
+
+
+def _read_template(value: str | None) -> str | None:
+    if value is None or "{" in value:  # already template text
+        return value
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read the chat template {value!r}: {e.strerror}") from None

@@ -58,6 +58,9 @@ class ServerConfig:
     run_dir: str = ""  # private 0700 directory holding the ipc sockets; set by the launcher
     max_body_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
+    api_key: str | None = None  # when set, every route but /health and /metrics requires it
+    allowed_origins: tuple[str, ...] = ()  # CORS: origins allowed to call the API ("*" for any)
+    chat_template: str | None = None  # Jinja text overriding the checkpoint's chat template
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,9 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queued-requests", type=int, help="waiting requests past which new ones get 429")
     p.add_argument("--max-queued-tokens", type=int, help="waiting prompt tokens past which new ones get 429")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--api-key", help="require this key (Authorization: Bearer or X-Api-Key)")
+    p.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins allowed ('*' for any)")
+    p.add_argument("--chat-template", help="Jinja file (or text) overriding the checkpoint's chat template")
     p.add_argument("--ingress-workers", type=int, default=1, help="HTTP processes sharing the port")
     p.add_argument("--tokenizer-workers", type=int, default=1)
     p.add_argument("--detokenizer-workers", type=int, default=1)
@@ -77,6 +80,9 @@ def serve(args: argparse.Namespace) -> int:
         detokenizer_workers=args.detokenizer_workers,
         host=args.host,
         port=args.port,
+        api_key=args.api_key,
+        allowed_origins=tuple(args.allowed_origins),
+        chat_template=args.chat_template,
     )
     return Launcher(config).serve()
 

@@ -323,3 +323,40 @@ def test_block_manager_refuses_double_free():
     blocks.free(held)
     with pytest.raises(RuntimeError):
         blocks.free(held)
+
+
+# --- what the detokenizer and the sampler ask for -------------------------------------------
+
+
+def test_min_tokens_defers_stop_ids():
+    sched, runner = make()
+    prompt = prompt_of(9, 6)
+    stop = expected_tokens(prompt, 1)[0]  # the first token it will generate
+    got = outputs(sched, runner, [request(0, prompt, max_tokens=5, min_tokens=3, stop_token_ids=[stop])])
+    out = got["req-0"][0].output_token_ids
+    assert out[0] == stop and len(out) >= 3
+
+
+def test_a_stop_string_finish_from_the_detokenizer_ends_the_sequence():
+    sched, runner = make()
+    sched.add_request(request(0, prompt_of(1, 5), max_tokens=50, ignore_eos=True))
+    step_once(sched, runner)
+    (seq,) = sched.running
+    sched.finish_seqs([seq.seq_id])
+    assert seq.finish_reason is FinishReason.STOP and not sched.has_work()
+    assert sched.blocks.num_used == 0
+    assert sched.take_aborted_updates() == []  # the detokenizer already told the client
+
+
+def test_top_logprobs_reach_the_update_of_sequences_that_asked():
+    from conveyor.wire.messages import TopLogprobs
+
+    sched, runner = make()
+    sched.add_request(request(0, prompt_of(1, 5), max_tokens=1, logprobs=2))
+    sched.add_request(request(1, prompt_of(2, 5), max_tokens=1))
+    step = sched.schedule()
+    updates = sched.update(step, [5, 6], [-0.5, -0.25], [TopLogprobs([5, 9], [-0.5, -1.5])])
+    by_request = {u.seq.request_id: u for u in updates}
+    assert by_request["req-0"].logprobs[0].top_token_ids == [5, 9]
+    assert by_request["req-0"].logprobs[0].logprob == -0.5
+    assert by_request["req-1"].logprobs == []

@@ -32,6 +32,9 @@ class FinishReason(enum.IntEnum):
         return "stop" if self is FinishReason.STOP else "length" if self is FinishReason.LENGTH else "abort"
 
 
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
+
+
 class SamplingParams(Struct):
     """How to pick tokens and when to stop; the Python API's `SamplingParams` is this struct.
 
@@ -49,18 +52,36 @@ class SamplingParams(Struct):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
+    min_p: float = 0.0  # drop tokens below min_p * p(most likely token)
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of every generated token
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # CTRL/HF: logits of prompt and generated tokens divided (>0) or multiplied (<0)
+    min_tokens: int = 0  # EOS, stop ids and stop strings are ignored (and EOS masked) before this many
+    logit_bias: dict[int, float] | None = None  # added to the logits before sampling
+    logprobs: int | None = None  # return the sampled token's logprob and this many top alternatives
+    stop: list[str] = []  # stop strings, matched by the detokenizer across token boundaries
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if self.n < 1:
-            raise ValueError("n must be at least 1")
-        if self.best_of is not None and self.best_of < self.n:
-            raise ValueError("best_of must be at least n")
-        if self.temperature < 0:
-            raise ValueError("temperature must be non-negative")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+        """Raise ValueError naming the field first ("top_p must ..."): the ingress maps it to
+        the 400's `param`."""
+        checks = (
+            ("n", self.n >= 1, "must be at least 1"),
+            ("best_of", self.best_of is None or self.best_of >= self.n, "must be at least n"),
+            ("temperature", self.temperature >= 0, "must be non-negative"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "must be positive"),
+            ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "must be at most max_tokens"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
+        )  # fmt: skip
+        for field, ok, message in checks:
+            if not ok:
+                raise ValueError(f"{field} {message}")
 
     @property
     def greedy(self) -> bool:
@@ -111,6 +132,12 @@ class AbortRequest(Struct, tag=3):
     request_ids: list[str]
 
 
+class FinishSeqs(Struct, tag=6):
+    """From a detokenizer: these sequences matched a stop string; stop generating them."""
+
+    seq_ids: list[int]
+
+
 class WorkerReady(Struct, tag=4):
     rank: int
     num_kv_blocks: int  # blocks this rank could allocate; the scheduler uses the minimum
@@ -127,9 +154,17 @@ class StepResult(Struct, tag=5):
     # log p(id) under the model's own distribution (log_softmax of the raw logits, before
     # temperature or filters), aligned with sampled_token_ids: ranks best_of candidates.
     sampled_logprobs: list[float] = []
+    # For draws whose sequence asked for logprobs (params.logprobs is not None), in draw order:
+    # the top alternatives under the same raw distribution.
+    top_logprobs: list["TopLogprobs"] = []
 
 
-SchedulerInbound = ScheduleRequest | AbortRequest | WorkerReady | StepResult
+class TopLogprobs(Struct):
+    token_ids: list[int]  # the params.logprobs most likely ids, most likely first
+    logprobs: list[float]
+
+
+SchedulerInbound = ScheduleRequest | AbortRequest | FinishSeqs | WorkerReady | StepResult
 
 
 # --- received by a worker -------------------------------------------------------------------
@@ -208,6 +243,10 @@ class DetokSeq(Struct):
     num_prompt_tokens: int
     skip_special_tokens: bool = True
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    stop: list[str] = []  # stop strings (SamplingParams.stop)
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # stop strings count only from this many output tokens on
+    logprobs: bool = False  # turn SeqTokens.logprobs into TextDelta.logprobs
 
 
 class SeqTokens(Struct):
@@ -215,6 +254,14 @@ class SeqTokens(Struct):
     token_ids: list[int]
     finish_reason: FinishReason | None = None
     cumulative_logprob: float = 0.0  # sum of the sequence's sampled-token logprobs so far
+    # When the sequence asked for logprobs: one entry per token_ids entry.
+    logprobs: list["TokenLogprob"] = []
+
+
+class TokenLogprob(Struct):
+    logprob: float  # of the sampled token
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class TokenBatch(Struct, tag=12):
@@ -260,6 +307,17 @@ class TextDelta(Struct):
     num_output_tokens: int = 0  # tokens generated so far for this choice
     num_cached_tokens: int = 0
     cumulative_logprob: float = 0.0
+    logprobs: list["TextLogprob"] = []  # one per token in token_ids, when asked for
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
+class TextLogprob(Struct):
+    """A token as the client sees it: its text, its UTF-8 bytes, its logprob."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+    top: list["TextLogprob"] = []
 
 
 class DeltaBatch(Struct, tag=22):

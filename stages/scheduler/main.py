@@ -1,7 +1,8 @@
 """The scheduler stage process: receive, schedule, send to the worker, fan tokens out.
 
 Takes (one socket, SchedulerInbound): ScheduleRequest from tokenizers, AbortRequest from ingress,
-WorkerReady and StepResult from worker rank 0.
+FinishSeqs (a stop string matched) from detokenizers, WorkerReady and StepResult from worker
+rank 0.
 Sends: InitializeCache and StepPlan to every worker rank; one TokenBatch per detokenizer per step;
 RequestAccepted, or RequestRejected (429) past the queue bounds, to the request's ingress;
 StageReady to the launcher.
@@ -28,6 +29,7 @@ from conveyor.wire.addresses import address
 from conveyor.wire.channel import Receiver, Sender
 from conveyor.wire.messages import (
     AbortRequest,
+    FinishSeqs,
     InitializeCache,
     RequestAccepted,
     RequestRejected,
@@ -95,13 +97,15 @@ class SchedulerStage:
             case AbortRequest():
                 for request_id in msg.request_ids:
                     self.scheduler.abort(request_id)
+            case FinishSeqs():
+                self.scheduler.finish_seqs(msg.seq_ids)
             case StepResult():
                 step, self.in_flight = self.in_flight, None
                 if step is None or step.step != msg.step:
                     log.error("step result %d does not match the step in flight", msg.step)
                     return []
                 self.record_step(step)
-                updates = self.scheduler.update(step, msg.sampled_token_ids, msg.sampled_logprobs)
+                updates = self.scheduler.update(step, msg.sampled_token_ids, msg.sampled_logprobs, msg.top_logprobs)
                 metrics.generation_tokens.inc(sum(len(u.new_token_ids) for u in updates))
                 return updates
             case WorkerReady():

@@ -52,7 +52,13 @@ def token_batches(step: int, updates: list[SeqUpdate], num_detokenizers: int) ->
                     num_prompt_tokens=seq.num_prompt_tokens,
                     skip_special_tokens=seq.params.skip_special_tokens,
                     num_cached_tokens=seq.num_cached_tokens,
+                    stop=seq.params.stop,
+                    include_stop_str_in_output=seq.params.include_stop_str_in_output,
+                    min_tokens=seq.params.min_tokens,
+                    logprobs=seq.params.logprobs is not None,
                 )
             )
-        batch.updates.append(SeqTokens(seq.seq_id, update.new_token_ids, update.finish_reason, seq.cumulative_logprob))
+        batch.updates.append(
+            SeqTokens(seq.seq_id, update.new_token_ids, update.finish_reason, seq.cumulative_logprob, update.logprobs)
+        )
     return batches

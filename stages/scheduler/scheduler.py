@@ -29,7 +29,7 @@ from conveyor.stages.scheduler.block_manager import BlockManager
 from conveyor.stages.scheduler.sequence import Sequence, SeqStatus
 from conveyor.stages.scheduler.step import Row, ScheduledStep, SeqUpdate
 from conveyor.stages.scheduler.waiting_queue import WaitingQueue
-from conveyor.wire.messages import FinishReason, ScheduleRequest
+from conveyor.wire.messages import FinishReason, ScheduleRequest, TokenLogprob, TopLogprobs
 
 EARLY_ABORT_TTL_S = 60.0  # an abort may overtake its request (they come from different stages)
 
@@ -165,14 +165,20 @@ class Scheduler:
         )
 
     def update(
-        self, step: ScheduledStep, sampled_token_ids: list[int], sampled_logprobs: list[float] | None = None
+        self,
+        step: ScheduledStep,
+        sampled_token_ids: list[int],
+        sampled_logprobs: list[float] | None = None,
+        top_logprobs: list[TopLogprobs] | None = None,
     ) -> list[SeqUpdate]:
-        """Apply a step's sampled ids: one per sampling row, then one per fork of that row."""
+        """Apply a step's sampled ids: one per sampling row, then one per fork of that row.
+        `top_logprobs` has one entry per draw of a sequence that asked for logprobs."""
         if len(sampled_token_ids) != step.num_sampled:
             raise ValueError(f"step {step.step}: {len(sampled_token_ids)} ids for {step.num_sampled} draws")
         updates, self._aborted_updates = self._aborted_updates, []
         logprobs = iter(sampled_logprobs) if sampled_logprobs else None
         sampled = iter(sampled_token_ids)
+        tops = iter(top_logprobs or ())
         eos, max_model_len = self.eos_token_ids, self.max_model_len
         for row in step.rows:
             if not row.samples:
@@ -180,22 +186,36 @@ class Scheduler:
             for seq in (row.seq, *row.forks) if row.forks else (row.seq,):
                 token = next(sampled)
                 logprob = next(logprobs) if logprobs is not None else 0.0
+                params = seq.params
+                top = next(tops) if params.logprobs is not None else None
                 if seq.status is not SeqStatus.RUNNING:
                     continue  # aborted or preempted while the step ran: the draw is dropped
                 seq.token_ids.append(token)
                 seq.cumulative_logprob += logprob
-                params = seq.params
-                if (token in eos and not params.ignore_eos) or token in params.stop_token_ids:
+                num_output = len(seq.token_ids) - seq.num_prompt_tokens
+                may_stop = num_output >= params.min_tokens
+                if may_stop and ((token in eos and not params.ignore_eos) or token in params.stop_token_ids):
                     reason = FinishReason.STOP
-                elif (params.max_tokens is not None and len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens) or len(seq.token_ids) >= max_model_len:
+                elif (params.max_tokens is not None and num_output >= params.max_tokens) or len(seq.token_ids) >= max_model_len:
                     reason = FinishReason.LENGTH
                 else:
                     reason = None
                 if reason is not None:
                     self._finish(seq, reason, report=False)
-                updates.append(SeqUpdate(seq, [token], reason))
+                update = SeqUpdate(seq, [token], reason)
+                if top is not None:
+                    update.logprobs = [TokenLogprob(logprob, top.token_ids, top.logprobs)]
+                updates.append(update)
         self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         return updates
+
+    def finish_seqs(self, seq_ids: list[int]) -> None:
+        """Stop sequences a detokenizer found a stop string in (it already told the client)."""
+        wanted = set(seq_ids)
+        for seq in self.running:
+            if seq.seq_id in wanted:
+                self._finish(seq, FinishReason.STOP, report=False)
+        self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
 
     # --- the two halves of a step ----------------------------------------------------------
 

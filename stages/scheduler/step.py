@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from conveyor.stages.scheduler.sequence import Sequence
-from conveyor.wire.messages import FinishReason
+from conveyor.wire.messages import FinishReason, TokenLogprob
 
 
 @dataclasses.dataclass(slots=True)
@@ -36,3 +36,4 @@ class SeqUpdate:
     seq: Sequence
     new_token_ids: list[int]
     finish_reason: FinishReason | None
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when the request asked
