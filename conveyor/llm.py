@@ -2,7 +2,8 @@
 
 Runs the same code as the daemon, in this process: the tokenizer stage's PromptEncoder, the
 scheduler stage's Scheduler (continuous batching, chunked prefill, paged KV), the worker's
-ModelRunner, and the detokenizer stage's IncrementalDetokenizer. No sockets, no child processes.
+ModelRunner, and the detokenizer stage's Detokenizer (stop strings, logprob text), one step at a
+time. No sockets, no child processes.
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ import msgspec
 from tokenizers import Tokenizer
 
 from conveyor.config.build import build_engine_config
-from conveyor.stages.detokenizer.incremental import IncrementalDetokenizer
+from conveyor.stages.detokenizer.main import Detokenizer
 from conveyor.stages.scheduler.block_manager import BlockManager
-from conveyor.stages.scheduler.plan import PROMPT_TAIL_TOKENS, step_plan
+from conveyor.stages.scheduler.plan import step_plan, token_batches
 from conveyor.stages.scheduler.scheduler import Scheduler
-from conveyor.stages.scheduler.sequence import Sequence
 from conveyor.stages.tokenizer.encoder import PromptEncoder
 from conveyor.stages.tokenizer.main import Rejected, prepare
-from conveyor.wire.messages import ChatMessage, SamplingParams, TokenizeRequest
+from conveyor.wire.messages import ChatMessage, SamplingParams, TextDelta, TextLogprob, TokenizeRequest
 
 
 @dataclasses.dataclass
@@ -33,6 +33,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     cumulative_logprob: float = 0.0
+    logprobs: list[TextLogprob] = dataclasses.field(default_factory=list)  # when asked for
+    stop_reason: str | None = None  # the stop string that ended it
 
 
 @dataclasses.dataclass
@@ -67,7 +69,9 @@ class LLM:
             max_model_len=self.config.model.max_model_len,
             eos_token_ids=self.config.model.eos_token_ids,
         )
+        self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
+        self._cached_tokens: dict[str, int] = {}
 
     def generate(
         self,
@@ -110,47 +114,57 @@ class LLM:
             sampling_params = [sampling_params] * len(requests)
         if len(sampling_params) != len(requests):
             raise ValueError("give one SamplingParams, or one per prompt")
+        prepared = []
         for req, params in zip(requests, sampling_params):
-            req = msgspec.structs.replace(req, params=params)
             try:
-                scheduled = prepare(self.encoder, self.config, req)
+                prepared.append(prepare(self.encoder, self.config, msgspec.structs.replace(req, params=params)))
             except Rejected as e:
                 raise ValueError(str(e)) from None
-            self.scheduler.add_request(scheduled)
+        for request in prepared:
+            self.scheduler.add_request(request)
         samples = self._drain()
         outputs = []
-        for req, prompt in zip(requests, prompts):
-            seqs = sorted(samples[req.request_id], key=lambda s: s.index)
-            if seqs[0].params.num_samples > seqs[0].params.n:  # best_of: the n most likely
-                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: seqs[0].params.n]
+        for request, prompt in zip(prepared, prompts):
+            params = request.params
+            choices = sorted(samples[request.request_id].values(), key=lambda c: c.index)
+            if params.num_samples > params.n:  # best_of: the n most likely
+                choices = sorted(choices, key=lambda c: -c.cumulative_logprob)[: params.n]
+            for i, choice in enumerate(choices):
+                choice.index = i
             outputs.append(
                 RequestOutput(
-                    request_id=req.request_id,
+                    request_id=request.request_id,
                     prompt=prompt if isinstance(prompt, str) else None,
-                    prompt_token_ids=seqs[0].token_ids[: seqs[0].num_prompt_tokens],
-                    outputs=[self._completion(seq, i) for i, seq in enumerate(seqs)],
-                    num_cached_tokens=seqs[0].num_cached_tokens,
+                    prompt_token_ids=request.prompt_token_ids,
+                    outputs=choices,
+                    num_cached_tokens=self._cached_tokens.pop(request.request_id, 0),
                 )
             )
         return outputs
 
-    def _drain(self) -> dict[str, list[Sequence]]:
-        """Step until every request finished; each request's sequences (all its samples)."""
-        samples: dict[str, dict[int, Sequence]] = {}
+    def _drain(self) -> dict[str, dict[int, CompletionOutput]]:
+        """Step until every request finished, detokenizing each step as the daemon does (stop
+        strings included); every sample of every request, by request id and sample index."""
+        samples: dict[str, dict[int, CompletionOutput]] = {}
         while self.scheduler.has_work():
             step = self.scheduler.schedule()
             if step is None:
                 updates = self.scheduler.take_aborted_updates()
             else:
-                result = self.runner.execute(step_plan(step))
-                updates = self.scheduler.update(step, result.sampled_token_ids, result.sampled_logprobs)
-            for update in updates:
-                samples.setdefault(update.seq.request_id, {})[update.seq.seq_id] = update.seq
-        return {request_id: list(seqs.values()) for request_id, seqs in samples.items()}
-
-    def _completion(self, seq: Sequence, index: int) -> CompletionOutput:
-        tail = seq.token_ids[max(0, seq.num_prompt_tokens - PROMPT_TAIL_TOKENS) : seq.num_prompt_tokens]
-        decoder = IncrementalDetokenizer(self.tokenizer, tail, seq.params.skip_special_tokens)
-        text = decoder.step(seq.output_token_ids, final=True)
-        reason = seq.finish_reason.openai if seq.finish_reason is not None else None
-        return CompletionOutput(index, text, seq.output_token_ids, reason, seq.cumulative_logprob)
+                r = self.runner.execute(step_plan(step))
+                updates = self.scheduler.update(step, r.sampled_token_ids, r.sampled_logprobs, r.top_logprobs)
+            (batch,) = token_batches(self.scheduler.num_steps, updates, 1)
+            if batch is None:
+                continue
+            deltas: list[list[TextDelta]] = [[]]
+            self.scheduler.finish_seqs(self.detokenizer.process(batch, deltas))
+            for d in deltas[0]:
+                choice = samples.setdefault(d.request_id, {}).setdefault(d.index, CompletionOutput(d.index, "", [], None))
+                choice.text += d.text
+                choice.token_ids += d.token_ids
+                choice.logprobs += d.logprobs
+                choice.cumulative_logprob = d.cumulative_logprob
+                self._cached_tokens[d.request_id] = d.num_cached_tokens
+                if d.finish_reason is not None:
+                    choice.finish_reason, choice.stop_reason = d.finish_reason.openai, d.stop_reason
+        return samples

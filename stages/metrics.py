@@ -2,31 +2,75 @@
 
 Stage processes run in prometheus-client's multiprocess mode (the launcher sets
 PROMETHEUS_MULTIPROC_DIR to a folder in the run directory before they start); the ingress serves
-the merged view at /metrics. Names are `conveyor_*`, base units, `_total` on counters.
+the merged view at /metrics. Names are `conveyor_*`, base units (seconds, bytes), `_total` on
+counters (the client adds it), ratios in 0..1, no per-request labels. Dashboards and alert rules
+in ops/ query these names: rename nothing without changing them.
+
+Who records what:
+- ingress: time to first token, inter-token latency, time per output token, end-to-end latency,
+  token counts per request, requests by finish reason, errors by type, the return hop.
+- scheduler: queue time, prefill and decode time, step CPU time, the gauges (running, waiting,
+  preempted, KV usage, free blocks), prompt/generation tokens, prefix cache, preemptions,
+  aborts, rejections, the scheduler-queue hop.
+- worker: GPU busy and idle time per step (the bubble), the worker hop.
+- tokenizer and detokenizer: their own hops.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
-# Gauges owned by the single scheduler process: the most recent value is the truth.
-kv_blocks_used = Gauge(
-    "conveyor_kv_blocks_used", "KV cache blocks held by sequences", multiprocess_mode="livemostrecent"
-)
-kv_blocks_total = Gauge(
-    "conveyor_kv_blocks_total", "KV cache blocks in the pool", multiprocess_mode="livemostrecent"
-)
-requests_running = Gauge(
-    "conveyor_requests_running", "Sequences in the running batch", multiprocess_mode="livemostrecent"
-)
-requests_waiting = Gauge(
-    "conveyor_requests_waiting", "Sequences waiting to be scheduled", multiprocess_mode="livemostrecent"
-)
+# Latency buckets from 1 ms to 5 min; token-count buckets in powers of two.
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+            1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 300.0)  # fmt: skip
+_STEP_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_TOKENS = tuple(float(2**i) for i in range(15))
 
+
+def _gauge(name: str, doc: str) -> Gauge:
+    # Owned by one process (the scheduler): the most recent value of a live process is the truth.
+    return Gauge(name, doc, multiprocess_mode="livemostrecent")
+
+
+# --- request lifecycle (histograms) -------------------------------------------------------
+queue_time = Histogram("conveyor_request_queue_time_seconds", "Arrival at the ingress to first scheduled", buckets=_SECONDS)
+time_to_first_token = Histogram("conveyor_time_to_first_token_seconds", "Arrival to the first token sent to the client", buckets=_SECONDS)
+inter_token_latency = Histogram("conveyor_inter_token_latency_seconds", "Time between consecutive tokens sent to the client", buckets=_SECONDS)
+time_per_output_token = Histogram("conveyor_time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1), per request", buckets=_SECONDS)
+e2e_latency = Histogram("conveyor_e2e_request_latency_seconds", "Arrival to the last token", buckets=_SECONDS)
+prefill_time = Histogram("conveyor_request_prefill_time_seconds", "First scheduled to first token", buckets=_SECONDS)
+decode_time = Histogram("conveyor_request_decode_time_seconds", "First token to finish", buckets=_SECONDS)
+request_prompt_tokens = Histogram("conveyor_request_prompt_tokens", "Prompt tokens per request", buckets=_TOKENS)
+request_generation_tokens = Histogram("conveyor_request_generation_tokens", "Generated tokens per request", buckets=_TOKENS)
+
+# --- the GPU bubble (worker) and the scheduler's own time ----------------------------------
+worker_busy = Counter("conveyor_worker_busy_seconds", "Device time spent computing steps")
+worker_idle = Counter("conveyor_worker_idle_seconds", "Device time spent waiting for the host between steps")
+worker_step_busy = Histogram("conveyor_worker_step_busy_seconds", "Device compute time per step", buckets=_STEP_SECONDS)
+worker_step_idle = Histogram("conveyor_worker_step_idle_seconds", "Device idle time before each step", buckets=_STEP_SECONDS)
+scheduler_step_time = Histogram("conveyor_scheduler_step_seconds", "Scheduler CPU time to plan one step", buckets=_STEP_SECONDS)
+
+# --- per-stage latency: the time each request spends in each hop --------------------------
+# stage: ingress, tokenizer, scheduler_queue, worker, detokenizer, return
+stage_latency = Histogram("conveyor_stage_latency_seconds", "Time a request spends in each stage hop", ["stage"], buckets=_SECONDS)
+
+# --- gauges (scheduler) --------------------------------------------------------------------
+requests_running = _gauge("conveyor_requests_running", "Sequences in the running batch")
+requests_waiting = _gauge("conveyor_requests_waiting", "Sequences waiting to be scheduled")
+requests_preempted = _gauge("conveyor_requests_preempted", "Waiting sequences that were preempted")
+kv_cache_usage = _gauge("conveyor_kv_cache_usage_ratio", "Fraction of KV blocks held by sequences")
+kv_blocks_free = _gauge("conveyor_kv_blocks_free", "KV blocks free (cached or empty)")
+kv_blocks_used = _gauge("conveyor_kv_blocks_used", "KV cache blocks held by sequences")
+kv_blocks_total = _gauge("conveyor_kv_blocks_total", "KV cache blocks in the pool")
+
+# --- counters ------------------------------------------------------------------------------
 prompt_tokens = Counter("conveyor_prompt_tokens", "Prompt tokens of admitted requests")
 generation_tokens = Counter("conveyor_generation_tokens", "Tokens generated")
 steps = Counter("conveyor_scheduler_steps", "Forward passes planned")
-preemptions = Counter("conveyor_preemptions", "Sequences preempted by recomputation")
 prefix_cache_queries = Counter("conveyor_prefix_cache_queries", "Full KV blocks looked up in the prefix cache")
 prefix_cache_hits = Counter("conveyor_prefix_cache_hits", "Full KV blocks found in the prefix cache")
+preemptions = Counter("conveyor_preemptions", "Sequences preempted by recomputation")
+aborts = Counter("conveyor_aborts", "Requests aborted (client gone, or cancelled)")
 rejections = Counter("conveyor_rejections", "Requests refused because the waiting queue was full")
+requests_finished = Counter("conveyor_requests_finished", "Finished requests by finish reason", ["finish_reason"])
+errors = Counter("conveyor_errors", "Error answers by type", ["type"])

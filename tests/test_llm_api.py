@@ -76,3 +76,18 @@ def test_stop_token_ids_and_bad_prompts(engines):
         llm.generate("x " * 3000, SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="vocabulary"):
         llm.generate([[5, 10**6]], SamplingParams(max_tokens=4))
+
+
+def test_stop_strings_n_and_best_of(engines):
+    llm = engines["LlamaForCausalLM"]
+    free = llm.generate("The boat", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].outputs[0].text
+    stop = free[len(free) // 2 : len(free) // 2 + 3]
+    out = llm.generate("The boat", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))[0]
+    assert out.outputs[0].text == free[: free.index(stop)]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop)
+
+    many = llm.generate("Pick one:", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True))[0]
+    assert [c.index for c in many.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in many.outputs}) > 1
+    best = llm.generate("Pick one:", SamplingParams(n=1, best_of=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True))[0]
+    assert best.outputs[0].cumulative_logprob == max(c.cumulative_logprob for c in many.outputs)

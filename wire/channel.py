@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HIGH_WATER_MARK = 0  # unbounded: a stage never drops a message it was handed
+SIGNAL_CHECK_MS = 200  # a blocked receiver wakes this often so signal handlers can run
 SEND_LINGER_MS = 2000  # a closed sender still delivers what it queued (connects are asynchronous)
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
@@ -72,8 +73,15 @@ class Receiver(_ReceiverBase[T]):
         return bool(self.socket.poll(timeout_ms))
 
     def recv(self, timeout_ms: int | None = None) -> T | None:
-        """The next message, or None after timeout_ms (or when the message was undecodable)."""
-        if timeout_ms is not None and not self.socket.poll(timeout_ms):
+        """The next message, or None after timeout_ms (or when the message was undecodable).
+
+        Waiting forever is done in slices: a signal delivered to another thread (torch and
+        tokenizers start their own) does not interrupt this thread's poll, so the wait wakes up
+        now and then to let Python run its signal handlers."""
+        if timeout_ms is None:
+            while not self.socket.poll(SIGNAL_CHECK_MS):
+                pass
+        elif not self.socket.poll(timeout_ms):
             return None
         return self.decode(self.socket.recv(copy=False).buffer)
 

@@ -111,6 +111,7 @@ class TokenizeRequest(Struct, tag=1):
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     priority: int = 0  # lower runs first; equal priorities are first come first served
+    sent_time: float = 0.0  # time.time() when the ingress sent it (per-stage latency)
 
 
 TokenizerInbound = TokenizeRequest
@@ -126,6 +127,7 @@ class ScheduleRequest(Struct, tag=2):
     params: SamplingParams
     arrival_time: float
     priority: int = 0
+    sent_time: float = 0.0  # time.time() when the tokenizer sent it
 
 
 class AbortRequest(Struct, tag=3):
@@ -270,6 +272,7 @@ class TokenBatch(Struct, tag=12):
     step: int
     new_seqs: list[DetokSeq]
     updates: list[SeqTokens]
+    sent_time: float = 0.0  # time.time() when the scheduler sent it
 
 
 DetokenizerInbound = TokenBatch
@@ -322,6 +325,7 @@ class TextLogprob(Struct):
 
 class DeltaBatch(Struct, tag=22):
     deltas: list[TextDelta]
+    sent_time: float = 0.0  # time.time() when the detokenizer sent it
 
 
 class EngineStatus(Struct, tag=23):

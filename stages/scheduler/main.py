@@ -53,7 +53,7 @@ class SchedulerStage:
         self.scheduler: Scheduler | None = None
         self.in_flight: ScheduledStep | None = None
         self.num_requests = 0
-        self.seen = {"preemptions": 0, "queries": 0, "hits": 0}
+        self.seen = {"aborts": 0, "preemptions": 0, "queries": 0, "hits": 0}
         self.prompt_tokens_per_s = 0.0  # moving average, for Retry-After
         self.last_step_end = time.monotonic()
 
@@ -107,6 +107,7 @@ class SchedulerStage:
                 self.record_step(step)
                 updates = self.scheduler.update(step, msg.sampled_token_ids, msg.sampled_logprobs, msg.top_logprobs)
                 metrics.generation_tokens.inc(sum(len(u.new_token_ids) for u in updates))
+                self.record_outputs(updates)
                 return updates
             case WorkerReady():
                 log.warning("unexpected WorkerReady from rank %d", msg.rank)
@@ -125,25 +126,55 @@ class SchedulerStage:
             return
         self.num_requests += 1
         if seq is not None:
+            seq.enqueue_time = now = time.time()
+            if request.sent_time:
+                metrics.stage_latency.labels("tokenizer").observe(max(0.0, now - request.sent_time))
             reply_to.send(RequestAccepted(request.request_id, len(request.prompt_token_ids)))
             metrics.prompt_tokens.inc(len(request.prompt_token_ids))
 
     def plan_next(self) -> None:
+        started = time.perf_counter()
         step = self.scheduler.schedule()
         if step is not None:
             plan = step_plan(step)
             for worker in self.workers:
                 worker.send(plan)
             self.in_flight = step if step.rows else None
+            metrics.scheduler_step_time.observe(time.perf_counter() - started)
             metrics.steps.inc()
+            self.record_admissions(step)
         self.record_gauges()
+
+    def record_admissions(self, step: ScheduledStep) -> None:
+        now = time.time()
+        for seq in step.new_seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+                metrics.queue_time.observe(max(0.0, now - seq.arrival_time))
+                metrics.stage_latency.labels("scheduler_queue").observe(max(0.0, now - seq.enqueue_time))
+
+    def record_outputs(self, updates: list[SeqUpdate]) -> None:
+        now = time.time()
+        for u in updates:
+            seq = u.seq
+            if u.new_token_ids and seq.first_token_time is None:
+                seq.first_token_time = now
+                if seq.first_scheduled_time is not None:
+                    metrics.prefill_time.observe(now - seq.first_scheduled_time)
+                    metrics.stage_latency.labels("worker").observe(now - seq.first_scheduled_time)
+            if u.finish_reason is not None:
+                metrics.requests_finished.labels(u.finish_reason.openai).inc()
+                if seq.first_token_time is not None:
+                    metrics.decode_time.observe(now - seq.first_token_time)
 
     def emit(self, updates: list[SeqUpdate]) -> None:
         if not updates:
             return
         step = self.scheduler.num_steps
+        now = time.time()
         for sender, batch in zip(self.detokenizers, token_batches(step, updates, len(self.detokenizers))):
             if batch is not None:
+                batch.sent_time = now
                 sender.send(batch)
 
     def record_step(self, step: ScheduledStep) -> None:
@@ -156,9 +187,13 @@ class SchedulerStage:
     def record_gauges(self) -> None:
         s, blocks = self.scheduler, self.scheduler.blocks
         metrics.kv_blocks_used.set(blocks.num_used)
+        metrics.kv_blocks_free.set(blocks.num_free)
+        metrics.kv_cache_usage.set(blocks.num_used / blocks.num_blocks)
         metrics.requests_running.set(len(s.running))
         metrics.requests_waiting.set(len(s.waiting))
+        metrics.requests_preempted.set(s.waiting.num_preempted)
         for name, counter, value in (
+            ("aborts", metrics.aborts, s.num_aborts),
             ("preemptions", metrics.preemptions, s.num_preemptions),
             ("queries", metrics.prefix_cache_queries, blocks.num_cache_queries),
             ("hits", metrics.prefix_cache_hits, blocks.num_cache_hits),

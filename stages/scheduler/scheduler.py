@@ -56,6 +56,7 @@ class Scheduler:
         self.by_request: dict[str, list[Sequence]] = {}
         self.num_steps = 0
         self.num_preemptions = 0
+        self.num_aborts = 0  # requests aborted while the scheduler knew them
         self._next_seq_id = 0
         self._finished_for_worker: list[int] = []
         self._aborted_updates: list[SeqUpdate] = []
@@ -99,6 +100,7 @@ class Scheduler:
             self._early_aborts = {r: t for r, t in self._early_aborts.items() if now - t < EARLY_ABORT_TTL_S}
             self._early_aborts[request_id] = now
             return
+        self.num_aborts += 1
         for seq in list(seqs):
             if not seq.is_finished:
                 self._finish(seq, FinishReason.ABORT)

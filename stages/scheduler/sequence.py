@@ -26,6 +26,7 @@ class Sequence:
         "block_ids", "block_hashes", "num_registered_blocks", "num_blocks_sent",
         "known_by_worker", "known_by_detokenizer", "status", "finish_reason",
         "num_preemptions", "num_pending_forks", "cumulative_logprob",
+        "enqueue_time", "first_scheduled_time", "first_token_time",
     )  # fmt: skip
 
     def __init__(
@@ -64,6 +65,10 @@ class Sequence:
         self.num_preemptions = 0
         self.num_pending_forks = params.num_samples - 1
         self.cumulative_logprob = 0.0
+        # Wall-clock times (time.time(), comparable with arrival_time) for the metrics.
+        self.enqueue_time = arrival_time  # reached the scheduler
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,7 @@ class WaitingQueue:
         self._heap: list[tuple[tuple[int, float, int], Sequence]] = []
         self.num_seqs = 0
         self.num_tokens = 0  # known tokens of the waiting sequences (their prompts, mostly)
+        self.num_preempted = 0  # waiting sequences that had been running
 
     def __len__(self) -> int:
         return self.num_seqs
@@ -28,6 +29,7 @@ class WaitingQueue:
         heapq.heappush(self._heap, (seq.sort_key, seq))
         self.num_seqs += 1
         self.num_tokens += seq.num_tokens
+        self.num_preempted += seq.num_preemptions > 0
 
     def peek(self) -> Sequence | None:
         heap = self._heap
@@ -50,3 +52,4 @@ class WaitingQueue:
     def _forget(self, seq: Sequence) -> None:
         self.num_seqs -= 1
         self.num_tokens -= seq.num_tokens
+        self.num_preempted -= seq.num_preemptions > 0

@@ -15,9 +15,18 @@ from conveyor.gpu.runner import ModelRunner
 from conveyor.stages.runtime import report_ready
 from conveyor.wire.addresses import address
 from conveyor.wire.channel import Receiver, Sender
-from conveyor.wire.messages import InitializeCache, Shutdown, StepPlan, WorkerInbound, WorkerReady
+from conveyor.stages import metrics
+from conveyor.wire.messages import InitializeCache, Shutdown, StepPlan, StepResult, WorkerInbound, WorkerReady
 
 log = logging.getLogger(__name__)
+
+
+def record_step(result: StepResult) -> None:
+    """The GPU bubble: busy is device compute, idle the wait on the host before the step."""
+    metrics.worker_busy.inc(result.busy_time)
+    metrics.worker_idle.inc(result.idle_time)
+    metrics.worker_step_busy.observe(result.busy_time)
+    metrics.worker_step_idle.observe(result.idle_time)
 
 
 def run(config: EngineConfig, rank: int) -> None:
@@ -37,6 +46,7 @@ def run(config: EngineConfig, rank: int) -> None:
                     result = runner.execute(plan)
                     if rank == 0 and plan.scheduled:
                         scheduler.send(result)
+                        record_step(result)
                 case Shutdown():
                     return
     finally:
