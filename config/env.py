@@ -21,3 +21,9 @@ def log_level() -> str:
 def prometheus_multiproc_dir() -> str | None:
     """prometheus-client's own variable: the launcher sets it for every stage process."""
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+def test_plan_delay_s() -> float:
+    """Test hook: the scheduler sleeps this long before sending each plan, so the worker waits on
+    its host; the GPU-bubble metrics must show it. Never set in production."""
+    return float(os.environ.get("CONVEYOR_TEST_PLAN_DELAY_S") or 0.0)

@@ -7,7 +7,8 @@ computed again from 0 or from its prefix-cache hit), copy the plan's KV blocks (
 rewrite then extend each row's block table, then every ScheduledSeq row computes its next
 `num_tokens` tokens. A row whose computed count reaches its known tokens samples one more, which
 is appended to the sequence, and one per fork from the same logits: each fork starts as a copy
-of the sequence plus its own token.
+of the sequence plus its own token. Sampling (penalties, filters, draws, logprobs) is
+conveyor.gpu.sampling's.
 
 Inputs are built on the host with one pass per sequence (never per token), then copied
 non-blocking (from pinned memory on CUDA). The scheduler side sees only StepPlan / StepResult.
@@ -25,8 +26,8 @@ from conveyor.config.engine import EngineConfig
 from conveyor.gpu.attention import AttentionMetadata
 from conveyor.gpu.kv_cache import allocate_kv_caches, copy_blocks, num_blocks_for_memory
 from conveyor.gpu.loader import load_model
-from conveyor.gpu.sampler import sample, sampled_logprobs
-from conveyor.wire.messages import Fork, NewSeq, SamplingParams, ScheduledSeq, StepPlan, StepResult
+from conveyor.gpu.sampling import SamplingRow, StepSamples, sample_step
+from conveyor.wire.messages import MAX_LOGPROBS, Fork, NewSeq, SamplingParams, ScheduledSeq, StepPlan, StepResult
 
 
 @dataclasses.dataclass
@@ -76,15 +77,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         entered = time.perf_counter()
-        idle = 0.0 if self._last_return is None else entered - self._last_return
+        # The bubble: the step's wall time the device did not compute, from the end of the last
+        # step (or the plan's arrival, after an idle spell) to the end of this one.
+        idle_from = entered if plan.after_idle or self._last_return is None else self._last_return
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
         for new in plan.new_seqs:
             self.seqs[new.seq_id] = self._register(new)
         copy_blocks(self.kv_caches, plan.copy_blocks)
 
-        sampled: list[int] = []
-        logprobs: list[float] = []
+        samples = StepSamples([], [], [])
         busy = 0.0
         if plan.scheduled:
             rows = [self.seqs[row.seq_id] for row in plan.scheduled]
@@ -93,16 +95,21 @@ class ModelRunner:
             num_tokens = [row.num_tokens for row in plan.scheduled]
             inputs = self._prepare(rows, num_tokens)
             forks = self._check_forks(plan.scheduled, inputs.sampling_rows)
-            started = time.perf_counter()
-            sampled, logprobs = self._run(rows, inputs, forks)
-            busy = time.perf_counter() - started  # _run ends in a device sync (tolist / synchronize)
+            with DeviceTimer(self.device) as timer:
+                samples = self._run(rows, inputs, forks)
+            busy = timer.seconds
             # Advance the state only after the step succeeded.
             for seq, n in zip(rows, num_tokens):
                 seq.num_computed += n
-            self._append_sampled([rows[i] for i in inputs.sampling_rows], forks, sampled)
+            self._append_sampled([rows[i] for i in inputs.sampling_rows], forks, samples.token_ids)
         self._last_return = time.perf_counter()
         return StepResult(
-            step=plan.step, sampled_token_ids=sampled, busy_time=busy, idle_time=idle, sampled_logprobs=logprobs
+            step=plan.step,
+            sampled_token_ids=samples.token_ids,
+            busy_time=busy,
+            idle_time=max(0.0, self._last_return - idle_from - busy),
+            sampled_logprobs=samples.logprobs,
+            top_logprobs=samples.top_logprobs,
         )
 
     def _register(self, new: NewSeq) -> SeqState:
@@ -111,6 +118,8 @@ class ModelRunner:
             raise ValueError(f"seq {new.seq_id}: token id out of range [0, {vocab})")
         if not 0 <= new.num_computed_tokens <= len(new.token_ids):
             raise ValueError(f"seq {new.seq_id}: {new.num_computed_tokens} cached of {len(new.token_ids)} tokens")
+        if new.params.logit_bias and not all(0 <= t < vocab for t in new.params.logit_bias):
+            raise ValueError(f"seq {new.seq_id}: logit_bias token id out of range [0, {vocab})")
         # A prefix-cache hit: the leading num_computed_tokens already have KV in the row's blocks.
         return SeqState(
             list(new.token_ids), new.params, new.num_prompt_tokens, new.num_computed_tokens, index=new.index
@@ -184,30 +193,20 @@ class ModelRunner:
             sampling_rows=sampling_rows,
         )
 
-    def _run(
-        self, rows: list[SeqState], inputs: StepInputs, forks: list[list[Fork]]
-    ) -> tuple[list[int], list[float]]:
-        """Forward and sampling -> (token ids, their logprobs), one per draw: each sampling row,
-        then its forks in order."""
+    def _run(self, rows: list[SeqState], inputs: StepInputs, forks: list[list[Fork]]) -> StepSamples:
+        """Forward and sampling -> one token id and logprob per draw (each sampling row, then its
+        forks in order), and top logprobs for the draws that asked."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)  # [T, H]
         if not inputs.sampling_rows:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            return [], []
+            return StepSamples([], [], [])
         logits = self.model.compute_logits(hidden[inputs.logit_index])  # [S, V] float32
-        params, output_indices, choice_indices, logit_rows = [], [], [], []
-        for row, (i, row_forks) in enumerate(zip(inputs.sampling_rows, forks, strict=True)):
-            seq = rows[i]
-            for index in (seq.index, *(fork.index for fork in row_forks)):
-                params.append(seq.params)
-                output_indices.append(seq.num_output_tokens)  # forks draw the same output position
-                choice_indices.append(index)
-                logit_rows.append(row)
-        # [N] draw -> logits row; None when no row forks (N = S, no gather of the logits).
-        draw_rows = None if len(logit_rows) == len(forks) else self._to_device(torch.tensor(logit_rows))
-        token_ids = sample(logits, params, output_indices, choice_indices, draw_rows)  # [N] int64
-        logprobs = sampled_logprobs(logits, token_ids, draw_rows)  # [N] float32
-        return token_ids.tolist(), logprobs.tolist()
+        sampling = [
+            SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, [seq.index, *(f.index for f in row_forks)])
+            for seq, row_forks in zip((rows[i] for i in inputs.sampling_rows), forks, strict=True)
+        ]  # fmt: skip
+        return sample_step(logits, sampling, self.config.model.eos_token_ids)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -223,7 +222,11 @@ class ModelRunner:
         lens = [min(model_cfg.max_model_len, total - i) for i in range(0, total, model_cfg.max_model_len)]
         num_blocks = sum(-(-n // self.block_size) for n in lens)
         caches = allocate_kv_caches(model_cfg, num_blocks, self.block_size, self.device)
-        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+        # Every sampling feature at once, so that the peak covers their [S, V] temporaries.
+        params = SamplingParams(
+            temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.5,
+            repetition_penalty=1.1, min_tokens=2, logit_bias={0: 1.0}, logprobs=MAX_LOGPROBS, max_tokens=None,
+        )  # fmt: skip
         rows, next_block = [], 0
         for n in lens:
             blocks = list(range(next_block, next_block + -(-n // self.block_size)))
@@ -235,9 +238,9 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
             num_rows = min(sched.max_num_seqs, total)
             logits = self.model.compute_logits(hidden[:num_rows])
-            token_ids = sample(logits, [params] * num_rows, [0] * num_rows)
-            sampled_logprobs(logits, token_ids)
-            torch.cuda.synchronize(self.device)
+            history = [0] * min(model_cfg.max_model_len, total)  # one output: min_tokens still bans EOS
+            row = SamplingRow(params, history, len(history) - 1, [0])
+            sample_step(logits, [row] * num_rows, model_cfg.eos_token_ids)
         finally:
             self.kv_caches = saved
 
@@ -250,6 +253,32 @@ def _update_block_table(seq: SeqState, row: ScheduledSeq) -> None:
             raise ValueError(f"seq {row.seq_id}: replaced block position {pos} outside its {len(seq.block_table)}")
         seq.block_table[pos] = block
     seq.block_table.extend(row.new_block_ids)
+
+
+class DeviceTimer:
+    """Device compute time of a region: CUDA events around it on a GPU (the host clock would
+    count launch overhead the device spends idle), the host clock on CPU. The region must end
+    in a device sync, as a step does when it copies the sampled ids back."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+
+    def __enter__(self) -> "DeviceTimer":
+        if self.cuda:
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self._end.record()
+            self._end.synchronize()
+            self.seconds = self._start.elapsed_time(self._end) / 1000
+        else:
+            self.seconds = time.perf_counter() - self._started
 
 
 def _device(name: str, rank: int) -> torch.device:

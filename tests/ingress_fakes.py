@@ -11,16 +11,21 @@ then the scheduler's admission), deterministically:
   - anything else: accepted, then one DeltaBatch per step holding a delta for every choice still
     running (`params.num_samples` of them). Choice j, token i is `token(j, i)` and weighs
     `token_logprob(j)`; choice j runs `choice_length(j)` tokens (finish "stop"), or max_tokens if
-    that is not more (finish "length").
+    that is not more (finish "length"). Like the detokenizer, it ends a choice at the first
+    stop string (matched across tokens; cut, or kept with include_stop_str_in_output) or stop
+    token id (its text dropped), with stop_reason saying which; with params.logprobs set, each
+    delta carries its token's TextLogprob and `top_alternatives` of it.
 Every delta says num_prompt_tokens (the prompt's words) and, for a prompt containing CACHED,
 num_cached_tokens = num_prompt_tokens - 1.
-ServerThread runs the real `serve()` on uvloop in a thread of its own; `post`, `sse`,
-`assert_error` and `raw_post` are the tests' HTTP helpers.
+ServerThread runs the real `serve()` on uvloop in a thread of its own, `running_server` both of
+them over a tiny checkpoint (real tokenizer, so /tokenize works); `post`, `sse`, `assert_error`
+and `raw_post` are the tests' HTTP helpers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import queue
 import socket
@@ -34,7 +39,9 @@ import zmq
 
 from conveyor.config import EngineConfig, ModelConfig, ServerConfig
 from conveyor.stages.ingress.main import serve
-from conveyor.wire.addresses import address
+from conveyor.tiny.checkpoint import make_checkpoint
+from conveyor.tiny import tokenizer as tiny_tokenizer
+from conveyor.wire.addresses import address, make_run_dir
 from conveyor.wire.channel import Receiver, Sender
 from conveyor.wire.messages import (
     AbortRequest,
@@ -46,6 +53,7 @@ from conveyor.wire.messages import (
     RequestRejected,
     SchedulerInbound,
     TextDelta,
+    TextLogprob,
     TokenizeRequest,
     TokenizerInbound,
 )
@@ -53,25 +61,17 @@ from conveyor.wire.messages import (
 NUM_TOKENS = 5
 MODEL_NAME = "fake-model"
 MAX_MODEL_LEN = 256
-VOCAB_SIZE = 1000
 MAX_BODY_BYTES = 64 * 1024
+VOCAB_SIZE = tiny_tokenizer.VOCAB_SIZE  # the tiny checkpoint's
 
 
-def make_config(root: Path, run_dir: str) -> EngineConfig:
-    ckpt = root / "ckpt"
-    ckpt.mkdir()
-    hf = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": VOCAB_SIZE,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "max_position_embeddings": MAX_MODEL_LEN,
-    }
-    (ckpt / "config.json").write_text(json.dumps(hf))
+def make_config(root: Path, run_dir: str, **server) -> EngineConfig:
+    """A tiny checkpoint (real tokenizer and chat template) served as MODEL_NAME; `server`
+    overrides ServerConfig fields (api_key, allowed_origins, ...)."""
+    ckpt = make_checkpoint(root / "ckpt", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN)
     model = ModelConfig.from_pretrained(ckpt, served_name=MODEL_NAME)
-    server = ServerConfig(host="127.0.0.1", port=free_port(), run_dir=run_dir, max_body_bytes=MAX_BODY_BYTES)
+    server = ServerConfig(host="127.0.0.1", port=free_port(), run_dir=run_dir, max_body_bytes=MAX_BODY_BYTES, **server)
     return EngineConfig(model=model, server=server)
 
 
@@ -103,6 +103,43 @@ def choice_output(index: int, max_tokens: int | None) -> tuple[str, list[int], s
     return "".join(t for t, _ in tokens), [i for _, i in tokens], reason, num_tokens * token_logprob(index)
 
 
+def top_alternatives(index: int, i: int, k: int) -> list[TextLogprob]:
+    """The k alternatives the fake reports for choice `index`'s token i: the token itself first."""
+    text, _ = token(index, i)
+    alts = [text] + [f" alt{a}" for a in range(1, k)]
+    return [TextLogprob(t, list(t.encode()), token_logprob(index) - a) for a, t in enumerate(alts)]
+
+
+def choice_deltas(req: TokenizeRequest, index: int, num_prompt: int, num_cached: int) -> list[TextDelta]:
+    """Choice `index`'s deltas, one per token, ended early by a stop string or stop token id."""
+    params = req.params
+    _, ids, reason, _ = choice_output(index, params.max_tokens)
+    texts = [token(index, i)[0] for i in range(len(ids))]
+    starts = [sum(map(len, texts[:i])) for i in range(len(ids) + 1)]
+    joined = "".join(texts)
+    end, last, stop_reason = len(joined), len(ids) - 1, None  # text kept, final token, why
+    matches = sorted((joined.find(stop), stop) for stop in params.stop if stop in joined)
+    if matches:  # the earliest wins
+        pos, stop_reason = matches[0]
+        end = pos + len(stop_reason) if params.include_stop_str_in_output else pos
+        last = next(i for i in range(len(ids)) if starts[i + 1] >= pos + len(stop_reason))
+    hit = next((i for i, t in enumerate(ids) if t in params.stop_token_ids), None)
+    if hit is not None and (hit < last or stop_reason is None):
+        end, last, stop_reason = starts[hit], hit, ids[hit]
+    finish = FinishReason.STOP if stop_reason is not None else FinishReason[reason.upper()]
+    deltas = []
+    for i in range(last + 1):
+        text = joined[min(starts[i], end) : min(starts[i + 1], end)]
+        logprobs = []
+        if params.logprobs is not None:
+            top = top_alternatives(index, i, params.logprobs)
+            logprobs = [TextLogprob(texts[i], list(texts[i].encode()), token_logprob(index), top)]
+        deltas.append(TextDelta(req.request_id, index, text, [ids[i]], finish if i == last else None, num_prompt,
+                                i + 1, num_cached, (i + 1) * token_logprob(index), logprobs,
+                                stop_reason if i == last else None))
+    return deltas
+
+
 def prompt_text(req: TokenizeRequest) -> str:
     if req.messages is not None:
         return " ".join(m.content for m in req.messages)
@@ -112,9 +149,10 @@ def prompt_text(req: TokenizeRequest) -> str:
 # --- HTTP helpers ---------------------------------------------------------------------------
 
 
-def post(url: str, path: str, body, **kw) -> requests.Response:
+def post(url: str, path: str, body, headers: dict | None = None, **kw) -> requests.Response:
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return requests.post(url + path, data=data, headers={"Content-Type": "application/json"}, timeout=10, **kw)
+    headers = {"Content-Type": "application/json"} | (headers or {})
+    return requests.post(url + path, data=data, headers=headers, timeout=10, **kw)
 
 
 def sse(response: requests.Response) -> list:
@@ -227,16 +265,9 @@ class FakeEngine(threading.Thread):
         if "SLOW" in text:
             self._slow[rid] = 0
             return
-        outputs = [choice_output(j, req.params.max_tokens) for j in range(req.params.num_samples)]
-        for i in range(max(len(ids) for _, ids, _, _ in outputs)):
-            deltas = []
-            for j, (_, ids, reason, _) in enumerate(outputs):
-                if i < len(ids):
-                    text, token_id = token(j, i)
-                    finish = FinishReason[reason.upper()] if i == len(ids) - 1 else None
-                    logprob = (i + 1) * token_logprob(j)
-                    deltas.append(TextDelta(rid, j, text, [token_id], finish, num_prompt, i + 1, num_cached, logprob))
-            self.ingress.send(DeltaBatch(deltas))
+        per_choice = [choice_deltas(req, j, num_prompt, num_cached) for j in range(req.params.num_samples)]
+        for i in range(max(map(len, per_choice))):  # one batch per step: a delta per running choice
+            self.ingress.send(DeltaBatch([deltas[i] for deltas in per_choice if i < len(deltas)]))
 
 
 class ServerThread(threading.Thread):
@@ -280,3 +311,24 @@ def wait_for(predicate, timeout: float = 5.0, interval: float = 0.01) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+@contextlib.contextmanager
+def running_server(root: Path, **server):
+    """A FakeEngine and the ingress, the engine reported ready: yields (url, engine, config)."""
+    run_dir = make_run_dir()
+    config = make_config(root, run_dir, **server)
+    engine = FakeEngine(run_dir)
+    engine.start()
+    thread = ServerThread(config)
+    thread.start()
+    url = f"http://{config.server.host}:{config.server.port}"
+    try:
+        assert wait_for(lambda: engine.stage_ready == [("ingress", 0)]), "no StageReady from the ingress"
+        assert requests.get(f"{url}/health").status_code == 503  # listening, engine not ready yet
+        engine.send(EngineStatus(ready=True))
+        assert wait_for(lambda: requests.get(f"{url}/health").status_code == 200)
+        yield url, engine, config
+    finally:
+        thread.stop()
+        engine.stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.gpu.sampler import sample, sampled_logprobs, seed_for
+from conveyor.gpu.sampling import sample, sampled_logprobs, seed_for
 from conveyor.wire.messages import SamplingParams
 
 V = 50

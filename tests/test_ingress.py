@@ -2,27 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 
 import openai
 import pytest
 import requests
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 
-from conveyor.wire.addresses import make_run_dir
-from conveyor.wire.messages import EngineStatus
+from conveyor.stages.ingress.app import errors_as_json
+from conveyor.wire.messages import DeltaBatch, EngineStatus, TextDelta
 from tests.ingress_fakes import (
     MAX_BODY_BYTES,
     MAX_MODEL_LEN,
     MODEL_NAME,
     NUM_TOKENS,
-    FakeEngine,
-    ServerThread,
     assert_error,
     choice_output,
-    make_config,
     post,
     raw_post,
+    running_server,
     sse,
     wait_for,
 )
@@ -44,20 +45,8 @@ def with_prompt(body: dict, chat: bool, prompt: str = "a b") -> tuple[str, dict]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    run_dir = make_run_dir()
-    config = make_config(tmp_path_factory.mktemp("ingress"), run_dir)
-    engine = FakeEngine(run_dir)
-    engine.start()
-    thread = ServerThread(config)
-    thread.start()
-    url = f"http://{config.server.host}:{config.server.port}"
-    assert wait_for(lambda: engine.stage_ready == [("ingress", 0)]), "no StageReady from the ingress"
-    assert requests.get(f"{url}/health").status_code == 503  # listening, engine not ready yet
-    engine.send(EngineStatus(ready=True))
-    assert wait_for(lambda: requests.get(f"{url}/health").status_code == 200)
-    yield url, engine, config
-    thread.stop()
-    engine.stop()
+    with running_server(tmp_path_factory.mktemp("ingress")) as running:
+        yield running
 
 
 def test_health_follows_engine_status(server):
@@ -91,7 +80,8 @@ def test_completion(server):
     assert out["object"] == "text_completion" and out["model"] == MODEL_NAME
     assert re.fullmatch(r"cmpl-0-\d+-[0-9a-f]+", out["id"])
     [choice] = out["choices"]
-    assert choice == {"index": 0, "text": TEXT, "logprobs": None, "finish_reason": "stop", "token_ids": IDS}
+    assert choice == {"index": 0, "text": TEXT, "logprobs": None, "finish_reason": "stop", "stop_reason": None,
+                      "token_ids": IDS}
     assert out["usage"] == usage_of(3, NUM_TOKENS)
     req = engine.requests[-1]
     assert req.request_id == out["id"] and req.ingress == 0 and req.prompt == "one two three"
@@ -317,9 +307,7 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": "hi", "best_of": 3, "stream": True}, 400, "best_of", None),
     ("/v1/completions", {"prompt": "hi", "priority": 1.5}, 400, "priority", None),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream", None),
-    ("/v1/completions", {"prompt": "hi", "stop": ["x"]}, 400, "stop", None),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [10**6]}, 400, "stop_token_ids", None),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
     ("/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt", None),
     ("/v1/completions", {"prompt": []}, 400, "prompt", None),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt", None),
@@ -413,3 +401,36 @@ def test_engine_stop_fails_requests_in_flight(server):
     engine.send(EngineStatus(ready=True))
     assert wait_for(lambda: requests.get(f"{url}/health").status_code == 200)
     assert post(url, "/v1/completions", {"prompt": "ok"}).status_code == 200
+
+
+def test_an_unexpected_error_mid_stream_ends_it_with_an_error_event(server):
+    """A delta for a choice the request does not have (an engine bug) fails the stream, not the server."""
+    url, engine, _ = server
+    num_requests = len(engine.requests)
+    streamed = post(url, "/v1/completions", {"prompt": "SLOW", "stream": True}, stream=True)
+    assert wait_for(lambda: len(engine.requests) == num_requests + 1)
+    request_id = engine.requests[-1].request_id
+    body = streamed.iter_content(None)
+    first = next(body)  # the stream began
+    engine.send(DeltaBatch([TextDelta(request_id, 99, "?", [1])]))
+    raw = (first + b"".join(body)).decode()
+    assert raw.startswith("data: {")
+    assert raw.endswith('"type":"server_error","param":null,"code":null}}\n\ndata: [DONE]\n\n'), raw[-200:]
+    assert wait_for(lambda: request_id in engine.aborts)
+    assert post(url, "/v1/completions", {"prompt": "ok"}).status_code == 200
+
+
+def test_unexpected_exceptions_become_a_logged_json_500(caplog):
+    async def boom(request):
+        raise RuntimeError("boom")
+
+    async def call() -> tuple[int, dict]:
+        app = web.Application(middlewares=[errors_as_json])
+        app.router.add_get("/boom", boom)
+        async with TestClient(TestServer(app)) as client:
+            response = await client.get("/boom")
+            return response.status, await response.json()
+
+    status, body = asyncio.run(call())
+    assert status == 500 and body["error"]["type"] == "server_error"
+    assert any(r.exc_info and "boom" in str(r.exc_info[1]) for r in caplog.records)

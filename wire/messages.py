@@ -216,6 +216,9 @@ class StepPlan(Struct, tag=10):
     scheduled: list[ScheduledSeq]
     finished_seq_ids: list[int] = []
     copy_blocks: list[tuple[int, int]] = []  # (src, dst) KV block copies, before the forward
+    # The engine had nothing to run before this plan: the time since the last step is not a GPU
+    # bubble (nobody was waiting), only the time from the plan's arrival on is.
+    after_idle: bool = False
 
 
 class Shutdown(Struct, tag=11):

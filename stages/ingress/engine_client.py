@@ -3,7 +3,8 @@
 Sends TokenizeRequest (to the tokenizer pool) and AbortRequest (to the scheduler). Takes every
 IngressInbound message through `dispatch`: RequestAccepted (from the scheduler, after admission),
 RequestRejected (a 400 from a tokenizer, a 429 from the scheduler) and each TextDelta go to their
-request's `RequestStream`; EngineStatus flips `ready` (and when the engine stops, every
+request's `RequestStream` (one stream serves every engine request of a batch of prompts: the
+events carry their request id); EngineStatus flips `ready` (and when the engine stops, every
 request in flight gets a 503 rejection). Messages for a request that is no longer here (it
 finished, or its client went away) are dropped.
 """
@@ -31,10 +32,9 @@ Event = RequestAccepted | RequestRejected | TextDelta
 
 
 class RequestStream:
-    """What the engine has said about one request, waiting for its HTTP handler to take it."""
+    """What the engine has said about one HTTP request's engine requests, waiting for its handler."""
 
-    def __init__(self, request_id: str):
-        self.request_id = request_id
+    def __init__(self) -> None:
         self._pending: list[Event] = []
         self._wakeup = asyncio.Event()
 
@@ -68,31 +68,36 @@ class EngineClient:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{self.index}-{next(self._counter)}-{self._nonce}"
 
-    def submit(self, request_id: str, gen: Generation) -> RequestStream:
-        stream = self._streams[request_id] = RequestStream(request_id)
-        self._tokenizers.send(
-            TokenizeRequest(
-                request_id=request_id,
-                ingress=self.index,
-                params=gen.params,
-                arrival_time=time.time(),
-                prompt=gen.prompt,
-                prompt_token_ids=gen.prompt_token_ids,
-                messages=gen.messages,
-                add_generation_prompt=gen.add_generation_prompt,
-                priority=gen.priority,
+    def submit(self, request_ids: list[str], gen: Generation) -> RequestStream:
+        """One TokenizeRequest per prompt of `gen`, under the matching id; one stream for all."""
+        stream = RequestStream()
+        arrival_time = time.time()
+        for request_id, prompt in zip(request_ids, gen.prompts, strict=True):
+            self._streams[request_id] = stream
+            self._tokenizers.send(
+                TokenizeRequest(
+                    request_id=request_id,
+                    ingress=self.index,
+                    params=gen.params,
+                    arrival_time=arrival_time,
+                    prompt=prompt.text,
+                    prompt_token_ids=prompt.token_ids,
+                    messages=prompt.messages,
+                    add_generation_prompt=gen.add_generation_prompt,
+                    priority=gen.priority,
+                )
             )
-        )
         return stream
 
     def release(self, request_id: str) -> None:
         """The request is done (finished or rejected): forget it."""
         self._streams.pop(request_id, None)
 
-    def abort(self, request_id: str) -> None:
-        """The client went away before the request finished: stop it in the engine, forget it."""
-        if self._streams.pop(request_id, None) is not None:
-            self._scheduler.send(AbortRequest(request_ids=[request_id]))
+    def abort(self, request_ids: list[str]) -> None:
+        """The client went away before these finished: stop them in the engine, forget them."""
+        live = [request_id for request_id in request_ids if self._streams.pop(request_id, None) is not None]
+        if live:
+            self._scheduler.send(AbortRequest(request_ids=live))
 
     def dispatch(self, msg: object) -> None:
         match msg:

@@ -3,7 +3,8 @@
 ApiError is raised anywhere under a route (request decoding, validation, a RequestRejected from
 a tokenizer or the scheduler) and turned into that body by the app's middleware, so a client
 never sees a bare aiohttp page or a 500 for input it got wrong. A 429 says when to come back in
-a `Retry-After` header (whole seconds, at least 1).
+a `Retry-After` header (whole seconds, at least 1). `read_body` (the 413) and `check_model` (the
+404) are the checks every POST route starts with.
 """
 
 from __future__ import annotations
@@ -13,9 +14,13 @@ import math
 import msgspec
 from aiohttp import web
 
+from conveyor.config import EngineConfig
+
 # The `type` OpenAI puts in an error body, by HTTP status.
 _TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
@@ -55,3 +60,21 @@ class ApiError(Exception):
 
 def not_ready() -> ApiError:
     return ApiError(503, "the engine is still loading or has stopped", code="engine_not_ready")
+
+
+async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
+    too_large = ApiError(413, f"request body is larger than {max_body_bytes} bytes", code="request_too_large")
+    if request.content_length is not None and request.content_length > max_body_bytes:
+        raise too_large
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+
+
+def check_model(config: EngineConfig, model: str | None) -> None:
+    """A request may name the served model, or none; any other name is a 404."""
+    served = config.model.served_name
+    if model is not None and model != served:
+        message = f"the model `{model}` does not exist; this server serves `{served}`"
+        raise ApiError(404, message, param="model", code="model_not_found")

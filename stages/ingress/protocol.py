@@ -1,121 +1,82 @@
-"""Request bodies of /v1/completions and /v1/chat/completions, decoded and checked.
+"""Bodies of /v1/completions and /v1/chat/completions, decoded and checked into a `Generation`.
 
-`parse_completion` and `parse_chat` turn raw body bytes into a `Generation`: what goes into the
-TokenizeRequest (prompt text, prompt ids or chat messages, plus SamplingParams) and how to answer
-(stream, usage, token ids). Every problem is an ApiError naming the offending `param`; unknown
-fields are ignored, as OpenAI-compatible servers do. `best_of` (accepted on both routes, as vLLM
-does) asks for that many samples of which the `n` most likely are returned, so it cannot stream.
+`parse_completion` and `parse_chat` turn raw body bytes into what goes into the TokenizeRequests
+(one `Prompt` each: a completion batch fans out as one engine request per prompt) plus how to
+answer (stream, usage, echo, token ids). Every problem is an ApiError naming the offending
+`param`: msgspec enforces the bounds declared in bodies.py, this module what needs the model (token
+ids inside the vocabulary) or several fields at once, and SamplingParams has the last word.
+`best_of` (accepted on both routes, as vLLM does) asks for that many samples of which the `n`
+most likely are returned, so it cannot stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 
+from conveyor.stages.ingress.bodies import ChatBody, ChatMessageBody, CompletionBody, SamplingBody
 from conveyor.stages.ingress.errors import ApiError
 from conveyor.wire.messages import ChatMessage, SamplingParams
 
-# Anything that travels on the wire as msgpack must fit in 64 bits.
-Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
-MAX_SAMPLES = 128  # n and best_of above this are a 400: each sample is a sequence in the batch
+MAX_PROMPTS = 256  # prompts in one completion batch: each is an engine request of its own
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
-class _Body(msgspec.Struct, forbid_unknown_fields=False):
-    pass
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """One engine request's input: text, token ids, or chat messages."""
 
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class _Common(_Body, kw_only=True):
-    model: str | None = None
-    max_tokens: Int64 | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: Int64 | None = None
-    seed: Int64 | None = None
-    n: Int64 = 1
-    best_of: Int64 | None = None
-    priority: Int64 = 0  # lower runs first
-    stop: str | list[str] | None = None
-    stop_token_ids: list[Int64] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    return_token_ids: bool = False
-
-
-class CompletionBody(_Common, kw_only=True):
-    prompt: str | list[Any]
-    logprobs: Int64 | None = None
-    echo: bool = False
-
-
-class ContentPart(_Body):
-    type: str
     text: str | None = None
-
-
-class ChatMessageBody(_Body):
-    role: str
-    content: str | list[ContentPart] | None = None
-
-
-class ChatBody(_Common, kw_only=True):
-    messages: list[ChatMessageBody]
-    max_completion_tokens: Int64 | None = None
-    add_generation_prompt: bool = True
-    logprobs: bool = False
+    token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
 
 
 @dataclasses.dataclass
 class Generation:
-    """One validated request, ready to become a TokenizeRequest."""
+    """One validated request, ready to become one TokenizeRequest per prompt."""
 
     params: SamplingParams
+    prompts: list[Prompt] = dataclasses.field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
     return_token_ids: bool = False
+    echo: bool = False
     model: str | None = None
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
     priority: int = 0
 
 
 def parse_completion(data: bytes, vocab_size: int) -> Generation:
-    body = _decode(data, CompletionBody)
-    if body.logprobs is not None or body.echo:
-        param = "echo" if body.logprobs is None else "logprobs"
-        raise ApiError(400, "logprobs and echo are not supported yet", param=param)
-    gen = _generation(body, body.max_tokens if body.max_tokens is not None else 16, vocab_size)
-    gen.prompt, gen.prompt_token_ids = _prompt(body.prompt, vocab_size)
+    body = decode(data, CompletionBody)
+    if body.echo and body.logprobs is not None:
+        raise ApiError(400, "echo with logprobs is not supported", param="echo")
+    max_tokens = body.max_tokens if body.max_tokens is not None else 16
+    gen = _generation(body, max_tokens, body.logprobs, vocab_size)
+    gen.prompts = _prompts(body.prompt, vocab_size)
+    gen.echo = body.echo
     return gen
 
 
 def parse_chat(data: bytes, vocab_size: int) -> Generation:
-    body = _decode(data, ChatBody)
-    if body.logprobs:
-        raise ApiError(400, "logprobs are not supported yet", param="logprobs")
+    body = decode(data, ChatBody)
+    if body.top_logprobs and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    gen = _generation(body, max_tokens, vocab_size)  # None: until EOS or the context is full
-    if not body.messages:
-        raise ApiError(400, "messages must not be empty", param="messages")
-    gen.messages = [_chat_message(m, i) for i, m in enumerate(body.messages)]
+    gen = _generation(body, max_tokens, logprobs, vocab_size)  # None: until EOS or the context is full
+    gen.prompts = [Prompt(messages=chat_messages(body.messages))]
     gen.add_generation_prompt = body.add_generation_prompt
     return gen
 
 
-def _decode(data: bytes, type: Any) -> Any:
+def decode(data: bytes, type: Any) -> Any:
+    """Numbers and booleans are read leniently, as the pydantic-based OpenAI-compatible servers
+    read them: 5.0 or "5" is an integer, "true" a boolean; 5.5 is not an integer, "yes" no bool."""
     try:
-        return msgspec.json.decode(data, type=type)
+        return msgspec.json.decode(data, type=type, strict=False)
     except msgspec.ValidationError as e:
         raise ApiError(400, f"invalid request: {e}", param=_param_of(str(e))) from None
     except msgspec.DecodeError as e:
@@ -123,36 +84,44 @@ def _decode(data: bytes, type: Any) -> Any:
 
 
 def _param_of(message: str) -> str | None:
-    """`... - at `$.messages[0].content`` -> "messages[0].content"; a missing field names itself."""
+    """`... - at `$.messages[0].content`` -> "messages[0].content"; `$.logit_bias[...]` ->
+    "logit_bias" (a dict value); a missing field names itself."""
     if m := re.search(r"at `\$\.?(.+?)`$", message):
-        return m.group(1)
+        return m.group(1).replace("[...]", "") or None
     if m := re.search(r"missing required field `(.+?)`", message):
         return m.group(1)
     return None
 
 
-def _generation(body: _Common, max_tokens: int | None, vocab_size: int) -> Generation:
-    if body.stop:
-        raise ApiError(400, "stop strings are not supported yet; use stop_token_ids", param="stop")
-    for token_id in body.stop_token_ids or []:
-        if not 0 <= token_id < vocab_size:
-            raise ApiError(400, f"stop token id {token_id} is outside the vocabulary", param="stop_token_ids")
-    for name, value in (("n", body.n), ("best_of", body.best_of)):
-        if value is not None and value > MAX_SAMPLES:
-            raise ApiError(400, f"{name} must be at most {MAX_SAMPLES}", param=name)
+def _generation(body: SamplingBody, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> Generation:
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed with stream set to true", param="stream_options")
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    if "" in stop:
+        raise ApiError(400, "stop strings must not be empty", param="stop")
+    _check_token_ids(body.stop_token_ids or [], vocab_size, "stop_token_ids")
     fields = dict(
         n=body.n,
         best_of=body.best_of,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
+        min_p=body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
         seed=body.seed,
         stop_token_ids=body.stop_token_ids,
+        logit_bias=_logit_bias(body.logit_bias, vocab_size),
+        logprobs=logprobs,
     )
     try:
         params = SamplingParams(
             **{k: v for k, v in fields.items() if v is not None},
             max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=stop,
+            include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos,
             skip_special_tokens=body.skip_special_tokens,
         )
@@ -171,28 +140,52 @@ def _generation(body: _Common, max_tokens: int | None, vocab_size: int) -> Gener
     )
 
 
-def _prompt(prompt: str | list[Any], vocab_size: int) -> tuple[str | None, list[int] | None]:
-    """A string, a list of one string, or a list of token ids."""
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not bias:
+        return None
+    for key in bias:
+        if not re.fullmatch(r"[0-9]{1,19}", key) or int(key) >= vocab_size:
+            raise ApiError(400, f"logit_bias key {key!r} is not a token id in [0, {vocab_size})", param="logit_bias")
+    return {int(key): value for key, value in bias.items()}
+
+
+def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
+
+
+def _prompts(prompt: str | list[Any], vocab_size: int) -> list[Prompt]:
+    """A string, a list of token ids, or a batch: a list of strings or of token id lists."""
     if isinstance(prompt, str):
-        return prompt, None
+        return [Prompt(text=prompt)]
     if not prompt:
         raise ApiError(400, "prompt must not be empty", param="prompt")
-    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-        if not all(0 <= p < vocab_size for p in prompt):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
-        return None, prompt
-    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) and p for p in prompt):
-        if len(prompt) > 1:
-            raise ApiError(400, "a batch of several prompts is not supported yet", param="prompt")
-        if isinstance(prompt[0], str) or all(isinstance(p, int) for p in prompt[0]):
-            return _prompt(prompt[0], vocab_size)
-    raise ApiError(400, "prompt must be a string, a list of strings or a list of token ids", param="prompt")
+    if all(_is_token_id(p) for p in prompt):
+        _check_token_ids(prompt, vocab_size, "prompt")
+        return [Prompt(token_ids=prompt)]
+    if len(prompt) > MAX_PROMPTS:
+        raise ApiError(400, f"a batch holds at most {MAX_PROMPTS} prompts", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [Prompt(text=p) for p in prompt]
+    if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
+        for ids in prompt:
+            _check_token_ids(ids, vocab_size, "prompt")
+        return [Prompt(token_ids=ids) for ids in prompt]
+    message = "prompt must be a string, a list of strings, a list of token ids or a list of such lists"
+    raise ApiError(400, message, param="prompt")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def chat_messages(messages: list[ChatMessageBody]) -> list[ChatMessage]:
+    return [_chat_message(m, i) for i, m in enumerate(messages)]
 
 
 def _chat_message(message: ChatMessageBody, i: int) -> ChatMessage:
-    role = ROLES.get(message.role)
-    if role is None:
-        raise ApiError(400, f"unsupported role {message.role!r}", param=f"messages[{i}].role")
+    role = ROLES[message.role]
     if message.content is None or isinstance(message.content, str):
         return ChatMessage(role=role, content=message.content or "")
     texts = []

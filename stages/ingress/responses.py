@@ -1,14 +1,16 @@
 """OpenAI response bodies built from TextDelta events: one JSON answer, or server-sent events.
 
-A `ResponseBuilder` follows one request: `accept` records the prompt length, `add` folds each
-TextDelta into its choice (counts and cumulative logprob always, text and ids only for a
+A `ResponseBuilder` follows one HTTP request, which may fan out as several engine requests (a
+batch of prompts): `accept(p, ...)` records prompt p's length, `add(p, delta)` folds a TextDelta
+of prompt p into its choice (counts, logprobs and stop reason always, text and ids only for a
 non-stream answer), `body()` gives the whole answer, and `sse_chunks()` turns a batch of deltas
 into `data: {json}` events, one per choice, the chat role only in a choice's first chunk and
 finish_reason null until its terminal chunk. `usage_chunk()` and `DONE` end a stream.
 
-The engine generates `params.num_samples` choices. With best_of > n (never streamed) the answer
-holds the n of them with the highest cumulative logprob, best first, re-indexed 0..n-1; usage
-counts every generated token, as the engine spent them.
+Each prompt generates `params.num_samples` choices; the answer's choice p * n + i is prompt p's
+i-th. With best_of > n (never streamed) the answer holds each prompt's n choices with the
+highest cumulative logprob, best first; usage counts every generated token and sums the prompts.
+With echo, each choice's text starts with its prompt's text.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Any
 
 import msgspec
 
-from conveyor.wire.messages import FinishReason, SamplingParams, TextDelta
+from conveyor.stages.ingress.logprobs import chat_logprobs, completion_logprobs
+from conveyor.wire.messages import FinishReason, SamplingParams, TextDelta, TextLogprob
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -27,12 +30,16 @@ _encode = msgspec.json.Encoder().encode
 
 
 class Choice:
-    def __init__(self) -> None:
+    def __init__(self, prefix: str = "") -> None:
+        self.prefix = prefix  # the echoed prompt, sent before the first generated text
         self.text_parts: list[str] = []
         self.token_ids: list[int] = []
+        self.logprobs: list[TextLogprob] = []
         self.finish_reason: FinishReason | None = None
+        self.stop_reason: str | int | None = None
         self.num_output_tokens = 0
         self.num_chunks_sent = 0
+        self.num_chars_sent = 0  # text characters streamed so far: where the next token starts
         self.cumulative_logprob = 0.0
 
     @property
@@ -48,125 +55,163 @@ class ResponseBuilder:
         *,
         chat: bool,
         params: SamplingParams,
+        system_fingerprint: str = "",
         stream: bool = False,
         include_usage: bool = False,
         return_token_ids: bool = False,
+        echo: list[str] | None = None,
+        num_prompts: int = 1,
     ):
         self.request_id = request_id
         self.model = model
         self.chat = chat
-        self.n = params.n  # choices in the answer, out of num_samples generated
+        self.system_fingerprint = system_fingerprint
+        self.n = params.n  # choices per prompt in the answer, out of num_samples generated
+        self.num_samples = params.num_samples
+        self.logprobs = params.logprobs is not None
         self.stream = stream
         self.include_usage = include_usage
         self.return_token_ids = return_token_ids
         self.created = int(time.time())
-        self.num_prompt_tokens = 0
-        self.num_cached_tokens = 0
-        self.choices = [Choice() for _ in range(params.num_samples)]
+        self.num_prompt_tokens = [0] * num_prompts
+        self.num_cached_tokens = [0] * num_prompts
+        prefixes = echo or [""] * num_prompts
+        self.choices = [Choice(prefixes[p]) for p in range(num_prompts) for _ in range(self.num_samples)]
 
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.choices)
 
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(c.num_output_tokens for c in self.choices)
+    def prompt_finished(self, p: int) -> bool:
+        return all(c.finished for c in self._samples_of(p))
 
-    def accept(self, num_prompt_tokens: int) -> None:
-        self.num_prompt_tokens = num_prompt_tokens
+    def accept(self, p: int, num_prompt_tokens: int) -> None:
+        self.num_prompt_tokens[p] = num_prompt_tokens
 
-    def add(self, delta: TextDelta) -> None:
-        choice = self.choices[delta.index]
+    def add(self, p: int, delta: TextDelta) -> None:
+        choice = self.choices[p * self.num_samples + delta.index]
         if delta.num_prompt_tokens:
-            self.num_prompt_tokens = delta.num_prompt_tokens
-        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+            self.num_prompt_tokens[p] = delta.num_prompt_tokens
+        self.num_cached_tokens[p] = max(self.num_cached_tokens[p], delta.num_cached_tokens)
         choice.cumulative_logprob = delta.cumulative_logprob  # a running sum: the latest is the total
         # The detokenizer's running count is authoritative; counting ids covers a delta without one.
         choice.num_output_tokens = max(choice.num_output_tokens + len(delta.token_ids), delta.num_output_tokens)
         if delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
+            choice.stop_reason = delta.stop_reason
         if not self.stream:
             choice.text_parts.append(delta.text)
             choice.token_ids.extend(delta.token_ids)
+            choice.logprobs.extend(delta.logprobs)
 
     # --- one JSON answer ----------------------------------------------------------------
 
     def body(self) -> bytes:
         choices = []
-        for index, c in enumerate(self._best()):
-            text = "".join(c.text_parts)
-            choice: dict[str, Any] = {"index": index}
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice["text"] = text
-            choice["logprobs"] = None
-            choice["finish_reason"] = _reason(c.finish_reason)
-            if self.return_token_ids:
-                choice["token_ids"] = c.token_ids
-            choices.append(choice)
+        for p in range(len(self.num_prompt_tokens)):
+            for i, c in enumerate(self._best(p)):
+                text = c.prefix + "".join(c.text_parts)
+                offset = len(c.prefix)  # where the first generated token starts in the text
+                choices.append(self._choice(p * self.n + i, c, text, c.token_ids, c.logprobs, c.finish_reason, offset))
         head = self._head("chat.completion" if self.chat else "text_completion")
         return _encode({**head, "choices": choices, "usage": self._usage()})
 
-    def _best(self) -> list[Choice]:
-        """The n choices of the answer: all of them, or the n most likely of best_of samples."""
-        if len(self.choices) == self.n:
-            return self.choices
-        return sorted(self.choices, key=lambda c: c.cumulative_logprob, reverse=True)[: self.n]
+    def _samples_of(self, p: int) -> list[Choice]:
+        return self.choices[p * self.num_samples : (p + 1) * self.num_samples]
+
+    def _best(self, p: int) -> list[Choice]:
+        """Prompt p's choices in the answer: all, or the n most likely of best_of samples."""
+        samples = self._samples_of(p)
+        if self.num_samples == self.n:
+            return samples
+        return sorted(samples, key=lambda c: c.cumulative_logprob, reverse=True)[: self.n]
 
     # --- a stream -----------------------------------------------------------------------
 
-    def sse_chunks(self, deltas: list[TextDelta]) -> bytes:
-        """Events for deltas already folded in with `add`: consecutive deltas of a choice merge."""
-        merged: dict[int, tuple[list[str], list[int], FinishReason | None]] = {}
-        for d in deltas:
-            texts, ids, _ = merged.setdefault(d.index, ([], [], None))
+    def sse_chunks(self, deltas: list[tuple[int, TextDelta]]) -> bytes:
+        """Events for (prompt, delta) pairs already folded in with `add`: consecutive deltas of a
+        choice merge into one event."""
+        merged: dict[int, tuple[list[str], list[int], list[TextLogprob], FinishReason | None]] = {}
+        for p, d in deltas:
+            texts, ids, logprobs, _ = merged.setdefault(p * self.num_samples + d.index, ([], [], [], None))
             texts.append(d.text)
             ids.extend(d.token_ids)
-            merged[d.index] = (texts, ids, d.finish_reason)
-        return b"".join(self._chunk(i, "".join(t), ids, reason) for i, (t, ids, reason) in merged.items())
+            logprobs.extend(d.logprobs)
+            merged[p * self.num_samples + d.index] = (texts, ids, logprobs, d.finish_reason)
+        return b"".join(self._chunk(i, "".join(t), ids, lps, reason) for i, (t, ids, lps, reason) in merged.items())
 
     def usage_chunk(self) -> bytes:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
         return _sse({**head, "choices": [], "usage": self._usage()})
 
-    def _chunk(self, index: int, text: str, token_ids: list[int], reason: FinishReason | None) -> bytes:
-        choice_state = self.choices[index]
-        choice: dict[str, Any] = {"index": index}
-        if self.chat:
-            delta: dict[str, Any] = {}
-            if choice_state.num_chunks_sent == 0:
-                delta["role"] = "assistant"
-            if text or choice_state.num_chunks_sent == 0:
-                delta["content"] = text
-            choice["delta"] = delta
-        else:
-            choice["text"] = text
-        choice["logprobs"] = None
-        choice["finish_reason"] = _reason(reason)
-        if self.return_token_ids:
-            choice["token_ids"] = token_ids
-        choice_state.num_chunks_sent += 1
+    def _chunk(
+        self, index: int, text: str, token_ids: list[int], logprobs: list[TextLogprob], reason: FinishReason | None
+    ) -> bytes:
+        c = self.choices[index]  # streams never have best_of > n: answer index = choice index
+        offset = c.num_chars_sent  # characters of the choice's text before this chunk's tokens
+        if c.num_chunks_sent == 0:
+            text = c.prefix + text
+            offset += len(c.prefix)
+        choice = self._choice(index, c, text, token_ids, logprobs, reason, offset)
+        c.num_chunks_sent += 1
+        c.num_chars_sent += len(text)
         chunk = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if self.include_usage:
             chunk["usage"] = None
         return _sse(chunk)
 
+    # --- shared -------------------------------------------------------------------------
+
+    def _choice(
+        self,
+        index: int,
+        c: Choice,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[TextLogprob],
+        reason: FinishReason | None,
+        first_offset: int,
+    ) -> dict[str, Any]:
+        """A choice of the answer, or of a chunk (then with its delta's text, ids and logprobs)."""
+        choice: dict[str, Any] = {"index": index}
+        if not self.chat:
+            choice["text"] = text
+        elif not self.stream:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            delta: dict[str, Any] = {"role": "assistant"} if c.num_chunks_sent == 0 else {}
+            if text or c.num_chunks_sent == 0:
+                delta["content"] = text
+            choice["delta"] = delta
+        if not self.logprobs:
+            choice["logprobs"] = None
+        elif self.chat:
+            choice["logprobs"] = chat_logprobs(logprobs)
+        else:
+            choice["logprobs"] = completion_logprobs(logprobs, first_offset)
+        choice["finish_reason"] = None if reason is None else reason.openai
+        choice["stop_reason"] = c.stop_reason if reason is not None else None
+        if self.return_token_ids:
+            choice["token_ids"] = token_ids
+        return choice
+
     def _head(self, object: str) -> dict[str, Any]:
-        return {"id": self.request_id, "object": object, "created": self.created, "model": self.model}
+        return {
+            "id": self.request_id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
+        }
 
     def _usage(self) -> dict[str, Any]:
-        prompt, out = self.num_prompt_tokens, self.num_output_tokens
+        prompt, out = sum(self.num_prompt_tokens), sum(c.num_output_tokens for c in self.choices)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": out,
             "total_tokens": prompt + out,
-            "prompt_tokens_details": {"cached_tokens": self.num_cached_tokens},
+            "prompt_tokens_details": {"cached_tokens": sum(self.num_cached_tokens)},
         }
-
-
-def _reason(reason: FinishReason | None) -> str | None:
-    return None if reason is None else reason.openai
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

@@ -19,6 +19,7 @@ import time
 import zmq
 
 from conveyor.config import EngineConfig
+from conveyor.config.env import test_plan_delay_s
 from conveyor.stages import metrics
 from conveyor.stages.runtime import report_ready
 from conveyor.stages.scheduler.block_manager import BlockManager
@@ -56,6 +57,9 @@ class SchedulerStage:
         self.seen = {"aborts": 0, "preemptions": 0, "queries": 0, "hits": 0}
         self.prompt_tokens_per_s = 0.0  # moving average, for Retry-After
         self.last_step_end = time.monotonic()
+        self.plan_delay_s = test_plan_delay_s()
+        self.idle = True
+        self.last_stats_log = time.monotonic()
 
     def start(self) -> None:
         """Wait for every worker rank's capacity, then size the pool they all can hold."""
@@ -137,12 +141,16 @@ class SchedulerStage:
         step = self.scheduler.schedule()
         if step is not None:
             plan = step_plan(step)
+            plan.after_idle = self.idle
+            metrics.scheduler_step_time.observe(time.perf_counter() - started)
+            if self.plan_delay_s:
+                time.sleep(self.plan_delay_s)
             for worker in self.workers:
                 worker.send(plan)
             self.in_flight = step if step.rows else None
-            metrics.scheduler_step_time.observe(time.perf_counter() - started)
             metrics.steps.inc()
             self.record_admissions(step)
+        self.idle = self.in_flight is None  # nothing computing: the next plan follows an idle spell
         self.record_gauges()
 
     def record_admissions(self, step: ScheduledStep) -> None:

@@ -79,7 +79,7 @@ def prepare(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest) 
 
 def run(config: EngineConfig, index: int) -> None:
     run_dir = config.server.run_dir
-    encoder = PromptEncoder(config.model.path)
+    encoder = PromptEncoder(config.model.path, chat_template=config.server.chat_template)
     ctx = zmq.Context()
     try:
         inbox: Receiver[TokenizerInbound] = Receiver(ctx, address(run_dir, "tokenizer", index), TokenizerInbound)

@@ -1,0 +1,77 @@
+"""One step's draws: from the logits of the step's sampling rows to what StepResult carries.
+
+A sampling row (a sequence whose chunk reached the end of its known tokens) owns one logits row
+and one draw per choice: its own, then one per fork. Its draws share its params and token
+history, so penalties, bias and min_tokens edit its logits row once (penalties.py); each draw
+then reads its row (sampler.py). Logprobs, sampled and top, come from the raw logits. The ids and
+logprobs come back to the host behind a single synchronisation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from conveyor.gpu.sampling.logprobs import sampled_logprobs, top_logprobs
+from conveyor.gpu.sampling.penalties import apply_penalties
+from conveyor.gpu.sampling.sampler import sample
+from conveyor.gpu.sampling.transfer import to_device, to_host
+from conveyor.wire.messages import SamplingParams, TopLogprobs
+
+
+@dataclasses.dataclass
+class SamplingRow:
+    params: SamplingParams
+    token_ids: list[int]  # prompt, then every output so far (read, never changed)
+    num_prompt_tokens: int
+    choice_indices: list[int]  # one per draw: the sequence's own, then each fork's
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclasses.dataclass
+class StepSamples:
+    token_ids: list[int]  # one per draw, in draw order
+    logprobs: list[float]  # of each sampled id under the raw logits
+    top_logprobs: list[TopLogprobs]  # one per draw whose params.logprobs is not None
+
+
+def sample_step(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tuple[int, ...]) -> StepSamples:
+    """logits [S, V] float32 as the model gave them, row i for rows[i] -> the step's draws."""
+    device = logits.device
+    params, output_indices, choice_indices, logit_rows = [], [], [], []
+    for r, row in enumerate(rows):
+        for choice in row.choice_indices:  # forks draw the same output position
+            params.append(row.params)
+            output_indices.append(row.num_output_tokens)
+            choice_indices.append(choice)
+            logit_rows.append(r)
+    # [N] draw -> logits row; None when no row forks (N = S, no gather of the logits).
+    draw_rows = None if len(logit_rows) == len(rows) else to_device(logit_rows, torch.int64, device)
+    row_params, num_prompt = [r.params for r in rows], [r.num_prompt_tokens for r in rows]
+    edited = apply_penalties(logits, row_params, [r.token_ids for r in rows], num_prompt, eos_token_ids)  # [S, V]
+    token_ids = sample(edited, params, output_indices, choice_indices, draw_rows)  # [N] int64
+    logprobs = sampled_logprobs(logits, token_ids, draw_rows)  # [N] float32
+
+    wanted = [r for r, row in enumerate(rows) if row.params.logprobs is not None]
+    k = max((rows[r].params.logprobs for r in wanted), default=0)
+    top_values = top_ids = None
+    if k > 0:
+        top_values, top_ids = top_logprobs(logits[to_device(wanted, torch.int64, device)], k)  # [R, k]
+    token_ids, logprobs, top_values, top_ids = to_host(token_ids, logprobs, top_values, top_ids)
+    return StepSamples(token_ids.tolist(), logprobs.tolist(), _tops(rows, wanted, top_values, top_ids))
+
+
+def _tops(rows: list[SamplingRow], wanted: list[int], values: torch.Tensor | None, ids: torch.Tensor | None):
+    """Host [R, k] top logprobs of the wanted rows -> one TopLogprobs per draw of theirs, each cut
+    to its own params.logprobs, in draw order (a row's draws share one)."""
+    values_list = values.tolist() if values is not None else [[]] * len(wanted)
+    ids_list = ids.tolist() if ids is not None else [[]] * len(wanted)
+    tops = []
+    for r, row_ids, row_values in zip(wanted, ids_list, values_list, strict=True):
+        k = rows[r].params.logprobs
+        tops += [TopLogprobs(token_ids=row_ids[:k], logprobs=row_values[:k])] * len(rows[r].choice_indices)
+    return tops

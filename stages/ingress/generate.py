@@ -1,0 +1,173 @@
+"""POST /v1/completions and /v1/chat/completions: from a body to an answer, through the engine.
+
+A request is parsed (protocol.py) and submitted as one TokenizeRequest per prompt (a completion
+batch fans out; each engine request has its own id, the answer the HTTP request's). Its
+RequestStream first brings each engine request's verdict: a RequestRejected (a tokenizer's 400,
+the scheduler's 429 with Retry-After) becomes an error answer before any SSE byte, and the other
+prompts of the batch are aborted; a RequestAccepted or a first TextDelta admits it. Once every
+prompt is admitted the answer begins: TextDelta events until every choice has a finish reason.
+A client that goes away before that (a failed write, or aiohttp cancelling the handler) turns
+into an AbortRequest to the scheduler. An error after a stream began (the engine stopping, or
+a bug) ends the stream with an error event, then [DONE].
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from conveyor.config import EngineConfig
+from conveyor.stages.ingress.engine_client import EngineClient, Event, RequestStream
+from conveyor.stages.ingress.errors import ApiError, check_model, not_ready, read_body
+from conveyor.stages.ingress.protocol import Generation, parse_chat, parse_completion
+from conveyor.stages.ingress.responses import DONE, SSE_HEADERS, ResponseBuilder
+from conveyor.stages.ingress.tokens import LazyEncoder
+from conveyor.wire.messages import RequestAccepted, RequestRejected, TextDelta
+
+log = logging.getLogger(__name__)
+
+
+class Fanout:
+    """The engine requests behind one HTTP request: which prompt each is, which were admitted."""
+
+    def __init__(self, request_ids: list[str], builder: ResponseBuilder):
+        self.request_ids = request_ids
+        self.builder = builder
+        self.prompt_of = {request_id: p for p, request_id in enumerate(request_ids)}
+        self.awaiting_verdict = set(request_ids)
+        self.rejected: set[str] = set()
+
+    def fold(self, events: list[Event]) -> list[tuple[int, TextDelta]]:
+        """Take the events into the builder; the (prompt, TextDelta) pairs among them, in order.
+        A rejection raises its ApiError."""
+        deltas = []
+        for event in events:
+            p = self.prompt_of[event.request_id]
+            self.awaiting_verdict.discard(event.request_id)
+            if isinstance(event, TextDelta):
+                self.builder.add(p, event)
+                deltas.append((p, event))
+            elif isinstance(event, RequestAccepted):
+                self.builder.accept(p, event.num_prompt_tokens)
+            else:
+                self.rejected.add(event.request_id)
+                raise _rejection(event)
+        return deltas
+
+    def close(self, engine: EngineClient) -> None:
+        """Forget the finished and rejected engine requests; abort the others."""
+        unfinished = []
+        for p, request_id in enumerate(self.request_ids):
+            if request_id in self.rejected or self.builder.prompt_finished(p):
+                engine.release(request_id)
+            else:
+                unfinished.append(request_id)
+        engine.abort(unfinished)
+
+
+class GenerateRoutes:
+    def __init__(self, config: EngineConfig, engine: EngineClient, encoder: LazyEncoder, system_fingerprint: str):
+        self.config = config
+        self.engine = engine
+        self.encoder = encoder
+        self.system_fingerprint = system_fingerprint
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        if not self.engine.ready:
+            raise not_ready()
+        data = await read_body(request, self.config.server.max_body_bytes)
+        model = self.config.model
+        gen = (parse_chat if chat else parse_completion)(data, model.vocab_size)
+        check_model(self.config, gen.model)
+
+        response_id = self.engine.new_request_id("chatcmpl" if chat else "cmpl")
+        num_prompts = len(gen.prompts)
+        request_ids = [response_id] if num_prompts == 1 else [f"{response_id}-{p}" for p in range(num_prompts)]
+        builder = ResponseBuilder(
+            response_id,
+            model.served_name,
+            chat=chat,
+            params=gen.params,
+            system_fingerprint=self.system_fingerprint,
+            stream=gen.stream,
+            include_usage=gen.include_usage,
+            return_token_ids=gen.return_token_ids,
+            echo=await self._echo(gen) if gen.echo else None,
+            num_prompts=num_prompts,
+        )
+        fanout = Fanout(request_ids, builder)
+        stream = self.engine.submit(request_ids, gen)
+        try:
+            deltas = []  # held until every prompt is admitted: a rejection must come before any byte
+            while fanout.awaiting_verdict:
+                deltas += fanout.fold(await stream.take())
+            if gen.stream:
+                return await self._answer_stream(request, fanout, stream, deltas)
+            while not builder.finished:
+                fanout.fold(await stream.take())
+            return web.Response(body=builder.body(), content_type="application/json")
+        finally:
+            fanout.close(self.engine)
+
+    async def _answer_stream(
+        self, request: web.Request, fanout: Fanout, stream: RequestStream, deltas: list[tuple[int, TextDelta]]
+    ) -> web.StreamResponse:
+        builder = fanout.builder
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        try:
+            while True:
+                if deltas:
+                    await response.write(builder.sse_chunks(deltas))
+                if builder.finished:
+                    break
+                deltas = fanout.fold(await stream.take())
+            if builder.include_usage:
+                await response.write(builder.usage_chunk())
+            await response.write(DONE)
+            await response.write_eof()
+        except ConnectionResetError:
+            log.debug("client of %s went away", builder.request_id)
+        except ApiError as e:  # after the stream began: say so in the stream, then end it
+            await _write_quietly(response, b"data: " + e.body() + b"\n\n" + DONE)
+        except Exception:
+            log.exception("failed while streaming %s", builder.request_id)
+            error = ApiError(500, "internal server error", error_type="server_error")
+            await _write_quietly(response, b"data: " + error.body() + b"\n\n" + DONE)
+        return response
+
+    async def _echo(self, gen: Generation) -> list[str]:
+        """Each prompt's text, as echo puts it before its choices' text."""
+        skip = gen.params.skip_special_tokens
+        texts = []
+        for prompt in gen.prompts:
+            texts.append(prompt.text if prompt.token_ids is None else await self.encoder.decode(prompt.token_ids, skip))
+        return texts
+
+
+async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass
+
+
+def _rejection(msg: RequestRejected) -> ApiError:
+    # The wire's default type is a 400's: a 429 or a 5xx that kept it gets its status's type instead.
+    keeps_default = msg.error_type == "invalid_request_error" and (msg.status == 429 or msg.status >= 500)
+    return ApiError(
+        msg.status,
+        msg.message,
+        param=msg.param,
+        code=msg.code or ("rate_limit_exceeded" if msg.status == 429 else None),
+        error_type=None if keeps_default else msg.error_type,
+        retry_after=msg.retry_after,
+    )

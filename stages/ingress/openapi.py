@@ -1,0 +1,99 @@
+"""GET /openapi.json: an OpenAPI 3.1 description of every route the ingress serves.
+
+Request bodies (and the fixed-shape responses: /tokenize, /detokenize, errors) come from the
+msgspec Structs in bodies.py through `msgspec.json.schema_components`, so the published bounds
+are the ones decoding enforces. Generation answers are described as objects (JSON) or an event
+stream (each event's `data` a JSON chunk, then [DONE]); every error is the OpenAI error object,
+under `default`. With an API key configured, every operation but /health and /metrics names the
+two ways to present it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from conveyor.config import EngineConfig
+from conveyor.stages.ingress.auth import OPEN_PATHS
+from conveyor.stages.ingress.bodies import (
+    REQUEST_BODIES,
+    RESPONSE_BODIES,
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    DetokenizeResult,
+    TokenizeBody,
+    TokenizeResult,
+)
+
+OPENAPI_VERSION = "3.1.0"
+_REF = "#/components/schemas/{name}"
+_OBJECT = {"type": "object"}
+# One server-sent event: `data` holds a chunk's JSON, an error object's, or "[DONE]".
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+
+
+def document(config: EngineConfig, version: str) -> dict[str, Any]:
+    _, schemas = msgspec.json.schema_components(REQUEST_BODIES + RESPONSE_BODIES, ref_template=_REF)
+    generation = {"application/json": _OBJECT, "text/event-stream": _SSE_EVENT}
+    paths = {
+        "/health": {"get": _operation("health", "Readiness: 200 once the engine serves, 503 before", {
+            "application/json": _OBJECT}, also={"503": _ok({"application/json": _OBJECT}, "Not ready")})},
+        "/metrics": {"get": _operation(
+            "metrics", "Prometheus metrics of every stage", {"text/plain": {"type": "string"}})},
+        "/openapi.json": {"get": _operation("openapi", "This document", {"application/json": _OBJECT})},
+        "/v1/models": {"get": _operation("listModels", "The served model", {"application/json": _OBJECT})},
+        "/v1/completions": {"post": _operation(
+            "createCompletion", "Complete a prompt, or a batch of prompts", generation, CompletionBody)},
+        "/v1/chat/completions": {"post": _operation(
+            "createChatCompletion", "Answer a conversation", generation, ChatBody)},
+        "/tokenize": {"post": _operation(
+            "tokenize", "Token ids of a prompt or a conversation", {"application/json": _ref(TokenizeResult)},
+            TokenizeBody)},
+        "/detokenize": {"post": _operation(
+            "detokenize", "Text of token ids", {"application/json": _ref(DetokenizeResult)}, DetokenizeBody)},
+    }  # fmt: skip
+    doc: dict[str, Any] = {
+        "openapi": OPENAPI_VERSION,
+        "info": {"title": "conveyor", "version": version, "description": f"Serving `{config.model.served_name}`"},
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }
+    if config.server.api_key is not None:
+        doc["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "apiKey": {"type": "apiKey", "in": "header", "name": "X-Api-Key"},
+        }
+        for path, operations in paths.items():
+            if path not in OPEN_PATHS:
+                for operation in operations.values():
+                    operation["security"] = [{"bearer": []}, {"apiKey": []}]
+    return doc
+
+
+def _operation(
+    operation_id: str,
+    summary: str,
+    content: dict[str, Any],
+    body: type | None = None,
+    also: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    operation: dict[str, Any] = {"operationId": operation_id, "summary": summary}
+    if body is not None:
+        operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(body)}}}
+    operation["responses"] = {"200": _ok(content), **(also or {}), "default": _error()}
+    return operation
+
+
+def _ok(content: dict[str, Any], description: str = "OK") -> dict[str, Any]:
+    return {"description": description, "content": {media: {"schema": schema} for media, schema in content.items()}}
+
+
+def _error() -> dict[str, Any]:
+    schema = {"$ref": _REF.format(name="ErrorBody")}
+    return {"description": "An error", "content": {"application/json": {"schema": schema}}}
+
+
+def _ref(struct: type) -> dict[str, str]:
+    return {"$ref": _REF.format(name=struct.__name__)}

@@ -1,0 +1,85 @@
+"""POST /tokenize and POST /detokenize, answered in the ingress process itself.
+
+Both use a PromptEncoder (tokenizers + jinja2, no torch) built from the checkpoint, with the
+server's chat template override, exactly as the tokenizer stage builds its own: /tokenize gives
+the ids a generation request would be scheduled with. The encoder loads on first use, off the
+event loop; so does every encode or decode, a long prompt being milliseconds of CPU. The
+generation routes borrow it to echo prompts given as token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+from aiohttp import web
+
+from conveyor.config import EngineConfig
+from conveyor.stages.ingress.bodies import DetokenizeBody, DetokenizeResult, TokenizeBody, TokenizeResult
+from conveyor.stages.ingress.errors import ApiError, check_model, read_body
+from conveyor.stages.ingress.protocol import chat_messages, decode
+from conveyor.stages.tokenizer.encoder import PromptEncoder
+
+log = logging.getLogger(__name__)
+
+
+class LazyEncoder:
+    """The PromptEncoder, built once, on the first request that needs it."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self._encoder: PromptEncoder | None = None
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> PromptEncoder:
+        async with self._lock:
+            if self._encoder is None:
+                path, template = self.config.model.path, self.config.server.chat_template
+                try:
+                    self._encoder = await asyncio.to_thread(PromptEncoder, path, chat_template=template)
+                except Exception:
+                    log.exception("cannot load the tokenizer of %s", path)
+                    raise ApiError(500, "the server cannot load the model's tokenizer", code="tokenizer_unavailable")
+            return self._encoder
+
+    async def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        encoder = await self.get()
+        return await asyncio.to_thread(encoder.decode, token_ids, skip_special_tokens)
+
+
+class TokenRoutes:
+    def __init__(self, config: EngineConfig, encoder: LazyEncoder):
+        self.config = config
+        self.encoder = encoder
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body: TokenizeBody = decode(await read_body(request, self.config.server.max_body_bytes), TokenizeBody)
+        check_model(self.config, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give either prompt or messages", param="prompt")
+        encoder = await self.encoder.get()
+        if body.prompt is not None:
+            ids = await asyncio.to_thread(encoder.encode_prompt, body.prompt)
+        else:
+            messages = [{"role": m.role, "content": m.content} for m in chat_messages(body.messages)]
+            try:
+                ids = await asyncio.to_thread(encoder.encode_chat, messages, body.add_generation_prompt)
+            except ValueError as e:
+                raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        result = TokenizeResult(tokens=ids, count=len(ids), max_model_len=self.config.model.max_model_len)
+        return _json(result)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body: DetokenizeBody = decode(await read_body(request, self.config.server.max_body_bytes), DetokenizeBody)
+        check_model(self.config, body.model)
+        vocab_size = self.config.model.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="tokens")
+        text = await self.encoder.decode(body.tokens, body.skip_special_tokens)
+        return _json(DetokenizeResult(prompt=text))
+
+
+def _json(result: msgspec.Struct) -> web.Response:
+    return web.Response(body=msgspec.json.encode(result), content_type="application/json")
