@@ -1,0 +1,109 @@
+"""Metrics of one simulated run: throughput, latency percentiles, FastGen's effective throughput,
+KV memory waste.
+
+Definitions (all times in seconds of simulated clock; a request's tokens are stamped at the end
+of the step that produced them):
+  TTFT           first token - arrival (queueing and every prompt step included)
+  token latency  the gap between consecutive output tokens of a request (FastGen's per-token
+                 generation latency, their token_gen_time[1:]), pooled over all requests; the
+                 first token is TTFT's, not counted here
+  TPOT           per request, (last token - first token) / (output tokens - 1) (vLLM's)
+  E2E            finish - arrival
+  throughput     finished requests (or tokens) / (last finish - first arrival)
+  effective      FastGen's SLA: TTFT <= prompt tokens / 512 tokens/s, and the exponential moving
+  throughput     average (span 16, pandas' ewm(span).mean()) of the token gaps stays below
+                 1 / N s for a generation rate of N tokens/s; requests meeting both, per second
+  KV waste       per step, 1 - (slots holding a token) / (slots in blocks held by sequences),
+                 averaged over steps: the memory lost inside partly filled blocks
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from conveyor.sim.simulator import RequestRecord, SimResult
+
+SLA_PROMPT_TOKENS_PER_S = 512.0
+SLA_GEN_TOKENS_PER_S = (2.0, 4.0, 6.0)
+EMA_SPAN = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Metrics:
+    num_requests: int
+    duration_s: float
+    request_throughput: float  # requests / s
+    output_throughput: float  # output tokens / s
+    total_throughput: float  # (prompt + output) tokens / s
+    ttft: dict[str, float]  # mean, p50, p90, p95, p99 (s)
+    token_latency: dict[str, float]  # mean, p50, p90, p95, p99, max (s)
+    tpot: dict[str, float]  # mean, p50, p90, p99 (s)
+    e2e: dict[str, float]  # mean, p50, p90, p99 (s)
+    effective_throughput: dict[float, float]  # generation SLA (tokens/s) -> requests / s
+    kv_waste: float  # mean over steps of the unfilled fraction of held slots
+    kv_usage: float  # mean over steps of held slots / pool slots
+    prefix_cache_hit_rate: float  # prompt tokens the prefix cache supplied / prompt tokens
+    num_preemptions: int
+    num_steps: int
+    mean_step_tokens: float
+
+    def as_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["effective_throughput"] = {str(k): v for k, v in self.effective_throughput.items()}
+        return out
+
+
+def compute(result: SimResult) -> Metrics:
+    reqs = result.requests
+    start = min(r.arrival for r in reqs)
+    duration = max(r.finish for r in reqs) - start
+    num_prompt = sum(r.num_prompt_tokens for r in reqs)
+    num_output = sum(len(r.token_times) for r in reqs)
+    gaps = np.concatenate([np.diff(r.token_times) for r in reqs] + [np.zeros(0)])
+    tpots = [(r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1) for r in reqs if len(r.token_times) > 1]
+    steps = result.steps
+    held = [s for s in steps if s.kv_allocated]
+    return Metrics(
+        num_requests=len(reqs),
+        duration_s=duration,
+        request_throughput=len(reqs) / duration,
+        output_throughput=num_output / duration,
+        total_throughput=(num_prompt + num_output) / duration,
+        ttft=_summary([r.ttft for r in reqs], (50, 90, 95, 99)),
+        token_latency={**_summary(gaps, (50, 90, 95, 99)), "max": float(gaps.max()) if gaps.size else 0.0},
+        tpot=_summary(tpots, (50, 90, 99)),
+        e2e=_summary([r.finish - r.arrival for r in reqs], (50, 90, 99)),
+        effective_throughput={
+            n: sum(meets_sla(r, gen_tokens_per_s=n) for r in reqs) / duration for n in SLA_GEN_TOKENS_PER_S
+        },
+        kv_waste=float(np.mean([1 - s.kv_filled / s.kv_allocated for s in held])) if held else 0.0,
+        kv_usage=float(np.mean([s.kv_allocated / result.num_kv_slots for s in steps])) if steps else 0.0,
+        prefix_cache_hit_rate=sum(r.num_cached_tokens for r in reqs) / max(1, num_prompt),
+        num_preemptions=result.num_preemptions,
+        num_steps=len(steps),
+        mean_step_tokens=float(np.mean([s.shape.num_tokens for s in steps])) if steps else 0.0,
+    )
+
+
+def meets_sla(record: RequestRecord, *, prompt_tokens_per_s: float = SLA_PROMPT_TOKENS_PER_S,
+              gen_tokens_per_s: float, ema_span: int = EMA_SPAN) -> bool:
+    """FastGen's per-request SLA: the prompt at >= 512 tokens/s, then generation at >= N tokens/s
+    by the EMA of the token gaps (pandas ewm(span, adjust=True).mean(), every value < 1/N)."""
+    if record.ttft > record.num_prompt_tokens / prompt_tokens_per_s:
+        return False
+    decay = 1.0 - 2.0 / (ema_span + 1)
+    num = den = 0.0
+    for gap in np.diff(record.token_times):
+        num, den = gap + decay * num, 1.0 + decay * den
+        if num / den >= 1.0 / gen_tokens_per_s:
+            return False
+    return True
+
+
+def _summary(values, percentiles: tuple[int, ...]) -> dict[str, float]:
+    values = np.asarray(values, dtype=float)
+    if values.size == 0:
+        return {"mean": 0.0, **{f"p{p}": 0.0 for p in percentiles}}
+    return {"mean": float(values.mean()), **{f"p{p}": float(np.percentile(values, p)) for p in percentiles}}
