@@ -61,7 +61,7 @@ requests_preempted = _gauge("conveyor_requests_preempted", "Waiting sequences th
 kv_cache_usage = _gauge("conveyor_kv_cache_usage_ratio", "Fraction of KV blocks held by sequences")
 kv_blocks_free = _gauge("conveyor_kv_blocks_free", "KV blocks free (cached or empty)")
 kv_blocks_used = _gauge("conveyor_kv_blocks_used", "KV cache blocks held by sequences")
-kv_blocks_total = _gauge("conveyor_kv_blocks_total", "KV cache blocks in the pool")
+kv_blocks_capacity = _gauge("conveyor_kv_blocks_capacity", "KV cache blocks in the pool")
 
 # --- counters ------------------------------------------------------------------------------
 prompt_tokens = Counter("conveyor_prompt_tokens", "Prompt tokens of admitted requests")

@@ -76,7 +76,7 @@ def test_concurrent_streams_equal_sequential(default_daemon):
     while default_daemon.metric("conveyor_kv_blocks_used") != 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert default_daemon.metric("conveyor_kv_blocks_used") == 0
-    assert default_daemon.metric("conveyor_kv_blocks_total") == 512
+    assert default_daemon.metric("conveyor_kv_blocks_capacity") == 512
 
 
 def test_bad_requests_get_errors_and_the_daemon_keeps_serving(default_daemon):

@@ -261,6 +261,7 @@ class SeqTokens(Struct):
     cumulative_logprob: float = 0.0  # sum of the sequence's sampled-token logprobs so far
     # When the sequence asked for logprobs: one entry per token_ids entry.
     logprobs: list["TokenLogprob"] = []
+    queue_time: float = 0.0  # on the final update: arrival to first scheduled, seconds
 
 
 class TokenLogprob(Struct):
@@ -315,6 +316,7 @@ class TextDelta(Struct):
     cumulative_logprob: float = 0.0
     logprobs: list["TextLogprob"] = []  # one per token in token_ids, when asked for
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    queue_time: float = 0.0  # on the final delta: arrival to first scheduled, seconds
 
 
 class TextLogprob(Struct):

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from pathlib import Path
 
 import zmq
 from tokenizers import Tokenizer
 
 from conveyor.config import EngineConfig
+from conveyor.stages import metrics
 from conveyor.stages.detokenizer.incremental import IncrementalDetokenizer
 from conveyor.stages.detokenizer.logprobs import TokenTexts
 from conveyor.stages.detokenizer.stop_strings import StopMatcher
@@ -121,6 +123,7 @@ class Detokenizer:
             cumulative_logprob=update.cumulative_logprob,
             logprobs=logprobs,
             stop_reason=stop_reason,
+            queue_time=update.queue_time,
         )
 
     def _forget_stopped(self, step: int) -> None:
@@ -147,11 +150,13 @@ def run(config: EngineConfig, index: int) -> None:
             batch = inbox.recv()
             while batch is not None:
                 stopped += detokenizer.process(batch, out)
+                if batch.sent_time:  # scheduler to here, decoding included
+                    metrics.stage_latency.labels("detokenizer").observe(max(0.0, time.time() - batch.sent_time))
                 batch = inbox.recv_nowait()
             if stopped:  # first: every step the scheduler runs before reading it is wasted
                 scheduler.send(FinishSeqs(stopped))
             for sender, deltas in zip(ingresses, out):
                 if deltas:
-                    sender.send(DeltaBatch(deltas))
+                    sender.send(DeltaBatch(deltas, sent_time=time.time()))
     finally:
         ctx.destroy(linger=0)

@@ -17,6 +17,7 @@ import secrets
 import time
 
 from conveyor.stages.ingress.protocol import Generation
+from conveyor.stages.ingress.telemetry import Telemetry
 from conveyor.wire.channel import Sender
 from conveyor.wire.messages import (
     AbortRequest,
@@ -60,6 +61,7 @@ class EngineClient:
         self._streams: dict[str, RequestStream] = {}
         self._counter = itertools.count()
         self._nonce = secrets.token_hex(3)  # tells this process's ids from a restarted one's
+        self.telemetry = Telemetry()
 
     @property
     def num_requests(self) -> int:
@@ -68,12 +70,14 @@ class EngineClient:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{self.index}-{next(self._counter)}-{self._nonce}"
 
-    def submit(self, request_ids: list[str], gen: Generation) -> RequestStream:
-        """One TokenizeRequest per prompt of `gen`, under the matching id; one stream for all."""
+    def submit(self, request_ids: list[str], gen: Generation, arrival_time: float | None = None) -> RequestStream:
+        """One TokenizeRequest per prompt of `gen`, under the matching id; one stream for all.
+        `arrival_time`: when the HTTP request reached its handler (default: now)."""
         stream = RequestStream()
-        arrival_time = time.time()
+        arrival_time = arrival_time or time.time()
         for request_id, prompt in zip(request_ids, gen.prompts, strict=True):
             self._streams[request_id] = stream
+            self.telemetry.submitted(request_id, arrival_time, gen.params.n)
             self._tokenizers.send(
                 TokenizeRequest(
                     request_id=request_id,
@@ -85,6 +89,7 @@ class EngineClient:
                     messages=prompt.messages,
                     add_generation_prompt=gen.add_generation_prompt,
                     priority=gen.priority,
+                    sent_time=time.time(),
                 )
             )
         return stream
@@ -92,17 +97,23 @@ class EngineClient:
     def release(self, request_id: str) -> None:
         """The request is done (finished or rejected): forget it."""
         self._streams.pop(request_id, None)
+        self.telemetry.forget(request_id)
 
     def abort(self, request_ids: list[str]) -> None:
         """The client went away before these finished: stop them in the engine, forget them."""
         live = [request_id for request_id in request_ids if self._streams.pop(request_id, None) is not None]
+        for request_id in request_ids:
+            self.telemetry.forget(request_id)
         if live:
             self._scheduler.send(AbortRequest(request_ids=live))
 
     def dispatch(self, msg: object) -> None:
         match msg:
-            case DeltaBatch(deltas=deltas):
+            case DeltaBatch(deltas=deltas, sent_time=sent_time):
+                self.telemetry.batch_received(sent_time)
+                now = time.time()
                 for delta in deltas:
+                    self.telemetry.delta(delta, now)
                     self._put(delta.request_id, delta)
             case RequestAccepted() | RequestRejected():
                 self._put(msg.request_id, msg)

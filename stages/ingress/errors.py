@@ -14,6 +14,8 @@ import math
 import msgspec
 from aiohttp import web
 
+from conveyor.stages import metrics
+
 from conveyor.config import EngineConfig
 
 # The `type` OpenAI puts in an error body, by HTTP status.
@@ -50,6 +52,7 @@ class ApiError(Exception):
         self.retry_after = retry_after  # seconds
 
     def body(self) -> bytes:
+        metrics.errors.labels(self.error_type).inc()  # once per error answered, JSON or SSE
         error = {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
         return msgspec.json.encode({"error": error})
 

@@ -13,6 +13,8 @@ a bug) ends the stream with an error event, then [DONE].
 
 from __future__ import annotations
 
+import time
+
 import logging
 
 from aiohttp import web
@@ -80,6 +82,7 @@ class GenerateRoutes:
         return await self._generate(request, chat=True)
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        arrival_time = time.time()
         if not self.engine.ready:
             raise not_ready()
         data = await read_body(request, self.config.server.max_body_bytes)
@@ -103,7 +106,7 @@ class GenerateRoutes:
             num_prompts=num_prompts,
         )
         fanout = Fanout(request_ids, builder)
-        stream = self.engine.submit(request_ids, gen)
+        stream = self.engine.submit(request_ids, gen, arrival_time)
         try:
             deltas = []  # held until every prompt is admitted: a rejection must come before any byte
             while fanout.awaiting_verdict:

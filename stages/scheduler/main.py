@@ -25,6 +25,7 @@ from conveyor.stages.runtime import report_ready
 from conveyor.stages.scheduler.block_manager import BlockManager
 from conveyor.stages.scheduler.plan import step_plan, token_batches
 from conveyor.stages.scheduler.scheduler import QueueFull, ScheduledStep, Scheduler
+from conveyor.stages.scheduler.stats_log import StatsLog
 from conveyor.stages.scheduler.step import SeqUpdate
 from conveyor.wire.addresses import address
 from conveyor.wire.channel import Receiver, Sender
@@ -58,6 +59,7 @@ class SchedulerStage:
         self.prompt_tokens_per_s = 0.0  # moving average, for Retry-After
         self.last_step_end = time.monotonic()
         self.plan_delay_s = test_plan_delay_s()
+        self.stats = StatsLog()
         self.idle = True
         self.last_stats_log = time.monotonic()
 
@@ -78,7 +80,7 @@ class SchedulerStage:
             max_model_len=cfg.model.max_model_len,
             eos_token_ids=cfg.model.eos_token_ids,
         )
-        metrics.kv_blocks_total.set(num_blocks)
+        metrics.kv_blocks_capacity.set(num_blocks)
         log.info("KV pool: %d blocks of %d tokens", num_blocks, cfg.cache.block_size)
 
     def loop(self) -> None:
@@ -109,6 +111,7 @@ class SchedulerStage:
                     log.error("step result %d does not match the step in flight", msg.step)
                     return []
                 self.record_step(step)
+                self.stats.add(msg, step)
                 updates = self.scheduler.update(step, msg.sampled_token_ids, msg.sampled_logprobs, msg.top_logprobs)
                 metrics.generation_tokens.inc(sum(len(u.new_token_ids) for u in updates))
                 self.record_outputs(updates)
@@ -130,9 +133,7 @@ class SchedulerStage:
             return
         self.num_requests += 1
         if seq is not None:
-            seq.enqueue_time = now = time.time()
-            if request.sent_time:
-                metrics.stage_latency.labels("tokenizer").observe(max(0.0, now - request.sent_time))
+            seq.enqueue_time = time.time()
             reply_to.send(RequestAccepted(request.request_id, len(request.prompt_token_ids)))
             metrics.prompt_tokens.inc(len(request.prompt_token_ids))
 
@@ -152,6 +153,7 @@ class SchedulerStage:
             self.record_admissions(step)
         self.idle = self.in_flight is None  # nothing computing: the next plan follows an idle spell
         self.record_gauges()
+        self.stats.maybe_log(self.scheduler)
 
     def record_admissions(self, step: ScheduledStep) -> None:
         now = time.time()

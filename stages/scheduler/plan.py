@@ -58,7 +58,8 @@ def token_batches(step: int, updates: list[SeqUpdate], num_detokenizers: int) ->
                     logprobs=seq.params.logprobs is not None,
                 )
             )
-        batch.updates.append(
-            SeqTokens(seq.seq_id, update.new_token_ids, update.finish_reason, seq.cumulative_logprob, update.logprobs)
-        )
+        tokens = SeqTokens(seq.seq_id, update.new_token_ids, update.finish_reason, seq.cumulative_logprob, update.logprobs)
+        if update.finish_reason is not None and seq.first_scheduled_time is not None:
+            tokens.queue_time = max(0.0, seq.first_scheduled_time - seq.arrival_time)
+        batch.updates.append(tokens)
     return batches

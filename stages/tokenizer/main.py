@@ -9,11 +9,13 @@ that cannot be encoded or cannot fit, so it is a 400 before any byte of a stream
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 import zmq
 
 from conveyor.config import EngineConfig
+from conveyor.stages import metrics
 from conveyor.stages.runtime import report_ready
 from conveyor.stages.tokenizer.encoder import PromptEncoder
 from conveyor.wire.addresses import address
@@ -100,6 +102,9 @@ def run(config: EngineConfig, index: int) -> None:
                 log.exception("failed to tokenize %s", req.request_id)
                 reply_to.send(RequestRejected(req.request_id, 400, f"cannot tokenize the prompt: {e}"))
                 continue
+            request.sent_time = time.time()
+            if req.sent_time:  # ingress to here, encoding included
+                metrics.stage_latency.labels("tokenizer").observe(max(0.0, request.sent_time - req.sent_time))
             scheduler.send(request)
     finally:
         ctx.destroy(linger=0)

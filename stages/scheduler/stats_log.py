@@ -1,0 +1,44 @@
+"""The periodic stats line: throughput, batch, queue, KV usage and GPU bubble since the last line."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from conveyor.stages.scheduler.scheduler import Scheduler
+from conveyor.stages.scheduler.step import ScheduledStep
+from conveyor.wire.messages import StepResult
+
+log = logging.getLogger("conveyor.stats")
+INTERVAL_S = 10.0
+
+
+class StatsLog:
+    def __init__(self) -> None:
+        self._reset(time.monotonic())
+
+    def _reset(self, now: float) -> None:
+        self.since = now
+        self.prompt_tokens = self.generated = 0
+        self.busy = self.idle = 0.0
+
+    def add(self, result: StepResult, step: ScheduledStep) -> None:
+        self.generated += len(result.sampled_token_ids)
+        self.prompt_tokens += sum(r.num_tokens for r in step.rows if not r.samples or r.num_tokens > 1)
+        self.busy += result.busy_time
+        self.idle += result.idle_time
+
+    def maybe_log(self, scheduler: Scheduler) -> None:
+        now = time.monotonic()
+        elapsed = now - self.since
+        if elapsed < INTERVAL_S:
+            return
+        if self.generated or self.prompt_tokens:
+            blocks = scheduler.blocks
+            bubble = self.idle / (self.idle + self.busy) if self.idle + self.busy else 0.0
+            log.info(
+                "stats prompt_tokens_per_s=%.1f generation_tokens_per_s=%.1f running=%d waiting=%d kv_usage=%.3f bubble=%.3f",
+                self.prompt_tokens / elapsed, self.generated / elapsed, len(scheduler.running),
+                len(scheduler.waiting), blocks.num_used / blocks.num_blocks, bubble,
+            )  # fmt: skip
+        self._reset(now)
