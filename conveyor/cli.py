@@ -1,4 +1,5 @@
-"""The `conveyor` command: `conveyor serve` starts the daemon (every stage, supervised).
+"""The `conveyor` command: `conveyor serve` starts the daemon (every stage, supervised);
+`conveyor bench serve | offline | step` runs the benchmarks (conveyor/bench).
 
 Bad options and bad checkpoints get one line on stderr and a non-zero exit, never a traceback.
 """
@@ -42,16 +43,31 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks")
+    from conveyor.bench import args as bench_args  # flags only: nothing heavy imports here
+
+    p = sub.add_parser("bench", help="benchmarks: an HTTP load generator, offline throughput, scheduler step cost")
     which = p.add_subparsers(dest="bench", required=True)
-    step = which.add_parser("step", help="CPU cost of one scheduler step over N running decodes")
-    step.add_argument("--running", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
+    bench_args.add_serve(which.add_parser(
+        "serve", help="load an OpenAI-compatible server over HTTP: latency, throughput, effective throughput"
+    ))  # fmt: skip
+    bench_args.add_offline(which.add_parser(
+        "offline", help="offline tokens/s of conveyor's LLM API against transformers' generate"
+    ))  # fmt: skip
+    bench_args.add_step(which.add_parser("step", help="CPU cost of one scheduler step over N running decodes"))
 
 
 def bench(args: argparse.Namespace) -> int:
+    if args.bench == "serve":
+        from conveyor.bench import serve
+
+        return serve.main(args)
+    if args.bench == "offline":
+        from conveyor.bench import offline
+
+        return offline.main(args)
     from conveyor.bench import step
 
-    return step.main(args.running)
+    return step.main(args.running, prepare=args.prepare, device=args.device)
 
 
 def serve(args: argparse.Namespace) -> int:

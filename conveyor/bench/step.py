@@ -5,6 +5,11 @@ turning the decision into a StepPlan, encoding it for the wire, and `update()` w
 ids (plus the TokenBatch for the detokenizer). The worker is replaced by a stub that returns one
 id per sampling row, so only scheduler-side time is measured. Reported: the median over many
 steps, in steady state (every sequence decoding, blocks allocated as they fill).
+
+With `--prepare`, a second table: one input preparation alone (`ModelRunner._prepare`, host
+lists to device tensors: token ids, positions, block tables, attention metadata) on the tiny
+model for N running decodes of a 200-token context, the worker's share of the per-step CPU
+cost. Host time only: on CUDA the copies it queues are waited for outside the timing.
 """
 
 from __future__ import annotations
@@ -54,9 +59,63 @@ def measure(num_running: int, *, steps: int = 200, prompt_len: int = 200, block_
     }
 
 
-def main(sizes: list[int]) -> int:
+def measure_prepare(runner, num_running: int, *, repeats: int = 200, context_len: int = 200) -> dict:
+    """One `_prepare` for `num_running` decodes (each computing its last token), timed `repeats`
+    times on a built ModelRunner (see `prepare_runner`)."""
+    from conveyor.gpu.runner import SeqState
+
+    block_size, vocab = runner.block_size, runner.config.model.vocab_size - 16
+    blocks_per_seq = -(-context_len // block_size)
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    rows = [
+        SeqState([(i * 31 + j) % vocab for j in range(context_len)], params, context_len - 1, context_len - 1,
+                 list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
+        for i in range(num_running)
+    ]  # fmt: skip
+    num_tokens = [1] * num_running
+    timings = []
+    for _ in range(repeats + 5):  # the first few warm the allocator
+        start = time.perf_counter()
+        inputs = runner._prepare(rows, num_tokens)
+        timings.append(time.perf_counter() - start)
+        if runner.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(runner.device)
+        assert len(inputs.sampling_rows) == num_running
+    timings = timings[5:]
+    return {
+        "running": num_running,
+        "median_ms": statistics.median(timings) * 1e3,
+        "p90_ms": statistics.quantiles(timings, n=10)[-1] * 1e3,
+    }
+
+
+def prepare_runner(device: str = "cpu"):
+    """A ModelRunner on the embedded tiny model; no KV pool is needed to prepare inputs. On the
+    CPU, one intra-op thread: the tensors are small, and on a shared host a second thread only
+    waits for a core at every barrier (see conveyor.sim.measure)."""
+    import torch
+
+    from conveyor.config.build import build_engine_config
+    from conveyor.gpu.runner import ModelRunner
+
+    if device == "cpu":
+        torch.set_num_threads(1)
+    return ModelRunner(build_engine_config(None, device=device, num_kv_blocks=16))
+
+
+def main(sizes: list[int], *, prepare: bool = False, device: str = "cpu") -> int:
+    print("scheduler step (schedule, plan, encode, update)")
     print(f"{'running':>8} {'median ms':>10} {'p90 ms':>8}")
     for n in sizes:
         r = measure(n)
         print(f"{r['running']:>8} {r['median_ms']:>10.3f} {r['p90_ms']:>8.3f}")
+    if prepare:
+        runner = prepare_runner(device)
+        print(f"\ninput preparation alone (ModelRunner._prepare, tiny model, {device})")
+        print(f"{'running':>8} {'median ms':>10} {'p90 ms':>8}")
+        for n in sizes:
+            r = measure_prepare(runner, n)
+            print(f"{r['running']:>8} {r['median_ms']:>10.3f} {r['p90_ms']:>8.3f}")
     return 0

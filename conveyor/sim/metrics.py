@@ -71,10 +71,10 @@ def compute(result: SimResult) -> Metrics:
         request_throughput=len(reqs) / duration,
         output_throughput=num_output / duration,
         total_throughput=(num_prompt + num_output) / duration,
-        ttft=_summary([r.ttft for r in reqs], (50, 90, 95, 99)),
-        token_latency={**_summary(gaps, (50, 90, 95, 99)), "max": float(gaps.max()) if gaps.size else 0.0},
-        tpot=_summary(tpots, (50, 90, 99)),
-        e2e=_summary([r.finish - r.arrival for r in reqs], (50, 90, 99)),
+        ttft=summary([r.ttft for r in reqs], (50, 90, 95, 99)),
+        token_latency={**summary(gaps, (50, 90, 95, 99)), "max": float(gaps.max()) if gaps.size else 0.0},
+        tpot=summary(tpots, (50, 90, 99)),
+        e2e=summary([r.finish - r.arrival for r in reqs], (50, 90, 99)),
         effective_throughput={
             n: sum(meets_sla(r, gen_tokens_per_s=n) for r in reqs) / duration for n in SLA_GEN_TOKENS_PER_S
         },
@@ -102,7 +102,8 @@ def meets_sla(record: RequestRecord, *, prompt_tokens_per_s: float = SLA_PROMPT_
     return True
 
 
-def _summary(values, percentiles: tuple[int, ...]) -> dict[str, float]:
+def summary(values, percentiles: tuple[int, ...]) -> dict[str, float]:
+    """The mean and the given percentiles (numpy's linear interpolation); zeros when empty."""
     values = np.asarray(values, dtype=float)
     if values.size == 0:
         return {"mean": 0.0, **{f"p{p}": 0.0 for p in percentiles}}

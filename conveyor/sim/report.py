@@ -40,8 +40,12 @@ ROWS = [
 
 def comparison_table(by_policy: dict[str, Metrics]) -> str:
     """A Markdown table: metrics down, policies across."""
-    header = ["metric", *by_policy]
     body = [[label, *(fmt.format(get(m)) for m in by_policy.values())] for label, get, fmt in ROWS]
+    return markdown_table(["metric", *by_policy], body)
+
+
+def markdown_table(header: list[str], body: list[list[str]]) -> str:
+    """Cells already formatted; the first column left-aligned, the others right-aligned."""
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:

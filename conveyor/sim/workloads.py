@@ -66,7 +66,7 @@ def make_requests(config: WorkloadConfig) -> list[SimRequest]:
     if config.kind == "sharegpt":
         prompts, outputs = _sharegpt(config, rng)
     else:
-        lengths = _synthetic_lengths(config, rng)
+        lengths = synthetic_lengths(config, rng)
         prompts = [tuple(int(t) for t in rng.integers(0, SYNTHETIC_VOCAB, p)) for p, _ in lengths]
         outputs = [o for _, o in lengths]
     arrivals = arrival_times(len(prompts), config.rate, rng)
@@ -85,7 +85,8 @@ def arrival_times(num: int, rate: float, rng: np.random.Generator) -> np.ndarray
     return np.cumsum(rng.exponential(1.0 / rate, num))
 
 
-def _synthetic_lengths(config: WorkloadConfig, rng: np.random.Generator) -> list[tuple[int, int]]:
+def synthetic_lengths(config: WorkloadConfig, rng: np.random.Generator) -> list[tuple[int, int]]:
+    """(prompt, output) token lengths of a synthetic workload's requests, each at least 1."""
     n, kind = config.num_requests, config.kind
     if match := re.fullmatch(r"fastgen-(\d+)-(\d+)", kind):
         config = dataclasses.replace(config, prompt_len=int(match[1]), output_len=int(match[2]), cv=0.3)
@@ -110,9 +111,7 @@ def _synthetic_lengths(config: WorkloadConfig, rng: np.random.Generator) -> list
 def _sharegpt(config: WorkloadConfig, rng: np.random.Generator) -> tuple[list[tuple[int, ...]], list[int]]:
     if config.path is None:
         raise ValueError("the sharegpt workload needs a path to the dataset JSON")
-    with open(config.path, encoding="utf-8") as f:
-        conversations = json.load(f)
-    pairs = [p for p in (_first_exchange(c.get("conversations", [])) for c in conversations) if p]
+    pairs = sharegpt_exchanges(config.path)
     encode = _encoder(config, rng)
     prompts, outputs = [], []
     for i in rng.permutation(len(pairs)):
@@ -120,13 +119,17 @@ def _sharegpt(config: WorkloadConfig, rng: np.random.Generator) -> tuple[list[tu
             break
         prompt, completion = pairs[i]
         prompt_ids, output_len = encode(prompt), len(encode(completion))
-        if len(prompt_ids) < 4 or output_len < 4:
-            continue
-        if len(prompt_ids) > config.max_prompt_len or len(prompt_ids) + output_len > config.max_total_len:
-            continue
-        prompts.append(prompt_ids)
-        outputs.append(output_len)
+        if keeps_exchange(len(prompt_ids), output_len, config):
+            prompts.append(prompt_ids)
+            outputs.append(output_len)
     return prompts, outputs
+
+
+def sharegpt_exchanges(path: str) -> list[tuple[str, str]]:
+    """(first human turn, the gpt turn after it) of each conversation that has one, in file order."""
+    with open(path, encoding="utf-8") as f:
+        conversations = json.load(f)
+    return [p for p in (_first_exchange(c.get("conversations", [])) for c in conversations) if p]
 
 
 def _first_exchange(turns: list[dict]) -> tuple[str, str] | None:
@@ -134,6 +137,13 @@ def _first_exchange(turns: list[dict]) -> tuple[str, str] | None:
         if turn.get("from") == "human" and reply.get("from") == "gpt":
             return turn["value"], reply["value"]
     return None
+
+
+def keeps_exchange(prompt_len: int, output_len: int, config: WorkloadConfig) -> bool:
+    """vLLM's ShareGPT filter: both at least 4 tokens, the prompt and the total not too long."""
+    if prompt_len < 4 or output_len < 4:
+        return False
+    return prompt_len <= config.max_prompt_len and prompt_len + output_len <= config.max_total_len
 
 
 def _encoder(config: WorkloadConfig, rng: np.random.Generator):

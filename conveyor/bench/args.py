@@ -1,0 +1,82 @@
+"""The flags of `conveyor bench serve | offline | step`, kept apart from the benchmarks so that
+building the parser imports neither aiohttp nor torch."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+DATASET_HELP = (
+    "sharegpt (needs --dataset-path), random (--input-len/--output-len), prefill-heavy (~462 in, 16 out), "
+    "decode-heavy (~462 in, 256 out), fastgen-PROMPT-OUTPUT (FastGen's normal workloads, e.g. fastgen-1200-60, "
+    "fastgen-2600-128: 30%% spread), fixed, normal"
+)
+
+
+def add_dataset(p: argparse.ArgumentParser, *, num_prompts: int | None, num_prompts_help: str) -> None:
+    d = p.add_argument_group("workload")
+    d.add_argument("--dataset", default="random", help=DATASET_HELP)
+    d.add_argument("--dataset-path", help="ShareGPT JSON (list of {conversations: [{from, value}, ...]})")
+    d.add_argument("--num-prompts", type=int, default=num_prompts, help=num_prompts_help)
+    d.add_argument("--input-len", type=int, default=1024, help="prompt tokens (random, fixed, normal)")
+    d.add_argument("--output-len", type=int, default=128, help="output tokens (random, fixed, normal)")
+    d.add_argument("--random-range-ratio", type=float, default=1.0,
+                   help="random: lengths uniform in [ratio * len, len] (1.0: exactly len)")  # fmt: skip
+    d.add_argument("--seed", type=int, default=0)
+
+
+def add_serve(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--endpoint", default="/v1/completions", help="or /v1/chat/completions")
+    s.add_argument("--model", help="model name in the API (default: the first of GET /v1/models)")
+    s.add_argument("--api-key", help="sent as Authorization: Bearer")
+    s.add_argument("--tokenizer", help="tokenizer.json for prompt lengths when the server has no POST /tokenize")
+    s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="ask for exactly max_tokens (default: on for synthetic datasets, off for sharegpt)")
+    s.add_argument("--return-token-ids", action=argparse.BooleanOptionalAction, default=True,
+                   help="ask for each chunk's token ids, to count tokens per chunk exactly")
+    s.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")  # fmt: skip
+    add_dataset(p, num_prompts=None, num_prompts_help="requests per run (default 500) or per sweep point (default 512)")
+    load = p.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, default=math.inf,
+                      help="Poisson arrivals per second (default inf: every request at once)")
+    load.add_argument("--max-concurrency", type=int, help="requests in flight at most (open loop)")
+    load.add_argument("--sweep-clients", type=_int_list,
+                      help="closed loop, one run per count: e.g. 1,2,4,8,16,32 (FastGen's clients)")  # fmt: skip
+    out = p.add_argument_group("output")
+    out.add_argument("--result-json", help="write every metric of every point here")
+    out.add_argument("--plot-dir", help="write throughput_latency.png, effective_throughput.png, token_latency.png")
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def add_offline(p: argparse.ArgumentParser) -> None:
+    e = p.add_argument_group("engine")
+    e.add_argument("--model", help="checkpoint directory (default: the embedded tiny Llama)")
+    e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--num-kv-blocks", type=int, help="fix the KV pool (default: from free memory)")
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    e.add_argument("--hf-batch-size", type=int, default=16, help="transformers baseline: prompts per static batch")
+    e.add_argument("--skip-hf", action="store_true", help="conveyor only")
+    add_dataset(p, num_prompts=200, num_prompts_help="requests (default 200)")
+    p.add_argument("--result-json", help="write both results here")
+
+
+def add_step(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--running", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
+    p.add_argument("--prepare", action="store_true",
+                   help="also time one ModelRunner input preparation alone (loads torch and the tiny model)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="for --prepare")  # fmt: skip
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError("client counts must be positive")
+    return values

@@ -1,0 +1,185 @@
+"""`conveyor bench serve`: load an OpenAI-compatible server (conveyor, vLLM, SGLang, ...) over
+HTTP and measure what its clients see.
+
+    conveyor bench serve --base-url http://127.0.0.1:8000 --dataset sharegpt \\
+        --dataset-path sharegpt.json --request-rate 8 --num-prompts 500
+    conveyor bench serve --dataset fastgen-2600-60 --sweep-clients 1,2,4,8,16,32 \\
+        --result-json out.json --plot-dir plots/
+
+One run: find the model (GET /v1/models unless named) and a token counter (prompts.py), build
+the dataset, send one short test request (a server that cannot answer stops the run here),
+then for each load point (one open-loop run, or one closed-loop run per client count, each
+with its own freshly drawn prompts so no point finds another's in a prefix cache) send every
+request, streamed, and compute its metrics (results.py). Everything runs on one event loop;
+the table goes to stdout, the figures and the JSON where asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import sys
+
+import aiohttp
+from tqdm import tqdm
+
+from conveyor.bench import client, load
+from conveyor.bench.dataset import BenchRequest, DatasetConfig, make_dataset
+from conveyor.bench.prompts import TokenCounter, choose_counter
+from conveyor.bench.results import ServeMetrics, compute, table
+
+DEFAULT_PROMPTS, DEFAULT_PROMPTS_PER_POINT = 500, 512  # vLLM's ShareGPT runs; FastGen's sweeps
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeBenchConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    endpoint: str = "/v1/completions"
+    model: str | None = None  # None: the first of GET /v1/models
+    api_key: str | None = None
+    tokenizer: str | None = None  # tokenizer.json, for servers without POST /tokenize
+    dataset: DatasetConfig = DatasetConfig()
+    ignore_eos: bool | None = None  # None: on for synthetic datasets
+    return_token_ids: bool = True
+    request_rate: float = math.inf
+    max_concurrency: int | None = None
+    sweep_clients: tuple[int, ...] = ()  # closed loop, one point per count
+    request_timeout: float = 1800.0
+    progress: bool = True
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint.rstrip("/").endswith("chat/completions")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeBenchConfig:
+        sweep = tuple(args.sweep_clients or ())
+        num = args.num_prompts or (DEFAULT_PROMPTS_PER_POINT if sweep else DEFAULT_PROMPTS)
+        return cls(
+            base_url=args.base_url.rstrip("/"), endpoint=args.endpoint, model=args.model, api_key=args.api_key,
+            tokenizer=args.tokenizer, dataset=_dataset(args, num), ignore_eos=args.ignore_eos,
+            return_token_ids=args.return_token_ids, request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency, sweep_clients=sweep, request_timeout=args.request_timeout,
+            progress=not args.disable_tqdm,
+        )  # fmt: skip
+
+
+@dataclasses.dataclass
+class ServeReport:
+    model: str
+    counter: str  # how prompt lengths were counted
+    points: list[ServeMetrics]
+
+    def as_dict(self, config: ServeBenchConfig) -> dict:
+        settings = dataclasses.asdict(config)
+        settings["request_rate"] = None if math.isinf(config.request_rate) else config.request_rate
+        settings["api_key"] = "(set)" if config.api_key else None  # never written to a file
+        return {"config": settings, "model": self.model, "counter": self.counter,
+                "points": [m.as_dict() for m in self.points]}  # fmt: skip
+
+
+class BenchError(Exception):
+    """The run cannot start: no model listed, or the test request failed."""
+
+
+async def run(config: ServeBenchConfig) -> ServeReport:
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    timeout = aiohttp.ClientTimeout(total=config.request_timeout)
+    connector = aiohttp.TCPConnector(limit=0)  # as many connections as requests in flight
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout, connector=connector) as session:
+        model = config.model or await first_model(session, config.base_url)
+        counter = await choose_counter(session, config.base_url, model, config.tokenizer)
+        ignore_eos = config.dataset.synthetic if config.ignore_eos is None else config.ignore_eos
+        url = config.base_url + config.endpoint
+
+        async def send(request: BenchRequest) -> client.RequestResult:
+            body = client.payload(request, model, chat=config.chat, ignore_eos=ignore_eos,
+                                  return_token_ids=config.return_token_ids)  # fmt: skip
+            return await client.send(session, url, request, body)
+
+        points = []
+        for i, (label, clients) in enumerate(_points(config)):
+            requests = await make_dataset(dataclasses.replace(config.dataset, seed=config.dataset.seed + i), counter)
+            if not requests:
+                raise BenchError("the dataset is empty (a ShareGPT file with no usable conversation?)")
+            if i == 0:
+                print(_header(config, model, counter, requests), flush=True)
+                await _test_request(send)
+            with tqdm(total=len(requests), desc=label, disable=not config.progress, unit="req") as bar:
+                if clients is None:
+                    results, duration = await load.open_loop(
+                        requests, send, rate=config.request_rate, max_concurrency=config.max_concurrency,
+                        seed=config.dataset.seed, progress=bar,
+                    )  # fmt: skip
+                else:
+                    results, duration = await load.closed_loop(requests, send, num_clients=clients, progress=bar)
+            rate = None if clients is not None or math.isinf(config.request_rate) else config.request_rate
+            points.append(compute(results, duration, label=label, num_clients=clients, request_rate=rate))
+        return ServeReport(model, counter.name, points)
+
+
+async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:
+    try:
+        async with session.get(base_url + "/v1/models") as resp:
+            listed = (await resp.json(content_type=None)).get("data") or []
+    except (aiohttp.ClientError, ValueError, AttributeError) as e:
+        raise BenchError(f"cannot list the models at {base_url}/v1/models: {e}") from None
+    if not listed:
+        raise BenchError(f"{base_url}/v1/models lists no model; name one with --model")
+    return listed[0]["id"]
+
+
+async def _test_request(send) -> None:
+    """One short request the dataset does not hold (it would find its prompt cached)."""
+    result = await send(BenchRequest("This is a test request of conveyor bench.", 0, 4))
+    if not result.success:
+        raise BenchError(f"the test request failed: {result.error}")
+
+
+def _points(config: ServeBenchConfig) -> list[tuple[str, int | None]]:
+    if config.sweep_clients:
+        return [(f"{n} client{'s' if n > 1 else ''}", n) for n in config.sweep_clients]
+    rate = "inf" if math.isinf(config.request_rate) else f"{config.request_rate:g}"
+    limit = f", max {config.max_concurrency}" if config.max_concurrency else ""
+    return [(f"rate {rate}{limit}", None)]
+
+
+def _header(config: ServeBenchConfig, model: str, counter: TokenCounter, requests: list[BenchRequest]) -> str:
+    prompt = sum(r.prompt_len for r in requests) / len(requests)
+    output = sum(r.output_len for r in requests) / len(requests)
+    return (
+        f"{config.base_url}{config.endpoint}, model {model}\n"
+        f"dataset {config.dataset.name}: {len(requests)} requests per point, mean prompt {prompt:.0f} / "
+        f"max output {output:.0f} tokens (prompt tokens counted by {counter.name})"
+    )
+
+
+def _dataset(args: argparse.Namespace, num_prompts: int) -> DatasetConfig:
+    return DatasetConfig(
+        name=args.dataset, num_prompts=num_prompts, path=args.dataset_path, input_len=args.input_len,
+        output_len=args.output_len, range_ratio=args.random_range_ratio, seed=args.seed,
+    )  # fmt: skip
+
+
+def main(args: argparse.Namespace) -> int:
+    config = ServeBenchConfig.from_args(args)
+    try:
+        report = asyncio.run(run(config))
+    except (BenchError, ValueError, aiohttp.ClientError) as e:
+        print(f"conveyor bench serve: error: {e}", file=sys.stderr)
+        return 1
+    print(table(report.points))
+    for m in report.points:
+        for error, count in m.errors.items():
+            print(f"{m.label}: {count} failed: {error}")
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(report.as_dict(config), f, indent=2)
+    if args.plot_dir:
+        from conveyor.bench.plots import write_plots
+
+        write_plots(report.points, args.plot_dir, title=f"{report.model}, {config.dataset.name}")
+    return 0
