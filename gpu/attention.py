@@ -7,8 +7,9 @@ k/v at `slot_mapping`, then lets every row attend to its whole context read back
 block table: query j of a row with q_len queries and seq_len context sits at position
 seq_len - q_len + j (causal), and sees at most `sliding_window` positions back, itself included.
 
-Rows with one query (decodes, or a prompt's last chunk of one token) are batched into one padded
-gather and one scaled_dot_product_attention call; longer rows (prompt chunks) run one call each.
+Rows with one query (decodes, or a prompt's last chunk of one token) are batched by context
+length, each bucket one padded gather and one scaled_dot_product_attention call; longer rows
+(prompt chunks) run one call each.
 AttentionMetadata is built once per step and holds the masks every layer shares.
 """
 
@@ -52,7 +53,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32: context length after this step, new tokens included
     query_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
-    decode: DecodeBatch | None
+    decodes: list[DecodeBatch]  # single-query rows, bucketed by context length
     prefills: list[PrefillChunk]
 
     @classmethod
@@ -81,9 +82,10 @@ class AttentionMetadata:
         slot_mapping = block_ids * block_size + positions % block_size
 
         decode_rows = [i for i, q_len in enumerate(query_lens) if q_len == 1]
-        decode = None
-        if decode_rows:
-            decode = _decode_batch(decode_rows, starts, seq_lens, block_tables, block_size, sliding_window)
+        decodes = [
+            _decode_batch(rows, starts, seq_lens, block_tables, block_size, sliding_window)
+            for rows in _length_buckets(decode_rows, seq_lens, num_rows)
+        ]
         prefills = [
             _prefill_chunk(i, starts, seq_lens[i], block_tables, block_size, sliding_window)
             for i, q_len in enumerate(query_lens)
@@ -95,9 +97,32 @@ class AttentionMetadata:
             seq_lens=seq_lens_t,
             query_lens=q_lens_t,
             block_tables=block_tables,
-            decode=decode,
+            decodes=decodes,
             prefills=prefills,
         )
+
+
+BUCKET_SPREAD = 1.3  # a decode bucket's longest context is at most this times its shortest
+
+
+def _length_buckets(rows: list[int], seq_lens: list[int], num_rows: int) -> list[list[int]]:
+    """Group decode rows so that padding each group to its longest context wastes little: one
+    padded gather over contexts of 20 and 2000 tokens would copy 100x the KV of the short one.
+    A step whose rows all decode with similar lengths stays one bucket in plan order (no
+    gathers of q or scatters of the output)."""
+    if not rows:
+        return []
+    lens = [seq_lens[i] for i in rows]
+    if len(rows) == num_rows and max(lens) <= BUCKET_SPREAD * min(lens) + 16:
+        return [rows]
+    buckets: list[list[int]] = []
+    shortest = 0
+    for i in sorted(rows, key=seq_lens.__getitem__):
+        if not buckets or seq_lens[i] > BUCKET_SPREAD * shortest + 16:
+            buckets.append([])
+            shortest = seq_lens[i]
+        buckets[-1].append(i)
+    return buckets
 
 
 def _decode_batch(rows, starts, seq_lens, block_tables, block_size, sliding_window) -> DecodeBatch:
@@ -153,11 +178,11 @@ def paged_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    decode = meta.decode
-    if decode is not None and decode.token_index is None:  # every row decodes
-        return _attend_decodes(q, kv_cache, decode, num_kv_heads, group, scale)
+    decodes = meta.decodes
+    if len(decodes) == 1 and decodes[0].token_index is None:  # every row decodes, one bucket
+        return _attend_decodes(q, kv_cache, decodes[0], num_kv_heads, group, scale)
     out = torch.empty_like(q)
-    if decode is not None:
+    for decode in decodes:
         out[decode.token_index] = _attend_decodes(q[decode.token_index], kv_cache, decode, num_kv_heads, group, scale)
     for chunk in meta.prefills:
         qc = q[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, Hq, q_len, D]

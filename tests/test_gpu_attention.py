@@ -78,7 +78,7 @@ def test_mixed_decode_and_prefill_batch(num_heads, num_kv_heads, window):
     seq_lens = [9, 23, 11, 30, 1, 14]
     q_lens = [1, 7, 11, 1, 1, 1]
     meta = run_case(seq_lens, q_lens, num_heads, num_kv_heads, window)
-    assert meta.decode is not None and meta.decode.token_index.tolist() == [0, 19, 20, 21]
+    assert sorted(i for d in meta.decodes for i in d.token_index.tolist()) == [0, 19, 20, 21]
     assert [(c.start, c.end, c.is_fresh) for c in meta.prefills] == [(1, 8, False), (8, 19, True)]
 
 
@@ -86,13 +86,17 @@ def test_mixed_decode_and_prefill_batch(num_heads, num_kv_heads, window):
 @pytest.mark.parametrize("window", [None, 3])
 def test_all_decode_batch(num_heads, num_kv_heads, window):
     meta = run_case([5, 17, 2, 40], [1, 1, 1, 1], num_heads, num_kv_heads, window, seed=1)
-    assert meta.decode.token_index is None and meta.prefills == []
+    # Contexts of 2 to 40 tokens: bucketed by length, so no row is padded to 20x its context.
+    assert len(meta.decodes) > 1 and meta.prefills == []
+    assert sorted(i for d in meta.decodes for i in d.token_index.tolist()) == [0, 1, 2, 3]
+    similar = run_case([30, 33, 31, 36], [1, 1, 1, 1], num_heads, num_kv_heads, window, seed=2)
+    assert len(similar.decodes) == 1 and similar.decodes[0].token_index is None  # the fast path
 
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_prefill_only_batch(window):
     meta = run_case([13, 8, 21], [13, 3, 9], 8, 2, window, block_size=8, seed=2)
-    assert meta.decode is None and len(meta.prefills) == 3
+    assert meta.decodes == [] and len(meta.prefills) == 3
 
 
 def test_window_longer_than_context_changes_nothing():
