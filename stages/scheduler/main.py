@@ -61,7 +61,6 @@ class SchedulerStage:
         self.plan_delay_s = test_plan_delay_s()
         self.stats = StatsLog()
         self.idle = True
-        self.last_stats_log = time.monotonic()
 
     def start(self) -> None:
         """Wait for every worker rank's capacity, then size the pool they all can hold."""
@@ -86,8 +85,8 @@ class SchedulerStage:
     def loop(self) -> None:
         while True:
             # Block only when there is nothing to plan: a step is in flight, or no work at all.
-            idle = self.in_flight is not None or not self.scheduler.has_work()
-            msg = self.inbox.recv(timeout_ms=None if idle else 0)
+            nothing_to_plan = self.in_flight is not None or not self.scheduler.has_work()
+            msg = self.inbox.recv(timeout_ms=None if nothing_to_plan else 0)
             updates: list[SeqUpdate] = []
             while msg is not None:
                 updates += self.handle(msg)
