@@ -57,14 +57,10 @@ def build_engine_config(
     """`chat_template` is a path to a Jinja file or the template text itself."""
     if tensor_parallel_size != 1:
         raise ConfigError("tensor parallelism is not implemented yet; use --tensor-parallel-size 1")
-    for name, value in (
+    for name, value in (  # counts that must be positive; None means "not set"
         ("block-size", block_size), ("max-num-batched-tokens", max_num_batched_tokens),
         ("max-num-seqs", max_num_seqs), ("ingress-workers", ingress_workers),
         ("tokenizer-workers", tokenizer_workers), ("detokenizer-workers", detokenizer_workers),
-    ):  # fmt: skip
-        if value < 1:
-            raise ConfigError(f"--{name} must be at least 1, got {value}")
-    for name, value in (
         ("num-kv-blocks", num_kv_blocks), ("max-queued-requests", max_queued_requests),
         ("max-queued-tokens", max_queued_tokens),
     ):  # fmt: skip

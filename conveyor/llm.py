@@ -149,7 +149,7 @@ class LLM:
         while self.scheduler.has_work():
             step = self.scheduler.schedule()
             if step is None:
-                updates = self.scheduler.take_aborted_updates()
+                updates = self.scheduler.take_unsampled_updates()
             else:
                 r = self.runner.execute(step_plan(step))
                 updates = self.scheduler.update(step, r.sampled_token_ids, r.sampled_logprobs, r.top_logprobs)

@@ -42,7 +42,7 @@ def request(i, prompt, priority=0, arrival=0.0, **params):
 def step_once(sched, runner):
     step = sched.schedule()
     if step is None:
-        return None, sched.take_aborted_updates()
+        return None, sched.take_unsampled_updates()
     result = runner.execute(step_plan(step))
     return step, sched.update(step, result.sampled_token_ids, result.sampled_logprobs)
 
@@ -345,7 +345,7 @@ def test_a_stop_string_finish_from_the_detokenizer_ends_the_sequence():
     sched.finish_seqs([seq.seq_id])
     assert seq.finish_reason is FinishReason.STOP and not sched.has_work()
     assert sched.blocks.num_used == 0
-    assert sched.take_aborted_updates() == []  # the detokenizer already told the client
+    assert sched.take_unsampled_updates() == []  # the detokenizer already told the client
 
 
 def test_top_logprobs_reach_the_update_of_sequences_that_asked():

@@ -76,7 +76,7 @@ def test_random_streams_keep_every_invariant(reqs, block_size, num_blocks, budge
             break
         step = sched.schedule()
         if step is None:
-            updates = sched.take_aborted_updates()
+            updates = sched.take_unsampled_updates()
         else:
             assert step.num_tokens <= budget
             result = runner.execute(step_plan(step))

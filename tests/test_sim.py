@@ -13,7 +13,7 @@ from conveyor.sim import __main__ as cli
 from conveyor.sim.costmodel import CostModel, Measurement, StepShape, fit
 from conveyor.sim.metrics import compute, meets_sla
 from conveyor.sim.presets import A100_7B, CPU_TINY, PRESETS
-from conveyor.sim.simulator import RequestRecord, SimConfig, build_scheduler, kv_slots, simulate
+from conveyor.sim.simulator import RequestRecord, SimConfig, build_scheduler, simulate
 from conveyor.sim.workloads import SimRequest, WorkloadConfig, make_requests
 
 SHAREGPT = "/work/shared/workloads/sharegpt_sample.json"
@@ -189,7 +189,7 @@ def test_fast_kv_count_matches_the_schedulers():
         step = sched.schedule()
         if step is None:
             break
-        assert kv_slots(sched) == sched.kv_slots()
+        assert sched.kv_slots() == _kv_slots_block_by_block(sched)
         sched.update(step, fake_tokens(step))
         checked += 1
     assert checked > 10 and sched.blocks.num_cache_hits > 0
@@ -283,3 +283,13 @@ def test_measure_times_the_real_runner():
 def test_a_request_the_pool_cannot_hold_is_reported():
     with pytest.raises(RuntimeError, match="ended before max_tokens"):
         simulate([request(0, 100, 50)], SimConfig(num_kv_blocks=4, block_size=16), AFFINE)
+
+
+def _kv_slots_block_by_block(sched) -> tuple[int, int]:
+    """The plain count kv_slots() must agree with: every held block, shared ones once."""
+    bs = sched.blocks.block_size
+    filled: dict[int, int] = {}
+    for seq in sched.running:
+        for i, block in enumerate(seq.block_ids):
+            filled[block] = max(filled.get(block, 0), min(bs, seq.num_computed_tokens - i * bs))
+    return sched.blocks.num_used * bs, sum(filled.values())

@@ -40,9 +40,6 @@ class Sender:
     def send(self, msg: Any) -> None:
         self.socket.send(_encoder.encode(msg), copy=False)
 
-    def send_bytes(self, data: bytes) -> None:
-        self.socket.send(data, copy=False)
-
     def close(self) -> None:
         self.socket.close()
 
@@ -92,8 +89,6 @@ class Receiver(_ReceiverBase[T]):
             return None
         return self.decode(frame.buffer)
 
-    def has_pending(self) -> bool:
-        return bool(self.socket.poll(0))
 
 
 class AsyncReceiver(_ReceiverBase[T]):

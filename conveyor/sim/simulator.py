@@ -117,7 +117,7 @@ def simulate(requests: list[SimRequest], config: SimConfig, cost: CostModel) -> 
             clock = max(clock, pending[0].arrival_time)
             continue
         shape = StepShape.of_rows((row.seq.num_computed_tokens - row.num_tokens, row.num_tokens) for row in step.rows)
-        allocated, filled = kv_slots(sched)
+        allocated, filled = sched.kv_slots()
         seconds = cost.latency(shape)
         clock += seconds
         if step.rows:
@@ -145,21 +145,6 @@ def simulate(requests: list[SimRequest], config: SimConfig, cost: CostModel) -> 
         num_preemptions=sched.num_preemptions,
         num_kv_slots=config.num_kv_blocks * config.block_size,
     )
-
-
-def kv_slots(sched: Scheduler) -> tuple[int, int]:
-    """(token slots in blocks held by sequences, slots holding a computed token), as
-    `Scheduler.kv_slots` counts them, in time linear in sequences rather than blocks: a full
-    block wastes nothing however many hold it, so only each sequence's tail blocks are visited."""
-    bs = sched.blocks.block_size
-    allocated = sched.blocks.num_used * bs
-    tail_fill: dict[int, int] = {}  # block -> tokens in it, for blocks at or past the first non-full one
-    for seq in sched.running:
-        computed = seq.num_computed_tokens
-        for i in range(computed // bs, len(seq.block_ids)):
-            block = seq.block_ids[i]
-            tail_fill[block] = max(tail_fill.get(block, 0), min(bs, computed - i * bs))
-    return allocated, allocated - sum(bs - fill for fill in tail_fill.values())
 
 
 def fake_tokens(step: ScheduledStep) -> list[int]:

@@ -77,7 +77,7 @@ class EngineClient:
         arrival_time = arrival_time or time.time()
         for request_id, prompt in zip(request_ids, gen.prompts, strict=True):
             self._streams[request_id] = stream
-            self.telemetry.submitted(request_id, arrival_time, gen.params.n)
+            self.telemetry.submitted(request_id, arrival_time, gen.params.num_samples)
             self._tokenizers.send(
                 TokenizeRequest(
                     request_id=request_id,

@@ -93,7 +93,7 @@ class SchedulerStage:
                 msg = self.inbox.recv_nowait()
             if self.in_flight is None:
                 self.plan_next()  # the worker starts step n+1 before step n's tokens go out
-            self.emit(updates + self.scheduler.take_aborted_updates())
+            self.emit(updates + self.scheduler.take_unsampled_updates())
 
     def handle(self, msg: SchedulerInbound) -> list[SeqUpdate]:
         match msg:
@@ -188,8 +188,7 @@ class SchedulerStage:
 
     def record_step(self, step: ScheduledStep) -> None:
         now = time.monotonic()
-        prompt_tokens = sum(r.num_tokens for r in step.rows if r.num_tokens > 1)
-        rate = prompt_tokens / max(now - self.last_step_end, 1e-6)
+        rate = step.num_prompt_tokens / max(now - self.last_step_end, 1e-6)
         self.prompt_tokens_per_s = 0.9 * self.prompt_tokens_per_s + 0.1 * rate
         self.last_step_end = now
 

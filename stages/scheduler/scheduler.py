@@ -59,7 +59,7 @@ class Scheduler:
         self.num_aborts = 0  # requests aborted while the scheduler knew them
         self._next_seq_id = 0
         self._finished_for_worker: list[int] = []
-        self._aborted_updates: list[SeqUpdate] = []
+        self._unsampled_updates: list[SeqUpdate] = []  # finishes with no token: aborts, too big for the pool
         self._early_aborts: dict[str, float] = {}
 
     # --- requests in and out -------------------------------------------------------------
@@ -109,8 +109,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def take_aborted_updates(self) -> list[SeqUpdate]:
-        updates, self._aborted_updates = self._aborted_updates, []
+    def take_unsampled_updates(self) -> list[SeqUpdate]:
+        updates, self._unsampled_updates = self._unsampled_updates, []
         return updates
 
     # --- one step ------------------------------------------------------------------------
@@ -177,7 +177,7 @@ class Scheduler:
         `top_logprobs` has one entry per draw of a sequence that asked for logprobs."""
         if len(sampled_token_ids) != step.num_sampled:
             raise ValueError(f"step {step.step}: {len(sampled_token_ids)} ids for {step.num_sampled} draws")
-        updates, self._aborted_updates = self._aborted_updates, []
+        updates, self._unsampled_updates = self._unsampled_updates, []
         logprobs = iter(sampled_logprobs) if sampled_logprobs else None
         sampled = iter(sampled_token_ids)
         tops = iter(top_logprobs or ())
@@ -370,7 +370,7 @@ class Scheduler:
         if seq.known_by_worker:
             self._finished_for_worker.append(seq.seq_id)
         if report:
-            self._aborted_updates.append(SeqUpdate(seq, [], reason))
+            self._unsampled_updates.append(SeqUpdate(seq, [], reason))
         seqs = self.by_request.get(seq.request_id)
         if seqs is not None and all(s.is_finished for s in seqs):
             del self.by_request[seq.request_id]
@@ -384,11 +384,14 @@ class Scheduler:
 
     def kv_slots(self) -> tuple[int, int]:
         """(token slots in blocks held by sequences, slots holding a computed token); shared
-        blocks count once. 1 - filled/allocated is the KV memory wasted inside blocks."""
+        blocks count once. 1 - filled/allocated is the KV memory wasted inside blocks. A full
+        block wastes nothing however many hold it, so only each sequence's tail is visited."""
         bs = self.blocks.block_size
-        filled: dict[int, int] = {}
+        allocated = self.blocks.num_used * bs
+        tail_fill: dict[int, int] = {}  # block -> tokens in it, from each first non-full block on
         for seq in self.running:
             computed = seq.num_computed_tokens
-            for i, block in enumerate(seq.block_ids):
-                filled[block] = max(filled.get(block, 0), min(bs, computed - i * bs))
-        return self.blocks.num_used * bs, sum(filled.values())
+            for i in range(computed // bs, len(seq.block_ids)):
+                block = seq.block_ids[i]
+                tail_fill[block] = max(tail_fill.get(block, 0), min(bs, computed - i * bs))
+        return allocated, allocated - sum(bs - fill for fill in tail_fill.values())

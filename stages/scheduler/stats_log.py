@@ -24,7 +24,7 @@ class StatsLog:
 
     def add(self, result: StepResult, step: ScheduledStep) -> None:
         self.generated += len(result.sampled_token_ids)
-        self.prompt_tokens += sum(r.num_tokens for r in step.rows if not r.samples or r.num_tokens > 1)
+        self.prompt_tokens += step.num_prompt_tokens
         self.busy += result.busy_time
         self.idle += result.idle_time
 

@@ -30,6 +30,11 @@ class ScheduledStep:
     num_tokens: int
     num_sampled: int  # ids the step's result must carry: one per sampling row, one per fork
 
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens computed for prompts (and recomputation) rather than decodes."""
+        return sum(r.num_tokens for r in self.rows if r.num_tokens > 1 or not r.samples)
+
 
 @dataclasses.dataclass(slots=True)
 class SeqUpdate:

@@ -42,14 +42,12 @@ class WaitingQueue:
         if seq is None:
             raise IndexError("pop from an empty waiting queue")
         heapq.heappop(self._heap)
-        self._forget(seq)
+        self.remove(seq)
         return seq
 
     def remove(self, seq: Sequence) -> None:
-        """Forget a waiting sequence whose status the caller is about to change (lazy removal)."""
-        self._forget(seq)
-
-    def _forget(self, seq: Sequence) -> None:
+        """Forget a sequence leaving the queue: popped, or about to change status (lazy removal:
+        an aborted one stays in the heap until it reaches the top)."""
         self.num_seqs -= 1
         self.num_tokens -= seq.num_tokens
         self.num_preempted -= seq.num_preemptions > 0
