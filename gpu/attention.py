@@ -7,9 +7,10 @@ k/v at `slot_mapping`, then lets every row attend to its whole context read back
 block table: query j of a row with q_len queries and seq_len context sits at position
 seq_len - q_len + j (causal), and sees at most `sliding_window` positions back, itself included.
 
-Rows with one query (decodes, or a prompt's last chunk of one token) are batched by context
-length, each bucket one padded gather and one scaled_dot_product_attention call; longer rows
-(prompt chunks) run one call each.
+On a CPU with float32 caches the step goes to the C++ kernel of gpu/cpu_kernels, which reads
+the cache in place (no gathers). Otherwise: rows with one query (decodes, or a prompt's last
+chunk of one token) are batched by context length, each bucket one padded gather and one
+scaled_dot_product_attention call; longer rows (prompt chunks) run one call each.
 AttentionMetadata is built once per step and holds the masks every layer shares.
 """
 
@@ -19,6 +20,8 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+
+from conveyor.gpu.cpu_kernels import PagedAttentionKernel
 
 
 @dataclasses.dataclass
@@ -55,6 +58,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     decodes: list[DecodeBatch]  # single-query rows, bucketed by context length
     prefills: list[PrefillChunk]
+    cpu_kernel: PagedAttentionKernel | None = None  # set: every row goes to it (no decodes/prefills)
+    sliding_window: int | None = None
 
     @classmethod
     def build(
@@ -65,9 +70,11 @@ class AttentionMetadata:
         positions: torch.Tensor,
         block_size: int,
         sliding_window: int | None,
+        cpu_kernel: PagedAttentionKernel | None = None,
     ) -> "AttentionMetadata":
         """From host lists and device tensors: block_tables [B, max_blocks] int32 and positions
-        [T] int64, already on the target device. Masks are built on that device."""
+        [T] int64, already on the target device. Masks are built on that device, unless
+        cpu_kernel is given (CPU, float32): it needs none."""
         device = block_tables.device
         num_rows = len(query_lens)
         starts = [0] * (num_rows + 1)
@@ -81,16 +88,18 @@ class AttentionMetadata:
         block_ids = block_tables[row_of_token, positions // block_size].long()
         slot_mapping = block_ids * block_size + positions % block_size
 
-        decode_rows = [i for i, q_len in enumerate(query_lens) if q_len == 1]
-        decodes = [
-            _decode_batch(rows, starts, seq_lens, block_tables, block_size, sliding_window)
-            for rows in _length_buckets(decode_rows, seq_lens, num_rows)
-        ]
-        prefills = [
-            _prefill_chunk(i, starts, seq_lens[i], block_tables, block_size, sliding_window)
-            for i, q_len in enumerate(query_lens)
-            if q_len > 1
-        ]
+        decodes, prefills = [], []
+        if cpu_kernel is None:  # the torch path: padded buckets and per-chunk masks
+            decode_rows = [i for i, q_len in enumerate(query_lens) if q_len == 1]
+            decodes = [
+                _decode_batch(rows, starts, seq_lens, block_tables, block_size, sliding_window)
+                for rows in _length_buckets(decode_rows, seq_lens, num_rows)
+            ]
+            prefills = [
+                _prefill_chunk(i, starts, seq_lens[i], block_tables, block_size, sliding_window)
+                for i, q_len in enumerate(query_lens)
+                if q_len > 1
+            ]
         return cls(
             slot_mapping=slot_mapping,
             query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True),
@@ -99,6 +108,8 @@ class AttentionMetadata:
             block_tables=block_tables,
             decodes=decodes,
             prefills=prefills,
+            cpu_kernel=cpu_kernel,
+            sliding_window=sliding_window,
         )
 
 
@@ -175,6 +186,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] (rotated) -> attention output [T, Hq, D]."""
     write_kv(kv_cache, k, v, meta.slot_mapping)
+    if meta.cpu_kernel is not None:
+        kernel = meta.cpu_kernel
+        return kernel(q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.sliding_window, scale)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads

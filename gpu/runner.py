@@ -24,6 +24,7 @@ import torch
 
 from conveyor.config.engine import EngineConfig
 from conveyor.gpu.attention import AttentionMetadata
+from conveyor.gpu.cpu_kernels import paged_attention_kernel
 from conveyor.gpu.kv_cache import allocate_kv_caches, copy_blocks, num_blocks_for_memory
 from conveyor.gpu.loader import load_model
 from conveyor.gpu.sampling import SamplingRow, StepSamples, sample_step
@@ -61,6 +62,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model = load_model(config.model, self.device)
+        # Paged attention reading the cache in place, where a C++ build is possible (CPU, float32).
+        self.cpu_kernel = None
+        if self.device.type == "cpu" and config.model.dtype == "float32":
+            self.cpu_kernel = paged_attention_kernel()
         self.kv_caches: list[torch.Tensor] = []
         self.seqs: dict[int, SeqState] = {}
         self._last_return: float | None = None  # perf_counter when execute last returned
@@ -184,6 +189,7 @@ class ModelRunner:
             positions_t,
             self.block_size,
             self.config.model.sliding_window,
+            self.cpu_kernel,
         )
         return StepInputs(
             input_ids=self._to_device(torch.tensor(input_ids, dtype=torch.int64)),

@@ -1,4 +1,5 @@
-"""Paged attention against a dense float64 reference, on random data in shuffled blocks."""
+"""Paged attention against a dense float64 reference, on random data in shuffled blocks: the torch
+path, and the C++ CPU kernel (gpu/cpu_kernels) on the same cases."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import pytest
 import torch
 
 from conveyor.gpu.attention import AttentionMetadata, paged_attention
+from conveyor.gpu.cpu_kernels import paged_attention_kernel
+
+needs_kernel = pytest.mark.skipif(paged_attention_kernel() is None, reason="no C++ compiler for the CPU kernel")
 
 
 def dense_reference(q, k, v, window):
@@ -25,7 +29,7 @@ def dense_reference(q, k, v, window):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def run_case(seq_lens, q_lens, num_heads, num_kv_heads, window, block_size=4, head_dim=16, seed=0):
+def run_case(seq_lens, q_lens, num_heads, num_kv_heads, window, block_size=4, head_dim=16, seed=0, kernel=None):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 5  # a few blocks nobody owns
     ids = torch.randperm(num_blocks, generator=gen).tolist()  # non-contiguous tables
@@ -49,7 +53,7 @@ def run_case(seq_lens, q_lens, num_heads, num_kv_heads, window, block_size=4, he
         new_pos = range(seq_len - q_len, seq_len)
         slots += [int(tables[i, p // block_size]) * block_size + p % block_size for p in new_pos]
 
-    meta = AttentionMetadata.build(q_lens, seq_lens, tables, torch.tensor(positions), block_size, window)
+    meta = AttentionMetadata.build(q_lens, seq_lens, tables, torch.tensor(positions), block_size, window, kernel)
     assert meta.slot_mapping.tolist() == slots
     assert meta.query_start_loc.tolist() == [0, *torch.tensor(q_lens).cumsum(0).tolist()]
     out = paged_attention(torch.cat(queries), torch.cat(new_k), torch.cat(new_v), cache, meta, head_dim**-0.5)
@@ -102,3 +106,54 @@ def test_prefill_only_batch(window):
 def test_window_longer_than_context_changes_nothing():
     gen_args = dict(num_heads=8, num_kv_heads=2, seed=3)
     run_case([10, 12], [4, 1], window=64, **gen_args)
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_heads,num_kv_heads", [*HEADS, (12, 4)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 20])  # the specialised widths, and the generic loop
+@pytest.mark.parametrize("window", [None, 5])
+def test_cpu_kernel_matches_reference(num_heads, num_kv_heads, head_dim, window):
+    kernel = paged_attention_kernel()
+    # decode, chunk after context, fresh prompt, decode, one-token prompt, last chunk of one token
+    meta = run_case(
+        [9, 23, 11, 30, 1, 14], [1, 7, 11, 1, 1, 1], num_heads, num_kv_heads, window,
+        head_dim=head_dim, kernel=kernel,
+    )  # fmt: skip
+    assert meta.cpu_kernel is kernel and meta.decodes == [] and meta.prefills == []  # no masks built
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_cpu_kernel_long_contexts_across_block_sizes(block_size):
+    seq_lens = [1, 70, 300, 129, 64, 33]
+    run_case(seq_lens, [1, 1, 1, 40, 64, 1], 8, 2, None, block_size=block_size, seed=4, kernel=paged_attention_kernel())
+    run_case(seq_lens, [1, 1, 1, 40, 64, 1], 8, 2, 50, block_size=block_size, seed=5, kernel=paged_attention_kernel())
+
+
+@needs_kernel
+def test_cpu_kernel_rejects_what_it_cannot_read():
+    kernel = paged_attention_kernel()
+    q, cache = torch.randn(1, 4, 8), torch.zeros(2, 2, 4, 2, 8)
+    one = torch.ones(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="int32"):
+        kernel(q, cache, one.long(), torch.tensor([0, 1], dtype=torch.int32), one[0], None, 1.0)
+    with pytest.raises(ValueError, match="float32"):
+        kernel(q.double(), cache.double(), one, torch.tensor([0, 1], dtype=torch.int32), one[0], None, 1.0)
+    with pytest.raises(ValueError, match="heads"):  # 3 query heads cannot share 2 kv heads
+        kernel(torch.randn(1, 3, 8), cache, one, torch.tensor([0, 1], dtype=torch.int32), one[0], None, 1.0)
+
+
+def test_cpu_kernel_can_be_switched_off(monkeypatch, tmp_path):
+    from conveyor.gpu.cpu_kernels import build
+
+    monkeypatch.setenv("CONVEYOR_CPU_KERNELS", "0")
+    build.paged_attention_kernel.cache_clear()
+    try:
+        assert build.paged_attention_kernel() is None
+        monkeypatch.setenv("CONVEYOR_CPU_KERNELS", "1")
+        monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+        monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))  # nothing built there yet
+        build.paged_attention_kernel.cache_clear()
+        assert build.paged_attention_kernel() is None  # logged, and the torch path serves
+    finally:
+        build.paged_attention_kernel.cache_clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conveyor.gpu.sampling import sample, sampled_logprobs, seed_for
@@ -125,3 +126,15 @@ def test_sampled_logprobs_are_raw_log_softmax():
     tokens = sample(x, [SamplingParams(temperature=0.3, top_k=3)] * 3, [0] * 3)
     got = sampled_logprobs(x, tokens)
     assert (got <= 0).all() and torch.equal(got, torch.log_softmax(x, -1)[[0, 1, 2], tokens])  # not x / 0.3
+
+
+@pytest.mark.parametrize("u", [0.0, 0.3, 0.9, 1.0 - 2**-24, 1.0])  # 1.0: a uniform that rounded up
+def test_inverse_cdf_never_lands_on_a_filtered_token(monkeypatch, u):
+    from conveyor.gpu.sampling import sampler as sampler_module
+
+    # min_p 0.2 zeroes tokens 0 and 3..V-1 (the last ones too: the running sum stops growing early)
+    row = torch.full((1, V), -30.0)
+    row[0, 1], row[0, 2], row[0, 0] = 2.0, 1.9, -5.0
+    monkeypatch.setattr(sampler_module, "_uniforms", lambda *args: torch.tensor([u]))
+    token = sample(row, [SamplingParams(temperature=1.0, min_p=0.2)], [0]).item()
+    assert token == (1 if u < 0.5 else 2)  # p = 0.52, 0.48 for tokens 1 and 2

@@ -4,11 +4,13 @@ The logits arrive already edited by penalties.py (penalties, bias, min_tokens), 
 (temperature 0) take their argmax; when every draw is greedy that is the whole job (one argmax
 per row, no sort). Otherwise logits are divided by the temperature, filtered by top_k, top_p and
 min_p (filters.py; one descending sort shared by the batch, only if a draw uses top_k or top_p),
-and a token is drawn by the exponential race: argmax(probs / E) with E ~ Exp(1) i.i.d. per
-vocabulary entry picks token t with probability probs[t]. A draw with a seed takes its E from a
-generator seeded by mix(seed, output index, choice index) alone, so its token does not depend on
-what else is in the batch while the n samples of one request differ; unseeded draws share one
-default-generator draw.
+and a token is drawn by inverting the CDF: one uniform u per draw, and the first token whose
+running sum of probabilities exceeds u times the row's total. That is one random number per draw
+rather than one per vocabulary entry (the exponential race's noise, [N, V] logarithms, cost more
+than the rest of sampling together on a CPU). Filtered tokens have probability 0, so the running
+sum never steps past u on them. A draw with a seed takes its u from a generator seeded by
+mix(seed, output index, choice index) alone, so its token does not depend on what else is in the
+batch while the n samples of one request differ; unseeded draws share one default-generator draw.
 """
 
 from __future__ import annotations
@@ -48,8 +50,12 @@ def sample(
     logits = logits / temps[:, None]
     logits = filter_top_k_top_p(logits, params)
     probs = filter_min_p(torch.softmax(logits, dim=-1), params)  # [N, V]; filtered entries are 0
-    race = probs / _exponential_noise(probs, params, output_indices, choice_indices)
-    sampled = race.argmax(dim=-1)
+    cdf = probs.cumsum(dim=-1)  # [N, V], non-decreasing (sums of non-negative floats)
+    total = cdf[:, -1:]  # [N, 1]; below 1 by rounding, or by min_p's zeros
+    u = _uniforms(params, output_indices, choice_indices, device)[:, None]  # [N, 1] in [0, 1)
+    # Strictly below the total, so some token's running sum exceeds it whatever the rounding.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    sampled = torch.searchsorted(cdf, target, right=True).squeeze(1)  # first index with cdf > target
     if any(greedy):
         is_greedy = to_device(greedy, torch.bool, device)
         sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
@@ -74,14 +80,15 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _exponential_noise(
-    probs: torch.Tensor, params: list[SamplingParams], output_indices: list[int], choice_indices: list[int]
+def _uniforms(
+    params: list[SamplingParams], output_indices: list[int], choice_indices: list[int], device: torch.device
 ) -> torch.Tensor:
-    """E [N, V] ~ Exp(1): seeded rows from their own generator, the rest from the default one."""
-    noise = torch.empty_like(probs).exponential_()
-    for row, (p, index, choice) in enumerate(zip(params, output_indices, choice_indices, strict=True)):
-        if p.seed is not None and p.temperature != 0:
-            generator = torch.Generator(device=probs.device).manual_seed(seed_for(p.seed, index, choice))
-            noise[row].exponential_(generator=generator)
-    # An exact 0 would turn a filtered entry's 0 / 0 into NaN, which argmax would pick.
-    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    """u [N] ~ U[0, 1): seeded draws from their own generator (on the CPU, so a seed gives the
+    same token on any device), the rest from the default generator of the device."""
+    u = torch.rand(len(params), device=device)
+    seeded = [i for i, p in enumerate(params) if p.seed is not None and p.temperature != 0]
+    if seeded:
+        seeds = [seed_for(params[i].seed, output_indices[i], choice_indices[i]) for i in seeded]
+        values = [torch.rand((), generator=torch.Generator().manual_seed(seed)).item() for seed in seeds]
+        u[to_device(seeded, torch.int64, device)] = to_device(values, torch.float32, device)
+    return u

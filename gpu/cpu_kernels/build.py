@@ -1,0 +1,130 @@
+"""Build and load the C++ CPU kernels.
+
+The shared object is compiled once per (source, flags, compiler, CPU) into the conveyor cache
+directory, keyed by a hash of all four, written under a temporary name and renamed into place, so
+processes that start together (a tensor-parallel group, a test suite) never load a half-written
+file. -march=native is why the CPU's flags are in the key: a cache directory shared with another
+machine must not hand it instructions it lacks. The kernel links against libgomp, which torch has
+already loaded (torch/lib/libgomp.so.1, same soname), so kernel and torch share one OpenMP pool
+instead of two pools spinning against each other on the same cores.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from conveyor.config import env
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 120
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class PagedAttentionKernel:
+    """conveyor_paged_attention_f32 with its argument checks; float32 only."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.conveyor_paged_attention_f32
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [_ptr] * 7 + [_i64] * 7 + [_f32]
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        sliding_window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [T, Hq, D] float32; kv_cache [2, N, bs, Hkv, D] float32 (this step's k/v already
+        written); block_tables [B, max_blocks], query_start_loc [B + 1], seq_lens [B], all int32
+        and contiguous -> out [T, Hq, D]."""
+        q = q.contiguous()
+        num_tokens, num_heads, head_dim = q.shape
+        _, _, block_size, num_kv_heads, _ = kv_cache.shape
+        num_rows, max_blocks = block_tables.shape
+        for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+            if t.dtype != torch.int32 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a contiguous int32 CPU tensor")
+        if q.dtype != torch.float32 or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
+            raise ValueError("the CPU paged attention kernel takes contiguous float32 q and cache")
+        if query_start_loc.shape != (num_rows + 1,) or seq_lens.shape != (num_rows,):
+            raise ValueError("query_start_loc must be [B + 1] and seq_lens [B]")
+        out = torch.empty_like(q)
+        status = self._fn(
+            q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
+            query_start_loc.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+            num_rows, max_blocks, num_heads, num_kv_heads, head_dim, block_size, sliding_window or 0, scale,
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(f"CPU paged attention does not handle {num_heads} heads over {num_kv_heads} kv heads")
+        return out
+
+
+@functools.cache
+def paged_attention_kernel() -> PagedAttentionKernel | None:
+    """The compiled kernel, or None (logged once) where it cannot be had."""
+    if not env.cpu_kernels_enabled():
+        return None
+    try:
+        return PagedAttentionKernel(ctypes.CDLL(str(_build(SOURCE))))
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        log.warning("CPU paged attention kernel unavailable, using the torch path: %s", exc)
+        return None
+
+
+def _build(source: Path) -> Path:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (set CXX, or install g++)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+        key.update(part)
+        key.update(b"\0")
+    out_dir = env.cache_dir() / "kernels"
+    target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{source.stem}-", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built %s", target)
+    return target
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), or the torch build's view of the CPU elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability()
