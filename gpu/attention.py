@@ -185,10 +185,11 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] (rotated) -> attention output [T, Hq, D]."""
-    write_kv(kv_cache, k, v, meta.slot_mapping)
-    if meta.cpu_kernel is not None:
+    if meta.cpu_kernel is not None:  # its own order inside a block: it writes, it reads
         kernel = meta.cpu_kernel
+        kernel.write_kv(kv_cache, k, v, meta.slot_mapping)
         return kernel(q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.sliding_window, scale)
+    write_kv(kv_cache, k, v, meta.slot_mapping)
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.gpu.attention import AttentionMetadata, paged_attention
+from conveyor.gpu.attention import AttentionMetadata, paged_attention, write_kv
 from conveyor.gpu.cpu_kernels import paged_attention_kernel
 
 needs_kernel = pytest.mark.skipif(paged_attention_kernel() is None, reason="no C++ compiler for the CPU kernel")
@@ -41,9 +41,9 @@ def run_case(seq_lens, q_lens, num_heads, num_kv_heads, window, block_size=4, he
         tables[i, :n] = torch.tensor([ids.pop() for _ in range(n)])
         k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
         v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
-        for p in range(seq_len - q_len):  # earlier steps' context, already in the cache
-            cache[0, tables[i, p // block_size], p % block_size] = k[p]
-            cache[1, tables[i, p // block_size], p % block_size] = v[p]
+        old = range(seq_len - q_len)  # earlier steps' context, already in the cache
+        old_slots = torch.tensor([int(tables[i, p // block_size]) * block_size + p % block_size for p in old])
+        (kernel.write_kv if kernel else write_kv)(cache, k[: len(old)], v[: len(old)], old_slots.long())
         full_k.append(k)
         full_v.append(v)
         queries.append(torch.randn(q_len, num_heads, head_dim, generator=gen))
@@ -65,10 +65,14 @@ def run_case(seq_lens, q_lens, num_heads, num_kv_heads, window, block_size=4, he
         start += len(q)
         assert torch.allclose(got.double(), expected, atol=1e-5), f"row {i}"
         # Every context token, old and new, sits in the cache where the block table says.
-        flat = cache.view(2, -1, num_kv_heads, head_dim)
         pos = torch.arange(seq_lens[i])
-        slot = tables[i].long()[pos // block_size] * block_size + pos % block_size
-        assert torch.equal(flat[0, slot], full_k[i]) and torch.equal(flat[1, slot], full_v[i])
+        blocks, offsets = tables[i].long()[pos // block_size], pos % block_size
+        if kernel is None:  # [2, N, bs, Hkv, D]
+            stored_k, stored_v = cache[0, blocks, offsets], cache[1, blocks, offsets]
+        else:  # the kernel's order inside a block: keys [Hkv, D, bs], values [Hkv, bs, D]
+            stored_k = cache[0].view(-1, num_kv_heads, head_dim, block_size)[blocks, :, :, offsets]
+            stored_v = cache[1].view(-1, num_kv_heads, block_size, head_dim)[blocks, :, offsets]
+        assert torch.equal(stored_k, full_k[i]) and torch.equal(stored_v, full_v[i])
     return meta
 
 
@@ -123,7 +127,7 @@ def test_cpu_kernel_matches_reference(num_heads, num_kv_heads, head_dim, window)
 
 
 @needs_kernel
-@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("block_size", [1, 16, 32])  # 16: the specialised width
 def test_cpu_kernel_long_contexts_across_block_sizes(block_size):
     seq_lens = [1, 70, 300, 129, 64, 33]
     run_case(seq_lens, [1, 1, 1, 40, 64, 1], 8, 2, None, block_size=block_size, seed=4, kernel=paged_attention_kernel())

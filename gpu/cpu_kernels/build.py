@@ -35,12 +35,35 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 class PagedAttentionKernel:
-    """conveyor_paged_attention_f32 with its argument checks; float32 only."""
+    """conveyor_paged_attention_f32 and conveyor_write_kv_f32 with their argument checks;
+    float32 only. The two own the order of elements inside a cache block (see the .cpp): a cache
+    they serve is read and written by them alone, block copies aside."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.conveyor_paged_attention_f32
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [_ptr] * 7 + [_i64] * 7 + [_f32]
+        self._write = lib.conveyor_write_kv_f32
+        self._write.restype = None
+        self._write.argtypes = [_ptr] * 5 + [_i64] * 4
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """kv_cache [2, N, bs, Hkv, D] float32 (its blocks in this kernel's order); k, v [T, Hkv, D];
+        slot_mapping [T] int64, distinct slots."""
+        k, v = k.contiguous(), v.contiguous()
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        if k.dtype != torch.float32 or v.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+            raise ValueError("the CPU paged attention kernel takes float32 k, v and cache")
+        if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+            raise ValueError("slot_mapping must be a contiguous int64 CPU tensor")
+        if k.shape != v.shape or k.shape != (slot_mapping.shape[0], num_kv_heads, head_dim):
+            raise ValueError(f"k and v must be [T, {num_kv_heads}, {head_dim}] for {slot_mapping.shape[0]} slots")
+        if not kv_cache.is_contiguous():
+            raise ValueError("the KV cache must be contiguous")
+        self._write(
+            k.data_ptr(), v.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slot_mapping.data_ptr(),
+            k.shape[0], num_kv_heads, head_dim, block_size,
+        )  # fmt: skip
 
     def __call__(
         self,
@@ -73,7 +96,10 @@ class PagedAttentionKernel:
             num_rows, max_blocks, num_heads, num_kv_heads, head_dim, block_size, sliding_window or 0, scale,
         )  # fmt: skip
         if status != 0:
-            raise ValueError(f"CPU paged attention does not handle {num_heads} heads over {num_kv_heads} kv heads")
+            raise ValueError(
+                f"CPU paged attention does not handle {num_heads} heads over {num_kv_heads} kv heads "
+                f"with blocks of {block_size}"
+            )
         return out
 
 

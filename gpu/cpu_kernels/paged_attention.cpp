@@ -7,11 +7,20 @@
 // with an online softmax (running max and sum, rescaled per block), so memory traffic is the
 // context itself and nothing more.
 //
-// Layout (gpu/kv_cache.py): one cache per layer [2, num_blocks, block_size, Hkv, D]; the caller
-// passes the key half and the value half. Tokens of a step are flattened ("varlen"): q and out
-// are [T, Hq, D]; row r owns tokens [query_start[r], query_start[r + 1]) and, after this step,
-// seq_lens[r] tokens of context, so its query j sits at position seq_len - q_len + j and sees
-// positions [max(0, pos + 1 - window), pos] (window 0: no sliding window).
+// Cache layout. The cache is one [2, num_blocks, block_size * Hkv * D] buffer per layer, as
+// gpu/kv_cache.py allocates it, but this kernel owns the order inside a block: head-major, keys
+// transposed, values not:
+//   keys   of block b, head h: [D, block_size]   at k_cache + (b * Hkv + h) * D * block_size
+//   values of block b, head h: [block_size, D]   at v_cache + (b * Hkv + h) * block_size * D
+// so one (block, head) tile is contiguous, and the scores of a whole block are D vertical FMAs
+// over block_size lanes (no horizontal sum per key), and the value update is block_size FMAs
+// over D lanes. Only the functions here read or write that order; copy-on-write copies whole
+// blocks, which is order-blind.
+//
+// Rows: tokens of a step are flattened ("varlen"): q and out are [T, Hq, D]; row r owns tokens
+// [query_start[r], query_start[r + 1]) and, after this step, seq_lens[r] tokens of context, so
+// its query j sits at position seq_len - q_len + j and sees positions
+// [max(0, pos + 1 - window), pos] (window 0: no sliding window).
 //
 // The `group` = Hq / Hkv query heads sharing a kv head are done together, so each key and value
 // is loaded once per group. Work items are (token, kv head) pairs spread over OpenMP threads
@@ -22,113 +31,126 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
 
-constexpr int kMaxGroup = 16;
+constexpr int kMaxBlock = 256;
+constexpr int kPrefetchBlocks = 2;  // how far ahead in a block table to prefetch
 
-template <int D>
-inline float dot(const float* __restrict a, const float* __restrict b, int d_rt) {
+// One query token, every head: q [Hq, D] pre-scaled -> out [Hq, D]. Query heads h * group ..
+// h * group + group - 1 read kv head h. A block's tiles for all heads are adjacent, so the token
+// walks its context as one stream of whole blocks. BS and D are compile-time where specialised
+// (0: read the runtime value).
+template <int BS, int D>
+void attend_token(const float* __restrict q, const float* __restrict k_cache,
+                  const float* __restrict v_cache, const int32_t* __restrict table, int64_t lo,
+                  int64_t hi, int bs_rt, int d_rt, int num_kv_heads, int group,
+                  float* __restrict out, float* __restrict acc /* [Hq, D] */,
+                  float* __restrict s /* [Hq, kMaxBlock] */, float* __restrict m,
+                  float* __restrict l /* [Hq] each */) {
+  const int bs = BS > 0 ? BS : bs_rt;
   const int d = D > 0 ? D : d_rt;
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int i = 0; i < d; ++i) acc += a[i] * b[i];
-  return acc;
-}
-
-template <int D>
-void attend_one(const float* __restrict q,  // [group, D], pre-scaled
-                const float* __restrict k_cache, const float* __restrict v_cache,
-                const int32_t* __restrict table, int64_t lo, int64_t hi, int64_t block_size,
-                int64_t token_stride,  // Hkv * D: one slot of the cache
-                int group, int d_rt, float* __restrict out /* [group, D] of this token */,
-                int64_t out_head_stride, float* __restrict scores /* [group, block_size] */,
-                float* __restrict acc /* [group, D] */) {
-  const int d = D > 0 ? D : d_rt;
-  float m[kMaxGroup], l[kMaxGroup];
-  for (int g = 0; g < group; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
+  const int num_heads = num_kv_heads * group;
+  const int64_t tile = static_cast<int64_t>(bs) * d;
+  const int64_t block_stride = num_kv_heads * tile;
+  for (int h = 0; h < num_heads; ++h) {
+    m[h] = -INFINITY;
+    l[h] = 0.f;
   }
-  std::fill(acc, acc + group * d, 0.f);
+  std::fill(acc, acc + num_heads * d, 0.f);
 
-  for (int64_t p = lo; p < hi;) {
-    const int64_t block = table[p / block_size];
-    const int64_t off = p % block_size;
-    const int n = static_cast<int>(std::min(block_size - off, hi - p));
-    const float* kb = k_cache + (block * block_size + off) * token_stride;
-    const float* vb = v_cache + (block * block_size + off) * token_stride;
-    for (int g = 0; g < group; ++g) {
-      float* s = scores + g * block_size;
-      float block_max = -INFINITY;
-      for (int i = 0; i < n; ++i) {
-        s[i] = dot<D>(q + g * d, kb + i * token_stride, d);
-        block_max = std::max(block_max, s[i]);
-      }
-      const float new_m = std::max(m[g], block_max);
-      const float correction = std::exp(m[g] - new_m);  // exp(-inf) = 0 on the first block
-      float sum = 0.f;
-      for (int i = 0; i < n; ++i) {
-        s[i] = std::exp(s[i] - new_m);
-        sum += s[i];
-      }
-      l[g] = l[g] * correction + sum;
-      m[g] = new_m;
-      float* a = acc + g * d;
-      if (correction != 1.f) {
-#pragma omp simd
-        for (int e = 0; e < d; ++e) a[e] *= correction;
-      }
-      for (int i = 0; i < n; ++i) {
-        const float w = s[i];
-        const float* v = vb + i * token_stride;
-#pragma omp simd
-        for (int e = 0; e < d; ++e) a[e] += w * v[e];
+  for (int64_t first = lo - lo % bs; first < hi; first += bs) {
+    const int64_t block = table[first / bs];
+    if (first + kPrefetchBlocks * bs < hi) {  // blocks are scattered: fetch a later one early
+      const int64_t next = table[first / bs + kPrefetchBlocks] * block_stride;
+      for (int64_t c = 0; c < block_stride; c += 16) {
+        __builtin_prefetch(k_cache + next + c, 0, 1);
+        __builtin_prefetch(v_cache + next + c, 0, 1);
       }
     }
-    p += n;
+    // valid lanes [i0, i1) of this block: the window's start and the query's own position.
+    const int i0 = static_cast<int>(std::max<int64_t>(lo - first, 0));
+    const int i1 = static_cast<int>(std::min<int64_t>(hi - first, bs));
+    for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
+      const float* kt = k_cache + block * block_stride + kvh * tile;  // [D, bs]
+      const float* vt = v_cache + block * block_stride + kvh * tile;  // [bs, D]
+      for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+        float* sh = s + h * kMaxBlock;
+        const float* qh = q + h * d;
+#pragma omp simd
+        for (int i = 0; i < bs; ++i) sh[i] = 0.f;
+        for (int e = 0; e < d; ++e) {
+          const float qe = qh[e];
+          const float* krow = kt + e * bs;
+#pragma omp simd
+          for (int i = 0; i < bs; ++i) sh[i] += qe * krow[i];
+        }
+        float block_max = -INFINITY;
+        for (int i = i0; i < i1; ++i) block_max = std::max(block_max, sh[i]);
+        const float new_m = std::max(m[h], block_max);
+        const float correction = std::exp(m[h] - new_m);  // exp(-inf) = 0 on the first block
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < bs; ++i) {
+          const float p = (i >= i0 && i < i1) ? std::exp(sh[i] - new_m) : 0.f;
+          sh[i] = p;
+          sum += p;
+        }
+        l[h] = l[h] * correction + sum;
+        m[h] = new_m;
+        float* a = acc + h * d;
+        if (correction != 1.f) {
+#pragma omp simd
+          for (int e = 0; e < d; ++e) a[e] *= correction;
+        }
+        for (int i = i0; i < i1; ++i) {
+          const float w = sh[i];
+          const float* v = vt + i * d;
+#pragma omp simd
+          for (int e = 0; e < d; ++e) a[e] += w * v[e];
+        }
+      }
+    }
   }
-  for (int g = 0; g < group; ++g) {
-    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;  // an empty context gives zeros, not NaN
-    float* o = out + g * out_head_stride;
-    const float* a = acc + g * d;
+  for (int h = 0; h < num_heads; ++h) {
+    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;  // an empty context gives zeros, not NaN
+    float* o = out + h * d;
+    const float* a = acc + h * d;
 #pragma omp simd
     for (int e = 0; e < d; ++e) o[e] = a[e] * inv;
   }
 }
 
-template <int D>
+template <int BS, int D>
 void run(const float* q, const float* k_cache, const float* v_cache, const int32_t* block_tables,
          const int32_t* query_start, const int32_t* seq_lens, float* out, int64_t num_rows,
          int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
          int64_t block_size, int64_t window, float scale) {
   const int64_t num_tokens = query_start[num_rows];
   const int group = static_cast<int>(num_heads / num_kv_heads);
-  const int d = static_cast<int>(head_dim);
-  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t width = num_heads * head_dim;
   std::vector<int32_t> row_of(num_tokens);
   for (int64_t r = 0; r < num_rows; ++r)
     for (int32_t t = query_start[r]; t < query_start[r + 1]; ++t) row_of[t] = static_cast<int32_t>(r);
-  const int64_t items = num_tokens * num_kv_heads;
 
 #pragma omp parallel
   {
-    std::vector<float> scores(group * block_size), acc(group * d), qs(group * d);
-#pragma omp for schedule(dynamic, 8)
-    for (int64_t item = 0; item < items; ++item) {
-      const int64_t t = item / num_kv_heads, h = item % num_kv_heads;
+    std::vector<float> acc(width), qs(width), s(num_heads * kMaxBlock), m(num_heads), l(num_heads);
+#pragma omp for schedule(dynamic, 2)
+    for (int64_t t = 0; t < num_tokens; ++t) {
       const int64_t r = row_of[t];
       const int64_t q_len = query_start[r + 1] - query_start[r];
       const int64_t pos = seq_lens[r] - q_len + (t - query_start[r]);
       const int64_t hi = pos + 1;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, hi - window) : 0;
-      const float* qt = q + (t * num_heads + h * group) * head_dim;  // [group, D]
-      for (int i = 0; i < group * d; ++i) qs[i] = qt[i] * scale;
-      attend_one<D>(qs.data(), k_cache + h * head_dim, v_cache + h * head_dim,
-                    block_tables + r * max_blocks, lo, hi, block_size, token_stride, group, d,
-                    out + (t * num_heads + h * group) * head_dim, head_dim, scores.data(),
-                    acc.data());
+      const float* qt = q + t * width;
+      for (int64_t i = 0; i < width; ++i) qs[i] = qt[i] * scale;
+      attend_token<BS, D>(qs.data(), k_cache, v_cache, block_tables + r * max_blocks, lo, hi,
+                          static_cast<int>(block_size), static_cast<int>(head_dim),
+                          static_cast<int>(num_kv_heads), group, out + t * width, acc.data(),
+                          s.data(), m.data(), l.data());
     }
   }
 }
@@ -137,26 +159,47 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int32
 
 extern "C" {
 
-// Returns 0, or -1 when the shape is outside what this kernel handles (the caller falls back).
+// Attention for a step whose k/v are already written. Returns 0, or -1 when the shape is
+// outside what this kernel handles (the caller raises).
 int conveyor_paged_attention_f32(const float* q, const float* k_cache, const float* v_cache,
                                  const int32_t* block_tables, const int32_t* query_start,
                                  const int32_t* seq_lens, float* out, int64_t num_rows,
                                  int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
                                  int64_t head_dim, int64_t block_size, int64_t window,
                                  float scale) {
-  if (num_kv_heads <= 0 || num_heads % num_kv_heads || num_heads / num_kv_heads > kMaxGroup)
+  if (num_kv_heads <= 0 || num_heads % num_kv_heads ||
+      block_size <= 0 || block_size > kMaxBlock)
     return -1;
-#define CONVEYOR_RUN(DIM)                                                                      \
-  run<DIM>(q, k_cache, v_cache, block_tables, query_start, seq_lens, out, num_rows, max_blocks, \
-           num_heads, num_kv_heads, head_dim, block_size, window, scale)
-  switch (head_dim) {
-    case 32: CONVEYOR_RUN(32); break;
-    case 64: CONVEYOR_RUN(64); break;
-    case 128: CONVEYOR_RUN(128); break;
-    default: CONVEYOR_RUN(0); break;
-  }
+#define CONVEYOR_RUN(BS, DIM)                                                                \
+  run<BS, DIM>(q, k_cache, v_cache, block_tables, query_start, seq_lens, out, num_rows,     \
+               max_blocks, num_heads, num_kv_heads, head_dim, block_size, window, scale)
+  if (block_size == 16 && head_dim == 32) CONVEYOR_RUN(16, 32);
+  else if (block_size == 16 && head_dim == 64) CONVEYOR_RUN(16, 64);
+  else if (block_size == 16 && head_dim == 128) CONVEYOR_RUN(16, 128);
+  else CONVEYOR_RUN(0, 0);
 #undef CONVEYOR_RUN
   return 0;
+}
+
+// Write a step's new keys and values, k and v [T, Hkv, D], at slot_mapping [T] (block *
+// block_size + offset) in this kernel's block order. Slots are distinct, so tokens are
+// independent.
+void conveyor_write_kv_f32(const float* k, const float* v, float* k_cache, float* v_cache,
+                           const int64_t* slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size) {
+  const int64_t tile = block_size * head_dim;
+#pragma omp parallel for if (num_tokens > 256)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t block = slot_mapping[t] / block_size, off = slot_mapping[t] % block_size;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const float* kt = k + (t * num_kv_heads + h) * head_dim;
+      const float* vt = v + (t * num_kv_heads + h) * head_dim;
+      float* kdst = k_cache + (block * num_kv_heads + h) * tile + off;  // column `off` of [D, bs]
+      float* vdst = v_cache + (block * num_kv_heads + h) * tile + off * head_dim;
+      for (int64_t e = 0; e < head_dim; ++e) kdst[e * block_size] = kt[e];
+      std::memcpy(vdst, vt, head_dim * sizeof(float));
+    }
+  }
 }
 
 }  // extern "C"
