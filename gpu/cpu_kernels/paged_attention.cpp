@@ -37,6 +37,9 @@
 namespace {
 
 constexpr int kMaxBlock = 256;
+// The online softmax's starting max and masked lanes' score: finite, because -ffast-math lets
+// the compiler assume no infinities (exp of it minus any real score is still exactly 0).
+constexpr float kNegBig = -1e30f;
 constexpr int kPrefetchBlocks = 2;  // how far ahead in a block table to prefetch
 
 // One query token, every head: q [Hq, D] pre-scaled -> out [Hq, D]. Query heads h * group ..
@@ -56,7 +59,7 @@ void attend_token(const float* __restrict q, const float* __restrict k_cache,
   const int64_t tile = static_cast<int64_t>(bs) * d;
   const int64_t block_stride = num_kv_heads * tile;
   for (int h = 0; h < num_heads; ++h) {
-    m[h] = -INFINITY;
+    m[h] = kNegBig;
     l[h] = 0.f;
   }
   std::fill(acc, acc + num_heads * d, 0.f);
@@ -87,7 +90,7 @@ void attend_token(const float* __restrict q, const float* __restrict k_cache,
 #pragma omp simd
           for (int i = 0; i < bs; ++i) sh[i] += qe * krow[i];
         }
-        float block_max = -INFINITY;
+        float block_max = kNegBig;
         for (int i = i0; i < i1; ++i) block_max = std::max(block_max, sh[i]);
         const float new_m = std::max(m[h], block_max);
         const float correction = std::exp(m[h] - new_m);  // exp(-inf) = 0 on the first block
