@@ -161,3 +161,24 @@ def test_cpu_kernel_can_be_switched_off(monkeypatch, tmp_path):
         assert build.paged_attention_kernel() is None  # logged, and the torch path serves
     finally:
         build.paged_attention_kernel.cache_clear()
+
+
+@needs_kernel
+def test_loading_the_kernel_keeps_subnormal_floats(tmp_path):
+    # A library linked with -ffast-math sets flush-to-zero for the whole process when it loads,
+    # which changed torch's results and broke hypothesis's float strategies in this very suite.
+    # A fresh build in a fresh process, so the check sees what loading does.
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from conveyor.gpu.cpu_kernels import paged_attention_kernel\n"
+        "assert paged_attention_kernel() is not None\n"
+        "tiny = torch.tensor([1e-40]) * torch.tensor([1.0])\n"
+        "print(tiny.item() != 0.0, 5e-324 * 1.0 != 0.0)\n"
+    )
+    env = {**__import__("os").environ, "CONVEYOR_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]

@@ -28,7 +28,11 @@ from conveyor.config import env
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+# Compiled and linked in two steps: -ffast-math (vectorised exp, reassociated sums) is for the
+# compile only. Linked with it, gcc adds crtfastmath.o, whose constructor sets flush-to-zero for
+# the whole process when the library loads, silently changing torch's float results too.
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC", "-c")
+LINK_FLAGS = ("-shared", "-fopenmp")
 BUILD_TIMEOUT_S = 120
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -121,7 +125,8 @@ def _build(source: Path) -> Path:
         raise RuntimeError("no C++ compiler (set CXX, or install g++)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
+    for part in (source.read_bytes(), flags.encode(), version.encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
     out_dir = env.cache_dir() / "kernels"
@@ -129,18 +134,13 @@ def _build(source: Path) -> Path:
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=f".{source.stem}-", suffix=".so")
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [compiler, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{source.stem}-") as tmp:
+        obj, lib = os.path.join(tmp, "kernel.o"), os.path.join(tmp, "kernel.so")
+        for command in ([compiler, *COMPILE_FLAGS, str(source), "-o", obj], [compiler, *LINK_FLAGS, obj, "-o", lib]):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(lib, target)
     log.info("built %s", target)
     return target
 
