@@ -41,6 +41,7 @@ constexpr int kMaxBlock = 256;
 // the compiler assume no infinities (exp of it minus any real score is still exactly 0).
 constexpr float kNegBig = -1e30f;
 constexpr int kPrefetchBlocks = 2;  // how far ahead in a block table to prefetch
+constexpr int64_t kSerialWork = 8192;  // key positions x kv heads below which one thread attends
 
 // One query token, every head: q [Hq, D] pre-scaled -> out [Hq, D]. Query heads h * group ..
 // h * group + group - 1 read kv head h. A block's tiles for all heads are adjacent, so the token
@@ -135,10 +136,16 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int32
   const int group = static_cast<int>(num_heads / num_kv_heads);
   const int64_t width = num_heads * head_dim;
   std::vector<int32_t> row_of(num_tokens);
-  for (int64_t r = 0; r < num_rows; ++r)
+  int64_t positions = 0;  // keys read by all queries, one head: the step's work
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t q_len = query_start[r + 1] - query_start[r];
+    positions += q_len * seq_lens[r];
     for (int32_t t = query_start[r]; t < query_start[r + 1]; ++t) row_of[t] = static_cast<int32_t>(r);
+  }
 
-#pragma omp parallel
+  // A step of a few short rows (one client decoding) is done in microseconds: waking the other
+  // threads would cost more than it saves.
+#pragma omp parallel if (positions * num_kv_heads > kSerialWork)
   {
     std::vector<float> acc(width), qs(width), s(num_heads * kMaxBlock), m(num_heads), l(num_heads);
 #pragma omp for schedule(dynamic, 2)
