@@ -3,8 +3,8 @@
 // The torch reference path (gpu/attention.py) gathers every row's blocks into a padded
 // contiguous tensor before scaled_dot_product_attention, which copies the whole KV context of
 // the step once or twice per layer; on a CPU that copy was three quarters of a decode step.
-// Here each (query token, kv head) pair streams its context straight out of the cache once,
-// with an online softmax (running max and sum, rescaled per block), so memory traffic is the
+// Here each query token streams its context straight out of the cache once, with an online
+// softmax (running max and sum, rescaled per block), so memory traffic is the
 // context itself and nothing more.
 //
 // Cache layout. The cache is one [2, num_blocks, block_size * Hkv * D] buffer per layer, as
@@ -22,9 +22,10 @@
 // its query j sits at position seq_len - q_len + j and sees positions
 // [max(0, pos + 1 - window), pos] (window 0: no sliding window).
 //
-// The `group` = Hq / Hkv query heads sharing a kv head are done together, so each key and value
-// is loaded once per group. Work items are (token, kv head) pairs spread over OpenMP threads
-// (the same libgomp torch uses: it is already loaded, and the soname resolves to it).
+// The `group` = Hq / Hkv query heads sharing a kv head read its tile one after the other, so the
+// tile comes from memory once per group and from L1 after that. Work items are query tokens,
+// spread over OpenMP threads (the same libgomp torch uses: it is already loaded, and the soname
+// resolves to it); a step too small to be worth a second thread runs on one.
 //
 // C ABI for ctypes; no torch headers, so the build takes about a second.
 
