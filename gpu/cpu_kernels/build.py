@@ -55,7 +55,7 @@ class PagedAttentionKernel:
         """kv_cache [2, N, bs, Hkv, D] float32 (its blocks in this kernel's order); k, v [T, Hkv, D];
         slot_mapping [T] int64, distinct slots."""
         k, v = k.contiguous(), v.contiguous()
-        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         if k.dtype != torch.float32 or v.dtype != torch.float32 or kv_cache.dtype != torch.float32:
             raise ValueError("the CPU paged attention kernel takes float32 k, v and cache")
         if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
