@@ -98,6 +98,7 @@ class ModelRunner:
         busy = 0.0
         if plan.scheduled:
             rows = [self.seqs[row.seq_id] for row in plan.scheduled]
+            _check_block_ids(plan.scheduled, self.kv_caches[0].shape[1])
             for seq, row in zip(rows, plan.scheduled):
                 _update_block_table(seq, row)
             num_tokens = [row.num_tokens for row in plan.scheduled]
@@ -252,6 +253,15 @@ class ModelRunner:
             sample_step(logits, [row] * num_rows, model_cfg.eos_token_ids)
         finally:
             self.kv_caches = saved
+
+
+def _check_block_ids(scheduled: list[ScheduledSeq], num_blocks: int) -> None:
+    """Every block a plan names must exist: the CPU kernel writes through block tables without
+    bounds checks, so a bad id would corrupt memory instead of raising."""
+    for row in scheduled:
+        ids = [*row.new_block_ids, *(block for _, block in row.replaced_blocks)]
+        if ids and not 0 <= min(ids) <= max(ids) < num_blocks:
+            raise ValueError(f"seq {row.seq_id}: block ids {ids} outside the pool [0, {num_blocks})")
 
 
 def _update_block_table(seq: SeqState, row: ScheduledSeq) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 
 from conveyor.gpu.runner import ModelRunner
@@ -194,3 +195,13 @@ def test_prefix_cache_hit_starts_after_the_cached_tokens():
     result = runner.execute(StepPlan(1, [new], [ScheduledSeq(1, 3, [3, 9, 7])], finished_seq_ids=[0]))
     assert result.sampled_token_ids == hf_greedy(hf, second, 1)
     assert runner.seqs[1].num_computed == 11
+
+
+def test_a_plan_naming_a_block_outside_the_pool_is_refused_and_the_runner_goes_on():
+    runner = new_runner()
+    tokens = prompt(6)
+    bad = StepPlan(1, [NewSeq(1, tokens, GREEDY, len(tokens))], [ScheduledSeq(1, 6, [0, NUM_BLOCKS])])
+    with pytest.raises(ValueError, match="outside the pool"):
+        runner.execute(bad)
+    good = StepPlan(2, [NewSeq(1, tokens, GREEDY, len(tokens))], [ScheduledSeq(1, 6, [0, 1])])
+    assert len(runner.execute(good).sampled_token_ids) == 1

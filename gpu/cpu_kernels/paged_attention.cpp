@@ -48,6 +48,92 @@ constexpr int64_t kSerialWork = 8192;  // key positions x kv heads below which o
 // h * group + group - 1 read kv head h. A block's tiles for all heads are adjacent, so the token
 // walks its context as one stream of whole blocks. BS and D are compile-time where specialised
 // (0: read the runtime value).
+
+// 16 float lanes as one value: a zmm register with AVX-512, two ymm with AVX2, four NEON q
+// registers; GCC and Clang lower the arithmetic to whatever the target has.
+typedef float v16 __attribute__((vector_size(64)));
+constexpr int kLanes = 16;  // also the floats in a 64-byte cache line
+
+inline v16 load16(const float* p) {
+  v16 r;
+  std::memcpy(&r, p, sizeof r);  // an unaligned vector load
+  return r;
+}
+inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+
+// One query head against one (block, kv head) tile, when BS and D are compile-time multiples of
+// 16: the scores of the block's keys, the online-softmax update of (m, l), and the value update
+// of the head's accumulator `a` [D]. p [BS] is scratch.
+//
+// Two things made the plain loops (kept below for other shapes) run at half the memory
+// bandwidth a bare scan of the same blocks reaches:
+//  - Prefetching a whole block ahead in one burst of 256 lines filled the core's miss buffers,
+//    so the burst stalled the arithmetic and the arithmetic then left memory idle. Here the
+//    caller names the same tile of a later block (pk, pv; null: nothing to fetch) and its 64
+//    lines are requested a few at a time between FMAs, so loads and arithmetic overlap.
+//  - The dot products were one chain of D dependent FMAs into one score vector; they run in
+//    four independent partial sums here, the value update in two.
+template <int BS, int D>
+inline void attend_tile(const float* __restrict qh, const float* __restrict kt,
+                        const float* __restrict vt, int i0, int i1, float* __restrict a,
+                        float* __restrict m, float* __restrict l, float* __restrict p,
+                        const float* pk, const float* pv) {
+  constexpr int NB = BS / kLanes, ND = D / kLanes;
+  constexpr int kLines = BS * D / kLanes;  // 64-byte lines in a K (or V) tile
+  v16 s[NB][4];
+  for (int nb = 0; nb < NB; ++nb)
+    for (int u = 0; u < 4; ++u) s[nb][u] = v16{};
+  for (int e = 0; e < D; e += 4) {
+    if (pk) {  // kLines / D * 4 lines of the later K tile per step of 4 dimensions
+      for (int c = e * kLines / D; c < (e + 4) * kLines / D; ++c)
+        __builtin_prefetch(pk + c * kLanes, 0, 1);
+    }
+    for (int u = 0; u < 4; ++u) {
+      const float qe = qh[e + u];
+      for (int nb = 0; nb < NB; ++nb) s[nb][u] += qe * load16(kt + (e + u) * BS + nb * kLanes);
+    }
+  }
+  const bool full = i0 == 0 && i1 == BS;
+  float block_max = kNegBig;
+  for (int nb = 0; nb < NB; ++nb) {
+    v16 sv = (s[nb][0] + s[nb][1]) + (s[nb][2] + s[nb][3]);
+    store16(p + nb * kLanes, sv);
+  }
+  if (!full) {
+    for (int i = 0; i < BS; ++i)
+      if (i < i0 || i >= i1) p[i] = kNegBig;
+  }
+#pragma omp simd reduction(max : block_max)
+  for (int i = 0; i < BS; ++i) block_max = std::max(block_max, p[i]);
+  const float new_m = std::max(*m, block_max);
+  const float correction = std::exp(*m - new_m);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int i = 0; i < BS; ++i) {
+    const float e = std::exp(p[i] - new_m);  // masked lanes: exp(-1e30 - x) = 0
+    p[i] = e;
+    sum += e;
+  }
+  *l = *l * correction + sum;
+  *m = new_m;
+  v16 acc[ND][2];
+  for (int dv = 0; dv < ND; ++dv) {
+    acc[dv][0] = load16(a + dv * kLanes) * correction;
+    acc[dv][1] = v16{};
+  }
+  if (pv) {
+    for (int c = 0; c < kLines; ++c) __builtin_prefetch(pv + c * kLanes, 0, 1);
+  }
+  if (full) {
+    for (int i = 0; i < BS; ++i)
+      for (int dv = 0; dv < ND; ++dv) acc[dv][i & 1] += p[i] * load16(vt + i * D + dv * kLanes);
+  } else {
+    for (int i = i0; i < i1; ++i)
+      for (int dv = 0; dv < ND; ++dv) acc[dv][i & 1] += p[i] * load16(vt + i * D + dv * kLanes);
+  }
+  for (int dv = 0; dv < ND; ++dv) store16(a + dv * kLanes, acc[dv][0] + acc[dv][1]);
+}
+
 template <int BS, int D>
 void attend_token(const float* __restrict q, const float* __restrict k_cache,
                   const float* __restrict v_cache, const int32_t* __restrict table, int64_t lo,
@@ -68,19 +154,30 @@ void attend_token(const float* __restrict q, const float* __restrict k_cache,
 
   for (int64_t first = lo - lo % bs; first < hi; first += bs) {
     const int64_t block = table[first / bs];
-    if (first + kPrefetchBlocks * bs < hi) {  // blocks are scattered: fetch a later one early
-      const int64_t next = table[first / bs + kPrefetchBlocks] * block_stride;
-      for (int64_t c = 0; c < block_stride; c += 16) {
-        __builtin_prefetch(k_cache + next + c, 0, 1);
-        __builtin_prefetch(v_cache + next + c, 0, 1);
-      }
-    }
+    const int64_t ahead =  // offset of the block kPrefetchBlocks on, or -1
+        first + kPrefetchBlocks * bs < hi ? table[first / bs + kPrefetchBlocks] * block_stride : -1;
     // valid lanes [i0, i1) of this block: the window's start and the query's own position.
     const int i0 = static_cast<int>(std::max<int64_t>(lo - first, 0));
     const int i1 = static_cast<int>(std::min<int64_t>(hi - first, bs));
     for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
       const float* kt = k_cache + block * block_stride + kvh * tile;  // [D, bs]
       const float* vt = v_cache + block * block_stride + kvh * tile;  // [bs, D]
+      if constexpr (BS > 0 && D > 0 && BS % kLanes == 0 && D % kLanes == 0) {
+        const float* pk = ahead >= 0 ? k_cache + ahead + kvh * tile : nullptr;
+        const float* pv = ahead >= 0 ? v_cache + ahead + kvh * tile : nullptr;
+        for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+          const bool first_head = h == kvh * group;
+          attend_tile<BS, D>(q + h * d, kt, vt, i0, i1, acc + h * d, m + h, l + h, s + h * kMaxBlock,
+                             first_head ? pk : nullptr, first_head ? pv : nullptr);
+        }
+        continue;
+      }
+      if (ahead >= 0) {  // other shapes: the later tile in one burst
+        for (int64_t c = 0; c < tile; c += kLanes) {
+          __builtin_prefetch(k_cache + ahead + kvh * tile + c, 0, 1);
+          __builtin_prefetch(v_cache + ahead + kvh * tile + c, 0, 1);
+        }
+      }
       for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
         float* sh = s + h * kMaxBlock;
         const float* qh = q + h * d;
