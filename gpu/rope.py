@@ -14,6 +14,7 @@ import math
 import torch
 
 from conveyor.config.model import ModelConfig
+from conveyor.gpu.cpu_kernels.fused_ops import supports
 
 
 def inverse_frequencies(
@@ -69,6 +70,7 @@ class RotaryEmbedding:
         # [P, D]: cos in the first half, sin in the second, so one index_select serves both.
         self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
         self.head_dim = head_dim
+        self.ops = None  # CpuFusedOps: rotate float32 CPU q and k in place, in one pass
 
     @classmethod
     def from_config(cls, config: ModelConfig, device: torch.device | str = "cpu") -> "RotaryEmbedding":
@@ -84,7 +86,11 @@ class RotaryEmbedding:
     def __call__(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k), same dtypes."""
+        """positions [T] int64; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k), same dtypes. On the
+        C path q and k are rotated in place and returned."""
+        if self.ops is not None and supports(q) and supports(k) and supports(self.cos_sin):
+            self.ops.rotary(q, k, positions, self.cos_sin)
+            return q, k
         cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, D/2] each
         # HF casts cos/sin to the activation dtype before rotating; so do we (matters in bf16).
         cos = cos.to(q.dtype)[:, None, :]

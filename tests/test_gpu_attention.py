@@ -147,20 +147,27 @@ def test_cpu_kernel_rejects_what_it_cannot_read():
         kernel(torch.randn(1, 3, 8), cache, one, torch.tensor([0, 1], dtype=torch.int32), one[0], None, 1.0)
 
 
-def test_cpu_kernel_can_be_switched_off(monkeypatch, tmp_path):
-    from conveyor.gpu.cpu_kernels import build
+def test_cpu_kernels_can_be_switched_off(monkeypatch, tmp_path):
+    from conveyor.gpu.cpu_kernels import build, fused_ops, paged_attention
+
+    loaders = (build.load_library, paged_attention.paged_attention_kernel, fused_ops.cpu_fused_ops)
+
+    def forget() -> None:
+        for loader in loaders:
+            loader.cache_clear()
 
     monkeypatch.setenv("CONVEYOR_CPU_KERNELS", "0")
-    build.paged_attention_kernel.cache_clear()
+    forget()
     try:
-        assert build.paged_attention_kernel() is None
+        assert paged_attention.paged_attention_kernel() is None and fused_ops.cpu_fused_ops() is None
         monkeypatch.setenv("CONVEYOR_CPU_KERNELS", "1")
         monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
         monkeypatch.setenv("CONVEYOR_CACHE_DIR", str(tmp_path))  # nothing built there yet
-        build.paged_attention_kernel.cache_clear()
-        assert build.paged_attention_kernel() is None  # logged, and the torch path serves
+        forget()
+        # logged, and the torch paths serve
+        assert paged_attention.paged_attention_kernel() is None and fused_ops.cpu_fused_ops() is None
     finally:
-        build.paged_attention_kernel.cache_clear()
+        forget()
 
 
 @needs_kernel

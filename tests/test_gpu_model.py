@@ -20,6 +20,7 @@ from conveyor.config import ConfigError, ModelConfig
 from conveyor.gpu.attention import AttentionMetadata
 from conveyor.gpu.kv_cache import allocate_kv_caches
 from conveyor.gpu.loader import load_model
+from conveyor.gpu.cpu_kernels import cpu_fused_ops, paged_attention_kernel
 from conveyor.gpu.runner import ModelRunner
 from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
 from tests.gpu_checkpoints import ARCHS, VOCAB, checkpoint, engine_config, hf_model
@@ -98,8 +99,11 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def forward_prompts(model, config: ModelConfig, prompts: list[list[int]], block_size: int = 4) -> torch.Tensor:
-    """All-position logits [T, V] of the prompts, flattened in one forward with a fresh cache."""
+def forward_prompts(
+    model, config: ModelConfig, prompts: list[list[int]], block_size: int = 4, cpu_kernel=None
+) -> torch.Tensor:
+    """All-position logits [T, V] of the prompts, flattened in one forward with a fresh cache;
+    cpu_kernel: the C++ paged attention, else the torch path."""
     device = next(model.parameters()).device
     lens = [len(p) for p in prompts]
     num_blocks = [-(-n // block_size) for n in lens]
@@ -109,16 +113,25 @@ def forward_prompts(model, config: ModelConfig, prompts: list[list[int]], block_
     for i, n in enumerate(num_blocks):
         tables[i, :n] = torch.tensor([ids.pop() for _ in range(n)])
     positions = torch.cat([torch.arange(n) for n in lens]).to(device)
-    meta = AttentionMetadata.build(lens, lens, tables.to(device), positions, block_size, config.sliding_window)
+    meta = AttentionMetadata.build(
+        lens, lens, tables.to(device), positions, block_size, config.sliding_window, cpu_kernel
+    )
     input_ids = torch.tensor([t for p in prompts for t in p], device=device)
     with torch.inference_mode():
         return model.compute_logits(model(input_ids, positions, meta, caches))
 
 
+@pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch", "cpu-kernels"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prompt_logits_match_hf(arch):
+def test_prompt_logits_match_hf(arch, cpu_kernels):
     config = ModelConfig.from_pretrained(checkpoint(arch))
-    ours = forward_prompts(load_model(config, "cpu"), config, random_prompts([37, 50, 1]))
+    model, kernel = load_model(config, "cpu"), None
+    if cpu_kernels:  # every C++ op: attention, RMSNorm + residual, rotary, SiLU * up
+        kernel, ops = paged_attention_kernel(), cpu_fused_ops()
+        if kernel is None or ops is None:
+            pytest.skip("no C++ compiler here")
+        model.use_cpu_ops(ops)
+    ours = forward_prompts(model, config, random_prompts([37, 50, 1]), cpu_kernel=kernel)
     hf = hf_model(arch)
     start = 0
     for prompt in random_prompts([37, 50, 1]):

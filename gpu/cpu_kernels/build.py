@@ -1,12 +1,12 @@
 """Build and load the C++ CPU kernels.
 
-The shared object is compiled once per (source, flags, compiler, CPU) into the conveyor cache
+Each .cpp here is compiled once per (source, flags, compiler, CPU) into the conveyor cache
 directory, keyed by a hash of all four, written under a temporary name and renamed into place, so
 processes that start together (a tensor-parallel group, a test suite) never load a half-written
 file. -march=native is why the CPU's flags are in the key: a cache directory shared with another
-machine must not hand it instructions it lacks. The kernel links against libgomp, which torch has
-already loaded (torch/lib/libgomp.so.1, same soname), so kernel and torch share one OpenMP pool
-instead of two pools spinning against each other on the same cores.
+machine must not hand it instructions it lacks. The libraries link against libgomp, which torch
+has already loaded (torch/lib/libgomp.so.1, same soname), so kernels and torch share one OpenMP
+pool instead of two pools spinning against each other on the same cores.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from conveyor.config import env
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
 # Compiled and linked in two steps: -ffast-math (vectorised exp, reassociated sums) is for the
 # compile only. Linked with it, gcc adds crtfastmath.o, whose constructor sets flush-to-zero for
 # the whole process when the library loads, silently changing torch's float results too.
@@ -35,87 +34,17 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17"
 LINK_FLAGS = ("-shared", "-fopenmp")
 BUILD_TIMEOUT_S = 120
 
-_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-
-
-class PagedAttentionKernel:
-    """conveyor_paged_attention_f32 and conveyor_write_kv_f32 with their argument checks;
-    float32 only. The two own the order of elements inside a cache block (see the .cpp): a cache
-    they serve is read and written by them alone, block copies aside."""
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.conveyor_paged_attention_f32
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_ptr] * 7 + [_i64] * 7 + [_f32]
-        self._write = lib.conveyor_write_kv_f32
-        self._write.restype = None
-        self._write.argtypes = [_ptr] * 5 + [_i64] * 4
-
-    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """kv_cache [2, N, bs, Hkv, D] float32 (its blocks in this kernel's order); k, v [T, Hkv, D];
-        slot_mapping [T] int64, distinct slots."""
-        k, v = k.contiguous(), v.contiguous()
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        if k.dtype != torch.float32 or v.dtype != torch.float32 or kv_cache.dtype != torch.float32:
-            raise ValueError("the CPU paged attention kernel takes float32 k, v and cache")
-        if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
-            raise ValueError("slot_mapping must be a contiguous int64 CPU tensor")
-        if k.shape != v.shape or k.shape != (slot_mapping.shape[0], num_kv_heads, head_dim):
-            raise ValueError(f"k and v must be [T, {num_kv_heads}, {head_dim}] for {slot_mapping.shape[0]} slots")
-        if not kv_cache.is_contiguous():
-            raise ValueError("the KV cache must be contiguous")
-        self._write(
-            k.data_ptr(), v.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slot_mapping.data_ptr(),
-            k.shape[0], num_kv_heads, head_dim, block_size,
-        )  # fmt: skip
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        seq_lens: torch.Tensor,
-        sliding_window: int | None,
-        scale: float,
-    ) -> torch.Tensor:
-        """q [T, Hq, D] float32; kv_cache [2, N, bs, Hkv, D] float32 (this step's k/v already
-        written); block_tables [B, max_blocks], query_start_loc [B + 1], seq_lens [B], all int32
-        and contiguous -> out [T, Hq, D]."""
-        q = q.contiguous()
-        num_tokens, num_heads, head_dim = q.shape
-        _, _, block_size, num_kv_heads, _ = kv_cache.shape
-        num_rows, max_blocks = block_tables.shape
-        for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
-            if t.dtype != torch.int32 or not t.is_contiguous() or t.device.type != "cpu":
-                raise ValueError(f"{name} must be a contiguous int32 CPU tensor")
-        if q.dtype != torch.float32 or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
-            raise ValueError("the CPU paged attention kernel takes contiguous float32 q and cache")
-        if query_start_loc.shape != (num_rows + 1,) or seq_lens.shape != (num_rows,):
-            raise ValueError("query_start_loc must be [B + 1] and seq_lens [B]")
-        out = torch.empty_like(q)
-        status = self._fn(
-            q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
-            query_start_loc.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-            num_rows, max_blocks, num_heads, num_kv_heads, head_dim, block_size, sliding_window or 0, scale,
-        )  # fmt: skip
-        if status != 0:
-            raise ValueError(
-                f"CPU paged attention does not handle {num_heads} heads over {num_kv_heads} kv heads "
-                f"with blocks of {block_size}"
-            )
-        return out
-
 
 @functools.cache
-def paged_attention_kernel() -> PagedAttentionKernel | None:
-    """The compiled kernel, or None (logged once) where it cannot be had."""
+def load_library(name: str) -> ctypes.CDLL | None:
+    """The compiled `name`.cpp of this package, or None (logged once per name) where it cannot
+    be had: CONVEYOR_CPU_KERNELS=0, no compiler, a failed build. Callers then use torch."""
     if not env.cpu_kernels_enabled():
         return None
     try:
-        return PagedAttentionKernel(ctypes.CDLL(str(_build(SOURCE))))
+        return ctypes.CDLL(str(_build(Path(__file__).with_name(f"{name}.cpp"))))
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        log.warning("CPU paged attention kernel unavailable, using the torch path: %s", exc)
+        log.warning("CPU kernels %s unavailable, using the torch path: %s", name, exc)
         return None
 
 

@@ -17,16 +17,30 @@ from torch import nn
 
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.attention import AttentionMetadata, paged_attention
+from conveyor.gpu.cpu_kernels.fused_ops import CpuFusedOps, supports
 from conveyor.gpu.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
+    """With `residual`, the pre-norm residual add is folded in: returns (norm(x + residual),
+    x + residual), so the C path (`ops`, set by use_cpu_ops) adds and normalises in one pass."""
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.ops: CpuFusedOps | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.ops is not None and supports(x) and (residual is None or supports(residual)):
+            out = self.ops.rms_norm(x, self.weight, self.eps, residual)  # residual += x in place
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # As HF: normalise in float32, cast back, then scale (the order matters in bf16).
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -70,10 +84,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.ops: CpuFusedOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # In place: on a CPU each [T, intermediate] temporary is megabytes of memory traffic.
-        return self.down_proj(F.silu(self.gate_proj(x), inplace=True).mul_(self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.ops is not None and supports(gate) and supports(up):
+            return self.down_proj(self.ops.silu_mul(gate, up))
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -84,9 +102,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, rope, meta, kv_cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, meta, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the last sublayer's output [T, H], residual: the stream before it (None in the first
+        layer, where x is the embedding) -> (this layer's MLP output, the stream before it)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rope, meta, kv_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -123,10 +148,17 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         """input_ids, positions [T] int64; kv_caches one [2, N, bs, Hkv, D] per layer -> [T, H]."""
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rope, meta, kv_cache)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, self.rope, meta, kv_cache)
+        return self.model.norm(x, residual)[0]
+
+    def use_cpu_ops(self, ops: CpuFusedOps | None) -> None:
+        """Route RMSNorm, the rotary embedding and SiLU * up through the C ops (None: torch)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | MLP):
+                module.ops = ops
+        self.rope.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32 (the matmul runs in the model dtype, as HF)."""

@@ -1,0 +1,91 @@
+"""The ctypes face of paged_attention.cpp: argument checks, then one C call.
+
+`paged_attention_kernel()` is None where the library cannot be had (see build.load_library),
+and the runner then keeps the torch path of gpu/attention.py, which computes the same function.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from conveyor.gpu.cpu_kernels.build import load_library
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class PagedAttentionKernel:
+    """conveyor_paged_attention_f32 and conveyor_write_kv_f32 with their argument checks;
+    float32 only. The two own the order of elements inside a cache block (see the .cpp): a cache
+    they serve is read and written by them alone, block copies aside."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.conveyor_paged_attention_f32
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [_ptr] * 7 + [_i64] * 7 + [_f32]
+        self._write = lib.conveyor_write_kv_f32
+        self._write.restype = None
+        self._write.argtypes = [_ptr] * 5 + [_i64] * 4
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """kv_cache [2, N, bs, Hkv, D] float32 (its blocks in this kernel's order); k, v [T, Hkv, D];
+        slot_mapping [T] int64, distinct slots."""
+        k, v = k.contiguous(), v.contiguous()
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        if k.dtype != torch.float32 or v.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+            raise ValueError("the CPU paged attention kernel takes float32 k, v and cache")
+        if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
+            raise ValueError("slot_mapping must be a contiguous int64 CPU tensor")
+        if k.shape != v.shape or k.shape != (slot_mapping.shape[0], num_kv_heads, head_dim):
+            raise ValueError(f"k and v must be [T, {num_kv_heads}, {head_dim}] for {slot_mapping.shape[0]} slots")
+        if not kv_cache.is_contiguous():
+            raise ValueError("the KV cache must be contiguous")
+        self._write(
+            k.data_ptr(), v.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slot_mapping.data_ptr(),
+            k.shape[0], num_kv_heads, head_dim, block_size,
+        )  # fmt: skip
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        sliding_window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [T, Hq, D] float32; kv_cache [2, N, bs, Hkv, D] float32 (this step's k/v already
+        written); block_tables [B, max_blocks], query_start_loc [B + 1], seq_lens [B], all int32
+        and contiguous -> out [T, Hq, D]."""
+        q = q.contiguous()
+        num_tokens, num_heads, head_dim = q.shape
+        _, _, block_size, num_kv_heads, _ = kv_cache.shape
+        num_rows, max_blocks = block_tables.shape
+        for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+            if t.dtype != torch.int32 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a contiguous int32 CPU tensor")
+        if q.dtype != torch.float32 or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
+            raise ValueError("the CPU paged attention kernel takes contiguous float32 q and cache")
+        if query_start_loc.shape != (num_rows + 1,) or seq_lens.shape != (num_rows,):
+            raise ValueError("query_start_loc must be [B + 1] and seq_lens [B]")
+        out = torch.empty_like(q)
+        status = self._fn(
+            q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
+            query_start_loc.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+            num_rows, max_blocks, num_heads, num_kv_heads, head_dim, block_size, sliding_window or 0, scale,
+        )  # fmt: skip
+        if status != 0:
+            raise ValueError(
+                f"CPU paged attention does not handle {num_heads} heads over {num_kv_heads} kv heads "
+                f"with blocks of {block_size}"
+            )
+        return out
+
+
+@functools.cache
+def paged_attention_kernel() -> PagedAttentionKernel | None:
+    lib = load_library("paged_attention")
+    return None if lib is None else PagedAttentionKernel(lib)
