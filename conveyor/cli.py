@@ -1,5 +1,5 @@
 """The `conveyor` command: `conveyor serve` starts the daemon (every stage, supervised);
-`conveyor bench serve | offline | step` runs the benchmarks (conveyor/bench).
+`conveyor bench serve | offline | step | forward` runs the benchmarks (conveyor/bench).
 
 Bad options and bad checkpoints get one line on stderr and a non-zero exit, never a traceback.
 """
@@ -54,6 +54,9 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
         "offline", help="offline tokens/s of conveyor's LLM API against transformers' generate"
     ))  # fmt: skip
     bench_args.add_step(which.add_parser("step", help="CPU cost of one scheduler step over N running decodes"))
+    bench_args.add_forward(which.add_parser(
+        "forward", help="one worker step on the CPU, with and without the C++ kernels, interleaved"
+    ))  # fmt: skip
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -65,6 +68,10 @@ def bench(args: argparse.Namespace) -> int:
         from conveyor.bench import offline
 
         return offline.main(args)
+    if args.bench == "forward":
+        from conveyor.bench import forward
+
+        return forward.main(args)
     from conveyor.bench import step
 
     return step.main(args.running, prepare=args.prepare, device=args.device)

@@ -347,3 +347,30 @@ def test_step_times_input_preparation():
 
     r = step.measure_prepare(step.prepare_runner("cpu"), 8, repeats=10)
     assert r["running"] == 8 and 0 < r["median_ms"] <= r["p90_ms"]
+
+
+def test_forward_times_each_variant_on_each_shape(capsys):
+    from conveyor.bench import forward
+
+    if not forward_kernels_available():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    shapes = [("decode", 3, 20), ("prefill", 2, 9)]
+    results = forward.measure(shapes, rounds=2, repeats=2)
+    assert set(results) == {(*s, v) for s in shapes for v in forward.VARIANTS}
+    assert all(seconds > 0 for seconds in results.values())
+    rc = cli.main(["bench", "forward", "--decode", "2x8", "--prefill", "1x5", "--rounds", "1", "--repeats", "1"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "decode 2x8" in out and "prefill 1x5" in out
+
+
+def test_forward_rejects_a_bad_shape(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "forward", "--decode", "256by500"])
+    assert "ROWSxLENGTH" in capsys.readouterr().err
+
+
+def forward_kernels_available() -> bool:
+    from conveyor.gpu.cpu_kernels import cpu_fused_ops, paged_attention_kernel
+
+    return paged_attention_kernel() is not None and cpu_fused_ops() is not None

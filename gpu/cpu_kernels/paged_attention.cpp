@@ -27,6 +27,11 @@
 // spread over OpenMP threads (the same libgomp torch uses: it is already loaded, and the soname
 // resolves to it); a step too small to be worth a second thread runs on one.
 //
+// Blocks are scattered, so the hardware prefetcher cannot guess the next one: while a tile is
+// read, the same tile kPrefetchBlocks blocks on is requested in software, a few lines at a time
+// between the FMAs (attend_tile). Decode at 256 rows x 500 context reads 25-28 GB/s on two
+// cores; a bare scan of the same blocks, 30.
+//
 // C ABI for ctypes; no torch headers, so the build takes about a second.
 
 #include <algorithm>

@@ -1,0 +1,146 @@
+"""`conveyor bench forward`: one worker step on the CPU, with and without the C++ kernels.
+
+A step is `ModelRunner.execute` of a StepPlan on the embedded tiny model: input preparation,
+the forward pass, sampling (greedy, as `bench serve` asks). Shapes:
+- decode RxC: R sequences, each with C tokens of context, all decoding one token;
+- prefill RxL: R fresh prompts of L tokens in one step (dropped after, so every repeat is fresh).
+
+Variants, each its own ModelRunner (the C++ attention owns the order inside a KV block, so a
+cache is never shared between variants):
+- torch: the torch reference paths only;
+- attention: the C++ paged attention (gpu/cpu_kernels/paged_attention.cpp);
+- all: that plus the fused RMSNorm / rotary / SiLU * up (fused_ops.cpp), what the worker runs.
+They are timed in interleaved rounds, so that a noisy machine slows all of them alike; the
+table gives each variant's median over rounds of its per-round median step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+
+VARIANTS = ("torch", "attention", "all")
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    try:
+        rows, length = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ROWSxLENGTH such as 256x500, got {text!r}") from None
+    if rows < 1 or length < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: rows and length must be positive")
+    return rows, length
+
+
+class StepDriver:
+    """One variant's runner, and plans over it that play the scheduler's part."""
+
+    def __init__(self, variant: str, num_blocks: int) -> None:
+        from conveyor.config.build import build_engine_config
+        from conveyor.gpu.cpu_kernels import cpu_fused_ops, paged_attention_kernel
+        from conveyor.gpu.runner import ModelRunner
+
+        self.runner = ModelRunner(build_engine_config(None, device="cpu", num_kv_blocks=num_blocks))
+        self.runner.cpu_kernel = paged_attention_kernel() if variant != "torch" else None
+        self.runner.model.use_cpu_ops(cpu_fused_ops() if variant == "all" else None)
+        if variant != "torch" and self.runner.cpu_kernel is None:
+            raise RuntimeError("the C++ CPU kernels are unavailable here (no compiler, or CONVEYOR_CPU_KERNELS=0)")
+        self.runner.initialize_cache(num_blocks)
+        self.block_size = self.runner.block_size
+        self.num_blocks = num_blocks
+        self.next_block = 0
+        self.next_seq = 0
+        self.step = 0
+
+    def _blocks(self, num_tokens: int) -> list[int]:
+        n = -(-num_tokens // self.block_size)
+        if self.next_block + n > self.num_blocks:
+            raise RuntimeError(f"the KV pool of {self.num_blocks} blocks is too small for these shapes")
+        blocks = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return blocks
+
+    def _execute(self, new_seqs, scheduled, finished=()) -> float:
+        from conveyor.wire.messages import StepPlan
+
+        self.step += 1
+        plan = StepPlan(self.step, new_seqs, scheduled, finished_seq_ids=list(finished))
+        start = time.perf_counter()
+        self.runner.execute(plan)
+        return time.perf_counter() - start
+
+    def prefill(self, rows: int, length: int, extra: int = 0) -> tuple[list[int], float]:
+        """rows fresh prompts of `length` tokens, blocks for `extra` more each -> (ids, seconds)."""
+        from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq
+
+        params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+        ids = list(range(self.next_seq, self.next_seq + rows))
+        self.next_seq += rows
+        vocab = self.runner.config.model.vocab_size - 16
+        new = [NewSeq(i, [(i * 31 + j) % vocab for j in range(length)], params, length) for i in ids]
+        scheduled = [ScheduledSeq(i, length, self._blocks(length + extra)) for i in ids]
+        return ids, self._execute(new, scheduled)
+
+    def decode(self, ids: list[int]) -> float:
+        from conveyor.wire.messages import ScheduledSeq
+
+        return self._execute([], [ScheduledSeq(i, 1) for i in ids])
+
+    def finish(self, ids: list[int]) -> None:
+        self._execute([], [], finished=ids)
+
+
+def measure(shapes: list[tuple[str, int, int]], rounds: int, repeats: int) -> dict[tuple[str, int, int, str], float]:
+    """(kind, rows, length) shapes -> {(kind, rows, length, variant): median seconds}."""
+    import torch
+
+    torch.manual_seed(0)
+    decode_tokens = sum(r * (n + rounds * repeats + 16) for kind, r, n in shapes if kind == "decode")
+    prefill_tokens = max((r * n for kind, r, n in shapes if kind == "prefill"), default=0)
+    num_blocks = (decode_tokens + prefill_tokens) // 16 + sum(r for _, r, _ in shapes) + 64
+    drivers = {v: StepDriver(v, num_blocks) for v in VARIANTS}
+    decoding: dict[tuple[str, int, int], dict[str, list[int]]] = {}
+    for (kind, rows, length), (variant, driver) in itertools.product(shapes, drivers.items()):
+        if kind == "decode":  # prompts of `length` tokens, in prefill steps of at most 2048 tokens
+            per_step = max(1, 2048 // length)
+            ids = []
+            for start in range(0, rows, per_step):
+                ids += driver.prefill(min(per_step, rows - start), length, extra=rounds * repeats + 16)[0]
+            decoding.setdefault((kind, rows, length), {})[variant] = ids
+    per_round: dict[tuple[str, int, int, str], list[float]] = {}
+    for _ in range(rounds):
+        for shape, (variant, driver) in itertools.product(shapes, drivers.items()):
+            kind, rows, length = shape
+            times = []
+            for _ in range(repeats):
+                if kind == "decode":
+                    times.append(driver.decode(decoding[shape][variant]))
+                else:  # fresh prompts in blocks handed back right after
+                    mark = driver.next_block
+                    ids, seconds = driver.prefill(rows, length)
+                    times.append(seconds)
+                    driver.finish(ids)
+                    driver.next_block = mark
+            per_round.setdefault((*shape, variant), []).append(statistics.median(times))
+    return {key: statistics.median(values) for key, values in per_round.items()}
+
+
+def main(args: argparse.Namespace) -> int:
+    shapes = [("decode", r, n) for r, n in args.decode] + [("prefill", r, n) for r, n in args.prefill]
+    if not shapes:
+        print("nothing to measure: give --decode and/or --prefill shapes")
+        return 2
+    try:
+        results = measure(shapes, args.rounds, args.repeats)
+    except RuntimeError as e:
+        print(f"error: {e}")
+        return 1
+    print(f"one worker step on the CPU, median ms over {args.rounds} interleaved rounds of {args.repeats}")
+    print(f"{'step':>16} {'torch':>9} {'attention':>10} {'all':>9} {'all / torch':>12}")
+    for kind, rows, length in shapes:
+        ms = {v: results[(kind, rows, length, v)] * 1e3 for v in VARIANTS}
+        label = f"{kind} {rows}x{length}"
+        print(f"{label:>16} {ms['torch']:>9.2f} {ms['attention']:>10.2f} {ms['all']:>9.2f} {ms['all'] / ms['torch']:>12.2f}")
+    return 0
