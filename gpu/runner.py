@@ -24,7 +24,7 @@ import torch
 
 from conveyor.config.engine import EngineConfig
 from conveyor.gpu.attention import AttentionMetadata
-from conveyor.gpu.cpu_kernels import cpu_fused_ops, paged_attention_kernel
+from conveyor.gpu.cpu_kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
 from conveyor.gpu.host_memory import keep_freed_memory
 from conveyor.gpu.kv_cache import allocate_kv_caches, copy_blocks, num_blocks_for_memory
 from conveyor.gpu.loader import load_model
@@ -63,14 +63,14 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model = load_model(config.model, self.device)
-        # Paged attention reading the cache in place, and the elementwise ops fused, where a C++
-        # build is possible (CPU, float32).
+        # Paged attention reading the cache in place, the elementwise ops fused, and narrow linears
+        # streaming their weights once, where a C++ build is possible (CPU, float32).
         self.cpu_kernel = None
         if self.device.type == "cpu":
             keep_freed_memory()  # activations reuse warm heap pages instead of fresh mmaps
             if config.model.dtype == "float32":
                 self.cpu_kernel = paged_attention_kernel()
-                self.model.use_cpu_ops(cpu_fused_ops())
+                self.model.use_cpu_ops(cpu_fused_ops(), cpu_small_linear())
         self.kv_caches: list[torch.Tensor] = []
         self.seqs: dict[int, SeqState] = {}
         self._last_return: float | None = None  # perf_counter when execute last returned

@@ -20,7 +20,7 @@ from conveyor.config import ConfigError, ModelConfig
 from conveyor.gpu.attention import AttentionMetadata
 from conveyor.gpu.kv_cache import allocate_kv_caches
 from conveyor.gpu.loader import load_model
-from conveyor.gpu.cpu_kernels import cpu_fused_ops, paged_attention_kernel
+from conveyor.gpu.cpu_kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
 from conveyor.gpu.runner import ModelRunner
 from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
 from tests.gpu_checkpoints import ARCHS, VOCAB, checkpoint, engine_config, hf_model
@@ -127,10 +127,10 @@ def test_prompt_logits_match_hf(arch, cpu_kernels):
     config = ModelConfig.from_pretrained(checkpoint(arch))
     model, kernel = load_model(config, "cpu"), None
     if cpu_kernels:  # every C++ op: attention, RMSNorm + residual, rotary, SiLU * up
-        kernel, ops = paged_attention_kernel(), cpu_fused_ops()
-        if kernel is None or ops is None:
+        kernel, ops, small_linear = paged_attention_kernel(), cpu_fused_ops(), cpu_small_linear()
+        if kernel is None or ops is None or small_linear is None:
             pytest.skip("no C++ compiler here")
-        model.use_cpu_ops(ops)
+        model.use_cpu_ops(ops, small_linear)
     ours = forward_prompts(model, config, random_prompts([37, 50, 1]), cpu_kernel=kernel)
     hf = hf_model(arch)
     start = 0

@@ -9,7 +9,8 @@ Variants, each its own ModelRunner (the C++ attention owns the order inside a KV
 cache is never shared between variants):
 - torch: the torch reference paths only;
 - attention: the C++ paged attention (gpu/cpu_kernels/paged_attention.cpp);
-- all: that plus the fused RMSNorm / rotary / SiLU * up (fused_ops.cpp), what the worker runs.
+- all: that plus the fused RMSNorm / rotary / SiLU * up (fused_ops.cpp) and the small-batch
+  linear (small_linear.cpp): what the worker runs.
 They are timed in interleaved rounds, so that a noisy machine slows all of them alike; the
 table gives each variant's median over rounds of its per-round median step time.
 """
@@ -39,12 +40,15 @@ class StepDriver:
 
     def __init__(self, variant: str, num_blocks: int) -> None:
         from conveyor.config.build import build_engine_config
-        from conveyor.gpu.cpu_kernels import cpu_fused_ops, paged_attention_kernel
+        from conveyor.gpu.cpu_kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
         from conveyor.gpu.runner import ModelRunner
 
         self.runner = ModelRunner(build_engine_config(None, device="cpu", num_kv_blocks=num_blocks))
         self.runner.cpu_kernel = paged_attention_kernel() if variant != "torch" else None
-        self.runner.model.use_cpu_ops(cpu_fused_ops() if variant == "all" else None)
+        if variant == "all":
+            self.runner.model.use_cpu_ops(cpu_fused_ops(), cpu_small_linear())
+        else:
+            self.runner.model.use_cpu_ops(None)
         if variant != "torch" and self.runner.cpu_kernel is None:
             raise RuntimeError("the C++ CPU kernels are unavailable here (no compiler, or CONVEYOR_CPU_KERNELS=0)")
         self.runner.initialize_cache(num_blocks)

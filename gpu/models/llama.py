@@ -18,7 +18,32 @@ from torch import nn
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.attention import AttentionMetadata, paged_attention
 from conveyor.gpu.cpu_kernels.fused_ops import CpuFusedOps, supports
+from conveyor.gpu.cpu_kernels.small_linear import CpuSmallLinear
 from conveyor.gpu.rope import RotaryEmbedding
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same names) that can hand its inputs to the C++ kernel of
+    gpu/cpu_kernels/small_linear.cpp (CPU, float32, narrow layers: see MAX_IN_FEATURES there). That kernel reads the weight transposed, so
+    `use_small_linear` moves the weight's storage to [in, out] and leaves `weight` a transposed
+    view of it: torch's GEMM serves taller inputs from the same memory, nothing is copied."""
+
+    small: CpuSmallLinear | None = None
+
+    def use_small_linear(self, small: CpuSmallLinear | None) -> None:
+        weight = self.weight.data
+        if small is not None and small.supports_weight(weight.t().contiguous()):
+            self.weight.data = weight.t().contiguous().t()  # [out, in] view of [in, out] storage
+            self.small = small
+        else:
+            self.weight.data = weight.contiguous()
+            self.small = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        small = self.small
+        if small is not None and x.dim() == 2 and x.shape[0] <= small.max_rows and supports(x):
+            return small(x, self.weight.t(), self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -55,10 +80,10 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
         h, d = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=config.o_bias)
+        self.q_proj = Linear(h, self.num_heads * d, bias=config.qkv_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=config.qkv_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=config.o_bias)
 
     def forward(
         self,
@@ -81,9 +106,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = Linear(h, i, bias=bias)
+        self.up_proj = Linear(h, i, bias=bias)
+        self.down_proj = Linear(i, h, bias=bias)
         self.ops: CpuFusedOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding.from_config(config, rope_device)
@@ -153,11 +178,16 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, positions, self.rope, meta, kv_cache)
         return self.model.norm(x, residual)[0]
 
-    def use_cpu_ops(self, ops: CpuFusedOps | None) -> None:
-        """Route RMSNorm, the rotary embedding and SiLU * up through the C ops (None: torch)."""
+    def use_cpu_ops(self, ops: CpuFusedOps | None, small_linear: CpuSmallLinear | None = None) -> None:
+        """Route RMSNorm, the rotary embedding and SiLU * up through the C ops, and the linears the
+        small-linear kernel supports through it (None: torch). A weight tied to the embedding
+        keeps its layout: the embedding's row lookups need it."""
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
         for module in self.modules():
             if isinstance(module, RMSNorm | MLP):
                 module.ops = ops
+            if isinstance(module, Linear) and not (tied and module is self.lm_head):
+                module.use_small_linear(small_linear)
         self.rope.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
