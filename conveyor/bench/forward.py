@@ -9,8 +9,9 @@ Variants, each its own ModelRunner (the C++ attention owns the order inside a KV
 cache is never shared between variants):
 - torch: the torch reference paths only;
 - attention: the C++ paged attention (gpu/cpu_kernels/paged_attention.cpp);
-- all: that plus the fused RMSNorm / rotary / SiLU * up (fused_ops.cpp) and the small-batch
-  linear (small_linear.cpp): what the worker runs.
+- fused: that plus RMSNorm / rotary / SiLU * up in one pass each (fused_ops.cpp);
+- all: that plus the narrow linears (small_linear.cpp) instead of torch's sgemm: what the worker
+  runs.
 They are timed in interleaved rounds, so that a noisy machine slows all of them alike; the
 table gives each variant's median over rounds of its per-round median step time.
 """
@@ -22,7 +23,7 @@ import itertools
 import statistics
 import time
 
-VARIANTS = ("torch", "attention", "all")
+VARIANTS = ("torch", "attention", "fused", "all")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -45,10 +46,8 @@ class StepDriver:
 
         self.runner = ModelRunner(build_engine_config(None, device="cpu", num_kv_blocks=num_blocks))
         self.runner.cpu_kernel = paged_attention_kernel() if variant != "torch" else None
-        if variant == "all":
-            self.runner.model.use_cpu_ops(cpu_fused_ops(), cpu_small_linear())
-        else:
-            self.runner.model.use_cpu_ops(None)
+        fused = cpu_fused_ops() if variant in ("fused", "all") else None
+        self.runner.model.use_cpu_ops(fused, cpu_small_linear() if variant == "all" else None)
         if variant != "torch" and self.runner.cpu_kernel is None:
             raise RuntimeError("the C++ CPU kernels are unavailable here (no compiler, or CONVEYOR_CPU_KERNELS=0)")
         self.runner.initialize_cache(num_blocks)
@@ -142,9 +141,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {e}")
         return 1
     print(f"one worker step on the CPU, median ms over {args.rounds} interleaved rounds of {args.repeats}")
-    print(f"{'step':>16} {'torch':>9} {'attention':>10} {'all':>9} {'all / torch':>12}")
+    print(f"{'step':>16} {'torch':>9} {'attention':>10} {'fused':>9} {'all':>9} {'all / torch':>12}")
     for kind, rows, length in shapes:
         ms = {v: results[(kind, rows, length, v)] * 1e3 for v in VARIANTS}
         label = f"{kind} {rows}x{length}"
-        print(f"{label:>16} {ms['torch']:>9.2f} {ms['attention']:>10.2f} {ms['all']:>9.2f} {ms['all'] / ms['torch']:>12.2f}")
+        print(
+            f"{label:>16} {ms['torch']:>9.2f} {ms['attention']:>10.2f} {ms['fused']:>9.2f} {ms['all']:>9.2f} "
+            f"{ms['all'] / ms['torch']:>12.2f}"
+        )
     return 0

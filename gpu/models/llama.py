@@ -24,19 +24,20 @@ from conveyor.gpu.rope import RotaryEmbedding
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same names) that can hand its inputs to the C++ kernel of
-    gpu/cpu_kernels/small_linear.cpp (CPU, float32, narrow layers: see MAX_IN_FEATURES there). That kernel reads the weight transposed, so
-    `use_small_linear` moves the weight's storage to [in, out] and leaves `weight` a transposed
-    view of it: torch's GEMM serves taller inputs from the same memory, nothing is copied."""
+    gpu/cpu_kernels/small_linear.cpp (CPU, float32, narrow layers: see MAX_IN_FEATURES there).
+    That kernel reads the weight transposed, so `use_small_linear` moves the weight's storage to
+    [in, out] and leaves `weight` a transposed view of it: torch's GEMM serves what the kernel
+    does not take from the same memory, and no copy is kept."""
 
     small: CpuSmallLinear | None = None
 
     def use_small_linear(self, small: CpuSmallLinear | None) -> None:
-        weight = self.weight.data
-        if small is not None and small.supports_weight(weight.t().contiguous()):
-            self.weight.data = weight.t().contiguous().t()  # [out, in] view of [in, out] storage
+        weight_t = self.weight.data.t().contiguous()  # no copy when already moved
+        if small is not None and small.supports_weight(weight_t):
+            self.weight.data = weight_t.t()  # [out, in] view of [in, out] storage
             self.small = small
         else:
-            self.weight.data = weight.contiguous()
+            self.weight.data = self.weight.data.contiguous()
             self.small = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
