@@ -74,8 +74,9 @@ inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
 // bandwidth a bare scan of the same blocks reaches:
 //  - Prefetching a whole block ahead in one burst of 256 lines filled the core's miss buffers,
 //    so the burst stalled the arithmetic and the arithmetic then left memory idle. Here the
-//    caller names the same tile of a later block (pk, pv; null: nothing to fetch) and its 64
-//    lines are requested a few at a time between FMAs, so loads and arithmetic overlap.
+//    caller names the same tile of a later block (pk, pv; null: nothing to fetch): its K lines
+//    are requested a few at a time between the score FMAs and its V lines (half the tile)
+//    before the value update, so loads and arithmetic overlap.
 //  - The dot products were one chain of D dependent FMAs into one score vector; they run in
 //    four independent partial sums here, the value update in two.
 template <int BS, int D>
