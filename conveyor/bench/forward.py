@@ -23,6 +23,8 @@ import itertools
 import statistics
 import time
 
+from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
+
 VARIANTS = ("torch", "attention", "fused", "all")
 
 
@@ -66,8 +68,6 @@ class StepDriver:
         return blocks
 
     def _execute(self, new_seqs, scheduled, finished=()) -> float:
-        from conveyor.wire.messages import StepPlan
-
         self.step += 1
         plan = StepPlan(self.step, new_seqs, scheduled, finished_seq_ids=list(finished))
         start = time.perf_counter()
@@ -76,8 +76,6 @@ class StepDriver:
 
     def prefill(self, rows: int, length: int, extra: int = 0) -> tuple[list[int], float]:
         """rows fresh prompts of `length` tokens, blocks for `extra` more each -> (ids, seconds)."""
-        from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq
-
         params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
         ids = list(range(self.next_seq, self.next_seq + rows))
         self.next_seq += rows
@@ -87,12 +85,15 @@ class StepDriver:
         return ids, self._execute(new, scheduled)
 
     def decode(self, ids: list[int]) -> float:
-        from conveyor.wire.messages import ScheduledSeq
-
         return self._execute([], [ScheduledSeq(i, 1) for i in ids])
 
-    def finish(self, ids: list[int]) -> None:
+    def prefill_and_drop(self, rows: int, length: int) -> float:
+        """A timed prefill of fresh prompts, which are then dropped and their blocks reused."""
+        mark = self.next_block
+        ids, seconds = self.prefill(rows, length)
         self._execute([], [], finished=ids)
+        self.next_block = mark
+        return seconds
 
 
 def measure(shapes: list[tuple[str, int, int]], rounds: int, repeats: int) -> dict[tuple[str, int, int, str], float]:
@@ -120,12 +121,8 @@ def measure(shapes: list[tuple[str, int, int]], rounds: int, repeats: int) -> di
             for _ in range(repeats):
                 if kind == "decode":
                     times.append(driver.decode(decoding[shape][variant]))
-                else:  # fresh prompts in blocks handed back right after
-                    mark = driver.next_block
-                    ids, seconds = driver.prefill(rows, length)
-                    times.append(seconds)
-                    driver.finish(ids)
-                    driver.next_block = mark
+                else:
+                    times.append(driver.prefill_and_drop(rows, length))
             per_round.setdefault((*shape, variant), []).append(statistics.median(times))
     return {key: statistics.median(values) for key, values in per_round.items()}
 
