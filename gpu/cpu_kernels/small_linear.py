@@ -16,11 +16,12 @@ from conveyor.gpu.cpu_kernels.build import load_library
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
-# Where the kernel was measured against torch's sgemm (docs/benchmarks.md): with up to 1024 input
-# features it was faster at every row count up to a 4096-token step (at 256 rows, 14 against
-# 21 ms for the tiny model's 29 weights; at 2000 rows, 111 against 121 ms per prefill step). With
-# 2048 to 4096 input features sgemm won from about 64 rows and the kernel only at a few, so
-# wider layers stay with sgemm: each k step reads a 128-byte slice of a row N floats long, and
+# Where the kernel was measured against torch's sgemm (commit 36d9906's message; the `fused`
+# and `all` columns of `conveyor bench forward`): with up to 1024 input features it was faster
+# at every row count tried, 1 to 2000 (at 256 rows, 14 against 21 ms for the tiny model's 29
+# weights; at 2000 rows, 111 against 121 ms per prefill step), so it takes every step up to the
+# largest token budget. With 2048 to 4096 input features sgemm won from about 64 rows, so wider
+# layers stay with sgemm: each k step reads a 128-byte slice of a row N floats long, and
 # without a packed panel layout that stride costs too much when K is large.
 MAX_IN_FEATURES = 1024
 MAX_ROWS = 4096
