@@ -31,6 +31,9 @@ class SchedulerConfig:
     # prefill_first: whole prompts in steps of their own, decodes only when no prompt waits
     #   (vLLM before chunked prefill). orca: decodes plus whole prompts that fit, never split.
     policy: str = "splitfuse"
+    # Plan step n+1 while step n computes, so the device never waits on the scheduler (vLLM's
+    # --async-scheduling, SGLang's overlap scheduler). Off: each plan waits for the last result.
+    async_scheduling: bool = True
     enable_prefix_caching: bool = True
     max_queued_requests: int | None = None  # waiting requests past which new ones get 429
     max_queued_tokens: int | None = None  # waiting prompt tokens past which new ones get 429

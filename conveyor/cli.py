@@ -31,6 +31,8 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
     p.add_argument("--scheduling-policy", default="splitfuse", choices=["splitfuse", "prefill_first", "orca"])
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="plan the next step while the current one computes")  # fmt: skip
     p.add_argument("--max-queued-requests", type=int, help="waiting requests past which new ones get 429")
     p.add_argument("--max-queued-tokens", type=int, help="waiting prompt tokens past which new ones get 429")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -95,6 +97,7 @@ def serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         scheduling_policy=args.scheduling_policy,
         enable_prefix_caching=args.enable_prefix_caching,
+        async_scheduling=args.async_scheduling,
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -44,7 +44,8 @@ class FakeRunner:
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
         for new in plan.new_seqs:
-            self.seqs[new.seq_id] = {"tokens": list(new.token_ids), "computed": new.num_computed_tokens, "blocks": []}
+            self.seqs[new.seq_id] = {"tokens": list(new.token_ids), "computed": new.num_computed_tokens, "blocks": [],
+                                     "index": new.index, "prompt": new.num_prompt_tokens}  # fmt: skip
         for src, dst in plan.copy_blocks:
             self.kv[dst] = list(self.kv[src])
         sampled, logprobs = [], []
@@ -62,10 +63,14 @@ class FakeRunner:
             if end < len(seq["tokens"]):
                 continue
             context = [self.kv[seq["blocks"][p // bs]][p % bs] for p in range(end)]
-            draws = [next_token(context, 0)] + [next_token(context, f.index) for f in row.forks]
+            # A sequence's first output is salted by its choice index, whether it is drawn as a
+            # fork or by a sample that starts again after preemption.
+            salt = seq["index"] if len(seq["tokens"]) == seq["prompt"] else 0
+            draws = [next_token(context, salt)] + [next_token(context, f.index) for f in row.forks]
             for fork, token in zip(row.forks, draws[1:]):
                 self.seqs[fork.seq_id] = {
                     "tokens": seq["tokens"] + [token], "computed": end, "blocks": list(seq["blocks"]),
+                    "index": fork.index, "prompt": seq["prompt"],
                 }  # fmt: skip
             seq["tokens"].append(draws[0])
             sampled += draws

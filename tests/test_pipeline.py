@@ -59,9 +59,9 @@ def test_http_greedy_matches_transformers(arch, checkpoints, reference, daemon_f
     assert r.json()["choices"][0]["token_ids"] == ref.greedy(chat_ids, NUM_TOKENS)
 
 
-@pytest.fixture(scope="module")
-def default_daemon(daemon_factory):
-    return daemon_factory("--max-num-batched-tokens", "64", "--num-kv-blocks", "512")
+@pytest.fixture(scope="module", params=["--async-scheduling", "--no-async-scheduling"])
+def default_daemon(daemon_factory, request):
+    return daemon_factory("--max-num-batched-tokens", "64", "--num-kv-blocks", "512", request.param)
 
 
 def test_concurrent_streams_equal_sequential(default_daemon):

@@ -7,12 +7,18 @@ Sends: InitializeCache and StepPlan to every worker rank; one TokenBatch per det
 RequestAccepted, or RequestRejected (429) past the queue bounds, to the request's ingress;
 StageReady to the launcher.
 
-Overlap: as soon as step n's sampled ids arrive, step n+1 is planned and sent before step n's
-tokens go to the detokenizers, so detokenization and streaming run while the worker computes.
+Overlap, two kinds:
+- Asynchronous scheduling (the default): step n+1 is planned and sent while the worker computes
+  step n, so its plan is waiting in the worker's socket when step n ends and the device never
+  waits on this process. Sequences drawing in step n decode that token in step n+1; the worker
+  has it by then (Scheduler's docstring says what this costs: at most a wasted token per stop).
+- Output processing: step n's tokens go to the detokenizers after the next plan is sent, so
+  detokenization and streaming run while the worker computes.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 
@@ -53,7 +59,9 @@ class SchedulerStage:
         self.detokenizers = [Sender(ctx, address(run_dir, "detokenizer", d)) for d in range(config.stages.num_detokenizers)]
         self.ingresses = [Sender(ctx, address(run_dir, "ingress", i)) for i in range(config.stages.num_ingress)]
         self.scheduler: Scheduler | None = None
-        self.in_flight: ScheduledStep | None = None
+        self.in_flight: collections.deque[ScheduledStep] = collections.deque()  # sent, result pending
+        self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        self.stalled = False  # the last try planned nothing while a step was in flight
         self.num_requests = 0
         self.seen = {"aborts": 0, "preemptions": 0, "queries": 0, "hits": 0}
         self.prompt_tokens_per_s = 0.0  # moving average, for Retry-After
@@ -84,15 +92,19 @@ class SchedulerStage:
 
     def loop(self) -> None:
         while True:
-            # Block only when there is nothing to plan: a step is in flight, or no work at all.
-            nothing_to_plan = self.in_flight is not None or not self.scheduler.has_work()
+            # Block when there is nothing to plan: enough steps in flight, no work at all, or
+            # nothing plannable until a result or a request arrives (`stalled`).
+            nothing_to_plan = (
+                len(self.in_flight) >= self.max_in_flight or not self.scheduler.has_work() or self.stalled
+            )
             msg = self.inbox.recv(timeout_ms=None if nothing_to_plan else 0)
             updates: list[SeqUpdate] = []
             while msg is not None:
+                self.stalled = False
                 updates += self.handle(msg)
                 msg = self.inbox.recv_nowait()
-            if self.in_flight is None:
-                self.plan_next()  # the worker starts step n+1 before step n's tokens go out
+            if len(self.in_flight) < self.max_in_flight:
+                self.plan_next()  # the next plan goes out before this step's tokens do
             self.emit(updates + self.scheduler.take_unsampled_updates())
 
     def handle(self, msg: SchedulerInbound) -> list[SeqUpdate]:
@@ -105,7 +117,7 @@ class SchedulerStage:
             case FinishSeqs():
                 self.scheduler.finish_seqs(msg.seq_ids)
             case StepResult():
-                step, self.in_flight = self.in_flight, None
+                step = self.in_flight.popleft() if self.in_flight else None
                 if step is None or step.step != msg.step:
                     log.error("step result %d does not match the step in flight", msg.step)
                     return []
@@ -147,10 +159,12 @@ class SchedulerStage:
                 time.sleep(self.plan_delay_s)
             for worker in self.workers:
                 worker.send(plan)
-            self.in_flight = step if step.rows else None
+            if step.rows:  # a plan of finished ids only gets no result
+                self.in_flight.append(step)
             metrics.steps.inc()
             self.record_admissions(step)
-        self.idle = self.in_flight is None  # nothing computing: the next plan follows an idle spell
+        self.stalled = (step is None or not step.rows) and bool(self.in_flight)
+        self.idle = not self.in_flight  # nothing computing: the next plan follows an idle spell
         self.record_gauges()
         self.stats.maybe_log(self.scheduler)
 

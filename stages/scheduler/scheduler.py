@@ -17,7 +17,11 @@ Parallel samples: a request for k samples runs as one sequence until its prompt 
 step that samples its first token forks k-1 siblings sharing all its blocks.
 
 Token counts are committed when a step is planned (`schedule`); sampled ids arrive later
-(`update`). Pure Python: no torch, no zmq.
+(`update`). A driver may plan step n+1 before step n's ids are back (asynchronous scheduling):
+a sequence drawing in step n then decodes its pending token in step n+1, which the worker knows
+by then. Such a lookahead step can compute one token past an EOS or a stop string; its draw is
+dropped when it comes back. A sequence whose pending draws already reach max_tokens or the
+model's length is not scheduled again. Pure Python: no torch, no zmq.
 """
 
 from __future__ import annotations
@@ -134,6 +138,9 @@ class Scheduler:
             if self.num_preemptions == preemptions_before:
                 budget = self._admit(budget, rows, chunk=policy == "splitfuse")
 
+        # A sequence that can never fit ended in _reserve: drop it now, as update() would, since
+        # under asynchronous scheduling the next plan may come before the next update.
+        self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         if not rows and not self._finished_for_worker:
             return None
         new_seqs, new_seqs_computed, num_sampled = [], [], 0
@@ -148,10 +155,14 @@ class Scheduler:
             seq.num_blocks_sent = len(seq.block_ids)
             seq.num_computed_tokens += row.num_tokens
             self._register_full_blocks(seq)
-            row.samples = seq.num_computed_tokens == len(seq.token_ids)
+            row.samples = seq.num_computed_tokens == seq.num_tokens
+            row.epoch = seq.num_preemptions
             if row.samples:
                 if seq.num_pending_forks:
                     row.forks = self._fork(seq)
+                seq.num_pending_tokens += 1
+                for child in row.forks:
+                    child.num_pending_tokens += 1
                 num_sampled += 1 + len(row.forks)
         finished, self._finished_for_worker = self._finished_for_worker, []
         self.num_steps += 1
@@ -190,9 +201,10 @@ class Scheduler:
                 logprob = next(logprobs) if logprobs is not None else 0.0
                 params = seq.params
                 top = next(tops) if params.logprobs is not None else None
-                if seq.status is not SeqStatus.RUNNING:
-                    continue  # aborted or preempted while the step ran: the draw is dropped
+                if seq.status is not SeqStatus.RUNNING or seq.num_preemptions != row.epoch:
+                    continue  # aborted, finished or preempted while the step ran: dropped
                 seq.token_ids.append(token)
+                seq.num_pending_tokens -= 1
                 seq.cumulative_logprob += logprob
                 num_output = len(seq.token_ids) - seq.num_prompt_tokens
                 may_stop = num_output >= params.min_tokens
@@ -204,6 +216,8 @@ class Scheduler:
                     reason = None
                 if reason is not None:
                     self._finish(seq, reason, report=False)
+                elif seq.num_registered_blocks < seq.num_computed_tokens // self.blocks.block_size:
+                    self._register_full_blocks(seq)  # a block whose last id was pending
                 update = SeqUpdate(seq, [token], reason)
                 if top is not None:
                     update.logprobs = [TokenLogprob(logprob, top.token_ids, top.logprobs)]
@@ -224,9 +238,15 @@ class Scheduler:
     def _run_running(self, budget: int, rows: list[Row], copies: list, scheduled: set[int]) -> int:
         """Decodes first (one token each), then prompts under way, in admission order."""
         decodes, prompts = [], []
+        max_model_len = self.max_model_len
         for seq in self.running:
-            if seq.status is SeqStatus.RUNNING:
-                (decodes if len(seq.token_ids) - seq.num_computed_tokens == 1 else prompts).append(seq)
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            if seq.num_pending_tokens:  # its last draw may end it: it must not be the length limit
+                max_tokens = seq.params.max_tokens
+                if seq.num_tokens >= max_model_len or (max_tokens is not None and seq.num_output_tokens >= max_tokens):
+                    continue
+            (decodes if seq.num_uncomputed_tokens == 1 else prompts).append(seq)
         bs, ref_count = self.blocks.block_size, self.blocks.ref_count
         for seq in decodes:
             if budget == 0:
@@ -327,7 +347,8 @@ class Scheduler:
     def _register_full_blocks(self, seq: Sequence) -> None:
         if not self.blocks.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.blocks.block_size
+        # Only blocks whose ids are all known: a pending draw's block waits for update().
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.blocks.block_size
         if num_full > seq.num_registered_blocks:
             hashes = seq.full_block_hashes(self.blocks.block_size, num_full)
             for i in range(seq.num_registered_blocks, num_full):
@@ -350,6 +371,7 @@ class Scheduler:
         self.blocks.free(seq.block_ids)
         seq.block_ids = []
         seq.num_computed_tokens = seq.num_registered_blocks = 0
+        seq.num_pending_tokens = 0  # in-flight draws come back to a waiting sequence: dropped
         seq.num_preemptions += 1
         if seq.known_by_worker:
             seq.known_by_worker = False
@@ -365,6 +387,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        seq.num_pending_tokens = 0  # draws still in flight are dropped when they come back
         self.blocks.free(seq.block_ids)
         seq.block_ids = []
         if seq.known_by_worker:

@@ -1,7 +1,10 @@
 """Sequence: the scheduler's state for one generated sequence (one sample of one request).
 
 Tokens are known (prompt plus sampled outputs) or computed (their KV is in the cache). Each step
-catches computed up to known; there is no separate prefill or decode phase. A request asking for
+catches computed up to known; there is no separate prefill or decode phase. Under asynchronous
+scheduling a token can be known by count before its id is: a planned step draws it, and the id
+arrives with that step's result (`num_pending_tokens`, at most two). The worker keeps its own
+copy of every sequence's ids, so a step may compute a token the scheduler has not seen yet. A request asking for
 several samples starts as one sequence that forks when its prompt is done (`num_pending_forks`).
 """
 
@@ -25,7 +28,7 @@ class Sequence:
         "priority", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
         "block_ids", "block_hashes", "num_registered_blocks", "num_blocks_sent",
         "known_by_worker", "known_by_detokenizer", "status", "finish_reason",
-        "num_preemptions", "num_pending_forks", "cumulative_logprob",
+        "num_preemptions", "num_pending_forks", "num_pending_tokens", "cumulative_logprob",
         "enqueue_time", "first_scheduled_time", "first_token_time",
     )  # fmt: skip
 
@@ -64,6 +67,7 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
         self.num_pending_forks = params.num_samples - 1
+        self.num_pending_tokens = 0  # drawn by planned steps, ids not back yet (token_ids lacks them)
         self.cumulative_logprob = 0.0
         # Wall-clock times (time.time(), comparable with arrival_time) for the metrics.
         self.enqueue_time = arrival_time  # reached the scheduler
@@ -72,11 +76,12 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens, pending draws included."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -84,7 +89,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -17,6 +17,9 @@ class Row:
     replaced_blocks: list[tuple[int, int]]  # (table position, new block): copy-on-write
     samples: bool = False  # the chunk reaches the last known token: one token is drawn
     forks: list[Sequence] = dataclasses.field(default_factory=list)  # siblings drawn from it
+    # The sequence's preemption count when planned: a draw coming back to a sequence preempted
+    # (and perhaps started again) since then is stale.
+    epoch: int = 0
 
 
 @dataclasses.dataclass
