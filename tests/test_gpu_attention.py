@@ -135,6 +135,20 @@ def test_cpu_kernel_long_contexts_across_block_sizes(block_size):
 
 
 @needs_kernel
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 4), (8, 1), (12, 4), (4, 4)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("window", [None, 5, 37])
+def test_cpu_kernel_prompt_tiles(num_heads, num_kv_heads, head_dim, window):
+    """Blocks of 16 and specialised widths: prompt chunks attend several tokens at a time.
+    Chunk lengths that are and are not multiples of the tile, chunks after cached context,
+    tiles straddling a block edge, windows inside one block and across several."""
+    run_case(
+        [9, 23, 11, 30, 1, 14, 200, 70, 17, 6], [1, 7, 11, 1, 1, 1, 200, 33, 2, 5], num_heads, num_kv_heads, window,
+        block_size=16, head_dim=head_dim, seed=num_heads + head_dim, kernel=paged_attention_kernel(),
+    )  # fmt: skip
+
+
+@needs_kernel
 def test_cpu_kernel_rejects_what_it_cannot_read():
     kernel = paged_attention_kernel()
     q, cache = torch.randn(1, 4, 8), torch.zeros(2, 2, 4, 2, 8)
