@@ -48,7 +48,14 @@ def die_with_parent() -> None:
 
 
 def raise_on_signals() -> None:
+    """The first SIGTERM or SIGINT raises StageStopped; later ones are ignored, so a second
+    signal (the launcher's and a `pkill`'s, say) cannot interrupt the cleanup the first began,
+    or raise out of an interpreter-exit hook. A stage stuck in cleanup still dies: the launcher
+    escalates to SIGKILL."""
+
     def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise StageStopped(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, handler)
