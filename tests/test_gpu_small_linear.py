@@ -1,5 +1,6 @@
-"""The C++ small linear (gpu/cpu_kernels/small_linear.cpp) against torch's, and the Linear module
-that moves its weight to the transposed storage the kernel reads.
+"""The C++ small linear (gpu/cpu_kernels/small_linear.cpp) against torch's, oneDNN's packed
+weights (gpu/cpu_kernels/packed_linear.py), and the Linear module that moves its weight to the
+transposed storage the kernel reads and picks a path by rows.
 
 The model-level check, logits against Hugging Face with every C++ op on, is in test_gpu_model.py.
 """
@@ -11,6 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.gpu.cpu_kernels import cpu_small_linear
+from conveyor.gpu.cpu_kernels.packed_linear import (
+    PACKED_MIN_ROWS,
+    pack_linear_weight,
+    packed_linear,
+    packed_linear_available,
+)
 from conveyor.gpu.models.llama import Linear
 
 small = cpu_small_linear()
@@ -33,23 +40,26 @@ def test_linear_moves_its_weight_and_back_without_changing_results():
     want = layer(x)
     storage = layer.weight.data.clone()
 
-    layer.use_small_linear(small)
+    layer.use_cpu_linear(small)
     assert layer.small is small and not layer.weight.is_contiguous()  # a view of [in, out] storage
     assert layer.weight.t().is_contiguous() and torch.equal(layer.weight, storage)
+    assert (layer.packed is not None) == packed_linear_available()
     assert torch.allclose(layer(x), want, rtol=1e-5, atol=1e-5)
-    tall = torch.randn(small.max_rows + 1, 64)  # past the kernel's rows: torch's GEMM, same memory
-    assert torch.allclose(layer(tall), F.linear(tall, storage, layer.bias), rtol=1e-5, atol=1e-4)
+    for rows in (PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, small.max_rows + 1):  # each side of each switch
+        tall = torch.randn(rows, 64)
+        assert torch.allclose(layer(tall), F.linear(tall, storage, layer.bias), rtol=1e-5, atol=1e-4)
 
-    layer.use_small_linear(None)
-    assert layer.small is None and layer.weight.is_contiguous() and torch.equal(layer.weight, storage)
+    layer.use_cpu_linear(None)
+    assert layer.small is None and layer.packed is None
+    assert layer.weight.is_contiguous() and torch.equal(layer.weight, storage)
 
 
 def test_layers_the_kernel_does_not_take_keep_torch():
     wide = Linear(2048, 32, bias=False)  # more input features than the kernel takes
     odd = Linear(64, 40, bias=False)  # N not a multiple of 16
     for layer in (wide, odd):
-        layer.use_small_linear(small)
-        assert layer.small is None and layer.weight.is_contiguous()
+        layer.use_cpu_linear(small)
+        assert layer.small is None and layer.packed is None and layer.weight.is_contiguous()
 
 
 def test_bad_arguments_raise():
@@ -75,3 +85,37 @@ def test_a_head_tied_to_the_embedding_keeps_its_layout():
     model.use_cpu_ops(cpu_fused_ops(), small)
     assert model.lm_head.small is None and model.model.embed_tokens.weight.is_contiguous()
     assert model.model.layers[0].mlp.up_proj.small is small
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_weights_match_torch(bias):
+    assert packed_linear_available()
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(PACKED_MIN_ROWS + 88, 256, generator=g), torch.randn(688, 256, generator=g)
+    b = torch.randn(688, generator=g) if bias else None
+    assert torch.allclose(packed_linear(x, pack_linear_weight(w), b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_a_layer_routes_by_rows(monkeypatch):
+    """Which path serves a step: spy on both."""
+    layer = Linear(64, 96, bias=False)
+    layer.use_cpu_linear(small)
+    if layer.packed is None:
+        pytest.skip("no oneDNN packed weights in this torch")
+    calls = []
+    import conveyor.gpu.models.llama as llama
+
+    monkeypatch.setattr(llama, "packed_linear", lambda x, p, b: calls.append(("packed", len(x))) or packed_linear(x, p, b))
+
+    class SmallSpy:
+        max_rows = small.max_rows
+
+        def __call__(self, x, w, b):
+            calls.append(("small", len(x)))
+            return small(x, w, b)
+
+    monkeypatch.setattr(layer, "small", SmallSpy())
+    for rows in (1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 3000):
+        layer(torch.randn(rows, 64))
+    assert calls == [("small", 1), ("small", PACKED_MIN_ROWS - 1), ("packed", PACKED_MIN_ROWS), ("packed", 3000)]

@@ -7,6 +7,8 @@ Only what torch does badly on a CPU lives here, float32 only:
   instead of a handful of dispatches and memory passes;
 - small_linear.cpp: narrow linear layers, which stream their transposed weights once where
   torch's sgemm repacks them on every call (decode steps above all).
+packed_linear.py is not C++: it holds the same narrow layers' weights in oneDNN's blocked
+layout, for steps of many rows (prefill), through ops torch already ships.
 `paged_attention_kernel()`, `cpu_fused_ops()` and `cpu_small_linear()` return None when their library is unavailable
 (no compiler, a failed build, CONVEYOR_CPU_KERNELS=0); callers then use the torch reference
 paths, which compute the same functions.

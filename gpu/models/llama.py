@@ -18,32 +18,46 @@ from torch import nn
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.attention import AttentionMetadata, paged_attention
 from conveyor.gpu.cpu_kernels.fused_ops import CpuFusedOps, supports
+from conveyor.gpu.cpu_kernels.packed_linear import (
+    PACKED_MIN_ROWS,
+    pack_linear_weight,
+    packed_linear,
+    packed_linear_available,
+)
 from conveyor.gpu.cpu_kernels.small_linear import CpuSmallLinear
 from conveyor.gpu.rope import RotaryEmbedding
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same names) that can hand its inputs to the C++ kernel of
-    gpu/cpu_kernels/small_linear.cpp (CPU, float32, narrow layers: see MAX_IN_FEATURES there).
-    That kernel reads the weight transposed, so `use_small_linear` moves the weight's storage to
-    [in, out] and leaves `weight` a transposed view of it: torch's GEMM serves what the kernel
-    does not take from the same memory, and no copy is kept."""
+    """nn.Linear (same parameters, same names) with two CPU float32 paths for narrow layers (see
+    MAX_IN_FEATURES in gpu/cpu_kernels/small_linear.py), chosen by the step's rows:
+    - fewer than PACKED_MIN_ROWS: the C++ kernel of gpu/cpu_kernels/small_linear.cpp. It reads
+      the weight transposed, so `use_cpu_linear` moves the weight's storage to [in, out] and
+      leaves `weight` a transposed view of it: torch's GEMM serves what the kernel does not
+      take from the same memory.
+    - more: oneDNN on a blocked copy of the weight (gpu/cpu_kernels/packed_linear.py), where
+      torch has it."""
 
     small: CpuSmallLinear | None = None
+    packed: torch.Tensor | None = None  # oneDNN's copy of the weight, for steps of many rows
 
-    def use_small_linear(self, small: CpuSmallLinear | None) -> None:
+    def use_cpu_linear(self, small: CpuSmallLinear | None) -> None:
         weight_t = self.weight.data.t().contiguous()  # no copy when already moved
         if small is not None and small.supports_weight(weight_t):
             self.weight.data = weight_t.t()  # [out, in] view of [in, out] storage
             self.small = small
+            self.packed = pack_linear_weight(self.weight.data) if packed_linear_available() else None
         else:
             self.weight.data = self.weight.data.contiguous()
-            self.small = None
+            self.small = self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         small = self.small
-        if small is not None and x.dim() == 2 and x.shape[0] <= small.max_rows and supports(x):
-            return small(x, self.weight.t(), self.bias)
+        if small is not None and x.dim() == 2 and supports(x):
+            if self.packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
+                return packed_linear(x, self.packed, self.bias)
+            if x.shape[0] <= small.max_rows:
+                return small(x, self.weight.t(), self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -188,7 +202,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RMSNorm | MLP):
                 module.ops = ops
             if isinstance(module, Linear) and not (tied and module is self.lm_head):
-                module.use_small_linear(small_linear)
+                module.use_cpu_linear(small_linear)
         self.rope.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
