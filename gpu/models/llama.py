@@ -18,12 +18,7 @@ from torch import nn
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.attention import AttentionMetadata, paged_attention
 from conveyor.gpu.cpu_kernels.fused_ops import CpuFusedOps, supports
-from conveyor.gpu.cpu_kernels.packed_linear import (
-    PACKED_MIN_ROWS,
-    pack_linear_weight,
-    packed_linear,
-    packed_linear_available,
-)
+from conveyor.gpu.cpu_kernels.packed_linear import pack_linear_weight, packed_linear, packed_linear_available, use_packed
 from conveyor.gpu.cpu_kernels.small_linear import CpuSmallLinear
 from conveyor.gpu.rope import RotaryEmbedding
 
@@ -31,12 +26,12 @@ from conveyor.gpu.rope import RotaryEmbedding
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same names) with two CPU float32 paths for narrow layers (see
     MAX_IN_FEATURES in gpu/cpu_kernels/small_linear.py), chosen by the step's rows:
-    - fewer than PACKED_MIN_ROWS: the C++ kernel of gpu/cpu_kernels/small_linear.cpp. It reads
+    - most row counts: the C++ kernel of gpu/cpu_kernels/small_linear.cpp. It reads
       the weight transposed, so `use_cpu_linear` moves the weight's storage to [in, out] and
       leaves `weight` a transposed view of it: torch's GEMM serves what the kernel does not
       take from the same memory.
-    - more: oneDNN on a blocked copy of the weight (gpu/cpu_kernels/packed_linear.py), where
-      torch has it."""
+    - many rows, in multiples of 64 (`use_packed`): oneDNN on a blocked copy of the weight
+      (gpu/cpu_kernels/packed_linear.py), where torch has it."""
 
     small: CpuSmallLinear | None = None
     packed: torch.Tensor | None = None  # oneDNN's copy of the weight, for steps of many rows
@@ -54,7 +49,7 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         small = self.small
         if small is not None and x.dim() == 2 and supports(x):
-            if self.packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
+            if self.packed is not None and use_packed(x.shape[0]):
                 return packed_linear(x, self.packed, self.bias)
             if x.shape[0] <= small.max_rows:
                 return small(x, self.weight.t(), self.bias)
