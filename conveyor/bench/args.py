@@ -77,8 +77,8 @@ def add_forward(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--decode", type=parse_shape, nargs="*", default=[(256, 500), (32, 200), (1, 200)],
                    metavar="ROWSxCONTEXT", help="decode steps: ROWS sequences with CONTEXT tokens each")
-    p.add_argument("--prefill", type=parse_shape, nargs="*", default=[(10, 200)],
-                   metavar="ROWSxLEN", help="prefill steps: ROWS fresh prompts of LEN tokens")
+    p.add_argument("--prefill", type=parse_shape, nargs="*", default=[(10, 200), (8, 256)],
+                   metavar="ROWSxLEN", help="prefill steps: ROWS fresh prompts of LEN tokens (8x256 fills the default budget)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the variants")
     p.add_argument("--repeats", type=int, default=5, help="steps per variant and shape in a round")  # fmt: skip
 
