@@ -67,6 +67,19 @@ inline v16 load16(const float* p) {
 }
 inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
 
+// p[i] = exp(p[i] - m) for i < n, returning their sum: the softmax's unnormalised weights.
+// Masked scores (kNegBig) give exactly 0.
+inline float exp_and_sum(float* __restrict p, int64_t n, float m) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const float e = std::exp(p[i] - m);
+    p[i] = e;
+    sum += e;
+  }
+  return sum;
+}
+
 // One query head against one (block, kv head) tile, when BS and D are compile-time multiples of
 // 16: the scores of the block's keys, the online-softmax update of (m, l), and the value update
 // of the head's accumulator `a` [D]. p [BS] is scratch.
@@ -114,14 +127,7 @@ inline void attend_tile(const float* __restrict qh, const float* __restrict kt,
   for (int i = 0; i < BS; ++i) block_max = std::max(block_max, p[i]);
   const float new_m = std::max(*m, block_max);
   const float correction = std::exp(*m - new_m);
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int i = 0; i < BS; ++i) {
-    const float e = std::exp(p[i] - new_m);  // masked lanes: exp(-1e30 - x) = 0
-    p[i] = e;
-    sum += e;
-  }
-  *l = *l * correction + sum;
+  *l = *l * correction + exp_and_sum(p, BS, new_m);
   *m = new_m;
   v16 acc[ND][2];
   for (int dv = 0; dv < ND; ++dv) {
@@ -304,14 +310,7 @@ void attend_queries(const QueryState* qs, const float* __restrict k_cache,
   for (int j = 0; j < NQ; ++j) {
     float m = kNegBig;
     for (int i = 0; i < kLanes; ++i) m = std::max(m, mx[j][i]);
-    float* pj = p + j * span;
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < span; ++i) {
-      const float e = std::exp(pj[i] - m);  // masked keys: exp(-1e30 - m) = 0
-      pj[i] = e;
-      sum += e;
-    }
+    const float sum = exp_and_sum(p + j * span, span, m);
     inv_sum[j] = sum > 0.f ? 1.f / sum : 0.f;
   }
 
