@@ -138,9 +138,6 @@ class Scheduler:
             if self.num_preemptions == preemptions_before:
                 budget = self._admit(budget, rows, chunk=policy == "splitfuse")
 
-        # A sequence that can never fit ended in _reserve: drop it now, as update() would, since
-        # under asynchronous scheduling the next plan may come before the next update.
-        self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         if not rows and not self._finished_for_worker:
             return None
         new_seqs, new_seqs_computed, num_sampled = [], [], 0
@@ -327,8 +324,10 @@ class Scheduler:
             )
             if victim is None or victim is seq:
                 if blocks.num_used == len(seq.block_ids):
-                    # It holds the whole pool and still needs more: it can never finish.
+                    # It holds the whole pool and still needs more: it can never finish. It
+                    # leaves `running` now: the next plan may come before the next update().
                     self._finish(seq, FinishReason.LENGTH)
+                    self.running.remove(seq)
                 elif victim is seq:  # the least important itself: it yields
                     self._preempt(seq)
                 return None
