@@ -123,3 +123,16 @@ class BlockManager:
         if self.enable_prefix_caching and name not in self._cached and self._hash[block] is None:
             self._cached[name] = block
             self._hash[block] = name
+
+
+def kv_slots(blocks: BlockManager, tables: Iterable[tuple[list[int], int]]) -> tuple[int, int]:
+    """(token slots in held blocks, slots holding a computed token), from every holder's (block
+    table, computed tokens); shared blocks count once. A full block wastes nothing however many
+    hold it, so only each table's tail is visited."""
+    bs = blocks.block_size
+    allocated = blocks.num_used * bs
+    tail_fill: dict[int, int] = {}  # block -> tokens in it, from each first non-full block on
+    for table, computed in tables:
+        for i in range(computed // bs, len(table)):
+            tail_fill[table[i]] = max(tail_fill.get(table[i], 0), min(bs, computed - i * bs))
+    return allocated, allocated - sum(bs - fill for fill in tail_fill.values())

@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 
 from conveyor.config import SchedulerConfig
-from conveyor.stages.scheduler.block_manager import BlockManager
+from conveyor.stages.scheduler.block_manager import BlockManager, kv_slots
 from conveyor.stages.scheduler.sequence import Sequence, SeqStatus
 from conveyor.stages.scheduler.step import Row, ScheduledStep, SeqUpdate
 from conveyor.stages.scheduler.waiting_queue import WaitingQueue
@@ -196,21 +196,13 @@ class Scheduler:
             for seq in (row.seq, *row.forks) if row.forks else (row.seq,):
                 token = next(sampled)
                 logprob = next(logprobs) if logprobs is not None else 0.0
-                params = seq.params
-                top = next(tops) if params.logprobs is not None else None
+                top = next(tops) if seq.params.logprobs is not None else None
                 if seq.status is not SeqStatus.RUNNING or seq.num_preemptions != row.epoch:
                     continue  # aborted, finished or preempted while the step ran: dropped
                 seq.token_ids.append(token)
                 seq.num_pending_tokens -= 1
                 seq.cumulative_logprob += logprob
-                num_output = len(seq.token_ids) - seq.num_prompt_tokens
-                may_stop = num_output >= params.min_tokens
-                if may_stop and ((token in eos and not params.ignore_eos) or token in params.stop_token_ids):
-                    reason = FinishReason.STOP
-                elif (params.max_tokens is not None and num_output >= params.max_tokens) or len(seq.token_ids) >= max_model_len:
-                    reason = FinishReason.LENGTH
-                else:
-                    reason = None
+                reason = seq.stop_reason(token, eos, max_model_len)
                 if reason is not None:
                     self._finish(seq, reason, report=False)
                 elif seq.num_registered_blocks < seq.num_computed_tokens // self.blocks.block_size:
@@ -239,10 +231,8 @@ class Scheduler:
         for seq in self.running:
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            if seq.num_pending_tokens:  # its last draw may end it: it must not be the length limit
-                max_tokens = seq.params.max_tokens
-                if seq.num_tokens >= max_model_len or (max_tokens is not None and seq.num_output_tokens >= max_tokens):
-                    continue
+            if seq.num_pending_tokens and seq.at_length_limit(seq.num_tokens, max_model_len):
+                continue  # its pending draw is its last
             (decodes if seq.num_uncomputed_tokens == 1 else prompts).append(seq)
         bs, ref_count = self.blocks.block_size, self.blocks.ref_count
         for seq in decodes:
@@ -405,15 +395,6 @@ class Scheduler:
     # --- accounting ----------------------------------------------------------------------
 
     def kv_slots(self) -> tuple[int, int]:
-        """(token slots in blocks held by sequences, slots holding a computed token); shared
-        blocks count once. 1 - filled/allocated is the KV memory wasted inside blocks. A full
-        block wastes nothing however many hold it, so only each sequence's tail is visited."""
-        bs = self.blocks.block_size
-        allocated = self.blocks.num_used * bs
-        tail_fill: dict[int, int] = {}  # block -> tokens in it, from each first non-full block on
-        for seq in self.running:
-            computed = seq.num_computed_tokens
-            for i in range(computed // bs, len(seq.block_ids)):
-                block = seq.block_ids[i]
-                tail_fill[block] = max(tail_fill.get(block, 0), min(bs, computed - i * bs))
-        return allocated, allocated - sum(bs - fill for fill in tail_fill.values())
+        """(allocated, filled) token slots of the running sequences' blocks (block_manager's
+        kv_slots): 1 - filled/allocated is the KV memory wasted inside blocks."""
+        return kv_slots(self.blocks, ((s.block_ids, s.num_computed_tokens) for s in self.running))

@@ -4,8 +4,9 @@ Tokens are known (prompt plus sampled outputs) or computed (their KV is in the c
 catches computed up to known; there is no separate prefill or decode phase. Under asynchronous
 scheduling a token can be known by count before its id is: a planned step draws it, and the id
 arrives with that step's result (`num_pending_tokens`, at most two). The worker keeps its own
-copy of every sequence's ids, so a step may compute a token the scheduler has not seen yet. A request asking for
-several samples starts as one sequence that forks when its prompt is done (`num_pending_forks`).
+copy of every sequence's ids, so a step may compute a token the scheduler has not seen yet. A
+request asking for several samples starts as one sequence that forks when its prompt is done
+(`num_pending_forks`).
 """
 
 from __future__ import annotations
@@ -90,6 +91,21 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    def at_length_limit(self, num_tokens: int, max_model_len: int) -> bool:
+        """Whether `num_tokens` tokens (prompt included) reach max_tokens or the model's length."""
+        max_tokens = self.params.max_tokens
+        return num_tokens >= max_model_len or (max_tokens is not None and num_tokens - self.num_prompt_tokens >= max_tokens)
+
+    def stop_reason(self, token: int, eos_token_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
+        """Why the sequence ends on `token`, its newest known id; None: it goes on."""
+        params = self.params
+        may_stop = len(self.token_ids) - self.num_prompt_tokens >= params.min_tokens
+        if may_stop and ((token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids):
+            return FinishReason.STOP
+        if self.at_length_limit(len(self.token_ids), max_model_len):
+            return FinishReason.LENGTH
+        return None
 
     @property
     def is_finished(self) -> bool:
