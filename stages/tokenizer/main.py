@@ -9,6 +9,7 @@ that cannot be encoded or cannot fit, so it is a 400 before any byte of a stream
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import msgspec
@@ -80,6 +81,8 @@ def prepare(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest) 
 
 
 def run(config: EngineConfig, index: int) -> None:
+    # The pool scales by processes; a thread pool per process would only take cores from the worker.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_dir = config.server.run_dir
     encoder = PromptEncoder(config.model.path, chat_template=config.server.chat_template)
     ctx = zmq.Context()
