@@ -7,6 +7,7 @@ Sends: WorkerReady (its KV capacity) and, from rank 0, one StepResult per step w
 from __future__ import annotations
 
 import logging
+import time
 
 import zmq
 
@@ -43,7 +44,14 @@ def run(config: EngineConfig, rank: int) -> None:
                     runner.initialize_cache(num_blocks)
                     report_ready(ctx, config, "worker", rank)
                 case StepPlan() as plan:
+                    started = time.time()
                     result = runner.execute(plan)
+                    if log.isEnabledFor(logging.DEBUG):  # a step timeline, next to the ingress's arrivals
+                        log.debug(
+                            "step %d started=%.4f rows=%d tokens=%d new=%d busy_ms=%.1f wall_ms=%.1f",
+                            plan.step, started, len(plan.scheduled), sum(row.num_tokens for row in plan.scheduled),
+                            len(plan.new_seqs), 1000 * result.busy_time, 1000 * (time.time() - started),
+                        )  # fmt: skip
                     if rank == 0 and plan.scheduled:
                         scheduler.send(result)
                         record_step(result)
