@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -112,11 +113,14 @@ class Daemon:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "conveyor", "serve", "--port", str(self.port), "--device", "cpu", *args]
-        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        # A file, not a pipe: nobody reads a pipe until stop(), and once its 64 KiB buffer is full
+        # (a few hundred "request finished" lines) every stage blocks on its next log line.
+        self.log = tempfile.TemporaryFile()
+        self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.process.returncode}:\n{self.process.stdout.read()}")
+                raise RuntimeError(f"daemon exited with {self.process.returncode}:\n{self.output()}")
             try:
                 if requests.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
@@ -142,7 +146,13 @@ class Daemon:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
-        return self.process.stdout.read() if self.process.stdout else ""
+        return self.output()
+
+    def output(self) -> str:
+        """Everything the daemon has printed so far. pread leaves alone the file offset that the
+        daemon's stages share with us, so a read never makes them write over earlier lines."""
+        fd = self.log.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
 
 @pytest.fixture(scope="module")
