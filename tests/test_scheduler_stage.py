@@ -37,7 +37,7 @@ def stage(tmp_path):
     stage.start()
     assert isinstance(worker.recv(timeout_ms=5000), InitializeCache)
     assert stage.max_in_flight == 2  # asynchronous scheduling, the default
-    stage.worker_end = worker
+    stage.worker_end = worker  # the test's end of the worker socket, for turn()
     yield stage
     for r in [worker, *others]:
         r.close()
