@@ -43,7 +43,7 @@ def build_engine_config(
     scheduling_policy: str = "splitfuse",
     enable_prefix_caching: bool = True,
     async_scheduling: bool = True,
-    max_queued_requests: int | None = None,
+    max_queued_requests: int | None = None,  # None: the default bound; 0: no bound
     max_queued_tokens: int | None = None,
     tensor_parallel_size: int = 1,
     ingress_workers: int = 1,
@@ -54,16 +54,24 @@ def build_engine_config(
     api_key: str | None = None,
     allowed_origins: tuple[str, ...] = (),
     chat_template: str | None = None,
+    server_options: dict | None = None,
 ) -> EngineConfig:
-    """`chat_template` is a path to a Jinja file or the template text itself."""
+    """`chat_template` is a path to a Jinja file or the template text itself. `server_options`
+    sets other ServerConfig fields by name (the hardening limits: `SERVER_OPTIONS`)."""
+    server_options = dict(server_options or {})
+    unknown = set(server_options) - {name for name, *_ in SERVER_OPTIONS} - {"special_tokens_in_content"}
+    if unknown:
+        raise ConfigError(f"unknown server options: {', '.join(sorted(unknown))}")
+    for name, value in server_options.items():
+        if value is not None and not isinstance(value, bool) and value <= 0:
+            raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
     if tensor_parallel_size != 1:
         raise ConfigError("tensor parallelism is not implemented yet; use --tensor-parallel-size 1")
     for name, value in (  # counts that must be positive; None means "not set"
         ("block-size", block_size), ("max-num-batched-tokens", max_num_batched_tokens),
         ("max-num-seqs", max_num_seqs), ("ingress-workers", ingress_workers),
         ("tokenizer-workers", tokenizer_workers), ("detokenizer-workers", detokenizer_workers),
-        ("num-kv-blocks", num_kv_blocks), ("max-queued-requests", max_queued_requests),
-        ("max-queued-tokens", max_queued_tokens),
+        ("num-kv-blocks", num_kv_blocks),
     ):  # fmt: skip
         if value is not None and value < 1:
             raise ConfigError(f"--{name} must be at least 1, got {value}")
@@ -98,8 +106,8 @@ def build_engine_config(
             policy=scheduling_policy,
             enable_prefix_caching=enable_prefix_caching,
             async_scheduling=async_scheduling,
-            max_queued_requests=max_queued_requests,
-            max_queued_tokens=max_queued_tokens,
+            max_queued_requests=_queue_bound("max_queued_requests", max_queued_requests),
+            max_queued_tokens=_queue_bound("max_queued_tokens", max_queued_tokens),
         ),
         parallel=ParallelConfig(device=device, tensor_parallel_size=tensor_parallel_size),
         stages=StagesConfig(
@@ -113,9 +121,43 @@ def build_engine_config(
             api_key=api_key,
             allowed_origins=tuple(allowed_origins),
             chat_template=_read_template(chat_template),
+            **{name: value for name, value in server_options.items() if value is not None},
         ),
     )
 
+
+
+# ServerConfig fields that `conveyor serve` exposes as flags: (field, flag, type, help). The
+# defaults live on ServerConfig alone; the CLI shows them from there.
+SERVER_OPTIONS = (
+    ("max_seqs_per_request", "max-seqs-per-request", int, "sequences one request may start (prompts x n)"),
+    ("header_timeout_s", "http-header-timeout", float, "seconds a client has to send a request's headers"),
+    ("body_timeout_s", "http-body-timeout", float, "seconds a client has to send a request's body"),
+    ("keepalive_timeout_s", "http-keepalive-timeout", float, "seconds an idle keep-alive connection stays open"),
+    ("max_keepalive_requests", "http-max-keepalive-requests", int, "requests per connection before it is closed"),
+    ("max_connections", "max-connections", int, "open HTTP connections per ingress process"),
+    ("stage_timeout_s", "stage-timeout", float, "seconds of silence after which a stage is declared dead"),
+    ("drain_timeout_s", "drain-timeout", float, "on SIGTERM, seconds in-flight requests get to finish"),
+    ("max_engine_restarts", "max-engine-restarts", int, "engine failures in --restart-window before the daemon exits"),
+    ("restart_window_s", "restart-window", float, "seconds over which engine failures are counted"),
+)
+
+
+def server_option_default(name: str):
+    return ServerConfig.__dataclass_fields__[name].default
+
+
+def _flag(name: str) -> str:
+    return next(flag for field, flag, *_ in SERVER_OPTIONS if field == name)
+
+
+def _queue_bound(name: str, value: int | None) -> int | None:
+    """None: SchedulerConfig's default bound; 0: no bound; else at least 1."""
+    if value is None:
+        return SchedulerConfig.__dataclass_fields__[name].default
+    if value < 0:
+        raise ConfigError(f"--{name.replace('_', '-')} must be 0 (no bound) or more, got {value}")
+    return value or None
 
 
 def _read_template(value: str | None) -> str | None:

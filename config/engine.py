@@ -35,8 +35,10 @@ class SchedulerConfig:
     # --async-scheduling, SGLang's overlap scheduler). Off: each plan waits for the last result.
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
-    max_queued_requests: int | None = None  # waiting requests past which new ones get 429
-    max_queued_tokens: int | None = None  # waiting prompt tokens past which new ones get 429
+    # Admission bounds, on by default so one client cannot fill the server: past them new
+    # requests get a 429 with Retry-After. None turns a bound off.
+    max_queued_requests: int | None = 1024  # waiting requests
+    max_queued_tokens: int | None = 1 << 20  # waiting prompt tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,22 @@ class ServerConfig:
     api_key: str | None = None  # when set, every route but /health and /metrics requires it
     allowed_origins: tuple[str, ...] = ()  # CORS: origins allowed to call the API ("*" for any)
     chat_template: str | None = None  # Jinja text overriding the checkpoint's chat template
+    # Sequences one HTTP request may start (prompts x max(n, best_of)): past it, a 400.
+    max_seqs_per_request: int = 256
+    # HTTP hardening, per ingress process: a client slower than these is disconnected.
+    header_timeout_s: float = 10.0  # from connection (or the end of the last request) to full headers
+    body_timeout_s: float = 30.0  # from the headers to the end of the body
+    keepalive_timeout_s: float = 15.0  # an idle keep-alive connection is closed after this
+    max_keepalive_requests: int = 1000  # requests per connection before it is closed
+    max_connections: int = 1024  # open connections; past it new ones wait in the listen backlog
+    # Chat: special tokens written inside message content are encoded as plain text unless this
+    # is set (then a user could forge `<|eot_id|>` and a role header).
+    special_tokens_in_content: bool = False
+    # Liveness and shutdown (the launcher).
+    stage_timeout_s: float = 30.0  # a stage silent this long (no heartbeat) is declared dead
+    drain_timeout_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
+    max_engine_restarts: int = 3  # engine failures within restart_window_s before the daemon exits
+    restart_window_s: float = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,9 +98,12 @@ class EngineConfig:
 
 
 def config_to_json(config: EngineConfig) -> bytes:
+    """The config as written to the run directory: without the API key, which never touches the
+    disk (stages read it from the environment: config/env.py)."""
     import msgspec
 
-    return msgspec.json.encode(config)
+    server = dataclasses.replace(config.server, api_key=None)
+    return msgspec.json.encode(dataclasses.replace(config, server=server))
 
 
 def config_from_json(data: bytes) -> EngineConfig:

@@ -33,3 +33,12 @@ def cpu_kernels_enabled() -> bool:
     """CONVEYOR_CPU_KERNELS=0 keeps the worker on the torch reference paths on CPU (no compiler
     is called); the default builds and uses the C++ kernels of gpu/cpu_kernels."""
     return os.environ.get("CONVEYOR_CPU_KERNELS", "1") != "0"
+
+
+API_KEY_VARIABLE = "CONVEYOR_API_KEY"
+
+
+def api_key_from_env() -> str | None:
+    """The API key, when given in the environment. The launcher also hands a key given by flag or
+    file to its stages this way, so the key is never written into the run directory."""
+    return os.environ.get(API_KEY_VARIABLE) or None

@@ -11,7 +11,8 @@ import logging
 import sys
 
 from conveyor.config import ConfigError
-from conveyor.config.env import log_level
+from conveyor.config.build import SERVER_OPTIONS, server_option_default
+from conveyor.config.env import api_key_from_env, log_level
 
 
 def serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,10 +34,19 @@ def serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="plan the next step while the current one computes")  # fmt: skip
-    p.add_argument("--max-queued-requests", type=int, help="waiting requests past which new ones get 429")
-    p.add_argument("--max-queued-tokens", type=int, help="waiting prompt tokens past which new ones get 429")
+    p.add_argument("--max-queued-requests", type=int,
+                   help="waiting requests past which new ones get 429 (default 1024; 0: no bound)")  # fmt: skip
+    p.add_argument("--max-queued-tokens", type=int,
+                   help="waiting prompt tokens past which new ones get 429 (default 1048576; 0: no bound)")  # fmt: skip
     p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--api-key", help="require this key (Authorization: Bearer or X-Api-Key)")
+    p.add_argument("--api-key", help="require this key (Authorization: Bearer or X-Api-Key); visible in ps: "
+                   "prefer CONVEYOR_API_KEY or --api-key-file")  # fmt: skip
+    p.add_argument("--api-key-file", help="read the API key from this file (its first line)")
+    p.add_argument("--chat-content-special-tokens", action="store_true",
+                   help="encode special tokens written inside chat message content as special tokens "
+                   "(off: they are plain text, so users cannot forge roles)")  # fmt: skip
+    for field, flag, type_, text in SERVER_OPTIONS:
+        p.add_argument(f"--{flag}", dest=field, type=type_, help=f"{text} (default {server_option_default(field)})")
     p.add_argument("--allowed-origins", nargs="*", default=[], help="CORS origins allowed ('*' for any)")
     p.add_argument("--chat-template", help="Jinja file (or text) overriding the checkpoint's chat template")
     p.add_argument("--ingress-workers", type=int, default=1, help="HTTP processes sharing the port")
@@ -106,11 +116,31 @@ def serve(args: argparse.Namespace) -> int:
         detokenizer_workers=args.detokenizer_workers,
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=resolve_api_key(args),
         allowed_origins=tuple(args.allowed_origins),
         chat_template=args.chat_template,
+        server_options={
+            "special_tokens_in_content": args.chat_content_special_tokens,
+            **{field: getattr(args, field) for field, *_ in SERVER_OPTIONS},
+        },
     )
     return Launcher(config).serve()
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else --api-key-file, else CONVEYOR_API_KEY; the key is kept in memory only."""
+    if args.api_key is not None:
+        return args.api_key
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise ConfigError(f"cannot read the API key file {args.api_key_file!r}: {e.strerror}") from None
+        if not key:
+            raise ConfigError(f"the API key file {args.api_key_file!r} is empty")
+        return key
+    return api_key_from_env()
 
 
 def main(argv: list[str] | None = None) -> int:

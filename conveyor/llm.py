@@ -51,6 +51,9 @@ class LLM:
     """An engine in this process. Keyword arguments are those of `conveyor serve`."""
 
     def __init__(self, model: str | None = None, **options):
+        # An offline batch is its own only client: the daemon's admission bounds do not apply.
+        options.setdefault("max_queued_requests", 0)
+        options.setdefault("max_queued_tokens", 0)
         self.config = build_engine_config(model, **options)
         from conveyor.gpu.runner import ModelRunner  # torch loads only with the engine
 
