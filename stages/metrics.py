@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from conveyor.wire.messages import FinishReason
+
 # Latency buckets from 1 ms to 5 min; token-count buckets in powers of two.
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
             1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 300.0)  # fmt: skip
@@ -51,7 +53,7 @@ worker_step_idle = Histogram("conveyor_worker_step_idle_seconds", "Device idle t
 scheduler_step_time = Histogram("conveyor_scheduler_step_seconds", "Scheduler CPU time to plan one step", buckets=_STEP_SECONDS)
 
 # --- per-stage latency: the time each request spends in each hop --------------------------
-# stage: ingress, tokenizer, scheduler_queue, worker, detokenizer, return
+STAGE_HOPS = ("ingress", "tokenizer", "scheduler_queue", "worker", "detokenizer", "return")
 stage_latency = Histogram("conveyor_stage_latency_seconds", "Time a request spends in each stage hop", ["stage"], buckets=_SECONDS)
 
 # --- gauges (scheduler) --------------------------------------------------------------------
@@ -74,3 +76,17 @@ aborts = Counter("conveyor_aborts", "Requests aborted (client gone, or cancelled
 rejections = Counter("conveyor_rejections", "Requests refused because the waiting queue was full")
 requests_finished = Counter("conveyor_requests_finished", "Finished requests by finish reason", ["finish_reason"])
 errors = Counter("conveyor_errors", "Error answers by type", ["type"])
+
+
+def zero_series(metric: Counter | Histogram, label_values) -> None:
+    """Create a labelled metric's series for each known value now, at 0, rather than at its first
+    event: a dashboard then shows a rate of 0, not "no data", and an alert on `increase()` sees the
+    first error. In multiprocess mode creating the child writes its 0 into this process's file."""
+    for value in label_values:
+        metric.labels(value)
+
+
+# Every process that imports this module (each stage does) contributes the zeros; the ingress adds
+# the error types it answers with (errors.py), which only it knows.
+zero_series(stage_latency, STAGE_HOPS)
+zero_series(requests_finished, sorted({reason.openai for reason in FinishReason}))

@@ -29,6 +29,8 @@ _TYPES = {
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }
+SERVER_ERROR = "server_error"  # any other 5xx
+metrics.zero_series(metrics.errors, sorted(set(_TYPES.values()) | {SERVER_ERROR}))
 
 
 class ApiError(Exception):
@@ -47,7 +49,7 @@ class ApiError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        default_type = "server_error" if status >= 500 else "invalid_request_error"
+        default_type = SERVER_ERROR if status >= 500 else "invalid_request_error"
         self.error_type = error_type or _TYPES.get(status, default_type)
         self.retry_after = retry_after  # seconds
 
