@@ -22,7 +22,7 @@ from aiohttp import web
 from conveyor.config import EngineConfig
 from conveyor.stages.ingress.engine_client import EngineClient, Event, RequestStream
 from conveyor.stages.ingress.errors import ApiError, check_model, not_ready, read_body
-from conveyor.stages.ingress.protocol import Generation, parse_chat, parse_completion
+from conveyor.stages.ingress.protocol import Generation, check_num_seqs, parse_chat, parse_completion
 from conveyor.stages.ingress.responses import DONE, SSE_HEADERS, ResponseBuilder
 from conveyor.stages.ingress.tokens import LazyEncoder
 from conveyor.wire.messages import RequestAccepted, RequestRejected, TextDelta
@@ -88,6 +88,7 @@ class GenerateRoutes:
         data = await read_body(request, self.config.server.max_body_bytes)
         model = self.config.model
         gen = (parse_chat if chat else parse_completion)(data, model.vocab_size)
+        check_num_seqs(gen, self.config.server.max_seqs_per_request)
         check_model(self.config, gen.model)
 
         response_id = self.engine.new_request_id("chatcmpl" if chat else "cmpl")

@@ -6,7 +6,8 @@ answer (stream, usage, echo, token ids). Every problem is an ApiError naming the
 `param`: msgspec enforces the bounds declared in bodies.py, this module what needs the model (token
 ids inside the vocabulary) or several fields at once, and SamplingParams has the last word.
 `best_of` (accepted on both routes, as vLLM does) asks for that many samples of which the `n`
-most likely are returned, so it cannot stream.
+most likely are returned, so it cannot stream. `check_num_seqs` bounds what one request may start,
+prompts x max(n, best_of) sequences, by `config.server.max_seqs_per_request`.
 """
 
 from __future__ import annotations
@@ -70,6 +71,19 @@ def parse_chat(data: bytes, vocab_size: int) -> Generation:
     gen.prompts = [Prompt(messages=chat_messages(body.messages))]
     gen.add_generation_prompt = body.add_generation_prompt
     return gen
+
+
+def check_num_seqs(gen: Generation, max_seqs: int) -> None:
+    """Each prompt of a batch samples `num_samples` sequences, each a row of the running batch."""
+    num_samples = gen.params.num_samples
+    num_seqs = len(gen.prompts) * num_samples
+    if num_seqs <= max_seqs:
+        return
+    # Blame the sample count when it alone is too many, else the batch that multiplies it.
+    param = "prompt" if num_samples <= max_seqs else "best_of" if num_samples > gen.params.n else "n"
+    message = (f"this request would start {len(gen.prompts)} prompt(s) x {num_samples} sample(s) = {num_seqs} "
+               f"sequences; this server allows at most {max_seqs} per request")
+    raise ApiError(400, message, param=param, code="too_many_sequences")
 
 
 def decode(data: bytes, type: Any) -> Any:
