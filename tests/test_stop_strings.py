@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 
 from conveyor.stages.detokenizer.stop_strings import StopMatcher
+from conveyor.stages.ingress.errors import ApiError
+from conveyor.stages.ingress.protocol import parse_completion
+from conveyor.wire.messages import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 
 def feed(matcher: StopMatcher, pieces: list[str], num_protected: int = 0) -> list[str]:
@@ -121,3 +125,57 @@ def test_streaming_matches_the_whole_text_answer_however_split(seed, include):
     matcher = StopMatcher(stop, include_in_output=include)
     out = feed(matcher, pieces, num_protected_pieces)
     assert ("".join(out), matcher.stop_reason) == reference(text, stop, include, num_protected)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_long_overlapping_stop_strings_match_like_the_whole_text_answer(seed):
+    """Stop strings that share prefixes and overlap themselves: deep failure links and branches."""
+    rng = random.Random(seed)
+    text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 60)))
+    stop = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 12))) for _ in range(rng.randint(1, 6))]
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 20)))) if len(text) > 1 else []
+    pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+    matcher = StopMatcher(stop)
+    out = feed(matcher, pieces)
+    assert ("".join(out), matcher.stop_reason) == reference(text, stop, False, 0)
+
+
+def test_a_200k_character_stop_string_takes_linear_memory():
+    """A set of every prefix of a 200,000-character string would be ~20 GB; the automaton is
+    a few integers per character, and the held text never exceeds the string."""
+    import tracemalloc
+
+    from conveyor.stages.detokenizer.stop_automaton import build
+
+    rng = random.Random(0)
+    stop = "".join(rng.choice("ab") for _ in range(200_000))
+    build.cache_clear()
+    tracemalloc.start()
+    try:
+        matcher = StopMatcher([stop])
+        # The stop string itself, in 7-character pieces, after a near miss that must be released.
+        out = [matcher.add("x" + stop[:-1] + "x")]
+        out += [matcher.add(stop[i : i + 7]) for i in range(0, len(stop), 7)]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        build.cache_clear()
+    assert matcher.stop_reason == stop
+    assert "".join(out) == "x" + stop[:-1] + "x"
+    assert peak < 20 * len(stop) * 4  # ~16 MB; the prefix set took 20 GB
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [["s"] * (MAX_STOP_STRINGS + 1), "x" * (MAX_STOP_STRING_CHARS + 1), ["ok", "x" * (MAX_STOP_STRING_CHARS + 1)]],
+    ids=["too-many", "too-long", "one-too-long"],
+)
+def test_stop_strings_are_bounded_in_number_and_length(stop):
+    """Both the HTTP body (a 400 naming `stop`) and the Python API refuse what is past the bounds."""
+    with pytest.raises(ApiError) as e:
+        parse_completion(msgspec.json.encode({"prompt": "hi", "stop": stop}), vocab_size=100)
+    assert (e.value.status, e.value.param) == (400, "stop")
+    with pytest.raises(ValueError, match="^stop "):
+        SamplingParams(stop=[stop] if isinstance(stop, str) else stop)
+    # At the bounds exactly: accepted.
+    SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS)

@@ -33,6 +33,10 @@ class FinishReason(enum.IntEnum):
 
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
+# Stop strings per request and characters per stop string (OpenAI allows 4 strings, vLLM any):
+# generous for real use, and the detokenizer builds a request's automaton in tens of ms.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 
 
 class SamplingParams(Struct):
@@ -78,6 +82,8 @@ class SamplingParams(Struct):
             ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "must be at most max_tokens"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
+            ("stop", len(self.stop) <= MAX_STOP_STRINGS, f"must have at most {MAX_STOP_STRINGS} strings"),
+            ("stop", all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), f"strings must be at most {MAX_STOP_STRING_CHARS} characters"),
         )  # fmt: skip
         for field, ok, message in checks:
             if not ok:
