@@ -31,7 +31,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: str | None  # "stop", "length", or "error": its logits were not finite, it ended
     cumulative_logprob: float = 0.0
     logprobs: list[TextLogprob] = dataclasses.field(default_factory=list)  # when asked for
     stop_reason: str | None = None  # the stop string that ended it
@@ -57,7 +57,12 @@ class LLM:
         self.config = build_engine_config(model, **options)
         from conveyor.gpu.runner import ModelRunner  # torch loads only with the engine
 
-        self.encoder = PromptEncoder(self.config.model.path)
+        server = self.config.server
+        self.encoder = PromptEncoder(
+            self.config.model.path,
+            chat_template=server.chat_template,
+            special_tokens_in_content=server.special_tokens_in_content,
+        )
         self.tokenizer = Tokenizer.from_file(f"{self.config.model.path}/tokenizer.json")
         self.runner = ModelRunner(self.config)
         num_blocks = self.runner.num_available_blocks()
@@ -155,7 +160,9 @@ class LLM:
                 updates = self.scheduler.take_unsampled_updates()
             else:
                 r = self.runner.execute(step_plan(step))
-                updates = self.scheduler.update(step, r.sampled_token_ids, r.sampled_logprobs, r.top_logprobs)
+                updates = self.scheduler.update(
+                    step, r.sampled_token_ids, r.sampled_logprobs, r.top_logprobs, r.failed_draws
+                )
             (batch,) = token_batches(self.scheduler.num_steps, updates, 1)
             if batch is None:
                 continue

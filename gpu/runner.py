@@ -8,7 +8,8 @@ rewrite then extend each row's block table, then every ScheduledSeq row computes
 `num_tokens` tokens. A row whose computed count reaches its known tokens samples one more, which
 is appended to the sequence, and one per fork from the same logits: each fork starts as a copy
 of the sequence plus its own token. Sampling (penalties, filters, draws, logprobs) is
-conveyor.gpu.sampling's.
+conveyor.gpu.sampling's; a draw whose logits were not finite appends a placeholder 0 and is
+named in StepResult.failed_draws, and the scheduler ends its sequence.
 
 Inputs are built on the host with one pass per sequence (never per token), then copied
 non-blocking (from pinned memory on CUDA). The scheduler side sees only StepPlan / StepResult.
@@ -121,6 +122,7 @@ class ModelRunner:
             idle_time=max(0.0, self._last_return - idle_from - busy),
             sampled_logprobs=samples.logprobs,
             top_logprobs=samples.top_logprobs,
+            failed_draws=samples.failed_draws,
         )
 
     def _register(self, new: NewSeq) -> SeqState:

@@ -223,7 +223,8 @@ def test_boundary_values_are_accepted(server):
     url, _, _ = server
     for extra in ({"temperature": 0}, {"temperature": 2}, {"top_p": 1}, {"logprobs": 20}, {"n": 1},
                   {"logit_bias": {"0": -100, str(VOCAB_SIZE - 1): 100}}, {"stop_token_ids": [VOCAB_SIZE - 1]},
-                  {"prompt": [0, VOCAB_SIZE - 1]}, {"presence_penalty": -2, "frequency_penalty": 2}):
+                  {"prompt": [0, VOCAB_SIZE - 1]}, {"presence_penalty": -2, "frequency_penalty": 2},
+                  {"repetition_penalty": 0.01}, {"repetition_penalty": 100}, {"temperature": 1e-46}):
         assert post(url, "/v1/completions", {"prompt": "a"} | extra).status_code == 200, extra
 
 
@@ -260,6 +261,8 @@ BAD_INPUTS = [
     (COMPLETE, {"prompt": "hi", "presence_penalty": 2.5}, 400, "invalid_request_error", "presence_penalty", None),
     (COMPLETE, {"prompt": "hi", "frequency_penalty": -3}, 400, "invalid_request_error", "frequency_penalty", None),
     (COMPLETE, {"prompt": "hi", "repetition_penalty": 0}, 400, "invalid_request_error", "repetition_penalty", None),
+    (COMPLETE, {"prompt": "hi", "repetition_penalty": 1e-50}, 400, "invalid_request_error", "repetition_penalty", None),
+    (COMPLETE, {"prompt": "hi", "repetition_penalty": 101}, 400, "invalid_request_error", "repetition_penalty", None),
     (COMPLETE, b'{"prompt": "hi", "repetition_penalty": 1e999}', 400, "invalid_request_error", "repetition_penalty",
      None),
     (COMPLETE, {"prompt": "hi", "min_tokens": -1}, 400, "invalid_request_error", "min_tokens", None),

@@ -1,7 +1,8 @@
 """Penalties, logit_bias, min_tokens, min_p and top logprobs: each against a plain reference
 (transformers' own processors where it has one), then end to end through ModelRunner on a tiny
 checkpoint (greedy with a repetition penalty against transformers' generate, top logprobs
-against the model's raw logits, and default rows unaffected by penalised neighbours)."""
+against the model's raw logits, and default rows unaffected by penalised neighbours). Requests
+whose logits leave nothing to draw from fail alone: the sampler names them, the rest go on."""
 
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 
 def logits(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def sample_ids(*args, **kwargs) -> torch.Tensor:
+    """The sampler's ids [N], where every draw had finite logits to draw from."""
+    ids, valid = sample(*args, **kwargs)
+    assert valid.all()
+    return ids
 
 
 def history(n: int, seed: int) -> list[int]:
@@ -74,12 +82,12 @@ def test_logit_bias_forces_a_greedy_token():
     target = int(x[1].argmin())
     params = [GREEDY, SamplingParams(temperature=0.0, logit_bias={target: 100.0, 0: -5.0}), GREEDY]
     edited = apply_penalties(x, params, [[1]] * 3, [1] * 3, EOS)
-    assert sample(edited, params, [0] * 3).tolist() == [int(x[0].argmax()), target, int(x[2].argmax())]
+    assert sample_ids(edited, params, [0] * 3).tolist() == [int(x[0].argmax()), target, int(x[2].argmax())]
     assert edited[1, 0] == x[1, 0] - 5.0
     # sampled draws obey it too: +100 leaves the others no mass
     hot = SamplingParams(temperature=1.0, logit_bias={target: 100.0})
     edited = apply_penalties(x, [hot] * 3, [[1]] * 3, [1] * 3, EOS)
-    assert sample(edited, [hot] * 3, [0] * 3).tolist() == [target] * 3
+    assert sample_ids(edited, [hot] * 3, [0] * 3).tolist() == [target] * 3
 
 
 def test_min_p_matches_transformers():
@@ -92,7 +100,7 @@ def test_min_p_matches_transformers():
     assert (probs[3] > 0).sum() < (probs[2] > 0).sum() < V
     # draws stay inside the kept set
     params = [SamplingParams(temperature=1.0, min_p=0.5)] * 200
-    draws = set(sample(x[3:4].expand(200, -1), params, [0] * 200).tolist())
+    draws = set(sample_ids(x[3:4].expand(200, -1), params, [0] * 200).tolist())
     assert draws <= set(torch.nonzero(probs[3] > 0).flatten().tolist())
 
 
@@ -104,7 +112,7 @@ def test_min_tokens_masks_eos_and_stop_ids_until_the_index():
     for num_output in range(5):
         tokens = prompt + [1] * num_output
         edited = apply_penalties(row, [params], [tokens], [2], EOS)
-        draw = sample(edited, [params], [num_output]).item()
+        draw = sample_ids(edited, [params], [num_output]).item()
         assert draw == (3 if num_output >= 3 else 0)  # index 3 on: EOS is back
         if num_output < 3:
             assert edited[0, [3, 5, 9]].eq(float("-inf")).all()
@@ -138,6 +146,50 @@ def test_sample_step_top_logprobs_follow_the_draws():
     for top in samples.top_logprobs[:3]:
         assert top.token_ids == ids.tolist() and top.logprobs == pytest.approx(values.tolist())
     assert all(top.token_ids == [] and top.logprobs == [] for top in samples.top_logprobs[3:])
+
+
+# --- requests that leave nothing to draw from -----------------------------------------------
+
+
+def test_sampling_params_bound_temperature_and_repetition_penalty():
+    for bad in (1e-50, 0.0099, 100.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="^repetition_penalty must be in"):
+            SamplingParams(repetition_penalty=bad)
+    for bad in (-1e-46, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="^temperature"):
+            SamplingParams(temperature=bad)
+    assert SamplingParams(repetition_penalty=0.01).repetition_penalty == 0.01
+    assert SamplingParams(repetition_penalty=100).repetition_penalty == 100
+    assert SamplingParams(temperature=1e-46).greedy and SamplingParams(temperature=0).greedy
+    assert not SamplingParams(temperature=0.01).greedy
+
+
+def test_sample_step_fails_only_the_rows_with_nothing_to_draw():
+    """Each trigger of issue 13 in one batch with healthy rows: the bad rows' draws are named in
+    failed_draws with an in-vocabulary placeholder, the healthy ones draw as if alone."""
+    x = logits(6, seed=5)
+    every_id = list(range(V))
+    # Built before the bound, or by a caller that skipped __post_init__: the sampler must cope.
+    overflow = SamplingParams(temperature=1.0, seed=1)
+    overflow.repetition_penalty = 1e-50  # 0 in float32: seen positive logits / 0 = +inf
+    seen = [int(x[2].argmax())]  # a positive logit the penalty divides
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.9, seed=4), [1, 2], 1, [0]),  # draw 0
+        SamplingRow(SamplingParams(temperature=1.0, min_tokens=2, stop_token_ids=every_id), [1], 1, [0]),  # 1
+        SamplingRow(overflow, seen, 1, [0]),  # draw 2
+        SamplingRow(GREEDY, [1, 2, 3], 2, [0, 1]),  # draws 3, 4
+        SamplingRow(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=every_id), [1], 1, [0, 1]),  # 5, 6
+        SamplingRow(SamplingParams(temperature=1e-46), [1], 1, [0]),  # draw 7: greedy, not NaN
+    ]
+    samples = sample_step(x, rows, EOS)
+    assert samples.failed_draws == [1, 2, 5, 6]
+    assert len(samples.token_ids) == len(samples.logprobs) == 8
+    assert all(0 <= t < V for t in samples.token_ids)
+    assert [samples.token_ids[i] for i in samples.failed_draws] == [0, 0, 0, 0]
+    healthy = sample_step(x[[0, 3, 5]], [rows[0], rows[3], rows[5]], EOS)
+    assert healthy.failed_draws == []
+    assert [samples.token_ids[i] for i in (0, 3, 4, 7)] == healthy.token_ids
+    assert samples.token_ids[7] == int(x[5].argmax())
 
 
 # --- through the runner on a tiny checkpoint ------------------------------------------------
@@ -263,3 +315,16 @@ def test_profile_run_exercises_every_feature(checkpoint):
     """The memory profile's sampling (every feature on) runs; on CPU it only needs no CUDA."""
     runner = new_runner(checkpoint)
     runner._profile_run()
+
+
+def test_runner_reports_a_failed_draw_and_goes_on(checkpoint):
+    runner = new_runner(checkpoint)
+    vocab = runner.config.model.vocab_size
+    masked = SamplingParams(temperature=1.0, min_tokens=4, stop_token_ids=list(range(vocab)), max_tokens=8)
+    ok = [(prompt(5, 30, vocab), GREEDY)]
+    requests = [ok[0], (prompt(6, 31, vocab), masked), (prompt(4, 32, vocab), SamplingParams(temperature=1e-46))]
+    outputs, results = generate(runner, requests, 3)
+    assert all(r.failed_draws == [1] for r in results)  # every step: its logits stay masked
+    assert all(0 <= t < vocab for out in outputs for t in out)
+    alone, _ = generate(new_runner(checkpoint), ok + [(requests[2][0], GREEDY)], 3)
+    assert [outputs[0], outputs[2]] == alone

@@ -91,3 +91,16 @@ def test_stop_strings_n_and_best_of(engines):
     assert len({tuple(c.token_ids) for c in many.outputs}) > 1
     best = llm.generate("Pick one:", SamplingParams(n=1, best_of=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True))[0]
     assert best.outputs[0].cumulative_logprob == max(c.cumulative_logprob for c in many.outputs)
+
+
+def test_a_request_with_nothing_to_sample_finishes_with_error(engines):
+    """min_tokens with every id a stop id masks the whole vocabulary: that request ends with
+    finish_reason "error" and no tokens, the one beside it completes."""
+    llm = engines["LlamaForCausalLM"]
+    every_id = list(range(llm.config.model.vocab_size))
+    masked = SamplingParams(temperature=1.0, min_tokens=3, max_tokens=6, stop_token_ids=every_id)
+    normal = SamplingParams(temperature=1e-46, max_tokens=6, ignore_eos=True)  # greedy, not NaN
+    bad, good = llm.generate(["Nothing to draw", "Something to say"], [masked, normal])
+    assert (bad.outputs[0].finish_reason, bad.outputs[0].token_ids) == ("error", [])
+    assert good.outputs[0].finish_reason == "length" and len(good.outputs[0].token_ids) == 6
+    assert llm.scheduler.blocks.num_used == 0

@@ -18,6 +18,7 @@ from schemathesis.checks import (
 
 from conveyor.stages.ingress.app import build_app
 from conveyor.stages.ingress.engine_client import EngineClient
+from conveyor.wire.messages import REPETITION_PENALTY_RANGE
 from tests.ingress_fakes import running_server
 
 ROUTES = {
@@ -55,6 +56,8 @@ def test_lists_every_route(server, document):
     # The bounds decoding enforces are the published ones.
     temperature = document["components"]["schemas"]["CompletionBody"]["properties"]["temperature"]["anyOf"][0]
     assert (temperature["minimum"], temperature["maximum"]) == (0, 2)
+    penalty = document["components"]["schemas"]["CompletionBody"]["properties"]["repetition_penalty"]["anyOf"][0]
+    assert (penalty["minimum"], penalty["maximum"]) == REPETITION_PENALTY_RANGE
 
 
 def test_document_is_valid_openapi(document):

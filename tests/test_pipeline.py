@@ -95,6 +95,46 @@ def test_bad_requests_get_errors_and_the_daemon_keeps_serving(default_daemon):
     assert requests.get(f"{d.url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
+def test_requests_that_break_sampling_fail_alone(default_daemon):
+    """Issue 13: one request took the whole daemon down (NaN probabilities, an id equal to the
+    vocabulary size, IndexError in the worker). Now a subnormal temperature is greedy, an extreme
+    repetition_penalty is a 400, and a request left with nothing to draw fails by itself."""
+    from conveyor.tiny.tokenizer import VOCAB_SIZE
+
+    d = default_daemon
+    r = d.post("/v1/completions", {"prompt": "hi", "max_tokens": 8, "temperature": 1e-46})
+    assert r.status_code == 200, r.text
+    greedy = d.post("/v1/completions", {"prompt": "hi", "max_tokens": 8, "temperature": 0})
+    assert r.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
+    r = d.post("/v1/completions", {"prompt": "hi", "max_tokens": 8, "temperature": 1, "repetition_penalty": 1e-50})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"
+
+    # min_tokens with every id a stop id: every logit is masked, there is nothing to draw from.
+    masked = {"prompt": "hi", "max_tokens": 8, "min_tokens": 4, "temperature": 1, "stop_token_ids": list(range(VOCAB_SIZE))}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        normal = pool.submit(complete, d, "a request beside it", stream=False, max_tokens=24)
+        r = d.post("/v1/completions", masked)
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+        assert (error["type"], error["code"]) == ("server_error", "non_finite_logits")
+        assert "non-finite logits" in error["message"]
+        assert len(normal.result()[0]) == 24
+    r = d.post("/v1/completions", masked | {"stream": True}, stream=True)
+    assert r.status_code == 200  # the request was admitted and the stream begun before the step failed
+    events = stream_events(r)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "non_finite_logits"
+    assert all("choices" in e for e in events[:-2])
+    chat = {k: v for k, v in masked.items() if k != "prompt"} | {"messages": [{"role": "user", "content": "hi"}]}
+    r = d.post("/v1/chat/completions", chat)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "non_finite_logits"
+
+    assert complete(d, "still here?", stream=False, max_tokens=3)[0]
+    deadline = time.monotonic() + 5
+    while d.metric("conveyor_kv_blocks_used") != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert d.metric("conveyor_kv_blocks_used") == 0  # the failed requests' blocks came back
+
+
 def _children(pid: int) -> list[int]:
     kids = []
     for entry in Path("/proc").iterdir():
@@ -120,7 +160,7 @@ def test_one_process_per_stage_and_clean_shutdown(daemon_factory):
     kids = _children(daemon.process.pid)
     stages = sorted(_cmdline(k)[3] for k in kids if "conveyor.stages" in _cmdline(k))
     assert stages == ["detokenizer", "detokenizer", "ingress", "scheduler", "tokenizer", "tokenizer", "worker"]
-    run_dir = Path(_cmdline(kids[0])[-2]).parent
+    run_dir = Path(next(a for a in _cmdline(kids[0]) if a.endswith("config.json"))).parent
     assert run_dir.is_dir() and (run_dir.stat().st_mode & 0o777) == 0o700
     assert {p.suffix for p in run_dir.iterdir()} >= {".sock"}
     assert complete(daemon, "two tokenizers", stream=True, max_tokens=4)[0]

@@ -360,3 +360,54 @@ def test_top_logprobs_reach_the_update_of_sequences_that_asked():
     assert by_request["req-0"].logprobs[0].top_token_ids == [5, 9]
     assert by_request["req-0"].logprobs[0].logprob == -0.5
     assert by_request["req-1"].logprobs == []
+
+
+# --- draws whose logits were not finite -----------------------------------------------------
+
+
+def test_a_failed_draw_ends_its_sequence_with_error_and_frees_its_blocks():
+    sched, runner = make()
+    a, bad, c = (seq(i, 9, max_tokens=6, ignore_eos=True) for i in range(3))
+    for s in (a, bad, c):
+        sched.add(s)
+    step = sched.schedule()
+    result = runner.execute(step_plan(step))
+    held_by_bad = list(bad.block_ids)
+    updates = sched.update(step, result.sampled_token_ids, result.sampled_logprobs, failed_draws=[1])
+    by_seq = {u.seq.seq_id: u for u in updates}
+    assert (by_seq[1].new_token_ids, by_seq[1].finish_reason) == ([], FinishReason.ERROR)
+    assert bad.finish_reason is FinishReason.ERROR and bad.output_token_ids == [] and bad.block_ids == []
+    assert all(sched.blocks.ref_count(b) == 0 for b in held_by_bad)
+    assert [len(by_seq[s].new_token_ids) for s in (0, 2)] == [1, 1]
+    step = sched.schedule()
+    assert step.finished_seq_ids == [1]  # the worker forgets it with the next plan
+    result = runner.execute(step_plan(step))
+    sched.update(step, result.sampled_token_ids, result.sampled_logprobs)
+    drive(sched, runner)
+    for s in (a, c):
+        assert s.output_token_ids == expected_tokens(prompt_of(s.seq_id, 9), 6)
+    assert sched.blocks.num_used == 0 and "req-1" not in sched.by_request
+
+
+def test_a_failed_fork_ends_alone_and_a_lookahead_draw_is_dropped():
+    sched, runner = make()
+    sched.add_request(request(0, prompt_of(0, 6), n=3, max_tokens=5, ignore_eos=True))
+    first = sched.schedule()  # prompt + the first draw of each of the three samples
+    second = sched.schedule()  # planned before the first's ids are back: asynchronous scheduling
+    r1, r2 = runner.execute(step_plan(first)), runner.execute(step_plan(second))
+    updates = sched.update(first, r1.sampled_token_ids, r1.sampled_logprobs, failed_draws=[2])  # sample 2
+    failed = [u.seq for u in updates if u.finish_reason is FinishReason.ERROR]
+    assert [s.index for s in failed] == [2]
+    later = sched.update(second, r2.sampled_token_ids, r2.sampled_logprobs, failed_draws=[0, 1, 2])
+    assert failed[0] not in [u.seq for u in later]  # its lookahead draw is dropped, not failed twice
+    assert {u.seq.index for u in later if u.finish_reason is FinishReason.ERROR} == {0, 1}
+    assert sched.blocks.num_used == 0 and not sched.has_work()
+
+
+def test_failed_draws_outside_the_step_are_refused():
+    sched, runner = make()
+    sched.add(seq(0, 4))
+    step = sched.schedule()
+    result = runner.execute(step_plan(step))
+    with pytest.raises(ValueError, match="failed draws"):
+        sched.update(step, result.sampled_token_ids, failed_draws=[1])

@@ -14,6 +14,7 @@ decoded by one typed decoder. A request's data travels in full once; per step on
 from __future__ import annotations
 
 import enum
+import math
 
 import msgspec
 
@@ -26,10 +27,13 @@ class FinishReason(enum.IntEnum):
     STOP = 1  # EOS, a stop token id (later: a stop string)
     LENGTH = 2  # max_tokens, or the context is full
     ABORT = 3  # the client went away or the request was cancelled
+    # The sequence's logits were not finite (NaN, +inf, or every token masked), so no token could
+    # be drawn. OpenAI has no such finish reason: the ingress answers it with an error.
+    ERROR = 4
 
     @property
     def openai(self) -> str:
-        return "stop" if self is FinishReason.STOP else "length" if self is FinishReason.LENGTH else "abort"
+        return self.name.lower()
 
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
@@ -37,13 +41,20 @@ MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 # generous for real use, and the detokenizer builds a request's automaton in tens of ms.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+# Below this a temperature means greedy (vLLM's threshold too): dividing logits by a smaller one
+# overflows float32, and a subnormal one rounds to 0 on the device.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+# repetition_penalty divides or multiplies logits; outside this range it only overflows or
+# flattens them (HF suggests about 1.2; vLLM takes any positive value).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 class SamplingParams(Struct):
     """How to pick tokens and when to stop; the Python API's `SamplingParams` is this struct.
 
-    temperature 0 means greedy. top_k <= 0 and top_p == 1 disable those filters. With a seed, the
-    draw for output token i depends only on (seed, i), so it is the same whatever the batch.
+    temperature 0 (or anything below MIN_SAMPLING_TEMPERATURE) means greedy. top_k <= 0 and top_p
+    == 1 disable those filters. With a seed, the draw for output token i depends only on (seed, i),
+    so it is the same whatever the batch.
     """
 
     n: int = 1
@@ -59,7 +70,9 @@ class SamplingParams(Struct):
     min_p: float = 0.0  # drop tokens below min_p * p(most likely token)
     presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of every generated token
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
-    repetition_penalty: float = 1.0  # CTRL/HF: logits of prompt and generated tokens divided (>0) or multiplied (<0)
+    # CTRL/HF: logits of prompt and generated tokens divided (>0) or multiplied (<0); the
+    # penalty must lie in REPETITION_PENALTY_RANGE.
+    repetition_penalty: float = 1.0
     min_tokens: int = 0  # EOS, stop ids and stop strings are ignored (and EOS masked) before this many
     logit_bias: dict[int, float] | None = None  # added to the logits before sampling
     logprobs: int | None = None  # return the sampled token's logprob and this many top alternatives
@@ -69,16 +82,17 @@ class SamplingParams(Struct):
     def __post_init__(self) -> None:
         """Raise ValueError naming the field first ("top_p must ..."): the ingress maps it to
         the 400's `param`."""
+        low, high = REPETITION_PENALTY_RANGE
         checks = (
             ("n", self.n >= 1, "must be at least 1"),
             ("best_of", self.best_of is None or self.best_of >= self.n, "must be at least n"),
-            ("temperature", self.temperature >= 0, "must be non-negative"),
+            ("temperature", 0 <= self.temperature < math.inf, "must be non-negative and finite"),
             ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
             ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be positive"),
+            ("repetition_penalty", low <= self.repetition_penalty <= high, f"must be in [{low}, {high}]"),
             ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "must be at most max_tokens"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
@@ -91,7 +105,7 @@ class SamplingParams(Struct):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     @property
     def num_samples(self) -> int:
@@ -165,6 +179,10 @@ class StepResult(Struct, tag=5):
     # For draws whose sequence asked for logprobs (params.logprobs is not None), in draw order:
     # the top alternatives under the same raw distribution.
     top_logprobs: list["TopLogprobs"] = []
+    # Indices into sampled_token_ids of draws whose logits were not finite (NaN, +inf, or every
+    # token masked): their id is a placeholder 0, and the scheduler ends their sequence with
+    # FinishReason.ERROR. The step and the other draws go on.
+    failed_draws: list[int] = []
 
 
 class TopLogprobs(Struct):

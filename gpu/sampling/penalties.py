@@ -6,7 +6,8 @@
    logit -= presence * (count > 0) + frequency * count;
 3. logit_bias, added;
 4. min_tokens: while the sequence has fewer outputs than min_tokens, its EOS ids (unless
-   ignore_eos) and stop_token_ids get -inf.
+   ignore_eos) and stop_token_ids get -inf. Stop ids covering the vocabulary leave nothing to
+   draw: the sampler fails that draw rather than pick a masked id.
 
 They depend only on the sequence, so they edit its logits row once, whatever its number of draws.
 Rows with default params cost nothing: the rows that need an edit are gathered into [P, V],

@@ -11,6 +11,12 @@ than the rest of sampling together on a CPU). Filtered tokens have probability 0
 sum never steps past u on them. A draw with a seed takes its u from a generator seeded by
 mix(seed, output index, choice index) alone, so its token does not depend on what else is in the
 batch while the n samples of one request differ; unseeded draws share one default-generator draw.
+
+A draw is valid when its row leaves something to draw: no NaN, no +inf, some entry above -inf
+(a subnormal temperature or an extreme penalty overflows, min_tokens with every id a stop id
+masks the whole row). Softmax turns any of these into NaN, so the row's total probability says
+it for free, and greedy rows get it from the max that their argmax comes with. An invalid draw
+returns id 0, never an id outside [0, V): the caller fails its request, the other draws stand.
 """
 
 from __future__ import annotations
@@ -30,28 +36,31 @@ def sample(
     output_indices: list[int],
     choice_indices: list[int] | None = None,
     logit_rows: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [S, V] float32. Draw i reads logits row logit_rows[i] ([N] int64 on the logits'
     device; None: row i, N = S) with params[i]; output_indices[i] is which output token it draws
     (0 = first), choice_indices[i] its choice index in the request (None: all 0).
 
-    Returns the chosen ids [N] int64 on the logits' device.
+    Returns (ids [N] int64, valid [N] bool) on the logits' device; an invalid draw's id is 0.
     """
-    greedy = [p.temperature == 0 for p in params]
+    greedy = [p.greedy for p in params]
     if all(greedy):
-        ids = logits.argmax(dim=-1)  # [S]: one argmax per row however many draws read it
-        return ids if logit_rows is None else ids[logit_rows]
+        best, ids = logits.max(dim=-1)  # [S]: one pass per row however many draws read it
+        valid = best.isfinite()  # max propagates NaN; +inf, or -inf everywhere, is no distribution
+        ids = ids.masked_fill(~valid, 0)
+        return (ids, valid) if logit_rows is None else (ids[logit_rows], valid[logit_rows])
     if logit_rows is not None:
         logits = logits[logit_rows]  # [N, V]
     choice_indices = choice_indices or [0] * len(params)
     device = logits.device
     # Greedy rows run through the sampling math with temperature 1 and are replaced at the end.
-    temps = to_device([p.temperature or 1.0 for p in params], torch.float32, device)
+    temps = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
     logits = logits / temps[:, None]
     logits = filter_top_k_top_p(logits, params)
     probs = filter_min_p(torch.softmax(logits, dim=-1), params)  # [N, V]; filtered entries are 0
     cdf = probs.cumsum(dim=-1)  # [N, V], non-decreasing (sums of non-negative floats)
-    total = cdf[:, -1:]  # [N, 1]; below 1 by rounding, or by min_p's zeros
+    total = cdf[:, -1:]  # [N, 1]; below 1 by rounding, or by min_p's zeros; NaN: nothing to draw
+    valid = (total > 0).squeeze(1)  # [N]; False for NaN
     u = _uniforms(params, output_indices, choice_indices, device)[:, None]  # [N, 1] in [0, 1)
     # Strictly below the total, so some token's running sum exceeds it whatever the rounding.
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -59,7 +68,7 @@ def sample(
     if any(greedy):
         is_greedy = to_device(greedy, torch.bool, device)
         sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
-    return sampled
+    return sampled.masked_fill(~valid, 0), valid  # NaN searches land on V: never let one out
 
 
 def seed_for(seed: int, output_index: int, choice_index: int = 0) -> int:
@@ -86,7 +95,7 @@ def _uniforms(
     """u [N] ~ U[0, 1): seeded draws from their own generator (on the CPU, so a seed gives the
     same token on any device), the rest from the default generator of the device."""
     u = torch.rand(len(params), device=device)
-    seeded = [i for i, p in enumerate(params) if p.seed is not None and p.temperature != 0]
+    seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
     if seeded:
         seeds = [seed_for(params[i].seed, output_indices[i], choice_indices[i]) for i in seeded]
         values = [torch.rand((), generator=torch.Generator().manual_seed(seed)).item() for seed in seeds]

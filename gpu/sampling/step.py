@@ -4,7 +4,8 @@ A sampling row (a sequence whose chunk reached the end of its known tokens) owns
 and one draw per choice: its own, then one per fork. Its draws share its params and token
 history, so penalties, bias and min_tokens edit its logits row once (penalties.py); each draw
 then reads its row (sampler.py). Logprobs, sampled and top, come from the raw logits. The ids and
-logprobs come back to the host behind a single synchronisation.
+logprobs come back to the host behind a single synchronisation, with the draws that had nothing
+to draw from (non-finite logits: their id is a placeholder 0, their logprob meaningless).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class StepSamples:
     token_ids: list[int]  # one per draw, in draw order
     logprobs: list[float]  # of each sampled id under the raw logits
     top_logprobs: list[TopLogprobs]  # one per draw whose params.logprobs is not None
+    failed_draws: list[int] = dataclasses.field(default_factory=list)  # draws whose logits were not finite
 
 
 def sample_step(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tuple[int, ...]) -> StepSamples:
@@ -53,7 +55,7 @@ def sample_step(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tu
     draw_rows = None if len(logit_rows) == len(rows) else to_device(logit_rows, torch.int64, device)
     row_params, num_prompt = [r.params for r in rows], [r.num_prompt_tokens for r in rows]
     edited = apply_penalties(logits, row_params, [r.token_ids for r in rows], num_prompt, eos_token_ids)  # [S, V]
-    token_ids = sample(edited, params, output_indices, choice_indices, draw_rows)  # [N] int64
+    token_ids, valid = sample(edited, params, output_indices, choice_indices, draw_rows)  # [N] int64, [N] bool
     logprobs = sampled_logprobs(logits, token_ids, draw_rows)  # [N] float32
 
     wanted = [r for r, row in enumerate(rows) if row.params.logprobs is not None]
@@ -61,8 +63,9 @@ def sample_step(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tu
     top_values = top_ids = None
     if k > 0:
         top_values, top_ids = top_logprobs(logits[to_device(wanted, torch.int64, device)], k)  # [R, k]
-    token_ids, logprobs, top_values, top_ids = to_host(token_ids, logprobs, top_values, top_ids)
-    return StepSamples(token_ids.tolist(), logprobs.tolist(), _tops(rows, wanted, top_values, top_ids))
+    token_ids, logprobs, valid, top_values, top_ids = to_host(token_ids, logprobs, valid, top_values, top_ids)
+    failed = (~valid).nonzero().flatten().tolist()
+    return StepSamples(token_ids.tolist(), logprobs.tolist(), _tops(rows, wanted, top_values, top_ids), failed)
 
 
 def _tops(rows: list[SamplingRow], wanted: list[int], values: torch.Tensor | None, ids: torch.Tensor | None):

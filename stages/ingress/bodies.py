@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from conveyor.wire.messages import MAX_LOGPROBS
+from conveyor.wire.messages import MAX_LOGPROBS, REPETITION_PENALTY_RANGE
 
 INT64_MAX = 2**63 - 1  # anything that travels on the wire as msgpack must fit in 64 bits
 MAX_SAMPLES = 128  # n and best_of above this are a 400: each sample is a sequence in the batch
@@ -25,6 +25,7 @@ NonNegative = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 NumSamples = Annotated[int, Meta(ge=1, le=MAX_SAMPLES)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
 Penalty = Annotated[float, Meta(ge=-2, le=2)]
+RepetitionPenalty = Annotated[float, Meta(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])]
 # A batch of prompts: strings, token ids, or lists of token ids (msgspec takes one array type in
 # a union, so the items are checked in protocol.py; the schema says what they may be).
 _PROMPT_ITEM = {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "array", "items": {"type": "integer"}}]}
@@ -50,7 +51,7 @@ class SamplingBody(Body):
     min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0)] | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     seed: Int64 | None = None
     n: NumSamples = 1
     best_of: NumSamples | None = None

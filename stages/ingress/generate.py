@@ -7,8 +7,11 @@ the scheduler's 429 with Retry-After) becomes an error answer before any SSE byt
 prompts of the batch are aborted; a RequestAccepted or a first TextDelta admits it. Once every
 prompt is admitted the answer begins: TextDelta events until every choice has a finish reason.
 A client that goes away before that (a failed write, or aiohttp cancelling the handler) turns
-into an AbortRequest to the scheduler. An error after a stream began (the engine stopping, or
-a bug) ends the stream with an error event, then [DONE].
+into an AbortRequest to the scheduler. An error after a stream began (the engine stopping, a
+bug, or a choice the scheduler ended with FinishReason.ERROR) ends the stream with an error
+event, then [DONE]; before any byte, the same errors are a 500 JSON answer. A choice that ends
+in ERROR (its logits were not finite) fails the whole HTTP request: its other prompts and
+choices are aborted.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from conveyor.stages.ingress.errors import ApiError, check_model, not_ready, rea
 from conveyor.stages.ingress.protocol import Generation, check_num_seqs, parse_chat, parse_completion
 from conveyor.stages.ingress.responses import DONE, SSE_HEADERS, ResponseBuilder
 from conveyor.stages.ingress.tokens import LazyEncoder
-from conveyor.wire.messages import RequestAccepted, RequestRejected, TextDelta
+from conveyor.wire.messages import FinishReason, RequestAccepted, RequestRejected, TextDelta
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,8 @@ class Fanout:
             self.awaiting_verdict.discard(event.request_id)
             if isinstance(event, TextDelta):
                 self.builder.add(p, event)
+                if event.finish_reason is FinishReason.ERROR:
+                    raise _sampling_failed()
                 deltas.append((p, event))
             elif isinstance(event, RequestAccepted):
                 self.builder.accept(p, event.num_prompt_tokens)
@@ -162,6 +167,14 @@ async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
         await response.write_eof()
     except ConnectionResetError:
         pass
+
+
+def _sampling_failed() -> ApiError:
+    message = (
+        "the model produced non-finite logits for this request (NaN, infinity, or every token "
+        "masked, e.g. by min_tokens with stop_token_ids covering the vocabulary), so no token could be sampled"
+    )
+    return ApiError(500, message, code="non_finite_logits")  # a 5xx: its type is server_error
 
 
 def _rejection(msg: RequestRejected) -> ApiError:

@@ -38,6 +38,7 @@ from conveyor.wire.addresses import address
 from conveyor.wire.channel import Receiver, Sender
 from conveyor.wire.messages import (
     AbortRequest,
+    FinishReason,
     FinishSeqs,
     InitializeCache,
     RequestAccepted,
@@ -123,7 +124,9 @@ class SchedulerStage:
                     return []
                 self.record_step(step)
                 self.stats.add(msg, step)
-                updates = self.scheduler.update(step, msg.sampled_token_ids, msg.sampled_logprobs, msg.top_logprobs)
+                updates = self.scheduler.update(
+                    step, msg.sampled_token_ids, msg.sampled_logprobs, msg.top_logprobs, msg.failed_draws
+                )
                 metrics.generation_tokens.inc(sum(len(u.new_token_ids) for u in updates))
                 self.record_outputs(updates)
                 return updates
@@ -198,6 +201,9 @@ class SchedulerStage:
                     metrics.stage_latency.labels("worker").observe(now - seq.first_scheduled_time)
             if u.finish_reason is not None:
                 metrics.requests_finished.labels(u.finish_reason.openai).inc()
+                if u.finish_reason is FinishReason.ERROR:
+                    log.warning("request %s failed: its logits were not finite (sampling params: %s)",
+                                seq.request_id, seq.params)  # fmt: skip
                 if seq.first_token_time is not None:
                     metrics.decode_time.observe(now - seq.first_token_time)
 

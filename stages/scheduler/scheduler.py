@@ -180,25 +180,37 @@ class Scheduler:
         sampled_token_ids: list[int],
         sampled_logprobs: list[float] | None = None,
         top_logprobs: list[TopLogprobs] | None = None,
+        failed_draws: list[int] | None = None,
     ) -> list[SeqUpdate]:
         """Apply a step's sampled ids: one per sampling row, then one per fork of that row.
-        `top_logprobs` has one entry per draw of a sequence that asked for logprobs."""
+        `top_logprobs` has one entry per draw of a sequence that asked for logprobs. A draw in
+        `failed_draws` (indices into the ids: its logits were not finite) ends its sequence with
+        FinishReason.ERROR and its blocks are freed; the others go on."""
         if len(sampled_token_ids) != step.num_sampled:
             raise ValueError(f"step {step.step}: {len(sampled_token_ids)} ids for {step.num_sampled} draws")
+        failed = set(failed_draws or ())
+        if failed and not 0 <= min(failed) <= max(failed) < step.num_sampled:
+            raise ValueError(f"step {step.step}: failed draws {sorted(failed)} outside its {step.num_sampled}")
         updates, self._unsampled_updates = self._unsampled_updates, []
         logprobs = iter(sampled_logprobs) if sampled_logprobs else None
         sampled = iter(sampled_token_ids)
         tops = iter(top_logprobs or ())
         eos, max_model_len = self.eos_token_ids, self.max_model_len
+        draw = -1
         for row in step.rows:
             if not row.samples:
                 continue  # a prompt chunk short of the end
             for seq in (row.seq, *row.forks) if row.forks else (row.seq,):
                 token = next(sampled)
+                draw += 1
                 logprob = next(logprobs) if logprobs is not None else 0.0
                 top = next(tops) if seq.params.logprobs is not None else None
                 if seq.status is not SeqStatus.RUNNING or seq.num_preemptions != row.epoch:
                     continue  # aborted, finished or preempted while the step ran: dropped
+                if draw in failed:  # its placeholder id is no token of the sequence
+                    self._finish(seq, FinishReason.ERROR, report=False)
+                    updates.append(SeqUpdate(seq, [], FinishReason.ERROR))
+                    continue
                 seq.token_ids.append(token)
                 seq.num_pending_tokens -= 1
                 seq.cumulative_logprob += logprob
