@@ -378,7 +378,8 @@ def test_finished_requests_are_not_aborted(server):
 def test_oversize_chunked_body(server):
     url, _, _ = server
     chunks = (b"x" * 16384 for _ in range(MAX_BODY_BYTES // 16384 + 2))  # no Content-Length
-    assert_error(requests.post(f"{url}/v1/completions", data=chunks, timeout=10), 413, code="request_too_large")
+    response = requests.post(f"{url}/v1/completions", data=chunks, headers={"Content-Type": "application/json"}, timeout=10)
+    assert_error(response, 413, code="request_too_large")
 
 
 def test_engine_stop_fails_requests_in_flight(server):

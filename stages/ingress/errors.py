@@ -3,8 +3,10 @@
 ApiError is raised anywhere under a route (request decoding, validation, a RequestRejected from
 a tokenizer or the scheduler) and turned into that body by the app's middleware, so a client
 never sees a bare aiohttp page or a 500 for input it got wrong. A 429 says when to come back in
-a `Retry-After` header (whole seconds, at least 1). `read_body` (the 413) and `check_model` (the
-404) are the checks every POST route starts with.
+a `Retry-After` header (whole seconds, at least 1). `read_body` (415 for a body that does not
+say it is JSON, 413, 400 for a Content-Encoding that does not decode) and `check_model` (the 404)
+are the checks every POST route starts with. An error after which the connection cannot carry
+another request (its body was abandoned half read) closes it: `close_connection`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 
 import msgspec
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from conveyor.stages import metrics
 
@@ -43,6 +46,7 @@ class ApiError(Exception):
         code: str | None = None,
         error_type: str | None = None,
         retry_after: float | None = None,
+        close_connection: bool = False,
     ):
         super().__init__(message)
         self.status = status
@@ -52,6 +56,7 @@ class ApiError(Exception):
         default_type = SERVER_ERROR if status >= 500 else "invalid_request_error"
         self.error_type = error_type or _TYPES.get(status, default_type)
         self.retry_after = retry_after  # seconds
+        self.close_connection = close_connection
 
     def body(self) -> bytes:
         metrics.errors.labels(self.error_type).inc()  # once per error answered, JSON or SSE
@@ -60,7 +65,10 @@ class ApiError(Exception):
 
     def response(self) -> web.Response:
         headers = {} if self.retry_after is None else {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
-        return web.Response(status=self.status, body=self.body(), content_type="application/json", headers=headers)
+        response = web.Response(status=self.status, body=self.body(), content_type="application/json", headers=headers)
+        if self.close_connection:
+            response.force_close()
+        return response
 
 
 def not_ready() -> ApiError:
@@ -68,6 +76,7 @@ def not_ready() -> ApiError:
 
 
 async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
+    check_json(request)
     too_large = ApiError(413, f"request body is larger than {max_body_bytes} bytes", code="request_too_large")
     if request.content_length is not None and request.content_length > max_body_bytes:
         raise too_large
@@ -75,6 +84,27 @@ async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise too_large from None
+    except RequestPayloadError:  # a corrupt gzip or deflate body (aiohttp inflates it as it reads)
+        # Say the body ended: else aiohttp reads on to drain it after our answer, fails again and
+        # logs a traceback. Its parser gave up on the connection, so the connection closes.
+        request.content.feed_eof()
+        encoding = request.headers.get("Content-Encoding", "")
+        message = f"the request body does not decode as Content-Encoding {encoding!r}"
+        raise ApiError(400, message, code="invalid_content_encoding", close_connection=True) from None
+
+
+def check_json(request: web.Request) -> None:
+    """A POST body must say it is JSON. A web page may send text/plain, urlencoded and multipart
+    form bodies to any origin without a CORS preflight, and a no-cors fetch of an untyped Blob sends
+    no Content-Type at all; refusing those keeps a page from driving a server that has no API key.
+    application/json needs a preflight, which cors.py grants only to allowed origins."""
+    if request.content_type == "application/json":  # aiohttp lowercases it and drops the charset
+        return
+    if "Content-Type" not in request.headers:
+        message = "the request has no Content-Type: send the JSON body with `Content-Type: application/json`"
+    else:
+        message = f"Content-Type {request.content_type!r} is not supported: send `Content-Type: application/json`"
+    raise ApiError(415, message, code="unsupported_media_type")
 
 
 def check_model(config: EngineConfig, model: str | None) -> None:

@@ -18,6 +18,7 @@ from aiohttp import web
 from conveyor.config import EngineConfig
 from conveyor.stages.ingress.app import build_app
 from conveyor.stages.ingress.engine_client import EngineClient
+from conveyor.stages.ingress.listener import BoundedSite
 from conveyor.wire.addresses import address
 from conveyor.wire.channel import AsyncReceiver, Sender
 from conveyor.wire.messages import IngressInbound, StageReady
@@ -44,10 +45,11 @@ async def serve(config: EngineConfig, index: int) -> None:
         handler_cancellation=True,  # a client that goes away cancels its handler: we abort
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         access_log=None,
+        keepalive_timeout=config.server.keepalive_timeout_s,  # the other HTTP limits: listener.py
     )
     try:
         await runner.setup()
-        site = web.TCPSite(runner, config.server.host, config.server.port, reuse_port=True)
+        site = BoundedSite(runner, config.server)  # SO_REUSEPORT, max_connections, HTTP timeouts
         await site.start()
         log.info("ingress %d listening on http://%s:%d", index, config.server.host, config.server.port)
         launcher.send(StageReady(stage="ingress", index=index))

@@ -88,13 +88,23 @@ def check_num_seqs(gen: Generation, max_seqs: int) -> None:
 
 def decode(data: bytes, type: Any) -> Any:
     """Numbers and booleans are read leniently, as the pydantic-based OpenAI-compatible servers
-    read them: 5.0 or "5" is an integer, "true" a boolean; 5.5 is not an integer, "yes" no bool."""
+    read them: 5.0 or "5" is an integer, "true" a boolean; 5.5 is not an integer, "yes" no bool.
+    Bytes that are not JSON are a 400 however they fail; msgspec itself refuses lone surrogates."""
+    # JSON is UTF-8 (RFC 8259), but msgspec checks only the strings it keeps: an ignored field may
+    # hold anything. isascii() is a fast scan; the full check runs only on bodies that need it.
+    if not data.isascii():
+        try:
+            data.decode()
+        except UnicodeDecodeError as e:
+            raise ApiError(400, f"request body is not valid UTF-8 (byte {e.start})", code="invalid_utf8") from None
     try:
         return msgspec.json.decode(data, type=type, strict=False)
     except msgspec.ValidationError as e:
         raise ApiError(400, f"invalid request: {e}", param=_param_of(str(e))) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # msgspec recurses per array or object level, ignored fields included
+        raise ApiError(400, "request body is nested too deeply", code="json_too_deep") from None
 
 
 def _param_of(message: str) -> str | None:
