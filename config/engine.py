@@ -69,7 +69,7 @@ class ServerConfig:
     # Sequences one HTTP request may start (prompts x max(n, best_of)): past it, a 400.
     max_seqs_per_request: int = 256
     # HTTP hardening, per ingress process: a client slower than these is disconnected.
-    header_timeout_s: float = 10.0  # from connection (or the end of the last request) to full headers
+    header_timeout_s: float = 10.0  # from connection (or the next request's first byte) to full headers
     body_timeout_s: float = 30.0  # from the headers to the end of the body
     keepalive_timeout_s: float = 15.0  # an idle keep-alive connection is closed after this
     max_keepalive_requests: int = 1000  # requests per connection before it is closed
