@@ -32,8 +32,8 @@ class BoundedSite(web.BaseSite):
     def __init__(self, runner: web.BaseRunner, limits: ServerConfig):
         super().__init__(runner, backlog=BACKLOG)
         self.limits = limits
-        self.sock: socket.socket | None = None
-        self.accepting: asyncio.Task | None = None
+        self.socks: list[socket.socket] = []
+        self.accepting: list[asyncio.Task] = []
         self.slots = asyncio.Semaphore(limits.max_connections)
 
     @property
@@ -42,28 +42,33 @@ class BoundedSite(web.BaseSite):
 
     async def start(self) -> None:
         await super().start()
-        family = socket.AF_INET6 if ":" in self.limits.host else socket.AF_INET
-        self.sock = socket.create_server(
-            (self.limits.host, self.limits.port), family=family, backlog=self._backlog, reuse_port=True
-        )
-        self.sock.setblocking(False)
-        self.accepting = asyncio.create_task(self._accept(), name=f"accept {self.name}")
+        # Every address the host names, as asyncio's create_server binds them ("localhost": both
+        # 127.0.0.1 and ::1). They share the bound: at its edge, the last free slot waits on
+        # whichever address took it first.
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(self.limits.host or None, self.limits.port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_PASSIVE)
+        for family, _, _, _, address in dict.fromkeys(infos):
+            sock = socket.create_server(address, family=family, backlog=self._backlog, reuse_port=True)
+            sock.setblocking(False)
+            self.socks.append(sock)
+            self.accepting.append(asyncio.create_task(self._accept(sock), name=f"accept {address}"))
 
     async def stop(self) -> None:
         """Stop accepting (connections already open are the runner's to drain) and unbind."""
-        if self.accepting is not None:
-            self.accepting.cancel()
-            await asyncio.gather(self.accepting, return_exceptions=True)
-        if self.sock is not None:
-            self.sock.close()
+        for task in self.accepting:
+            task.cancel()
+        await asyncio.gather(*self.accepting, return_exceptions=True)
+        for sock in self.socks:
+            sock.close()
         await super().stop()
 
-    async def _accept(self) -> None:
+    async def _accept(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
             await self.slots.acquire()  # past the bound, connections wait in the backlog
             try:
-                conn, _ = await loop.sock_accept(self.sock)
+                conn, _ = await loop.sock_accept(sock)
             except OSError as e:  # out of file descriptors, or the client gave up before accept
                 self.slots.release()
                 log.warning("cannot accept a connection: %s", e)
