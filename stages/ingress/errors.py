@@ -88,9 +88,11 @@ async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
         # Say the body ended: else aiohttp reads on to drain it after our answer, fails again and
         # logs a traceback. Its parser gave up on the connection, so the connection closes.
         request.content.feed_eof()
-        encoding = request.headers.get("Content-Encoding", "")
-        message = f"the request body does not decode as Content-Encoding {encoding!r}"
-        raise ApiError(400, message, code="invalid_content_encoding", close_connection=True) from None
+        if encoding := request.headers.get("Content-Encoding"):
+            message, code = f"the request body does not decode as Content-Encoding {encoding!r}", "invalid_content_encoding"
+        else:
+            message, code = "the request body is malformed (its chunked framing)", "invalid_body"
+        raise ApiError(400, message, code=code, close_connection=True) from None
 
 
 def check_json(request: web.Request) -> None:
