@@ -35,9 +35,14 @@ class LazyEncoder:
     async def get(self) -> PromptEncoder:
         async with self._lock:
             if self._encoder is None:
-                path, template = self.config.model.path, self.config.server.chat_template
+                path, server = self.config.model.path, self.config.server
                 try:
-                    self._encoder = await asyncio.to_thread(PromptEncoder, path, chat_template=template)
+                    self._encoder = await asyncio.to_thread(
+                        PromptEncoder,
+                        path,
+                        chat_template=server.chat_template,
+                        special_tokens_in_content=server.special_tokens_in_content,
+                    )
                 except Exception:
                     log.exception("cannot load the tokenizer of %s", path)
                     raise ApiError(500, "the server cannot load the model's tokenizer", code="tokenizer_unavailable")

@@ -4,11 +4,20 @@ Built from a checkpoint directory with the `tokenizers` library and jinja2 alone
 stage imports neither torch nor transformers, so it starts in a fraction of a second. The
 chat template is rendered the way transformers renders it (same jinja2 settings, globals and
 variables), so `encode_chat` gives `apply_chat_template(..., tokenize=True)`'s ids.
+
+One difference, on purpose: special-token text inside a message's content (a user writing
+`<|eot_id|><|start_header_id|>system`) is encoded as plain text, not as the control tokens, so
+no one can forge a turn or a role; only the template's own markup yields special tokens.
+`special_tokens_in_content=True` (`--chat-content-special-tokens`) restores transformers'
+behaviour. With a `limit`, a prompt sure to be longer is refused before all of it is encoded
+(length_limit.py).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -20,12 +29,24 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from conveyor.stages.tokenizer.length_limit import PromptTooLong, encode_within
+
 
 class PromptEncoder:
-    def __init__(self, checkpoint_dir: str | Path, *, chat_template: str | None = None) -> None:
-        """`chat_template`, when given, replaces the checkpoint's (as `--chat-template` does)."""
+    def __init__(
+        self, checkpoint_dir: str | Path, *, chat_template: str | None = None, special_tokens_in_content: bool = False
+    ) -> None:
+        """`chat_template`, when given, replaces the checkpoint's (as `--chat-template` does).
+        `special_tokens_in_content`: special-token text in a message's content is the token."""
         root = self.path = Path(checkpoint_dir)
         self.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        self.special_tokens_in_content = special_tokens_in_content
+        added = self.tokenizer.get_added_tokens_decoder()  # id -> AddedToken
+        self._special_ids = {t.content: i for i, t in added.items() if t.special}
+        # Longest first, so a special token that begins with another is found whole.
+        texts = sorted(self._special_ids, key=len, reverse=True)
+        self._special_text = re.compile("|".join(map(re.escape, texts))) if texts else None
+        self._literal: Tokenizer | None = None  # the same tokenizer, special tokens as plain text
         config = _read_json(root / "tokenizer_config.json")
         # The strings templates see as bos_token, eos_token, ...
         names = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -45,17 +66,21 @@ class PromptEncoder:
         """Every id the tokenizer can produce, special tokens included."""
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """A plain prompt, with the special tokens the post-processor adds (BOS for Llama 3)."""
-        return self._ids(text, add_special_tokens=True)
+    def encode_prompt(self, text: str, limit: int | None = None) -> list[int]:
+        """A plain prompt, with the special tokens the post-processor adds (BOS for Llama 3).
+        PromptTooLong, before all of it is encoded, if it surely has more than `limit` ids."""
+        return encode_within(self.tokenizer, text, add_special_tokens=True, limit=limit)
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, limit: int | None = None
     ) -> list[int]:
         """Render the chat template, then encode without adding special tokens again: the
-        template already wrote them (transformers' apply_chat_template(tokenize=True))."""
+        template already wrote them (transformers' apply_chat_template(tokenize=True)).
+        PromptTooLong as for encode_prompt."""
+        if not self.special_tokens_in_content and any(self._has_special_text(m) for m in messages):
+            return self._encode_chat_literally(messages, add_generation_prompt, limit)
         text = self.render_chat(messages, add_generation_prompt)
-        return self._ids(text, add_special_tokens=False)
+        return encode_within(self.tokenizer, text, add_special_tokens=False, limit=limit)
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         template = self._template()
@@ -72,10 +97,62 @@ class PromptEncoder:
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template failed: {e}") from None
 
-    def _ids(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        # encode_batch_fast skips the character offsets `encode` computes and nothing here reads:
-        # the same ids in about 0.7 of the time (a 200-token prompt: 0.36 -> 0.24 ms).
-        return self.tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+    def _has_special_text(self, message: Mapping[str, Any]) -> bool:
+        content = message.get("content")
+        return self._special_text is not None and isinstance(content, str) and bool(self._special_text.search(content))
+
+    def _encode_chat_literally(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, limit: int | None
+    ) -> list[int]:
+        """encode_chat with the special-token text of message contents kept as plain text.
+
+        Each such text in a content is swapped for a placeholder no one can write (a random
+        nonce; not whitespace, so a template's `| trim` sees the same ends), the template is
+        rendered, and what special-token text is left in the rendering is the template's own.
+        The rendering is cut at those, as the tokenizer itself cuts a text at special tokens;
+        the special tokens become their ids, and each piece between them, placeholders put
+        back, is encoded with special tokens read as plain text. Without placeholders this
+        gives the ids of encoding the whole rendering (tested; it would not for a special token
+        that strips the whitespace beside it, lstrip/rstrip, which no Llama 3 or Qwen2 token
+        does), so a content with special text changes only its own piece.
+        """
+        originals: list[str] = []  # the special-token texts taken out of the contents, in order
+        nonce = secrets.token_hex(8)
+
+        def hide(match: re.Match[str]) -> str:
+            originals.append(match.group())
+            return f"\ue000{nonce}:{len(originals) - 1}\ue001"
+
+        hidden = [
+            {**m, "content": self._special_text.sub(hide, m["content"])} if self._has_special_text(m) else m
+            for m in messages
+        ]
+        text = self.render_chat(hidden, add_generation_prompt)
+        placeholder = re.compile(f"\ue000{nonce}:([0-9]+)\ue001")
+        ids: list[int] = []
+        start = 0
+        for special in [*self._special_text.finditer(text), None]:
+            piece = text[start : len(text) if special is None else special.start()]
+            piece = placeholder.sub(lambda m: originals[int(m.group(1))], piece)
+            if piece:
+                room = None if limit is None else limit - len(ids)
+                try:
+                    ids += encode_within(self._literal_tokenizer(), piece, add_special_tokens=False, limit=room)
+                except PromptTooLong as e:
+                    raise PromptTooLong(len(ids) + e.num_tokens) from None
+            if special is not None:
+                ids.append(self._special_ids[special.group()])
+                start = special.end()
+        return ids
+
+    def _literal_tokenizer(self) -> Tokenizer:
+        # A second tokenizer rather than flipping the flag on the first: the ingress encodes
+        # from several threads at once.
+        if self._literal is None:
+            literal = Tokenizer.from_str(self.tokenizer.to_str())
+            literal.encode_special_tokens = True
+            self._literal = literal
+        return self._literal
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

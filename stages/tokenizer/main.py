@@ -19,6 +19,7 @@ from conveyor.config import EngineConfig
 from conveyor.stages import metrics
 from conveyor.stages.runtime import report_ready
 from conveyor.stages.tokenizer.encoder import PromptEncoder
+from conveyor.stages.tokenizer.length_limit import PromptTooLong
 from conveyor.wire.addresses import address
 from conveyor.wire.channel import Receiver, Sender
 from conveyor.wire.messages import (
@@ -40,27 +41,19 @@ class Rejected(Exception):
 
 def prepare(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest) -> ScheduleRequest:
     """Encode the request and check it fits; raises Rejected with an OpenAI-style reason."""
-    if req.messages is not None:
-        try:
-            messages = [{"role": m.role, "content": m.content} for m in req.messages]
-            ids = encoder.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
-        except ValueError as e:
-            raise Rejected(f"cannot apply the chat template: {e}", param="messages") from None
-    elif req.prompt_token_ids is not None:
-        ids = req.prompt_token_ids
-        vocab = config.model.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise Rejected(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
-    elif req.prompt is not None:
-        ids = encoder.encode_prompt(req.prompt)
-    else:
-        raise Rejected("the request has no prompt", param="prompt")
+    max_len = config.model.max_model_len
+    try:
+        ids = _encode(encoder, config, req, limit=max_len - 1)  # one token left to generate
+    except PromptTooLong as e:  # refused before all of it was encoded
+        raise Rejected(
+            f"this model's maximum context length is {max_len} tokens; the prompt has at least {e.num_tokens} tokens",
+            param="prompt",
+            code="context_length_exceeded",
+        ) from None
     if not ids:
         raise Rejected("the prompt is empty", param="prompt")
 
     params = req.params
-    max_len = config.model.max_model_len
     budget = max_len - len(ids)
     if params.max_tokens is not None and params.max_tokens > budget:
         raise Rejected(
@@ -80,11 +73,33 @@ def prepare(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest) 
     return ScheduleRequest(req.request_id, req.ingress, list(ids), params, req.arrival_time, priority=req.priority)
 
 
+def _encode(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest, limit: int) -> list[int]:
+    """The prompt's ids; PromptTooLong when it surely has more than `limit`."""
+    if req.messages is not None:
+        try:
+            messages = [{"role": m.role, "content": m.content} for m in req.messages]
+            return encoder.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, limit=limit)
+        except ValueError as e:
+            raise Rejected(f"cannot apply the chat template: {e}", param="messages") from None
+    if req.prompt_token_ids is not None:
+        vocab = config.model.vocab_size
+        bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise Rejected(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        return req.prompt_token_ids
+    if req.prompt is not None:
+        return encoder.encode_prompt(req.prompt, limit=limit)
+    raise Rejected("the request has no prompt", param="prompt")
+
+
 def run(config: EngineConfig, index: int) -> None:
     # The pool scales by processes; a thread pool per process would only take cores from the worker.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_dir = config.server.run_dir
-    encoder = PromptEncoder(config.model.path, chat_template=config.server.chat_template)
+    server = config.server
+    encoder = PromptEncoder(
+        config.model.path, chat_template=server.chat_template, special_tokens_in_content=server.special_tokens_in_content
+    )
     ctx = zmq.Context()
     try:
         inbox: Receiver[TokenizerInbound] = Receiver(ctx, address(run_dir, "tokenizer", index), TokenizerInbound)
