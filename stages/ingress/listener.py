@@ -14,6 +14,7 @@ Each accepted connection gets a LimitedHandler (limits.py), which bounds how lon
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 
@@ -77,16 +78,18 @@ class BoundedSite(web.BaseSite):
             except BaseException:
                 self.slots.release()
                 raise
-            handlers = []  # the slot is released by the handler once it exists, else here
+            made: list[LimitedHandler] = []  # once a handler exists, it releases the slot when closed
             try:
-                await loop.connect_accepted_socket(lambda: handlers.append(self._new_handler()) or handlers[0], conn)
+                await loop.connect_accepted_socket(functools.partial(self._new_handler, made), conn)
             except OSError:  # reset before it could start
                 conn.close()
-                if not handlers:
+                if not made:
                     self.slots.release()
 
-    def _new_handler(self) -> LimitedHandler:
+    def _new_handler(self, made: list[LimitedHandler]) -> LimitedHandler:
         # As web.Server.__call__ makes aiohttp's RequestHandler, with the runner's keyword arguments.
         server = self._runner.server
-        return LimitedHandler(server, loop=server._loop, limits=self.limits, on_closed=self.slots.release,
-                              **server._kwargs)
+        handler = LimitedHandler(server, loop=server._loop, limits=self.limits, on_closed=self.slots.release,
+                                 **server._kwargs)
+        made.append(handler)
+        return handler
