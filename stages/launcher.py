@@ -1,15 +1,31 @@
-"""The launcher: starts every stage process, waits until all are ready, and supervises them.
+"""The launcher: starts every stage process, waits until all are ready, and keeps them serving.
 
-Takes (LauncherInbound): StageReady from each stage. Sends: EngineStatus to each ingress
-(ready once every stage has reported, not ready while shutting down).
+Takes (LauncherInbound): StageReady and Heartbeat from each stage, Drained from each ingress.
+Sends: EngineStatus to each ingress (ready, not ready, draining); StageFailed to each ingress and
+the scheduler when a stage process died and is being restarted.
 
-Shutdown (SIGTERM, SIGINT, or any stage exiting) stops every child, SIGKILLs stragglers after a
-grace period, and removes the run directory with its sockets and metrics files. Stages also ask
-the kernel to SIGTERM them if the launcher itself dies (runtime.die_with_parent).
+Supervision, once every stage is ready (a stage that dies while the daemon starts ends it):
+- A stage is dead when its process exits, or when it has sent no Heartbeat for --stage-timeout
+  (a hung kernel, SIGSTOP); a silent one is killed with SIGKILL first.
+- A dead tokenizer, detokenizer or ingress is restarted at once. StageFailed tells the ingresses
+  and the scheduler, which fail the requests that process held; every other request goes on.
+- A dead scheduler or worker is an engine failure: every ingress is told the engine is not ready
+  (requests in flight end with a clean error; new ones get 503 with Retry-After, /health 503),
+  the engine (scheduler, workers and the detokenizers, whose sequence state dies with it) is
+  stopped and started again, the model reloaded, after a backoff that doubles per failure.
+- More than --max-engine-restarts failures (of any stage) within --restart-window: the daemon
+  gives up and exits 1, for the orchestrator to act.
+
+Shutdown: the first SIGTERM or SIGINT drains (new requests 503, in-flight ones finish, up to
+--drain-timeout); a second one, or the end of the drain, stops every child (SIGKILL after a grace
+period) and removes the run directory. Stages ask the kernel to SIGTERM them if the launcher itself
+dies, and then remove the run directory themselves; a run directory left by a launcher that no
+longer exists is swept at the next start (wire/addresses.py).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import shutil
@@ -22,20 +38,27 @@ from dataclasses import dataclass, replace
 import zmq
 
 from conveyor.config import EngineConfig, config_to_json
-from conveyor.wire.addresses import address, make_run_dir
+from conveyor.config.env import API_KEY_VARIABLE
+from conveyor.wire.addresses import address, make_run_dir, sweep_stale_run_dirs
 from conveyor.wire.channel import Receiver, Sender
-from conveyor.wire.messages import EngineStatus, LauncherInbound, StageReady
+from conveyor.wire.messages import Drained, EngineStatus, Heartbeat, LauncherInbound, StageFailed, StageReady
 
 log = logging.getLogger("conveyor")
 GRACE_S = 5.0
 POLL_MS = 100  # how often a dead child is noticed
+ENGINE_STAGES = ("scheduler", "worker", "detokenizer")  # stopped and started together
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
 
 
 @dataclass
 class Child:
     stage: str
     index: int
-    process: subprocess.Popen
+    process: subprocess.Popen | None  # None: stopped, waiting for an engine restart
+    restarts: int = 0  # times this slot was started before this process
+    ready: bool = False
+    last_beat: float = 0.0  # time.monotonic() of the last Heartbeat (or of StageReady)
 
     @property
     def name(self) -> str:
@@ -56,21 +79,29 @@ def stage_plan(config: EngineConfig) -> list[tuple[str, int]]:
 
 class Launcher:
     def __init__(self, config: EngineConfig):
+        sweep_stale_run_dirs()
         self.run_dir = make_run_dir()
         self.config = replace(config, server=replace(config.server, run_dir=self.run_dir))
-        self.children: list[Child] = []
-        self.stopping = False
+        self.server = self.config.server
+        self.children: dict[str, Child] = {}  # by name, in start order
+        self.signals = 0  # SIGTERM/SIGINT received: 1 drains, 2 stops now
+        self.engine_ready = False
+        self.failures: collections.deque[float] = collections.deque()  # monotonic times, in the window
+        self.restart_engine_at: float | None = None  # set while the engine waits for its backoff
+        self.drain_deadline: float | None = None
+        self.drained: set[int] = set()
         self.ctx = zmq.Context()
 
     def serve(self) -> int:
-        """Run until a signal or a dead stage; the exit status for the CLI."""
+        """Run until a signal, or until the engine failed too often; the exit status for the CLI."""
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
-            self._start_children()
+            self._open_sockets()
+            for stage, index in stage_plan(self.config):
+                self._start(stage, index)
             if not self._wait_until_ready():
-                return 0 if self.stopping else 1
-            host, port = self.config.server.host, self.config.server.port
-            log.info("serving %s on http://%s:%d", self.config.model.served_name, host, port)
+                return 0 if self.signals else 1
+            log.info("serving %s on http://%s:%d", self.config.model.served_name, self.server.host, self.server.port)
             return self._supervise()
         finally:
             self._stop_children()
@@ -78,70 +109,198 @@ class Launcher:
                 signal.signal(s, handler)
 
     def _on_signal(self, signum, frame) -> None:
-        self.stopping = True
+        self.signals += 1
 
-    def _start_children(self) -> None:
-        config_path = os.path.join(self.run_dir, "config.json")
-        with open(config_path, "wb") as f:
-            f.write(config_to_json(self.config))
+    # --- processes ---------------------------------------------------------------------------
+
+    def _open_sockets(self) -> None:
+        self.config_path = os.path.join(self.run_dir, "config.json")
+        with open(self.config_path, "wb") as f:
+            f.write(config_to_json(self.config))  # without the API key
         metrics_dir = os.path.join(self.run_dir, "metrics")
         os.mkdir(metrics_dir, 0o700)
-        env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir, PYTHONUNBUFFERED="1")
+        self.env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir, PYTHONUNBUFFERED="1")
+        self.env.pop(API_KEY_VARIABLE, None)  # only the ingress needs it
         self.inbox: Receiver[LauncherInbound] = Receiver(self.ctx, address(self.run_dir, "launcher", 0), LauncherInbound)
-        for stage, index in stage_plan(self.config):
-            cmd = [sys.executable, "-m", "conveyor.stages", stage, str(index), config_path]
-            self.children.append(Child(stage, index, subprocess.Popen(cmd, env=env)))
+        self.ingresses = [Sender(self.ctx, address(self.run_dir, "ingress", i)) for i in range(self.config.stages.num_ingress)]
+        self.scheduler = Sender(self.ctx, address(self.run_dir, "scheduler", 0))
 
-    def _wait_until_ready(self) -> bool:
-        pending = {c.name for c in self.children}
-        next_report = time.monotonic() + 10
-        while pending:
-            if self.stopping or self._dead_child():
-                return False
-            if time.monotonic() > next_report:
-                log.info("waiting for %s to start", ", ".join(sorted(pending)))
-                next_report += 10
-            msg = self.inbox.recv(timeout_ms=POLL_MS)
-            if isinstance(msg, StageReady):
-                pending.discard(f"{msg.stage}-{msg.index}")
-        self._tell_ingress(EngineStatus(ready=True))
-        return True
+    def _start(self, stage: str, index: int, restarts: int = 0) -> None:
+        cmd = [sys.executable, "-m", "conveyor.stages", stage, str(index), self.config_path, str(restarts)]
+        env = self.env
+        if stage == "ingress" and self.server.api_key is not None:
+            env = dict(env, **{API_KEY_VARIABLE: self.server.api_key})  # never on disk, never in ps
+        child = Child(stage, index, subprocess.Popen(cmd, env=env), restarts)
+        self.children[child.name] = child
 
-    def _supervise(self) -> int:
-        while not self.stopping:
-            if self._dead_child():
-                return 1
-            time.sleep(POLL_MS / 1000)
-        return 0
-
-    def _dead_child(self) -> bool:
-        for child in self.children:
-            code = child.process.poll()
-            if code is not None:
-                log.error("stage %s exited with status %s; shutting down", child.name, code)
-                return True
-        return False
-
-    def _tell_ingress(self, msg: EngineStatus) -> None:
-        for child in self.children:
-            if child.stage == "ingress" and child.process.poll() is None:
-                sender = Sender(self.ctx, address(self.run_dir, "ingress", child.index))
-                sender.send(msg)
-                sender.close()
-
-    def _stop_children(self) -> None:
-        self._tell_ingress(EngineStatus(ready=False))
-        for child in self.children:
+    def _kill(self, children: list[Child]) -> None:
+        """SIGTERM, then SIGKILL what is still there after the grace period."""
+        children = [c for c in children if c.process is not None]
+        for child in children:
             if child.process.poll() is None:
                 child.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
-        for child in self.children:
+        for child in children:
             try:
                 child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("stage %s did not stop in %.0f s; killing it", child.name, GRACE_S)
                 child.process.kill()
                 child.process.wait()
+
+    # --- start-up ----------------------------------------------------------------------------
+
+    def _wait_until_ready(self) -> bool:
+        next_report = time.monotonic() + 10
+        while not all(c.ready for c in self.children.values()):
+            if self.signals or self._exited():
+                return False
+            if time.monotonic() > next_report:
+                pending = ", ".join(c.name for c in self.children.values() if not c.ready)
+                log.info("waiting for %s to start", pending)
+                next_report += 10
+            self._receive(POLL_MS)
+        self.engine_ready = True
+        self._tell_ingresses(EngineStatus(ready=True))
+        return True
+
+    # --- supervision -------------------------------------------------------------------------
+
+    def _supervise(self) -> int:
+        while self.signals < 2:
+            self._receive(POLL_MS)
+            for child in self._exited() + self._silent():
+                if not self._recover(child):
+                    return 1
+            self._maybe_restart_engine()
+            if self.signals and self._drain_done():
+                return 0
+        return 0
+
+    def _receive(self, timeout_ms: int) -> None:
+        """Handle every message waiting, waiting up to timeout_ms for the first."""
+        msg = self.inbox.recv(timeout_ms=timeout_ms)
+        while msg is not None:
+            self._handle(msg)
+            msg = self.inbox.recv_nowait()
+
+    def _handle(self, msg: LauncherInbound) -> None:
+        match msg:
+            case StageReady(stage=stage, index=index):
+                child = self.children.get(f"{stage}-{index}")
+                if child is None:
+                    return
+                child.ready, child.last_beat = True, time.monotonic()
+                if child.restarts:
+                    log.info("stage %s is back", child.name)
+                if stage == "ingress" and self.engine_ready:  # a restarted ingress
+                    self.ingresses[index].send(EngineStatus(ready=True, draining=self.drain_deadline is not None))
+                self._maybe_engine_back()
+            case Heartbeat(stage=stage, index=index, pid=pid):
+                child = self.children.get(f"{stage}-{index}")
+                if child is not None and child.process is not None and child.process.pid == pid:
+                    child.last_beat = time.monotonic()
+            case Drained(index=index):
+                self.drained.add(index)
+
+    def _exited(self) -> list[Child]:
+        dead = []
+        for child in self.children.values():
+            code = None if child.process is None else child.process.poll()
+            if code is not None:
+                log.error("stage %s exited with status %s", child.name, code)
+                dead.append(child)
+        return dead
+
+    def _silent(self) -> list[Child]:
+        """Ready stages that sent no heartbeat for --stage-timeout: killed, and returned."""
+        now, timeout = time.monotonic(), self.server.stage_timeout_s
+        silent = [
+            c for c in self.children.values()
+            if c.ready and c.process is not None and c.process.poll() is None and now - c.last_beat > timeout
+        ]  # fmt: skip
+        for child in silent:
+            log.error("stage %s sent no heartbeat for %.1f s; declaring it dead", child.name, now - child.last_beat)
+            child.process.kill()
+            child.process.wait()
+        return silent
+
+    def _recover(self, child: Child) -> bool:
+        """Restart a dead stage (or the whole engine); False when the daemon should give up."""
+        now = time.monotonic()
+        self.failures.append(now)
+        while self.failures and now - self.failures[0] > self.server.restart_window_s:
+            self.failures.popleft()
+        if len(self.failures) > self.server.max_engine_restarts:
+            log.error(
+                "%d stage failures within %.0f s (--max-engine-restarts %d); giving up",
+                len(self.failures), self.server.restart_window_s, self.server.max_engine_restarts,
+            )  # fmt: skip
+            return False
+        if child.stage in ("scheduler", "worker"):
+            self._engine_failed()
+        else:
+            log.warning("restarting stage %s", child.name)
+            for sender in [self.scheduler, *self.ingresses]:
+                sender.send(StageFailed(stage=child.stage, index=child.index))
+            self._start(child.stage, child.index, child.restarts + 1)
+        return True
+
+    def _engine_failed(self) -> None:
+        """Fail everything in flight, stop what is left of the engine, restart it after a backoff."""
+        self.engine_ready = False
+        self._tell_ingresses(EngineStatus(ready=False, draining=self.drain_deadline is not None))
+        self._kill(self._engine_children())
+        for child in self._engine_children():  # their exits are this failure, not new ones
+            child.process, child.ready = None, False
+        backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (len(self.failures) - 1))
+        log.warning("the engine failed; restarting it in %.1f s", backoff)
+        self.restart_engine_at = time.monotonic() + backoff
+
+    def _engine_children(self) -> list[Child]:
+        return [c for c in self.children.values() if c.stage in ENGINE_STAGES]
+
+    def _maybe_restart_engine(self) -> None:
+        if self.restart_engine_at is None or time.monotonic() < self.restart_engine_at:
+            return
+        self.restart_engine_at = None
+        for child in self._engine_children():
+            self._start(child.stage, child.index, child.restarts + 1)
+
+    def _maybe_engine_back(self) -> None:
+        if self.engine_ready or self.restart_engine_at is not None:
+            return
+        engine = self._engine_children()
+        if all(c.ready for c in engine) and any(c.restarts for c in engine):
+            log.info("the engine is back")
+            self.engine_ready = True
+            self._tell_ingresses(EngineStatus(ready=True, draining=self.drain_deadline is not None))
+
+    # --- drain and stop ----------------------------------------------------------------------
+
+    def _drain_done(self) -> bool:
+        """Start the drain on the first signal; True once every ingress is drained or time is up."""
+        if self.drain_deadline is None:
+            log.info("draining: new requests get 503, requests in flight have %.0f s", self.server.drain_timeout_s)
+            self.drain_deadline = time.monotonic() + self.server.drain_timeout_s
+            self._tell_ingresses(EngineStatus(ready=self.engine_ready, draining=True))
+        if len(self.drained) >= len(self.ingresses):
+            log.info("drained")
+            return True
+        if time.monotonic() > self.drain_deadline:
+            log.warning("drain timeout: ending the requests still in flight")
+            return True
+        return False
+
+    def _tell_ingresses(self, msg: EngineStatus) -> None:
+        for sender in self.ingresses:
+            sender.send(msg)
+
+    def _stop_children(self) -> None:
+        if hasattr(self, "ingresses"):
+            self._tell_ingresses(EngineStatus(ready=False))
+            time.sleep(0.05)  # let the ingresses end open streams with an error event first
+        self._kill(list(self.children.values()))
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         log.info("stopped")

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from conveyor.stages.runtime import STAGES
+
 from conveyor.wire.messages import FinishReason
 
 # Latency buckets from 1 ms to 5 min; token-count buckets in powers of two.
@@ -76,6 +78,8 @@ aborts = Counter("conveyor_aborts", "Requests aborted (client gone, or cancelled
 rejections = Counter("conveyor_rejections", "Requests refused because the waiting queue was full")
 requests_finished = Counter("conveyor_requests_finished", "Finished requests by finish reason", ["finish_reason"])
 errors = Counter("conveyor_errors", "Error answers by type", ["type"])
+# Counted by the restarted process itself at start (the launcher records no metrics).
+stage_restarts = Counter("conveyor_stage_restarts", "Stage processes restarted after dying or stalling", ["stage"])
 
 
 def zero_series(metric: Counter | Histogram, label_values) -> None:
@@ -90,3 +94,4 @@ def zero_series(metric: Counter | Histogram, label_values) -> None:
 # the error types it answers with (errors.py), which only it knows.
 zero_series(stage_latency, STAGE_HOPS)
 zero_series(requests_finished, sorted({reason.openai for reason in FinishReason}))
+zero_series(stage_restarts, STAGES)

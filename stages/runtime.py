@@ -1,22 +1,28 @@
 """What every stage process shares: start-up from the run directory, logging, signals, readiness.
 
-The launcher starts each stage as `python -m conveyor.stages STAGE INDEX CONFIG_JSON`. A stage's
-`run(config, index, ctx)` owns its sockets and loops until SIGTERM/SIGINT, which arrive here as
-`StageStopped` (raised from the signal handler) so that `finally` blocks close sockets cleanly.
+The launcher starts each stage as `python -m conveyor.stages STAGE INDEX CONFIG_JSON [RESTARTS]`
+(RESTARTS: how many times this stage slot was started before; counted in
+`conveyor_stage_restarts_total`). A stage's `run(config, index)` owns its sockets and loops until
+SIGTERM/SIGINT, which arrive here as `StageStopped` (raised from the signal handler) so that
+`finally` blocks close sockets cleanly. The API key is not in the config file: it comes from the
+environment (config/env.py). A stage that outlives its launcher (killed with -9) removes the run
+directory on its way out, so no socket or metrics file stays behind.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
+import shutil
 import signal
 import sys
 
 import zmq
 
 from conveyor.config import ConfigError, EngineConfig, config_from_json
-from conveyor.config.env import log_level
+from conveyor.config.env import api_key_from_env, log_level
 from conveyor.wire.addresses import address
 from conveyor.wire.channel import Sender
 from conveyor.wire.messages import StageReady
@@ -87,16 +93,36 @@ def report_ready(ctx: zmq.Context, config: EngineConfig, stage: str, index: int)
     sender.close()
 
 
+def with_api_key(config: EngineConfig) -> EngineConfig:
+    key = api_key_from_env()
+    if key is None:
+        return config
+    return dataclasses.replace(config, server=dataclasses.replace(config.server, api_key=key))
+
+
+def remove_run_dir_if_orphaned(run_dir: str, parent: int) -> None:
+    """The launcher died without cleaning up (kill -9): the last stage out removes its files."""
+    if os.getppid() != parent and run_dir:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def main(argv: list[str]) -> int:
     stage, index, config_path = argv[0], int(argv[1]), argv[2]
+    restarts = int(argv[3]) if len(argv) > 3 else 0
     if stage not in STAGES:
         print(f"conveyor: unknown stage {stage!r}", file=sys.stderr)
         return 2
     name = f"{stage}-{index}"
     setup_logging(name)
+    parent = os.getppid()
     die_with_parent()
     with open(config_path, "rb") as f:
-        config = config_from_json(f.read())
+        config = with_api_key(config_from_json(f.read()))
+    if restarts:
+        from conveyor.stages import metrics
+
+        metrics.stage_restarts.labels(stage).inc()
+        logging.getLogger(name).warning("restarted (restart %d of this stage)", restarts)
     module = __import__(f"conveyor.stages.{stage}.main", fromlist=["run"])
     try:
         if hasattr(module, "serve"):
@@ -114,4 +140,5 @@ def main(argv: list[str]) -> int:
         return 1
     finally:
         logging.getLogger(name).debug("stopped (pid %d)", os.getpid())
+        remove_run_dir_if_orphaned(config.server.run_dir, parent)
     return 0

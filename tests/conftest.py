@@ -139,13 +139,22 @@ class Daemon:
         assert values, f"{name} not in /metrics"
         return sum(values)
 
+    def stage_pids(self, stage: str) -> list[int]:
+        """The pids of the daemon's processes of one stage ("worker", "tokenizer", ...)."""
+        return [pid for pid in children(self.process.pid) if cmdline(pid)[3:4] == [stage]]
+
     def stop(self) -> str:
+        """SIGTERM drains; a second SIGTERM, if a test left a request hanging, stops at once."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                self.process.wait(timeout=30)
+                self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                self.process.send_signal(signal.SIGTERM)
+                try:
+                    self.process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
         return self.output()
 
     def output(self) -> str:
@@ -153,6 +162,27 @@ class Daemon:
         daemon's stages share with us, so a read never makes them write over earlier lines."""
         fd = self.log.fileno()
         return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
+
+def children(pid: int) -> list[int]:
+    """The pids whose parent is `pid`."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
 
 
 @pytest.fixture(scope="module")

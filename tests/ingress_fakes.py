@@ -52,6 +52,7 @@ from conveyor.wire.messages import (
     RequestAccepted,
     RequestRejected,
     SchedulerInbound,
+    StageReady,
     TextDelta,
     TextLogprob,
     TokenizeRequest,
@@ -197,6 +198,7 @@ class FakeEngine(threading.Thread):
         self.requests: list[TokenizeRequest] = []
         self.aborts: list[str] = []
         self.stage_ready: list[tuple[str, int]] = []
+        self.launcher_notes: list = []  # Heartbeat and Drained messages, in order
         self._outbox: queue.Queue = queue.Queue()
         self._slow: dict[str, int] = {}  # request id -> tokens sent so far
         self._stopping = threading.Event()
@@ -234,8 +236,11 @@ class FakeEngine(threading.Thread):
                     self.aborts.extend(msg.request_ids)
                     for request_id in msg.request_ids:
                         self._slow.pop(request_id, None)
-            while (ready := launcher.recv_nowait()) is not None:
-                self.stage_ready.append((ready.stage, ready.index))
+            while (note := launcher.recv_nowait()) is not None:
+                if isinstance(note, StageReady):
+                    self.stage_ready.append((note.stage, note.index))
+                else:  # Heartbeat, Drained
+                    self.launcher_notes.append(note)
             while not self._outbox.empty():
                 msg = self._outbox.get()
                 if msg == EngineStatus(ready=False):

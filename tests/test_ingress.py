@@ -54,7 +54,7 @@ def test_health_follows_engine_status(server):
     assert requests.get(f"{url}/health").json() == {"status": "ok"}
     engine.send(EngineStatus(ready=False))
     assert wait_for(lambda: requests.get(f"{url}/health").status_code == 503)
-    assert requests.get(f"{url}/health").json() == {"status": "loading"}
+    assert requests.get(f"{url}/health").json() == {"status": "unavailable"}
     assert_error(post(url, "/v1/completions", {"prompt": "hi"}), 503, code="engine_not_ready")
     engine.send(EngineStatus(ready=True))
     assert wait_for(lambda: requests.get(f"{url}/health").status_code == 200)

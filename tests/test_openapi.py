@@ -44,7 +44,7 @@ def document(server) -> dict:
 
 def test_lists_every_route(server, document):
     _, _, config = server
-    app = build_app(config, EngineClient(0, tokenizers=None, scheduler=None))
+    app = build_app(config, EngineClient(0, tokenizers=[], scheduler=None))
     served = {(r.method.lower(), r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
     documented = {(method, path) for path, operations in document["paths"].items() for method in operations}
     assert served == documented == ROUTES

@@ -8,6 +8,8 @@ fixed destination) or several (zmq round-robins between them: a stage pool).
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -66,6 +68,10 @@ class _ReceiverBase(Generic[T]):
 
 
 class Receiver(_ReceiverBase[T]):
+    # Called on every recv and whenever a wait wakes up (every SIGNAL_CHECK_MS at most): a stage
+    # hangs its liveness heartbeat here (stages/liveness.py).
+    on_wait: Callable[[], None] | None = None
+
     def poll(self, timeout_ms: int | None) -> bool:
         return bool(self.socket.poll(timeout_ms))
 
@@ -75,11 +81,18 @@ class Receiver(_ReceiverBase[T]):
         Waiting forever is done in slices: a signal delivered to another thread (torch and
         tokenizers start their own) does not interrupt this thread's poll, so the wait wakes up
         now and then to let Python run its signal handlers."""
+        on_wait = self.on_wait or _nothing
+        on_wait()
         if timeout_ms is None:
             while not self.socket.poll(SIGNAL_CHECK_MS):
-                pass
-        elif not self.socket.poll(timeout_ms):
-            return None
+                on_wait()
+        else:
+            deadline = time.monotonic() + timeout_ms / 1000
+            while not self.socket.poll(min(timeout_ms, SIGNAL_CHECK_MS)):
+                on_wait()
+                timeout_ms = round(1000 * (deadline - time.monotonic()))
+                if timeout_ms <= 0:
+                    return None
         return self.decode(self.socket.recv(copy=False).buffer)
 
     def recv_nowait(self) -> T | None:
@@ -89,6 +102,9 @@ class Receiver(_ReceiverBase[T]):
             return None
         return self.decode(frame.buffer)
 
+
+def _nothing() -> None:
+    pass
 
 
 class AsyncReceiver(_ReceiverBase[T]):

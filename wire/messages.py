@@ -137,6 +137,19 @@ class TokenizeRequest(Struct, tag=1):
 TokenizerInbound = TokenizeRequest
 
 
+# --- received by the scheduler and by every ingress ------------------------------------
+
+
+class StageFailed(Struct, tag=24):
+    """From the launcher, to every ingress and the scheduler: this stage process died (or went
+    silent past --stage-timeout) and is being restarted. The requests it held fail: an ingress
+    fails those it sent to that tokenizer and that are not admitted yet; the scheduler fails the
+    requests streamed through that detokenizer and aborts those owned by that ingress."""
+
+    stage: str
+    index: int
+
+
 # --- received by the scheduler --------------------------------------------------------------
 
 
@@ -190,7 +203,7 @@ class TopLogprobs(Struct):
     logprobs: list[float]
 
 
-SchedulerInbound = ScheduleRequest | AbortRequest | FinishSeqs | WorkerReady | StepResult
+SchedulerInbound = ScheduleRequest | AbortRequest | FinishSeqs | WorkerReady | StepResult | StageFailed
 
 
 # --- received by a worker -------------------------------------------------------------------
@@ -358,10 +371,15 @@ class DeltaBatch(Struct, tag=22):
 
 
 class EngineStatus(Struct, tag=23):
+    """From the launcher. `ready` False: the engine stopped or is restarting (in-flight requests
+    fail, new ones get 503 with Retry-After). `draining`: the daemon is shutting down; requests
+    in flight finish, new ones get 503, and the ingress says `Drained` once it holds none."""
+
     ready: bool
+    draining: bool = False
 
 
-IngressInbound = RequestAccepted | RequestRejected | DeltaBatch | EngineStatus
+IngressInbound = RequestAccepted | RequestRejected | DeltaBatch | EngineStatus | StageFailed
 
 
 # --- received by the launcher ---------------------------------------------------------------
@@ -372,4 +390,19 @@ class StageReady(Struct, tag=30):
     index: int
 
 
-LauncherInbound = StageReady
+class Heartbeat(Struct, tag=31):
+    """Sent by every ready stage from its main loop, at least every stage_timeout_s / 5: a stage
+    whose loop is stuck (a hung kernel, SIGSTOP) goes silent and is declared dead."""
+
+    stage: str
+    index: int
+    pid: int
+
+
+class Drained(Struct, tag=32):
+    """From an ingress while draining: it holds no request in flight any more."""
+
+    index: int
+
+
+LauncherInbound = StageReady | Heartbeat | Drained

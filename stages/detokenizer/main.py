@@ -23,6 +23,7 @@ from conveyor.stages import metrics
 from conveyor.stages.detokenizer.incremental import IncrementalDetokenizer
 from conveyor.stages.detokenizer.logprobs import TokenTexts
 from conveyor.stages.detokenizer.stop_strings import StopMatcher
+from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
 from conveyor.wire.addresses import address
 from conveyor.wire.channel import Receiver, Sender
@@ -144,6 +145,7 @@ def run(config: EngineConfig, index: int) -> None:
         scheduler = Sender(ctx, address(run_dir, "scheduler", 0))
         ingresses = [Sender(ctx, address(run_dir, "ingress", i)) for i in range(config.stages.num_ingress)]
         report_ready(ctx, config, "detokenizer", index)
+        inbox.on_wait = Pulse(ctx, config, "detokenizer", index).beat
         while True:
             out: list[list[TextDelta]] = [[] for _ in ingresses]
             stopped: list[int] = []

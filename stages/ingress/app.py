@@ -83,8 +83,12 @@ class InfoRoutes:
         self.openapi_body = msgspec.json.encode(openapi)
 
     async def health(self, request: web.Request) -> web.Response:
+        # 503 sends a load balancer elsewhere: while the engine loads or restarts, and while the
+        # server drains for shutdown.
+        if self.engine.draining:
+            return web.json_response({"status": "draining"}, status=503)
         if not self.engine.ready:
-            return web.json_response({"status": "loading"}, status=503)
+            return web.json_response({"status": "unavailable"}, status=503)
         return web.json_response({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:

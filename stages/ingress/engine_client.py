@@ -1,20 +1,26 @@
 """The ingress's view of the engine: readiness, and the in-flight requests keyed by request id.
 
-Sends TokenizeRequest (to the tokenizer pool) and AbortRequest (to the scheduler). Takes every
-IngressInbound message through `dispatch`: RequestAccepted (from the scheduler, after admission),
-RequestRejected (a 400 from a tokenizer, a 429 from the scheduler) and each TextDelta go to their
-request's `RequestStream` (one stream serves every engine request of a batch of prompts: the
-events carry their request id); EngineStatus flips `ready` (and when the engine stops, every
-request in flight gets a 503 rejection). Messages for a request that is no longer here (it
-finished, or its client went away) are dropped.
+Sends TokenizeRequest (to the tokenizer with the fewest requests awaiting a verdict from this
+ingress: a long prompt in one tokenizer does not hold up the others' queues), AbortRequest (to the
+scheduler) and Drained (to the launcher). Takes every IngressInbound message through `dispatch`:
+RequestAccepted (from the scheduler, after admission), RequestRejected (a 400 from a tokenizer, a
+429 from the scheduler) and each TextDelta go to their request's `RequestStream` (one stream serves
+every engine request of a batch of prompts: the events carry their request id); EngineStatus flips
+`ready` and `draining` (when the engine stops, every request in flight gets a 503 rejection);
+StageFailed for a tokenizer fails the requests it held. A message for a request that is no longer
+here is dropped; if it says the request still runs (it was admitted, or a delta without a finish
+reason), the scheduler is told to abort it, so no request runs without a client (a stale
+TokenizeRequest delivered after a restart, say).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import secrets
 import time
+from collections.abc import Callable
 
 from conveyor.stages.ingress.protocol import Generation
 from conveyor.stages.ingress.telemetry import Telemetry
@@ -25,9 +31,12 @@ from conveyor.wire.messages import (
     EngineStatus,
     RequestAccepted,
     RequestRejected,
+    StageFailed,
     TextDelta,
     TokenizeRequest,
 )
+
+STRAY_MEMORY = 4096  # ids of requests aborted because of a stray message, remembered to abort once
 
 Event = RequestAccepted | RequestRejected | TextDelta
 
@@ -53,12 +62,19 @@ class RequestStream:
 
 
 class EngineClient:
-    def __init__(self, index: int, tokenizers: Sender, scheduler: Sender):
+    def __init__(self, index: int, tokenizers: list[Sender], scheduler: Sender, on_drained: Callable[[], None] = lambda: None):
         self.index = index
         self.ready = False
+        self.draining = False
         self._tokenizers = tokenizers
         self._scheduler = scheduler
+        self._on_drained = on_drained
         self._streams: dict[str, RequestStream] = {}
+        # Requests sent to a tokenizer with no verdict yet (admitted, rejected, or a first delta):
+        # request id -> tokenizer index; and the count per tokenizer.
+        self._tokenizer_of: dict[str, int] = {}
+        self._awaiting = [0] * len(tokenizers)
+        self._stray: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._counter = itertools.count()
         self._nonce = secrets.token_hex(3)  # tells this process's ids from a restarted one's
         self.telemetry = Telemetry()
@@ -78,7 +94,10 @@ class EngineClient:
         for request_id, prompt in zip(request_ids, gen.prompts, strict=True):
             self._streams[request_id] = stream
             self.telemetry.submitted(request_id, arrival_time, gen.params.num_samples)
-            self._tokenizers.send(
+            t = min(range(len(self._tokenizers)), key=self._awaiting.__getitem__)
+            self._tokenizer_of[request_id] = t
+            self._awaiting[t] += 1
+            self._tokenizers[t].send(
                 TokenizeRequest(
                     request_id=request_id,
                     ingress=self.index,
@@ -96,15 +115,15 @@ class EngineClient:
 
     def release(self, request_id: str) -> None:
         """The request is done (finished or rejected): forget it."""
-        self._streams.pop(request_id, None)
-        self.telemetry.forget(request_id)
+        self._forget(request_id)
 
     def abort(self, request_ids: list[str]) -> None:
         """The client went away before these finished: stop them in the engine, forget them."""
-        live = [request_id for request_id in request_ids if self._streams.pop(request_id, None) is not None]
+        live = [request_id for request_id in request_ids if request_id in self._streams]
         for request_id in request_ids:
-            self.telemetry.forget(request_id)
+            self._forget(request_id)
         if live:
+            self._remember_stray(live)
             self._scheduler.send(AbortRequest(request_ids=live))
 
     def dispatch(self, msg: object) -> None:
@@ -114,20 +133,63 @@ class EngineClient:
                 now = time.time()
                 for delta in deltas:
                     self.telemetry.delta(delta, now)
-                    self._put(delta.request_id, delta)
-            case RequestAccepted() | RequestRejected():
-                self._put(msg.request_id, msg)
-            case EngineStatus(ready=ready):
-                self.ready = ready
-                if not ready:  # the engine is stopping: nothing in flight will finish
+                    self._put(delta.request_id, delta, running=delta.finish_reason is None)
+            case RequestAccepted():
+                self._put(msg.request_id, msg, running=True)
+            case RequestRejected():
+                self._put(msg.request_id, msg, running=False)
+            case EngineStatus(ready=ready, draining=draining):
+                self.ready, self.draining = ready, draining
+                if not ready:  # the engine stopped: nothing in flight will finish
                     self.fail_all()
+                self._check_drained()
+            case StageFailed(stage="tokenizer", index=t):
+                self._fail_tokenizer(t)
 
     def fail_all(self) -> None:
         """Answer every request in flight with a 503 (an error event, once a stream has begun)."""
         for request_id, stream in self._streams.items():
             stream.put(RequestRejected(request_id, 503, "the engine stopped", code="engine_not_ready"))
 
-    def _put(self, request_id: str, event: Event) -> None:
+    def _fail_tokenizer(self, t: int) -> None:
+        """Tokenizer t died: the requests it held will get no verdict. Fail them, and abort them in
+        the scheduler in case their ScheduleRequest got out before the tokenizer died."""
+        held = [request_id for request_id, tokenizer in self._tokenizer_of.items() if tokenizer == t]
+        for request_id in held:
+            message = "the tokenizer handling this request failed; retry it"
+            self._streams[request_id].put(RequestRejected(request_id, 503, message, code="stage_failed"))
+            self._verdict(request_id)
+        if held:
+            self._remember_stray(held)
+            self._scheduler.send(AbortRequest(request_ids=held))
+
+    def _put(self, request_id: str, event: Event, *, running: bool) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put(event)
+        if stream is None:
+            if running and request_id not in self._stray:
+                self._remember_stray([request_id])
+                self._scheduler.send(AbortRequest(request_ids=[request_id]))
+            return
+        self._verdict(request_id)
+        stream.put(event)
+
+    def _verdict(self, request_id: str) -> None:
+        t = self._tokenizer_of.pop(request_id, None)
+        if t is not None:
+            self._awaiting[t] -= 1
+
+    def _forget(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._verdict(request_id)
+        self.telemetry.forget(request_id)
+        self._check_drained()
+
+    def _remember_stray(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._stray[request_id] = None
+        while len(self._stray) > STRAY_MEMORY:
+            self._stray.popitem(last=False)
+
+    def _check_drained(self) -> None:
+        if self.draining and not self._streams:
+            self._on_drained()

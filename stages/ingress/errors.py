@@ -71,8 +71,16 @@ class ApiError(Exception):
         return response
 
 
+RETRY_AFTER_S = 5.0  # what a 503 tells a client while the engine loads or restarts
+
+
 def not_ready() -> ApiError:
-    return ApiError(503, "the engine is still loading or has stopped", code="engine_not_ready")
+    message = "the engine is loading or restarting; retry shortly"
+    return ApiError(503, message, code="engine_not_ready", retry_after=RETRY_AFTER_S)
+
+
+def draining() -> ApiError:
+    return ApiError(503, "the server is shutting down", code="server_draining")
 
 
 async def read_body(request: web.Request, max_body_bytes: int) -> bytes:

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from conveyor.config import EngineConfig
 from conveyor.stages.ingress.engine_client import EngineClient, Event, RequestStream
-from conveyor.stages.ingress.errors import ApiError, check_model, not_ready, read_body
+from conveyor.stages.ingress.errors import ApiError, check_model, draining, not_ready, read_body
 from conveyor.stages.ingress.protocol import Generation, check_num_seqs, parse_chat, parse_completion
 from conveyor.stages.ingress.responses import DONE, SSE_HEADERS, ResponseBuilder
 from conveyor.stages.ingress.tokens import LazyEncoder
@@ -88,6 +88,8 @@ class GenerateRoutes:
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         arrival_time = time.time()
+        if self.engine.draining:
+            raise draining()
         if not self.engine.ready:
             raise not_ready()
         data = await read_body(request, self.config.server.max_body_bytes)

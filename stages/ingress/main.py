@@ -1,9 +1,11 @@
 """The ingress stage process: HTTP in, TokenizeRequest out; TextDelta batches in, SSE/JSON out.
 
 Binds `ingress-<index>` and takes IngressInbound (RequestAccepted, RequestRejected, DeltaBatch,
-EngineStatus); sends TokenizeRequest to the tokenizer pool (zmq round-robins it), AbortRequest
-to the scheduler, and StageReady to the launcher once the HTTP site listens. Several ingress
-processes share the port (SO_REUSEPORT); request ids carry the index, so replies come back here.
+EngineStatus, StageFailed); sends TokenizeRequest to a tokenizer of the pool (engine_client.py
+picks it), AbortRequest to the scheduler, and to the launcher StageReady once the HTTP site
+listens, a Heartbeat every so often from the event loop (stages/liveness.py) and Drained when a
+drain has no request left. Several ingress processes share the port (SO_REUSEPORT); request ids
+carry the index, so replies come back here.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from conveyor.config import EngineConfig
 from conveyor.stages.ingress.app import build_app
 from conveyor.stages.ingress.engine_client import EngineClient
 from conveyor.stages.ingress.listener import BoundedSite
+from conveyor.stages.liveness import Pulse
 from conveyor.wire.addresses import address
 from conveyor.wire.channel import AsyncReceiver, Sender
-from conveyor.wire.messages import IngressInbound, StageReady
+from conveyor.wire.messages import Drained, IngressInbound, StageReady
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +37,13 @@ async def serve(config: EngineConfig, index: int) -> None:
     ctx = zmq.asyncio.Context()
     sync_ctx = zmq.Context.shadow(ctx)  # senders never wait: unbounded PUSH queues
     receiver = AsyncReceiver(ctx, address(run_dir, "ingress", index), IngressInbound)
-    tokenizers = Sender(sync_ctx, [address(run_dir, "tokenizer", i) for i in range(config.stages.num_tokenizers)])
+    tokenizers = [Sender(sync_ctx, address(run_dir, "tokenizer", i)) for i in range(config.stages.num_tokenizers)]
     scheduler = Sender(sync_ctx, address(run_dir, "scheduler", 0))
     launcher = Sender(sync_ctx, address(run_dir, "launcher", 0))
-    engine = EngineClient(index, tokenizers, scheduler)
+    engine = EngineClient(index, tokenizers, scheduler, on_drained=lambda: launcher.send(Drained(index)))
     pump = asyncio.create_task(_receive(receiver, engine), name=f"ingress-{index}-receive")
+    pulse = Pulse(sync_ctx, config, "ingress", index)
+    beating: asyncio.Task | None = None
 
     runner = web.AppRunner(
         build_app(config, engine),
@@ -53,13 +58,16 @@ async def serve(config: EngineConfig, index: int) -> None:
         await site.start()
         log.info("ingress %d listening on http://%s:%d", index, config.server.host, config.server.port)
         launcher.send(StageReady(stage="ingress", index=index))
+        beating = asyncio.create_task(pulse.run(), name=f"ingress-{index}-heartbeat")
         await pump  # runs until cancelled
     finally:
-        pump.cancel()
-        await asyncio.gather(pump, return_exceptions=True)
+        for task in (pump, beating):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in (pump, beating) if t is not None), return_exceptions=True)
         engine.fail_all()  # open streams end with an error event instead of being cut
         await runner.cleanup()
-        for socket in (receiver, tokenizers, scheduler, launcher):
+        for socket in (receiver, *tokenizers, scheduler, launcher, pulse):
             socket.close()
         ctx.term()
 

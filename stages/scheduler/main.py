@@ -2,7 +2,8 @@
 
 Takes (one socket, SchedulerInbound): ScheduleRequest from tokenizers, AbortRequest from ingress,
 FinishSeqs (a stop string matched) from detokenizers, WorkerReady and StepResult from worker
-rank 0.
+rank 0, StageFailed from the launcher (a detokenizer's requests fail with a 503, a dead ingress's
+are aborted).
 Sends: InitializeCache and StepPlan to every worker rank; one TokenBatch per detokenizer per step;
 RequestAccepted, or RequestRejected (429) past the queue bounds, to the request's ingress;
 StageReady to the launcher.
@@ -28,6 +29,7 @@ import zmq
 from conveyor.config import EngineConfig
 from conveyor.config.env import test_plan_delay_s
 from conveyor.stages import metrics
+from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
 from conveyor.stages.scheduler.block_manager import BlockManager
 from conveyor.stages.scheduler.plan import step_plan, token_batches
@@ -45,6 +47,7 @@ from conveyor.wire.messages import (
     RequestRejected,
     ScheduleRequest,
     SchedulerInbound,
+    StageFailed,
     StepResult,
     WorkerReady,
 )
@@ -130,6 +133,14 @@ class SchedulerStage:
                 metrics.generation_tokens.inc(sum(len(u.new_token_ids) for u in updates))
                 self.record_outputs(updates)
                 return updates
+            case StageFailed(stage="detokenizer", index=index):
+                # Its incremental decoding and stop-string state died with it: those requests
+                # cannot go on. Each gets a 503 (an error event if its stream began).
+                for seq in self.scheduler.drop_requests(lambda s: s.detokenizer == index):
+                    message = "the detokenizer streaming this request failed; retry it"
+                    self.ingresses[seq.ingress].send(RequestRejected(seq.request_id, 503, message, code="stage_failed"))
+            case StageFailed(stage="ingress", index=index):
+                self.scheduler.drop_requests(lambda s: s.ingress == index)  # their clients are gone
             case WorkerReady():
                 log.warning("unexpected WorkerReady from rank %d", msg.rank)
         return []
@@ -248,6 +259,7 @@ def run(config: EngineConfig, index: int) -> None:
     try:
         stage.start()
         report_ready(ctx, config, "scheduler", index)
+        stage.inbox.on_wait = Pulse(ctx, config, "scheduler", index).beat
         stage.loop()
     finally:
         ctx.destroy(linger=0)

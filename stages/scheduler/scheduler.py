@@ -27,6 +27,7 @@ model's length is not scheduled again. Pure Python: no torch, no zmq.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from conveyor.config import SchedulerConfig
 from conveyor.stages.scheduler.block_manager import BlockManager, kv_slots
@@ -109,6 +110,22 @@ class Scheduler:
             if not seq.is_finished:
                 self._finish(seq, FinishReason.ABORT)
         self.running = [s for s in self.running if not s.is_finished]
+
+    def drop_requests(self, owned_by: Callable[[Sequence], bool]) -> list[Sequence]:
+        """Abort every request one of whose sequences `owned_by` selects (the ingress or the
+        detokenizer process it streams through died), reporting nothing to a detokenizer; one
+        sequence of each such request, to answer its ingress."""
+        dropped = []
+        for seqs in list(self.by_request.values()):
+            if not any(owned_by(s) for s in seqs):
+                continue
+            dropped.append(seqs[0])
+            self.num_aborts += 1
+            for seq in list(seqs):
+                if not seq.is_finished:
+                    self._finish(seq, FinishReason.ABORT, report=False)
+        self.running = [s for s in self.running if not s.is_finished]
+        return dropped
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

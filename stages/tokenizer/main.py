@@ -17,6 +17,7 @@ import zmq
 
 from conveyor.config import EngineConfig
 from conveyor.stages import metrics
+from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
 from conveyor.stages.tokenizer.encoder import PromptEncoder
 from conveyor.stages.tokenizer.length_limit import PromptTooLong
@@ -106,6 +107,7 @@ def run(config: EngineConfig, index: int) -> None:
         scheduler = Sender(ctx, address(run_dir, "scheduler", 0))
         ingresses = [Sender(ctx, address(run_dir, "ingress", i)) for i in range(config.stages.num_ingress)]
         report_ready(ctx, config, "tokenizer", index)
+        inbox.on_wait = Pulse(ctx, config, "tokenizer", index).beat
         while True:
             req = inbox.recv()
             if req is None:

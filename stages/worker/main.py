@@ -13,6 +13,7 @@ import zmq
 
 from conveyor.config import EngineConfig
 from conveyor.gpu.runner import ModelRunner
+from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
 from conveyor.wire.addresses import address
 from conveyor.wire.channel import Receiver, Sender
@@ -43,6 +44,7 @@ def run(config: EngineConfig, rank: int) -> None:
                 case InitializeCache(num_kv_blocks=num_blocks):
                     runner.initialize_cache(num_blocks)
                     report_ready(ctx, config, "worker", rank)
+                    inbox.on_wait = Pulse(ctx, config, "worker", rank).beat
                 case StepPlan() as plan:
                     started = time.time()
                     result = runner.execute(plan)
