@@ -121,10 +121,15 @@ done_phase
 # --- conveyor -----------------------------------------------------------------------------------
 port=$(free_port)
 conveyor_url=http://127.0.0.1:$port
-phase "start conveyor on $conveyor_url"
+# The drain phase streams 400 tokens: long enough to be in flight when SIGTERM lands, and
+# inside this drain even when other work holds the cores (generation then slows twentyfold:
+# 160 tokens took 1 s alone, 27 s beside a busy daemon). compose.yaml's 30 s drain is checked
+# against its stop_grace_period in tests/test_container.py.
+drain_timeout=120
+phase "start conveyor on $conveyor_url (--drain-timeout $drain_timeout)"
 # The image's HEALTHCHECK probes port 8000 through systemd timers; this one polls instead.
 "${podman[@]}" run -d --name "conveyor-$run_id" --network host --no-healthcheck \
-    "$image" --port "$port" >/dev/null \
+    "$image" --port "$port" --drain-timeout "$drain_timeout" >/dev/null \
     || fail "podman run $image failed"
 done_phase
 
@@ -184,25 +189,48 @@ for ((i = 0; ; i++)); do
     sleep 1
 done
 series=$(query 'count({__name__=~"conveyor_.+", job="conveyor"})')
-done_phase "up{job=\"conveyor\"} = 1, $series conveyor_ series, conveyor_generation_tokens_total = $tokens"
+# The alert rules of ops/prometheus/alerts.yml: loaded, and none failing to evaluate.
+rules=$(curl -s --max-time 5 "$prometheus_url/api/v1/rules" | python3 -c '
+import json, sys
+rules = [r for g in json.load(sys.stdin)["data"]["groups"] for r in g["rules"]]
+print(len(rules), *[r["name"] for r in rules if r.get("health") == "err"])' 2>/dev/null || true)
+[[ -n $rules && $rules != 0 ]] || fail_with_logs "prometheus-$run_id" "Prometheus loaded no alert rules from ops/prometheus/alerts.yml"
+[[ $rules != *' '* ]] || fail "alert rules that fail to evaluate: ${rules#* }"
+done_phase "up{job=\"conveyor\"} = 1, $series conveyor_ series, conveyor_generation_tokens_total = $tokens, $rules alert rules"
 
 # --- drain --------------------------------------------------------------------------------------
-phase "SIGTERM during a stream: it finishes, the container exits 0 (compose stop_grace_period: 40s)"
-curl -sN --max-time 60 "$conveyor_url/v1/completions" -H 'Content-Type: application/json' \
-    -d '{"prompt": "The river", "max_tokens": 64, "temperature": 0, "ignore_eos": true, "stream": true}' \
+phase "SIGTERM during a stream: /health 503, new requests 503, the stream finishes, exit 0"
+curl -sN --max-time "$drain_timeout" "$conveyor_url/v1/completions" -H 'Content-Type: application/json' \
+    -d '{"prompt": "The river", "max_tokens": 400, "temperature": 0, "ignore_eos": true, "stream": true}' \
     >"$work/drain.txt" &
 client=$!
-# Wait for the first chunk, so the request is in flight when the signal arrives.
-for ((i = 0; i < 100; i++)); do
+for ((i = 0; ; i++)); do  # the first chunk: the request is in flight
     grep -q '^data: ' "$work/drain.txt" 2>/dev/null && break
+    ((i < 300)) || fail "no chunk of the long stream after 30 s"
     sleep 0.1
 done
-! grep -q '^data: \[DONE\]' "$work/drain.txt" || fail "the stream was over before SIGTERM (make it longer)"
-"${podman[@]}" stop -t 40 "conveyor-$run_id" >/dev/null || fail "podman stop failed"
-wait "$client" || fail "the in-flight stream broke off during the drain"
+"${podman[@]}" kill --signal TERM "conveyor-$run_id" >/dev/null || fail "podman kill --signal TERM failed"
+signalled=$(date +%s.%N)
+for ((i = 0; ; i++)); do
+    health=$(curl -s --max-time 1 -w ' %{http_code}' "$conveyor_url/health" || true)
+    [[ $health == *draining*' 503' ]] && break
+    ((i < 50)) || fail_with_logs "conveyor-$run_id" "/health is not 503 draining 5 s after SIGTERM (last: $health)"
+    sleep 0.1
+done
+! grep -q '^data: \[DONE\]' "$work/drain.txt" \
+    || fail "the stream was over before the drain began (give it more tokens)"
+refused=$(curl -s -o /dev/null -w '%{http_code}' --max-time 5 "$conveyor_url/v1/completions" \
+    -H 'Content-Type: application/json' -d '{"prompt": "late", "max_tokens": 1}' || true)
+[[ $refused == 503 ]] || fail "a new request during the drain got $refused, not 503"
+wait "$client" || fail "the stream in flight broke off during the drain"
+finished=$(elapsed "$signalled")
 summary=$(check_stream "$work/drain.txt" 2>&1) || fail "the stream in flight at SIGTERM: $summary"
-status=$("${podman[@]}" inspect -f '{{.State.ExitCode}}' "conveyor-$run_id")
-[[ $status == 0 ]] || fail_with_logs "conveyor-$run_id" "conveyor exited $status on SIGTERM, not 0"
-done_phase "the stream in flight finished ($summary), exit status 0"
+# Drained once nothing is in flight, then up to 5 s for the stages to stop (stages/launcher.py).
+status=$(timeout $((drain_timeout + 10)) "${podman[@]}" wait "conveyor-$run_id" || true)
+took=$(elapsed "$signalled")
+[[ $status == 0 ]] || fail_with_logs "conveyor-$run_id" "conveyor exited ${status:-not at all} after SIGTERM, not 0"
+python3 -c "import sys; sys.exit(float(sys.argv[1]) - float(sys.argv[2]) > 10)" "$took" "$finished" \
+    || fail "conveyor exited ${took}s after SIGTERM, more than 10 s after its last stream ended"
+done_phase "the stream in flight finished ${finished}s after SIGTERM ($summary), exit 0 after ${took}s"
 
 echo "smoke: ok in $(elapsed "$started")s"

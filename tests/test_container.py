@@ -1,7 +1,8 @@
-"""The container image: docker/Dockerfile copies every package, and docker/smoke.sh passes.
+"""The container: docker/Dockerfile copies every package, compose.yaml waits out the drain, and
+docker/smoke.sh passes.
 
-The smoke test builds and runs real containers (podman, as root; about 10 minutes on a cold
-layer cache, 2 warm), so it is marked `container` and runs only with CONVEYOR_CONTAINER_TESTS=1:
+The smoke test builds and runs real containers (podman, as root; about 7 minutes with no images,
+1 with the layers cached), so it is marked `container` and runs only with CONVEYOR_CONTAINER_TESTS=1:
     CONVEYOR_CONTAINER_TESTS=1 python -m pytest -q -m container
 """
 
@@ -25,6 +26,18 @@ def test_dockerfile_copies_every_package_directory():
     package_dirs = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
     copied = set(re.findall(r"^COPY (\S+) \1$", (REPO / "docker" / "Dockerfile").read_text(), re.MULTILINE))
     assert package_dirs <= copied, f"docker/Dockerfile does not COPY {sorted(package_dirs - copied)}"
+
+
+def test_compose_stop_grace_period_outlasts_the_drain():
+    """Past stop_grace_period docker sends SIGKILL: it must cover the drain and the stages' stop."""
+    yaml = pytest.importorskip("yaml")
+    from conveyor.config import ServerConfig
+    from conveyor.stages.launcher import GRACE_S
+
+    compose = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())
+    grace = compose["services"]["conveyor"]["stop_grace_period"]
+    assert re.fullmatch(r"\d+s", grace), f"stop_grace_period {grace!r}: write it in whole seconds"
+    assert int(grace[:-1]) > ServerConfig().drain_timeout_s + GRACE_S
 
 
 def test_smoke_script_parses():

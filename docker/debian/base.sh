@@ -16,7 +16,8 @@ mirror=$(grep -hoE '^(URIs:|deb) +[^ ]+' /etc/apt/sources.list /etc/apt/sources.
 mirror=${MIRROR:-${mirror:-http://deb.debian.org/debian}}
 
 rootfs=$(mktemp -d /tmp/conveyor-rootfs.XXXXXX)
-trap 'rm -rf "$rootfs"' EXIT
+# --one-file-system: a debootstrap cut short can leave /proc or /sys mounted inside.
+trap 'rm -rf --one-file-system "$rootfs"' EXIT
 
 debootstrap --variant=minbase --include="$packages" bookworm "$rootfs" "$mirror" >&2
 # Extra CAs the host was given (Debian keeps them in /usr/local/share/ca-certificates).
