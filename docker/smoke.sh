@@ -141,7 +141,14 @@ for ((i = 0; ; i++)); do
     ((i < 300)) || fail_with_logs "conveyor-$run_id" "/health not 200 after 300 s (last: $code)"
     sleep 1
 done
-done_phase
+# The image's HEALTHCHECK command, run inside the container against this port.
+mapfile -d '' healthcheck < <("${podman[@]}" image inspect -f '{{json .Config.Healthcheck.Test}}' "$image" \
+    | python3 -c 'import json, sys; test = json.load(sys.stdin); assert test[0] == "CMD"
+print(*(a.replace(":8000/", f":{sys.argv[1]}/") for a in test[1:]), sep="\0", end="\0")' "$port")
+((${#healthcheck[@]})) || fail "the image has no HEALTHCHECK CMD"
+"${podman[@]}" exec "conveyor-$run_id" "${healthcheck[@]}" >/dev/null 2>&1 \
+    || fail "the image's HEALTHCHECK fails while /health is 200: ${healthcheck[*]}"
+done_phase "the image's HEALTHCHECK passes too"
 
 phase "stream a chat completion"
 curl -sN --fail-with-body --max-time 120 "$conveyor_url/v1/chat/completions" \
