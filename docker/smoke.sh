@@ -40,7 +40,9 @@ fail() {
 
 cleanup() {
     local status=$?
-    if [[ ${CONVEYOR_SMOKE_KEEP:-0} != 1 ]]; then
+    if [[ ${CONVEYOR_SMOKE_KEEP:-0} == 1 ]]; then
+        echo "smoke: kept the containers conveyor-$run_id, prometheus-$run_id and $work" >&2
+    else
         "${podman[@]}" rm --ignore -f -v -t 0 "conveyor-$run_id" "prometheus-$run_id" >/dev/null 2>&1 || true
         rm -rf "$work"
     fi
