@@ -18,9 +18,9 @@ Supervision, once every stage is ready (a stage that dies while the daemon start
 
 Shutdown: the first SIGTERM or SIGINT drains (new requests 503, in-flight ones finish, up to
 --drain-timeout); a second one, or the end of the drain, stops every child (SIGKILL after a grace
-period) and removes the run directory. Stages ask the kernel to SIGTERM them if the launcher itself
-dies, and then remove the run directory themselves; a run directory left by a launcher that no
-longer exists is swept at the next start (wire/addresses.py).
+period) and removes the run directory. Stages ask the kernel to send them SIGHUP if the launcher
+itself dies, and then remove the run directory themselves; a run directory left by a launcher that
+no longer exists is swept at the next start (wire/addresses.py).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, replace
 
 import zmq
+from prometheus_client import multiprocess
 
 from conveyor.config import EngineConfig, config_to_json
 from conveyor.config.env import API_KEY_VARIABLE
@@ -117,13 +118,19 @@ class Launcher:
         self.config_path = os.path.join(self.run_dir, "config.json")
         with open(self.config_path, "wb") as f:
             f.write(config_to_json(self.config))  # without the API key
-        metrics_dir = os.path.join(self.run_dir, "metrics")
-        os.mkdir(metrics_dir, 0o700)
-        self.env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=metrics_dir, PYTHONUNBUFFERED="1")
+        self.metrics_dir = os.path.join(self.run_dir, "metrics")
+        os.mkdir(self.metrics_dir, 0o700)
+        self.env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=self.metrics_dir, PYTHONUNBUFFERED="1")
         self.env.pop(API_KEY_VARIABLE, None)  # only the ingress needs it
         self.inbox: Receiver[LauncherInbound] = Receiver(self.ctx, address(self.run_dir, "launcher", 0), LauncherInbound)
         self.ingresses = [Sender(self.ctx, address(self.run_dir, "ingress", i)) for i in range(self.config.stages.num_ingress)]
         self.scheduler = Sender(self.ctx, address(self.run_dir, "scheduler", 0))
+
+    def _forget(self, child: Child) -> None:
+        """A stage process is gone for good: its live gauges (the scheduler's) stop counting.
+        Its counters and histograms stay, as totals must."""
+        if child.process is not None:
+            multiprocess.mark_process_dead(child.process.pid, self.metrics_dir)
 
     def _start(self, stage: str, index: int, restarts: int = 0) -> None:
         cmd = [sys.executable, "-m", "conveyor.stages", stage, str(index), self.config_path, str(restarts)]
@@ -237,6 +244,7 @@ class Launcher:
                 len(self.failures), self.server.restart_window_s, self.server.max_engine_restarts,
             )  # fmt: skip
             return False
+        self._forget(child)
         if child.stage in ("scheduler", "worker"):
             self._engine_failed()
         else:
@@ -252,6 +260,7 @@ class Launcher:
         self._tell_ingresses(EngineStatus(ready=False, draining=self.drain_deadline is not None))
         self._kill(self._engine_children())
         for child in self._engine_children():  # their exits are this failure, not new ones
+            self._forget(child)
             child.process, child.ready = None, False
         backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (len(self.failures) - 1))
         log.warning("the engine failed; restarting it in %.1f s", backoff)

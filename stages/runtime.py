@@ -29,6 +29,13 @@ from conveyor.wire.messages import StageReady
 
 STAGES = ("ingress", "tokenizer", "scheduler", "worker", "detokenizer")
 PR_SET_PDEATHSIG = 1
+# What the kernel sends a stage when its launcher dies (die_with_parent). Not SIGTERM, which is
+# the launcher's own "stop": this one also means nobody is left to remove the run directory.
+# (getppid cannot tell: the kernel signals when the launcher's forking thread exits, and a
+# multi-threaded launcher killed with -9 may not have been reaped yet.)
+PARENT_DIED = signal.SIGHUP
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, PARENT_DIED)
+orphaned = False  # set when PARENT_DIED arrived; main() then removes the run directory
 
 
 class StageStopped(Exception):
@@ -45,12 +52,17 @@ def setup_logging(name: str) -> None:
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process if the launcher dies without cleaning up."""
+    """Ask Linux to send PARENT_DIED to this process if the launcher dies without cleaning up."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(PR_SET_PDEATHSIG, PARENT_DIED)
     except OSError:
         pass
+
+
+def _note_signal(signum: int) -> None:
+    global orphaned
+    orphaned = orphaned or signum == PARENT_DIED
 
 
 def raise_on_signals() -> None:
@@ -60,12 +72,13 @@ def raise_on_signals() -> None:
     escalates to SIGKILL."""
 
     def handler(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _note_signal(signum)
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
         raise StageStopped(signal.Signals(signum).name)
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    for s in STOP_SIGNALS:
+        signal.signal(s, handler)
 
 
 def run_async(coro) -> None:
@@ -77,8 +90,12 @@ def run_async(coro) -> None:
     async def supervised():
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, task.cancel)
+        def stop(signum: int) -> None:
+            _note_signal(signum)
+            task.cancel()
+
+        for signum in STOP_SIGNALS:
+            loop.add_signal_handler(signum, stop, signum)
         try:
             await coro
         except asyncio.CancelledError:
@@ -100,9 +117,9 @@ def with_api_key(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, server=dataclasses.replace(config.server, api_key=key))
 
 
-def remove_run_dir_if_orphaned(run_dir: str, parent: int) -> None:
-    """The launcher died without cleaning up (kill -9): the last stage out removes its files."""
-    if os.getppid() != parent and run_dir:
+def remove_run_dir_if_orphaned(run_dir: str) -> None:
+    """The launcher died without cleaning up (kill -9): the stages remove its files."""
+    if orphaned and run_dir:
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -114,7 +131,6 @@ def main(argv: list[str]) -> int:
         return 2
     name = f"{stage}-{index}"
     setup_logging(name)
-    parent = os.getppid()
     die_with_parent()
     with open(config_path, "rb") as f:
         config = with_api_key(config_from_json(f.read()))
@@ -140,5 +156,5 @@ def main(argv: list[str]) -> int:
         return 1
     finally:
         logging.getLogger(name).debug("stopped (pid %d)", os.getpid())
-        remove_run_dir_if_orphaned(config.server.run_dir, parent)
+        remove_run_dir_if_orphaned(config.server.run_dir)
     return 0

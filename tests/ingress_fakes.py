@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import queue
+import shutil
 import socket
 import threading
 import time
@@ -337,3 +338,4 @@ def running_server(root: Path, **server):
     finally:
         thread.stop()
         engine.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -33,3 +33,13 @@ def test_unsupported_architecture(tmp_path):
 def test_bad_option_value():
     r = serve("--max-num-seqs", "0")
     assert r.returncode == 2 and "max-num-seqs" in r.stderr
+
+
+def test_missing_api_key_file(tmp_path):
+    r = serve("--api-key-file", str(tmp_path / "nope"))
+    assert r.returncode == 2 and "API key file" in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+def test_a_hardening_limit_must_be_positive():
+    r = serve("--drain-timeout", "0")
+    assert r.returncode == 2 and "--drain-timeout must be positive" in r.stderr

@@ -411,3 +411,21 @@ def test_failed_draws_outside_the_step_are_refused():
     result = runner.execute(step_plan(step))
     with pytest.raises(ValueError, match="failed draws"):
         sched.update(step, result.sampled_token_ids, failed_draws=[1])
+
+
+def test_drop_requests_frees_what_a_dead_stage_held_and_nothing_else():
+    """A detokenizer (or ingress) process died: its requests go, running or waiting, samples and
+    all; nothing is reported to a detokenizer, and the others finish exactly."""
+    sched, runner = make(budget=16)
+    for i in range(6):
+        sched.add_request(request(i, prompt_of(i, 10), max_tokens=6, n=2, temperature=1.0, seed=i), detokenizer=i % 2)
+    step_once(sched, runner)  # some running, some still waiting
+    used_before = sched.blocks.num_used
+    dropped = sched.drop_requests(lambda s: s.detokenizer == 1)
+    assert sorted(s.request_id for s in dropped) == ["req-1", "req-3", "req-5"]
+    assert sched.take_unsampled_updates() == []
+    assert sorted(sched.by_request) == ["req-0", "req-2", "req-4"]
+    assert all(s.detokenizer == 0 for s in sched.running) and len(sched.waiting) <= 3
+    assert sched.blocks.num_used <= used_before
+    drive(sched, runner)
+    assert sched.blocks.num_used == 0 and not sched.by_request
