@@ -125,7 +125,9 @@ def bubble_fraction(daemon: Daemon) -> float:
 
 def test_the_bubble_rises_when_the_worker_waits_for_its_host(daemon_factory, monkeypatch):
     steady = bubble_fraction(daemon_factory("--num-kv-blocks", "256"))
-    monkeypatch.setenv("CONVEYOR_TEST_PLAN_DELAY_S", "0.02")
+    # Longer than a step of this load on a slow CPU (~30-60 ms without AVX-512), so async scheduling
+    # cannot hide it behind the step in flight.
+    monkeypatch.setenv("CONVEYOR_TEST_PLAN_DELAY_S", "0.1")
     delayed = bubble_fraction(daemon_factory("--num-kv-blocks", "256"))
     assert 0 < steady < 1 and 0 < delayed < 1
     assert delayed > steady + 0.1, (steady, delayed)
