@@ -435,3 +435,22 @@ def test_unexpected_exceptions_become_a_logged_json_500(caplog):
     status, body = asyncio.run(call())
     assert status == 500 and body["error"]["type"] == "server_error"
     assert any(r.exc_info and "boom" in str(r.exc_info[1]) for r in caplog.records)
+
+
+def test_tokenize_refuses_a_prompt_far_past_the_context(server):
+    url, _, _ = server
+    r = post(url, "/tokenize", {"prompt": "many words here " * 3500})  # ~56 KB, thousands of tokens
+    assert_error(r, 400, param="prompt", code="context_length_exceeded")
+    r = post(url, "/tokenize", {"prompt": "a few words"})
+    assert r.status_code == 200 and 0 < r.json()["count"] < 10
+
+
+def test_draining_refuses_new_requests_and_reports_drained(tmp_path):
+    from conveyor.wire.messages import Drained
+
+    with running_server(tmp_path) as (url, engine, _):
+        engine.send(EngineStatus(ready=True, draining=True))
+        assert wait_for(lambda: requests.get(f"{url}/health").status_code == 503)
+        assert requests.get(f"{url}/health").json() == {"status": "draining"}
+        assert_error(post(url, "/v1/completions", {"prompt": "hi"}), 503, code="server_draining")
+        assert wait_for(lambda: Drained(0) in engine.launcher_notes)

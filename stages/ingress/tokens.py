@@ -20,6 +20,7 @@ from conveyor.stages.ingress.bodies import DetokenizeBody, DetokenizeResult, Tok
 from conveyor.stages.ingress.errors import ApiError, check_model, read_body
 from conveyor.stages.ingress.protocol import chat_messages, decode
 from conveyor.stages.tokenizer.encoder import PromptEncoder
+from conveyor.stages.tokenizer.length_limit import PromptTooLong
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +65,21 @@ class TokenRoutes:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give either prompt or messages", param="prompt")
         encoder = await self.encoder.get()
-        if body.prompt is not None:
-            ids = await asyncio.to_thread(encoder.encode_prompt, body.prompt)
-        else:
-            messages = [{"role": m.role, "content": m.content} for m in chat_messages(body.messages)]
-            try:
-                ids = await asyncio.to_thread(encoder.encode_chat, messages, body.add_generation_prompt)
-            except ValueError as e:
-                raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        # A text far past the context is refused having encoded about a context's worth, as the
+        # tokenizer stage does: a 4 MB body is not seconds of a thread's CPU.
+        max_len = self.config.model.max_model_len
+        try:
+            if body.prompt is not None:
+                ids = await asyncio.to_thread(encoder.encode_prompt, body.prompt, max_len)
+            else:
+                messages = [{"role": m.role, "content": m.content} for m in chat_messages(body.messages)]
+                try:
+                    ids = await asyncio.to_thread(encoder.encode_chat, messages, body.add_generation_prompt, max_len)
+                except ValueError as e:
+                    raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        except PromptTooLong as e:
+            message = f"this model's maximum context length is {max_len} tokens; the prompt has at least {e.num_tokens} tokens"
+            raise ApiError(400, message, param="prompt", code="context_length_exceeded") from None
         result = TokenizeResult(tokens=ids, count=len(ids), max_model_len=self.config.model.max_model_len)
         return _json(result)
 
