@@ -73,6 +73,20 @@ class Stream(threading.Thread):
         return self.events
 
 
+def streaming(daemon: Daemon, body: dict) -> Stream:
+    """A stream that has begun: its first chunk arrived."""
+    stream = Stream(daemon, body)
+    stream.start()
+    assert stream.started.wait(60)
+    return stream
+
+
+def kill_one(daemon: Daemon, stage: str, sig: signal.Signals = signal.SIGKILL) -> int:
+    [pid] = daemon.stage_pids(stage)
+    os.kill(pid, sig)
+    return pid
+
+
 def ended_with_error(events: list) -> dict:
     assert events[-1] == "[DONE]", events[-3:]
     assert "error" in events[-2], events[-3:]
@@ -96,11 +110,8 @@ def daemon(daemon_factory):
 
 
 def test_a_dead_worker_fails_what_is_in_flight_and_the_engine_comes_back(daemon):
-    stream = Stream(daemon, LONG)
-    stream.start()
-    assert stream.started.wait(60)
-    [worker] = daemon.stage_pids("worker")
-    os.kill(worker, signal.SIGKILL)
+    stream = streaming(daemon, LONG)
+    worker = kill_one(daemon, "worker")
     error = ended_with_error(stream.finish())
     assert error["code"] == "engine_not_ready"
 
@@ -118,12 +129,9 @@ def test_a_dead_worker_fails_what_is_in_flight_and_the_engine_comes_back(daemon)
 
 def test_a_stalled_worker_is_declared_dead(daemon):
     """SIGSTOP stands for a hung kernel: no heartbeat for --stage-timeout (3 s) and it is killed."""
-    stream = Stream(daemon, LONG)
-    stream.start()
-    assert stream.started.wait(60)
-    [worker] = daemon.stage_pids("worker")
+    stream = streaming(daemon, LONG)
     stopped_at = time.monotonic()
-    os.kill(worker, signal.SIGSTOP)
+    worker = kill_one(daemon, "worker", signal.SIGSTOP)
     try:
         error = ended_with_error(stream.finish())
         assert error["code"] == "engine_not_ready"
@@ -140,12 +148,9 @@ def test_a_stalled_worker_is_declared_dead(daemon):
 
 
 def test_a_dead_tokenizer_is_restarted_and_nothing_else_fails(daemon):
-    stream = Stream(daemon, LONG | {"max_tokens": 400})
-    stream.start()
-    assert stream.started.wait(60)
-    [tokenizer] = daemon.stage_pids("tokenizer")
+    stream = streaming(daemon, LONG | {"max_tokens": 400})
     before = restarts(daemon, "tokenizer")
-    os.kill(tokenizer, signal.SIGKILL)
+    tokenizer = kill_one(daemon, "tokenizer")
     t0 = time.monotonic()
     new = wait_until(lambda: [p for p in daemon.stage_pids("tokenizer") if p != tokenizer], timeout=5)
     assert time.monotonic() - t0 < 1.5, "not restarted within a second"
@@ -157,11 +162,8 @@ def test_a_dead_tokenizer_is_restarted_and_nothing_else_fails(daemon):
 
 
 def test_a_dead_detokenizer_fails_only_its_streams(daemon):
-    stream = Stream(daemon, LONG)
-    stream.start()
-    assert stream.started.wait(60)
-    [detokenizer] = daemon.stage_pids("detokenizer")
-    os.kill(detokenizer, signal.SIGKILL)
+    stream = streaming(daemon, LONG)
+    kill_one(daemon, "detokenizer")
     error = ended_with_error(stream.finish())
     assert error["code"] == "stage_failed"
     assert health(daemon) == 200
@@ -170,8 +172,7 @@ def test_a_dead_detokenizer_fails_only_its_streams(daemon):
 
 
 def test_a_dead_ingress_is_restarted(daemon):
-    [ingress] = daemon.stage_pids("ingress")
-    os.kill(ingress, signal.SIGKILL)
+    ingress = kill_one(daemon, "ingress")
     wait_until(lambda: [p for p in daemon.stage_pids("ingress") if p != ingress], timeout=5)
     wait_until(lambda: health(daemon) == 200, timeout=60)
     assert ok(daemon)
@@ -180,20 +181,16 @@ def test_a_dead_ingress_is_restarted(daemon):
 
 def test_too_many_engine_failures_exit_non_zero(daemon_factory):
     d = daemon_factory("--num-kv-blocks", "64", "--max-engine-restarts", "1", "--restart-window", "600")
-    [worker] = d.stage_pids("worker")
-    os.kill(worker, signal.SIGKILL)
+    worker = kill_one(d, "worker")
     wait_until(lambda: health(d) == 200 and d.stage_pids("worker") not in ([], [worker]))
-    [scheduler] = d.stage_pids("scheduler")
-    os.kill(scheduler, signal.SIGKILL)
+    kill_one(d, "scheduler")
     assert d.process.wait(timeout=60) == 1
     assert "giving up" in d.output()
 
 
 def test_sigterm_drains_in_flight_requests(daemon_factory):
     d = daemon_factory("--num-kv-blocks", "256", "--drain-timeout", "60")
-    stream = Stream(d, LONG | {"max_tokens": 300})
-    stream.start()
-    assert stream.started.wait(60)
+    stream = streaming(d, LONG | {"max_tokens": 300})
     d.process.send_signal(signal.SIGTERM)
     wait_until(lambda: health(d) == 503, timeout=10)
     r = d.post("/v1/completions", {"prompt": "late", "max_tokens": 2})
@@ -205,9 +202,7 @@ def test_sigterm_drains_in_flight_requests(daemon_factory):
 
 def test_a_drain_past_its_timeout_ends_streams_cleanly(daemon_factory):
     d = daemon_factory("--num-kv-blocks", "256", "--drain-timeout", "1")
-    stream = Stream(d, LONG | {"max_tokens": 1900})
-    stream.start()
-    assert stream.started.wait(60)
+    stream = streaming(d, LONG | {"max_tokens": 1900})
     d.process.send_signal(signal.SIGTERM)
     ended_with_error(stream.finish())
     assert d.process.wait(timeout=30) == 0
