@@ -24,6 +24,8 @@ from conveyor.stages.tokenizer.length_limit import PromptTooLong
 
 log = logging.getLogger(__name__)
 
+TOKENIZE_CONTEXTS = 16  # /tokenize counts up to this many times max_model_len tokens
+
 
 class LazyEncoder:
     """The PromptEncoder, built once, on the first request that needs it."""
@@ -65,9 +67,10 @@ class TokenRoutes:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give either prompt or messages", param="prompt")
         encoder = await self.encoder.get()
-        # A text far past the context is refused having encoded about a context's worth, as the
-        # tokenizer stage does: a 4 MB body is not seconds of a thread's CPU.
-        max_len = self.config.model.max_model_len
+        # /tokenize also counts texts longer than the context (benchmark clients calibrate with
+        # them), so it refuses only past TOKENIZE_CONTEXTS contexts, having encoded about that
+        # much: a 4 MB body is then a bounded slice of a thread's CPU, not seconds of it.
+        max_len = TOKENIZE_CONTEXTS * self.config.model.max_model_len
         try:
             if body.prompt is not None:
                 ids = await asyncio.to_thread(encoder.encode_prompt, body.prompt, max_len)
@@ -78,8 +81,8 @@ class TokenRoutes:
                 except ValueError as e:
                     raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
         except PromptTooLong as e:
-            message = f"this model's maximum context length is {max_len} tokens; the prompt has at least {e.num_tokens} tokens"
-            raise ApiError(400, message, param="prompt", code="context_length_exceeded") from None
+            message = f"/tokenize counts at most {max_len} tokens; the prompt has at least {e.num_tokens}"
+            raise ApiError(400, message, param="prompt", code="prompt_too_long") from None
         result = TokenizeResult(tokens=ids, count=len(ids), max_model_len=self.config.model.max_model_len)
         return _json(result)
 
