@@ -26,6 +26,7 @@ import torch
 from conveyor.config.engine import EngineConfig
 from conveyor.gpu.attention import AttentionMetadata
 from conveyor.gpu.cpu_kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
+from conveyor.gpu.cpu_kernels.small_linear import pays_on_this_cpu as small_linear_pays_on_this_cpu
 from conveyor.gpu.host_memory import keep_freed_memory
 from conveyor.gpu.kv_cache import allocate_kv_caches, copy_blocks, num_blocks_for_memory
 from conveyor.gpu.loader import load_model
@@ -71,7 +72,8 @@ class ModelRunner:
             keep_freed_memory()  # activations reuse warm heap pages instead of fresh mmaps
             if config.model.dtype == "float32":
                 self.cpu_kernel = paged_attention_kernel()
-                self.model.use_cpu_ops(cpu_fused_ops(), cpu_small_linear())
+                small_linear = cpu_small_linear() if small_linear_pays_on_this_cpu() else None
+                self.model.use_cpu_ops(cpu_fused_ops(), small_linear)
         self.kv_caches: list[torch.Tensor] = []
         self.seqs: dict[int, SeqState] = {}
         self._last_return: float | None = None  # perf_counter when execute last returned
