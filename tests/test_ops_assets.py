@@ -170,6 +170,7 @@ def test_panel_queries_the_provisioned_datasource(panel):
 def test_alert_rules_of_the_issue():
     assert [r["alert"] for r in alert_rules()] == [
         "ConveyorDown", "ConveyorGpuBubbleHigh", "ConveyorQueueTimeHigh", "ConveyorKvCacheExhausted",
+        "ConveyorStageRestarted",
     ]  # fmt: skip
 
 
