@@ -234,6 +234,8 @@ class Launcher:
 
     def _recover(self, child: Child) -> bool:
         """Restart a dead stage (or the whole engine); False when the daemon should give up."""
+        if child.process is None or self.children.get(child.name) is not child:
+            return True  # found dead in the same look as an engine failure that already stopped it
         now = time.monotonic()
         self.failures.append(now)
         while self.failures and now - self.failures[0] > self.server.restart_window_s:

@@ -254,3 +254,14 @@ def test_a_stale_run_directory_is_swept_at_the_next_start(tmp_path):
         import shutil
 
         shutil.rmtree(live, ignore_errors=True)
+
+
+def test_a_worker_and_a_detokenizer_dying_together_are_one_engine_restart(daemon_factory):
+    d = daemon_factory("--num-kv-blocks", "64", "--max-engine-restarts", "5")
+    [worker], [detokenizer] = d.stage_pids("worker"), d.stage_pids("detokenizer")
+    os.kill(detokenizer, signal.SIGKILL)
+    os.kill(worker, signal.SIGKILL)
+    wait_until(lambda: health(d) == 200 and d.stage_pids("worker") not in ([], [worker]))
+    assert ok(d)
+    time.sleep(1)  # a second detokenizer would have started by now
+    assert len(d.stage_pids("detokenizer")) == 1 and len(d.stage_pids("worker")) == 1
