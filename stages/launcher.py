@@ -47,7 +47,10 @@ from conveyor.wire.messages import Drained, EngineStatus, Heartbeat, LauncherInb
 log = logging.getLogger("conveyor")
 GRACE_S = 5.0
 POLL_MS = 100  # how often a dead child is noticed
-ENGINE_STAGES = ("scheduler", "worker", "detokenizer")  # stopped and started together
+ENGINE_STAGES = ("scheduler", "worker")  # the death of one is an engine failure
+# Stopped and started together on an engine failure: the detokenizers' sequence state belongs to
+# the dead scheduler (its sequence ids start again from 0).
+RESTARTED_WITH_ENGINE = (*ENGINE_STAGES, "detokenizer")
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 
@@ -247,7 +250,7 @@ class Launcher:
             )  # fmt: skip
             return False
         self._forget(child)
-        if child.stage in ("scheduler", "worker"):
+        if child.stage in ENGINE_STAGES:
             self._engine_failed()
         else:
             log.warning("restarting stage %s", child.name)
@@ -269,7 +272,7 @@ class Launcher:
         self.restart_engine_at = time.monotonic() + backoff
 
     def _engine_children(self) -> list[Child]:
-        return [c for c in self.children.values() if c.stage in ENGINE_STAGES]
+        return [c for c in self.children.values() if c.stage in RESTARTED_WITH_ENGINE]
 
     def _maybe_restart_engine(self) -> None:
         if self.restart_engine_at is None or time.monotonic() < self.restart_engine_at:
