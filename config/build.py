@@ -59,12 +59,13 @@ def build_engine_config(
     """`chat_template` is a path to a Jinja file or the template text itself. `server_options`
     sets other ServerConfig fields by name (the hardening limits: `SERVER_OPTIONS`)."""
     server_options = dict(server_options or {})
-    unknown = set(server_options) - {name for name, *_ in SERVER_OPTIONS} - {"special_tokens_in_content"}
+    unknown = set(server_options) - set(ServerConfig.__dataclass_fields__)
     if unknown:
         raise ConfigError(f"unknown server options: {', '.join(sorted(unknown))}")
-    for name, value in server_options.items():
-        if value is not None and not isinstance(value, bool) and value <= 0:
-            raise ConfigError(f"--{_flag(name)} must be positive, got {value}")
+    for name, flag, *_ in SERVER_OPTIONS:
+        value = server_options.get(name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{flag} must be positive, got {value}")
     if tensor_parallel_size != 1:
         raise ConfigError("tensor parallelism is not implemented yet; use --tensor-parallel-size 1")
     for name, value in (  # counts that must be positive; None means "not set"
@@ -145,10 +146,6 @@ SERVER_OPTIONS = (
 
 def server_option_default(name: str):
     return ServerConfig.__dataclass_fields__[name].default
-
-
-def _flag(name: str) -> str:
-    return next(flag for field, flag, *_ in SERVER_OPTIONS if field == name)
 
 
 def _queue_bound(name: str, value: int | None) -> int | None:

@@ -57,12 +57,7 @@ class LLM:
         self.config = build_engine_config(model, **options)
         from conveyor.gpu.runner import ModelRunner  # torch loads only with the engine
 
-        server = self.config.server
-        self.encoder = PromptEncoder(
-            self.config.model.path,
-            chat_template=server.chat_template,
-            special_tokens_in_content=server.special_tokens_in_content,
-        )
+        self.encoder = PromptEncoder.for_engine(self.config)
         self.tokenizer = Tokenizer.from_file(f"{self.config.model.path}/tokenizer.json")
         self.runner = ModelRunner(self.config)
         num_blocks = self.runner.num_available_blocks()

@@ -9,7 +9,8 @@ import pytest
 from conveyor.config import SchedulerConfig
 from conveyor.stages.scheduler.block_manager import BlockManager
 from conveyor.stages.scheduler.plan import step_plan
-from conveyor.stages.scheduler.scheduler import QueueFull, Scheduler
+from conveyor.stages.scheduler.scheduler import Scheduler
+from conveyor.stages.scheduler.waiting_queue import QueueFull
 from conveyor.stages.scheduler.sequence import Sequence
 from conveyor.wire.messages import FinishReason, SamplingParams, ScheduleRequest
 from tests.fake_worker import FakeRunner, expected_tokens, next_token

@@ -8,7 +8,6 @@ fixed destination) or several (zmq round-robins between them: a stage pool).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -68,8 +67,8 @@ class _ReceiverBase(Generic[T]):
 
 
 class Receiver(_ReceiverBase[T]):
-    # Called on every recv and whenever a wait wakes up (every SIGNAL_CHECK_MS at most): a stage
-    # hangs its liveness heartbeat here (stages/liveness.py).
+    # Called on every recv and every SIGNAL_CHECK_MS of an unbounded wait: a stage hangs its
+    # liveness heartbeat here (stages/liveness.py). Bounded waits are the caller's loop's to beat.
     on_wait: Callable[[], None] | None = None
 
     def poll(self, timeout_ms: int | None) -> bool:
@@ -86,13 +85,8 @@ class Receiver(_ReceiverBase[T]):
         if timeout_ms is None:
             while not self.socket.poll(SIGNAL_CHECK_MS):
                 on_wait()
-        else:
-            deadline = time.monotonic() + timeout_ms / 1000
-            while not self.socket.poll(min(timeout_ms, SIGNAL_CHECK_MS)):
-                on_wait()
-                timeout_ms = round(1000 * (deadline - time.monotonic()))
-                if timeout_ms <= 0:
-                    return None
+        elif not self.socket.poll(timeout_ms):
+            return None
         return self.decode(self.socket.recv(copy=False).buffer)
 
     def recv_nowait(self) -> T | None:

@@ -14,13 +14,16 @@ decoded by one typed decoder. A request's data travels in full once; per step on
 from __future__ import annotations
 
 import enum
-import math
 
-import msgspec
-
-
-class Struct(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Base for everything on the wire."""
+from conveyor.wire.sampling_params import (  # noqa: F401 - every stage imports them from here
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MIN_SAMPLING_TEMPERATURE,
+    REPETITION_PENALTY_RANGE,
+    SamplingParams,
+)
+from conveyor.wire.struct import Struct
 
 
 class FinishReason(enum.IntEnum):
@@ -34,83 +37,6 @@ class FinishReason(enum.IntEnum):
     @property
     def openai(self) -> str:
         return self.name.lower()
-
-
-MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
-# Stop strings per request and characters per stop string (OpenAI allows 4 strings, vLLM any):
-# generous for real use, and the detokenizer builds a request's automaton in tens of ms.
-MAX_STOP_STRINGS = 64
-MAX_STOP_STRING_CHARS = 1024
-# Below this a temperature means greedy (vLLM's threshold too): dividing logits by a smaller one
-# overflows float32, and a subnormal one rounds to 0 on the device.
-MIN_SAMPLING_TEMPERATURE = 1e-5
-# repetition_penalty divides or multiplies logits; outside this range it only overflows or
-# flattens them (HF suggests about 1.2; vLLM takes any positive value).
-REPETITION_PENALTY_RANGE = (0.01, 100.0)
-
-
-class SamplingParams(Struct):
-    """How to pick tokens and when to stop; the Python API's `SamplingParams` is this struct.
-
-    temperature 0 (or anything below MIN_SAMPLING_TEMPERATURE) means greedy. top_k <= 0 and top_p
-    == 1 disable those filters. With a seed, the draw for output token i depends only on (seed, i),
-    so it is the same whatever the batch.
-    """
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    max_tokens: int | None = 16  # None: until EOS or the context is full
-    stop_token_ids: list[int] = []
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
-    min_p: float = 0.0  # drop tokens below min_p * p(most likely token)
-    presence_penalty: float = 0.0  # OpenAI: subtracted once from the logit of every generated token
-    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated tokens
-    # CTRL/HF: logits of prompt and generated tokens divided (>0) or multiplied (<0); the
-    # penalty must lie in REPETITION_PENALTY_RANGE.
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0  # EOS, stop ids and stop strings are ignored (and EOS masked) before this many
-    logit_bias: dict[int, float] | None = None  # added to the logits before sampling
-    logprobs: int | None = None  # return the sampled token's logprob and this many top alternatives
-    stop: list[str] = []  # stop strings, matched by the detokenizer across token boundaries
-    include_stop_str_in_output: bool = False
-
-    def __post_init__(self) -> None:
-        """Raise ValueError naming the field first ("top_p must ..."): the ingress maps it to
-        the 400's `param`."""
-        low, high = REPETITION_PENALTY_RANGE
-        checks = (
-            ("n", self.n >= 1, "must be at least 1"),
-            ("best_of", self.best_of is None or self.best_of >= self.n, "must be at least n"),
-            ("temperature", 0 <= self.temperature < math.inf, "must be non-negative and finite"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "must be at least 1"),
-            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
-            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
-            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-            ("repetition_penalty", low <= self.repetition_penalty <= high, f"must be in [{low}, {high}]"),
-            ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
-            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "must be at most max_tokens"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
-            ("stop", len(self.stop) <= MAX_STOP_STRINGS, f"must have at most {MAX_STOP_STRINGS} strings"),
-            ("stop", all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), f"strings must be at most {MAX_STOP_STRING_CHARS} characters"),
-        )  # fmt: skip
-        for field, ok, message in checks:
-            if not ok:
-                raise ValueError(f"{field} {message}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < MIN_SAMPLING_TEMPERATURE
-
-    @property
-    def num_samples(self) -> int:
-        """Sequences generated for the request: best_of if given, else n."""
-        return self.best_of or self.n
 
 
 # --- received by a tokenizer ----------------------------------------------------------------

@@ -42,8 +42,8 @@ async def serve(config: EngineConfig, index: int) -> None:
     launcher = Sender(sync_ctx, address(run_dir, "launcher", 0))
     engine = EngineClient(index, tokenizers, scheduler, on_drained=lambda: launcher.send(Drained(index)))
     pump = asyncio.create_task(_receive(receiver, engine), name=f"ingress-{index}-receive")
-    pulse = Pulse(sync_ctx, config, "ingress", index)
-    beating: asyncio.Task | None = None
+    pulse = Pulse(sync_ctx, config, "ingress", index)  # the launcher heeds beats once we are ready
+    beating = asyncio.create_task(pulse.run(), name=f"ingress-{index}-heartbeat")
 
     runner = web.AppRunner(
         build_app(config, engine),
@@ -58,13 +58,11 @@ async def serve(config: EngineConfig, index: int) -> None:
         await site.start()
         log.info("ingress %d listening on http://%s:%d", index, config.server.host, config.server.port)
         launcher.send(StageReady(stage="ingress", index=index))
-        beating = asyncio.create_task(pulse.run(), name=f"ingress-{index}-heartbeat")
         await pump  # runs until cancelled
     finally:
         for task in (pump, beating):
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*(t for t in (pump, beating) if t is not None), return_exceptions=True)
+            task.cancel()
+        await asyncio.gather(pump, beating, return_exceptions=True)
         engine.fail_all()  # open streams end with an error event instead of being cut
         await runner.cleanup()
         for socket in (receiver, *tokenizers, scheduler, launcher, pulse):

@@ -38,16 +38,10 @@ class LazyEncoder:
     async def get(self) -> PromptEncoder:
         async with self._lock:
             if self._encoder is None:
-                path, server = self.config.model.path, self.config.server
                 try:
-                    self._encoder = await asyncio.to_thread(
-                        PromptEncoder,
-                        path,
-                        chat_template=server.chat_template,
-                        special_tokens_in_content=server.special_tokens_in_content,
-                    )
+                    self._encoder = await asyncio.to_thread(PromptEncoder.for_engine, self.config)
                 except Exception:
-                    log.exception("cannot load the tokenizer of %s", path)
+                    log.exception("cannot load the tokenizer of %s", self.config.model.path)
                     raise ApiError(500, "the server cannot load the model's tokenizer", code="tokenizer_unavailable")
             return self._encoder
 

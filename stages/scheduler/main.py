@@ -33,7 +33,8 @@ from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
 from conveyor.stages.scheduler.block_manager import BlockManager
 from conveyor.stages.scheduler.plan import step_plan, token_batches
-from conveyor.stages.scheduler.scheduler import QueueFull, ScheduledStep, Scheduler
+from conveyor.stages.scheduler.scheduler import ScheduledStep, Scheduler
+from conveyor.stages.scheduler.waiting_queue import QueueFull
 from conveyor.stages.scheduler.stats_log import StatsLog
 from conveyor.stages.scheduler.step import SeqUpdate
 from conveyor.wire.addresses import address

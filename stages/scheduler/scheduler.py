@@ -26,21 +26,15 @@ model's length is not scheduled again. Pure Python: no torch, no zmq.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from conveyor.config import SchedulerConfig
 from conveyor.stages.scheduler.block_manager import BlockManager, kv_slots
+from conveyor.stages.scheduler.early_aborts import EarlyAborts
 from conveyor.stages.scheduler.sequence import Sequence, SeqStatus
 from conveyor.stages.scheduler.step import Row, ScheduledStep, SeqUpdate
 from conveyor.stages.scheduler.waiting_queue import WaitingQueue
 from conveyor.wire.messages import FinishReason, ScheduleRequest, TokenLogprob, TopLogprobs
-
-EARLY_ABORT_TTL_S = 60.0  # an abort may overtake its request (they come from different stages)
-
-
-class QueueFull(Exception):
-    """The waiting queue is at its bound: the request is refused (HTTP 429)."""
 
 
 class Scheduler:
@@ -65,33 +59,19 @@ class Scheduler:
         self._next_seq_id = 0
         self._finished_for_worker: list[int] = []
         self._unsampled_updates: list[SeqUpdate] = []  # finishes with no token: aborts, too big for the pool
-        self._early_aborts: dict[str, float] = {}
+        self._early_aborts = EarlyAborts()
 
     # --- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: ScheduleRequest, detokenizer: int = 0) -> Sequence | None:
         """Queue a request as one sequence (it forks later for several samples). Raises
         QueueFull past the queue bounds; None when the request was already aborted."""
-        cfg = self.config
-        if cfg.max_queued_requests is not None and len(self.waiting) >= cfg.max_queued_requests:
-            raise QueueFull(f"{len(self.waiting)} requests are waiting (--max-queued-requests)")
-        tokens = len(request.prompt_token_ids)
-        if cfg.max_queued_tokens is not None and self.waiting.num_tokens + tokens > cfg.max_queued_tokens:
-            raise QueueFull(f"{self.waiting.num_tokens} prompt tokens are waiting (--max-queued-tokens)")
-        seq = Sequence(
-            self._new_seq_id(),
-            request.request_id,
-            request.prompt_token_ids,
-            request.params,
-            ingress=request.ingress,
-            detokenizer=detokenizer,
-            arrival_time=request.arrival_time,
-            priority=request.priority,
-        )
+        self.waiting.check_room(len(request.prompt_token_ids), self.config)
+        seq = Sequence.from_request(self._new_seq_id(), request, detokenizer)
         return seq if self.add(seq) else None
 
     def add(self, seq: Sequence) -> bool:
-        if self._early_aborts.pop(seq.request_id, None) is not None:
+        if self._early_aborts.take(seq.request_id):
             return False
         self._next_seq_id = max(self._next_seq_id, seq.seq_id + 1)
         self.by_request.setdefault(seq.request_id, []).append(seq)
@@ -101,31 +81,27 @@ class Scheduler:
     def abort(self, request_id: str) -> None:
         seqs = self.by_request.get(request_id)
         if seqs is None:
-            now = time.monotonic()
-            self._early_aborts = {r: t for r, t in self._early_aborts.items() if now - t < EARLY_ABORT_TTL_S}
-            self._early_aborts[request_id] = now
+            self._early_aborts.remember(request_id)
             return
-        self.num_aborts += 1
-        for seq in list(seqs):
-            if not seq.is_finished:
-                self._finish(seq, FinishReason.ABORT)
+        self._abort_seqs(seqs, report=True)
         self.running = [s for s in self.running if not s.is_finished]
 
     def drop_requests(self, owned_by: Callable[[Sequence], bool]) -> list[Sequence]:
         """Abort every request one of whose sequences `owned_by` selects (the ingress or the
         detokenizer process it streams through died), reporting nothing to a detokenizer; one
         sequence of each such request, to answer its ingress."""
-        dropped = []
-        for seqs in list(self.by_request.values()):
-            if not any(owned_by(s) for s in seqs):
-                continue
-            dropped.append(seqs[0])
-            self.num_aborts += 1
-            for seq in list(seqs):
-                if not seq.is_finished:
-                    self._finish(seq, FinishReason.ABORT, report=False)
+        dropped = [seqs for seqs in self.by_request.values() if any(owned_by(s) for s in seqs)]
+        for seqs in dropped:
+            self._abort_seqs(seqs, report=False)
         self.running = [s for s in self.running if not s.is_finished]
-        return dropped
+        return [seqs[0] for seqs in dropped]
+
+    def _abort_seqs(self, seqs: list[Sequence], *, report: bool) -> None:
+        """One request's sequences end with ABORT (the caller then filters `running`)."""
+        self.num_aborts += 1
+        for seq in list(seqs):
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT, report=report)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -213,33 +189,28 @@ class Scheduler:
         sampled = iter(sampled_token_ids)
         tops = iter(top_logprobs or ())
         eos, max_model_len = self.eos_token_ids, self.max_model_len
-        draw = -1
-        for row in step.rows:
-            if not row.samples:
-                continue  # a prompt chunk short of the end
-            for seq in (row.seq, *row.forks) if row.forks else (row.seq,):
-                token = next(sampled)
-                draw += 1
-                logprob = next(logprobs) if logprobs is not None else 0.0
-                top = next(tops) if seq.params.logprobs is not None else None
-                if seq.status is not SeqStatus.RUNNING or seq.num_preemptions != row.epoch:
-                    continue  # aborted, finished or preempted while the step ran: dropped
-                if draw in failed:  # its placeholder id is no token of the sequence
-                    self._finish(seq, FinishReason.ERROR, report=False)
-                    updates.append(SeqUpdate(seq, [], FinishReason.ERROR))
-                    continue
-                seq.token_ids.append(token)
-                seq.num_pending_tokens -= 1
-                seq.cumulative_logprob += logprob
-                reason = seq.stop_reason(token, eos, max_model_len)
-                if reason is not None:
-                    self._finish(seq, reason, report=False)
-                elif seq.num_registered_blocks < seq.num_computed_tokens // self.blocks.block_size:
-                    self._register_full_blocks(seq)  # a block whose last id was pending
-                update = SeqUpdate(seq, [token], reason)
-                if top is not None:
-                    update.logprobs = [TokenLogprob(logprob, top.token_ids, top.logprobs)]
-                updates.append(update)
+        for draw, (row, seq) in enumerate(step.draws()):
+            token = next(sampled)
+            logprob = next(logprobs) if logprobs is not None else 0.0
+            top = next(tops) if seq.params.logprobs is not None else None
+            if seq.status is not SeqStatus.RUNNING or seq.num_preemptions != row.epoch:
+                continue  # aborted, finished or preempted while the step ran: dropped
+            if draw in failed:  # its placeholder id is no token of the sequence
+                self._finish(seq, FinishReason.ERROR, report=False)
+                updates.append(SeqUpdate(seq, [], FinishReason.ERROR))
+                continue
+            seq.token_ids.append(token)
+            seq.num_pending_tokens -= 1
+            seq.cumulative_logprob += logprob
+            reason = seq.stop_reason(token, eos, max_model_len)
+            if reason is not None:
+                self._finish(seq, reason, report=False)
+            elif seq.num_registered_blocks < seq.num_computed_tokens // self.blocks.block_size:
+                self._register_full_blocks(seq)  # a block whose last id was pending
+            update = SeqUpdate(seq, [token], reason)
+            if top is not None:
+                update.logprobs = [TokenLogprob(logprob, top.token_ids, top.logprobs)]
+            updates.append(update)
         self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         return updates
 

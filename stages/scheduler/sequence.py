@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 
 from conveyor.stages.scheduler.block_manager import ROOT_HASH, chain_hash
-from conveyor.wire.messages import FinishReason, SamplingParams
+from conveyor.wire.messages import FinishReason, SamplingParams, ScheduleRequest
 
 
 class SeqStatus(enum.Enum):
@@ -74,6 +74,12 @@ class Sequence:
         self.enqueue_time = arrival_time  # reached the scheduler
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+
+    @classmethod
+    def from_request(cls, seq_id: int, request: ScheduleRequest, detokenizer: int = 0) -> Sequence:
+        """A request's first sequence (it forks later for several samples)."""
+        return cls(seq_id, request.request_id, request.prompt_token_ids, request.params, ingress=request.ingress,
+                   detokenizer=detokenizer, arrival_time=request.arrival_time, priority=request.priority)  # fmt: skip
 
     @property
     def num_tokens(self) -> int:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 from conveyor.stages.scheduler.sequence import Sequence
 from conveyor.wire.messages import FinishReason, TokenLogprob
@@ -32,6 +33,15 @@ class ScheduledStep:
     finished_seq_ids: list[int]  # sequences the worker may forget
     num_tokens: int
     num_sampled: int  # ids the step's result must carry: one per sampling row, one per fork
+
+    def draws(self) -> Iterator[tuple[Row, Sequence]]:
+        """(row, sequence) of each draw, in the order the result carries their ids: each sampling
+        row's own sequence, then its forks."""
+        for row in self.rows:
+            if row.samples:  # else a prompt chunk short of the end
+                yield row, row.seq
+                for child in row.forks:
+                    yield row, child
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import heapq
 
+from conveyor.config import SchedulerConfig
 from conveyor.stages.scheduler.sequence import Sequence, SeqStatus
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound: the request is refused (HTTP 429)."""
 
 
 class WaitingQueue:
@@ -23,6 +28,13 @@ class WaitingQueue:
 
     def __bool__(self) -> bool:
         return self.num_seqs > 0
+
+    def check_room(self, num_tokens: int, config: SchedulerConfig) -> None:
+        """Raise QueueFull unless a request of `num_tokens` prompt tokens fits the queue bounds."""
+        if config.max_queued_requests is not None and self.num_seqs >= config.max_queued_requests:
+            raise QueueFull(f"{self.num_seqs} requests are waiting (--max-queued-requests)")
+        if config.max_queued_tokens is not None and self.num_tokens + num_tokens > config.max_queued_tokens:
+            raise QueueFull(f"{self.num_tokens} prompt tokens are waiting (--max-queued-tokens)")
 
     def push(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING

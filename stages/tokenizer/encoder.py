@@ -29,6 +29,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from conveyor.config import EngineConfig
 from conveyor.stages.tokenizer.length_limit import PromptTooLong, encode_within
 
 
@@ -60,6 +61,17 @@ class PromptEncoder:
             chat_template = _default_template(config.get("chat_template"))
         self.chat_template = chat_template
         self._compiled: jinja2.Template | None = None
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig) -> PromptEncoder:
+        """The served checkpoint's encoder, with the server's chat settings: what the tokenizer
+        stage, /tokenize and the Python API all encode with."""
+        server = config.server
+        return cls(
+            config.model.path,
+            chat_template=server.chat_template,
+            special_tokens_in_content=server.special_tokens_in_content,
+        )
 
     @property
     def vocab_size(self) -> int:

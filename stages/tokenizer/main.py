@@ -97,10 +97,7 @@ def run(config: EngineConfig, index: int) -> None:
     # The pool scales by processes; a thread pool per process would only take cores from the worker.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_dir = config.server.run_dir
-    server = config.server
-    encoder = PromptEncoder(
-        config.model.path, chat_template=server.chat_template, special_tokens_in_content=server.special_tokens_in_content
-    )
+    encoder = PromptEncoder.for_engine(config)
     ctx = zmq.Context()
     try:
         inbox: Receiver[TokenizerInbound] = Receiver(ctx, address(run_dir, "tokenizer", index), TokenizerInbound)
