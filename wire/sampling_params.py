@@ -11,7 +11,8 @@ from conveyor.wire.struct import Struct
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI allows
 # Stop strings per request and characters per stop string (OpenAI allows 4 strings, vLLM any):
-# generous for real use, and the detokenizer builds a request's automaton in tens of ms.
+# generous for real use; at the bound the detokenizer builds a request's automaton in 161 ms on a
+# 2-core Zen 3 (64 random strings of 1024 characters), typical sets in well under a millisecond.
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 # Below this a temperature means greedy (vLLM's threshold too): dividing logits by a smaller one
