@@ -3,85 +3,137 @@
 `conveyor serve` builds an EngineConfig once from the command line, writes it to the run
 directory as JSON (msgspec), and every stage process reads it back; the Python API builds the
 same object in-process. Nothing mutates it afterwards.
+
+A field made with `option(...)` is also a user setting: its flag, default, help and bound are
+declared there once, and `conveyor serve`'s flags and `build_engine_config`'s keywords derive
+from it (config/options.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 from conveyor.config.model import ModelConfig
+from conveyor.config.options import option
 
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # fixed pool size; None: sized by the worker from free memory
-    gpu_memory_utilization: float = 0.90  # CUDA: fraction of device memory the worker may hold
-    cpu_kv_cache_gib: float = 1.0  # CPU: KV pool size when num_kv_blocks is not given
+    block_size: int = option(16, "tokens per KV block", minimum=1)
+    # A fixed pool size wins; None: the worker sizes the pool from free memory.
+    num_kv_blocks: int | None = option(None, "fix the KV pool size", minimum=1, none="from free memory")
+    gpu_memory_utilization: float = option(0.90, "CUDA: fraction of device memory the worker may hold")
+    cpu_kv_cache_gib: float = option(1.0, "CPU: memory for the KV pool in GiB", flag="kv-cache-gib")
 
 
-SCHEDULING_POLICIES = ("splitfuse", "prefill_first", "orca")
+class SchedulingPolicy(str, enum.Enum):
+    """How a step's token budget is spent. A str enum: it compares equal to its name and travels
+    in the JSON config as that name.
+
+    splitfuse: decodes first, then prompt chunks filling the budget exactly (Dynamic SplitFuse).
+    prefill_first: whole prompts in steps of their own, decodes only when no prompt waits (vLLM
+      before chunked prefill).
+    orca: decodes plus whole prompts that fit, never split.
+    """
+
+    SPLITFUSE = "splitfuse"
+    PREFILL_FIRST = "prefill_first"
+    ORCA = "orca"
 
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 2048  # the per-step token budget (decodes + prompt chunks)
-    max_num_seqs: int = 256  # sequences running at once
-    # splitfuse: decodes first, then prompt chunks filling the budget exactly (Dynamic SplitFuse).
-    # prefill_first: whole prompts in steps of their own, decodes only when no prompt waits
-    #   (vLLM before chunked prefill). orca: decodes plus whole prompts that fit, never split.
-    policy: str = "splitfuse"
+    max_num_batched_tokens: int = option(2048, "token budget per forward pass (decodes + prompt chunks)", minimum=1)
+    max_num_seqs: int = option(256, "sequences running at once", minimum=1)
+    policy: SchedulingPolicy = option(
+        SchedulingPolicy.SPLITFUSE, "splitfuse, or the baselines prefill_first and orca", flag="scheduling-policy"
+    )
     # Plan step n+1 while step n computes, so the device never waits on the scheduler (vLLM's
     # --async-scheduling, SGLang's overlap scheduler). Off: each plan waits for the last result.
-    async_scheduling: bool = True
-    enable_prefix_caching: bool = True
+    async_scheduling: bool = option(True, "plan the next step while the current one computes")
+    enable_prefix_caching: bool = option(True, "reuse the KV of cached full blocks across requests")
     # Admission bounds, on by default so one client cannot fill the server: past them new
-    # requests get a 429 with Retry-After. None turns a bound off.
-    max_queued_requests: int | None = 1024  # waiting requests
-    max_queued_tokens: int | None = 1 << 20  # waiting prompt tokens
+    # requests get a 429 with Retry-After. None turns a bound off (0 on the command line).
+    max_queued_requests: int | None = option(
+        1024, "waiting requests past which new ones get 429 (0: no bound)", zero_is_unbounded=True
+    )
+    max_queued_tokens: int | None = option(
+        1 << 20, "waiting prompt tokens past which new ones get 429 (0: no bound)", zero_is_unbounded=True
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    device: str = "cpu"  # "cpu" or "cuda"
-    tensor_parallel_size: int = 1
+    device: str = "cpu"  # "cpu" or "cuda": resolved from the --device option at build time
+    tensor_parallel_size: int = option(1, "GPUs one model is split over (only 1 is implemented)")
 
 
 @dataclasses.dataclass(frozen=True)
 class StagesConfig:
     """How many processes each scalable stage runs."""
 
-    num_ingress: int = 1
-    num_tokenizers: int = 1
-    num_detokenizers: int = 1
+    num_ingress: int = option(1, "HTTP processes sharing the port", flag="ingress-workers", minimum=1)
+    num_tokenizers: int = option(1, "tokenizer processes", flag="tokenizer-workers", minimum=1)
+    num_detokenizers: int = option(1, "detokenizer processes", flag="detokenizer-workers", minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = option("127.0.0.1", "address the HTTP server listens on (the only network listener)")
+    port: int = option(8000, "TCP port of the HTTP server")
     run_dir: str = ""  # private 0700 directory holding the ipc sockets; set by the launcher
     max_body_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
-    api_key: str | None = None  # when set, every route but /health and /metrics requires it
-    allowed_origins: tuple[str, ...] = ()  # CORS: origins allowed to call the API ("*" for any)
-    chat_template: str | None = None  # Jinja text overriding the checkpoint's chat template
+    # When set, every route but /health and /metrics requires it. The CLI also reads it from
+    # --api-key-file or CONVEYOR_API_KEY (conveyor/cli.py).
+    api_key: str | None = option(
+        None, "require this key (Authorization: Bearer or X-Api-Key); visible in ps: "
+        "prefer CONVEYOR_API_KEY or --api-key-file", none="none",
+    )  # fmt: skip
+    allowed_origins: tuple[str, ...] = option((), "CORS origins allowed to call the API ('*' for any)", none="none")
+    # Jinja text overriding the checkpoint's chat template; the option takes a file or the text.
+    chat_template: str | None = option(
+        None, "Jinja file (or text) overriding the checkpoint's chat template", none="the checkpoint's"
+    )
     # Sequences one HTTP request may start (prompts x max(n, best_of)): past it, a 400.
-    max_seqs_per_request: int = 256
+    max_seqs_per_request: int = option(256, "sequences one request may start (prompts x n)", positive=True)
     # HTTP hardening, per ingress process: a client slower than these is disconnected.
-    header_timeout_s: float = 10.0  # from connection (or the next request's first byte) to full headers
-    body_timeout_s: float = 30.0  # from the headers to the end of the body
-    keepalive_timeout_s: float = 15.0  # an idle keep-alive connection is closed after this
-    max_keepalive_requests: int = 1000  # requests per connection before it is closed
-    max_connections: int = 1024  # open connections; past it new ones wait in the listen backlog
+    # header_timeout_s runs from connection (or the next request's first byte) to full headers.
+    header_timeout_s: float = option(
+        10.0, "seconds a client has to send a request's headers", flag="http-header-timeout", positive=True
+    )
+    body_timeout_s: float = option(  # from the headers to the end of the body
+        30.0, "seconds a client has to send a request's body", flag="http-body-timeout", positive=True
+    )
+    keepalive_timeout_s: float = option(
+        15.0, "seconds an idle keep-alive connection stays open", flag="http-keepalive-timeout", positive=True
+    )
+    max_keepalive_requests: int = option(
+        1000, "requests per connection before it is closed", flag="http-max-keepalive-requests", positive=True
+    )
+    # Past it new connections wait in the listen backlog.
+    max_connections: int = option(1024, "open HTTP connections per ingress process", positive=True)
     # Chat: special tokens written inside message content are encoded as plain text unless this
     # is set (then a user could forge `<|eot_id|>` and a role header).
-    special_tokens_in_content: bool = False
+    special_tokens_in_content: bool = option(
+        False, "encode special tokens written inside chat message content as special tokens "
+        "(off: they are plain text, so users cannot forge roles)", flag="chat-content-special-tokens",
+    )  # fmt: skip
     # Liveness and shutdown (the launcher).
-    stage_timeout_s: float = 30.0  # a stage silent this long (no heartbeat) is declared dead
-    drain_timeout_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
-    max_engine_restarts: int = 3  # engine failures within restart_window_s before the daemon exits
-    restart_window_s: float = 300.0
+    stage_timeout_s: float = option(
+        30.0, "seconds of silence (no heartbeat) after which a stage is declared dead", flag="stage-timeout",
+        positive=True,
+    )  # fmt: skip
+    drain_timeout_s: float = option(
+        30.0, "on SIGTERM, seconds in-flight requests get to finish", flag="drain-timeout", positive=True
+    )
+    max_engine_restarts: int = option(
+        3, "engine failures in --restart-window before the daemon exits", positive=True
+    )
+    restart_window_s: float = option(
+        300.0, "seconds over which engine failures are counted", flag="restart-window", positive=True
+    )
 
 
 @dataclasses.dataclass(frozen=True)
