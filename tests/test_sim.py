@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from conveyor.config import CacheConfig, SchedulerConfig
 from conveyor.sim import __main__ as cli
 from conveyor.sim.costmodel import CostModel, Measurement, StepShape, fit
 from conveyor.sim.metrics import compute, meets_sla
@@ -138,7 +139,7 @@ def test_one_request_alone_is_hand_checkable():
     # 100 prompt tokens in chunks of 32, 32, 32, 4, then 4 decodes: 5 tokens in all.
     late = 10.0
     result = simulate([request(0, 100, 5), request(1, 100, 5, arrival=late)],
-                      SimConfig(max_num_batched_tokens=32, enable_prefix_caching=False), AFFINE)  # fmt: skip
+                      SimConfig(SchedulerConfig(max_num_batched_tokens=32, enable_prefix_caching=False)), AFFINE)  # fmt: skip
     prompt_steps = 4 * 1e-3 + 100 * 1e-4
     decode = 1e-3 + 1e-4
     for rec, start in zip(result.requests, (0.0, late)):  # the second finds an idle engine
@@ -153,7 +154,9 @@ def test_one_request_alone_is_hand_checkable():
 @pytest.mark.parametrize("policy", ["splitfuse", "prefill_first", "orca"])
 def test_every_request_finishes_with_all_its_tokens_even_when_preempted(policy):
     reqs = make_requests(WorkloadConfig(kind="random", num_requests=60, prompt_len=300, output_len=80, rate=50.0))
-    config = SimConfig(policy=policy, max_num_batched_tokens=256, num_kv_blocks=120, enable_prefix_caching=False)
+    config = SimConfig(
+        SchedulerConfig(policy=policy, max_num_batched_tokens=256, enable_prefix_caching=False), CacheConfig(num_kv_blocks=120)
+    )
     result = simulate(reqs, config, AFFINE)
     assert result.num_preemptions > 0  # the pool holds about 7 sequences at full length
     for req, rec in zip(reqs, result.requests):
@@ -169,7 +172,7 @@ def test_same_seed_same_metrics():
     def run(seed):
         reqs = make_requests(WorkloadConfig(kind="normal", num_requests=80, prompt_len=400, output_len=40,
                                             rate=20.0, seed=seed))  # fmt: skip
-        return compute(simulate(reqs, SimConfig(max_num_batched_tokens=512), A100_7B)).as_dict()
+        return compute(simulate(reqs, SimConfig(SchedulerConfig(max_num_batched_tokens=512)), A100_7B)).as_dict()
 
     assert run(7) == run(7)
     assert run(7) != run(8)
@@ -179,7 +182,7 @@ def test_fast_kv_count_matches_the_schedulers():
     # Shared prefixes: requests reuse each other's cached blocks.
     stem = tuple(range(1, 65))
     reqs = [SimRequest(f"r{i}", stem + tuple(range(100 + i * 50, 100 + i * 50 + 10 + i)), 6, 0.01 * i) for i in range(12)]
-    sched = build_scheduler(SimConfig(max_num_batched_tokens=48, block_size=16, num_kv_blocks=64))
+    sched = build_scheduler(SimConfig(SchedulerConfig(max_num_batched_tokens=48), CacheConfig(block_size=16, num_kv_blocks=64)))
     from conveyor.sim.simulator import _schedule_request, fake_tokens
 
     for r in reqs:
@@ -199,7 +202,7 @@ def test_fake_tokens_cover_forks():
     from conveyor.sim.simulator import fake_tokens
     from conveyor.wire.messages import SamplingParams, ScheduleRequest
 
-    sched = build_scheduler(SimConfig(max_num_batched_tokens=16))
+    sched = build_scheduler(SimConfig(SchedulerConfig(max_num_batched_tokens=16)))
     params = SamplingParams(n=3, max_tokens=4, ignore_eos=True)
     sched.add_request(ScheduleRequest("fan", 0, list(range(1, 40)), params, 0.0))
     draws = 0
@@ -213,7 +216,7 @@ def test_fake_tokens_cover_forks():
 
 def test_closed_loop_keeps_the_client_count_in_flight():
     reqs = [request(i, 50, 10) for i in range(9)]
-    result = simulate(reqs, SimConfig(num_clients=3, enable_prefix_caching=False), AFFINE)
+    result = simulate(reqs, SimConfig(SchedulerConfig(enable_prefix_caching=False), num_clients=3), AFFINE)
     arrivals = sorted(r.arrival for r in result.requests)
     assert arrivals[:3] == [0.0] * 3 and all(a > 0 for a in arrivals[3:])
     finishes = sorted(r.finish for r in result.requests)
@@ -245,7 +248,7 @@ def test_splitfuse_cuts_tail_token_latency_on_long_prompts():
     whole prompts while SplitFuse bounds every step by its budget."""
     reqs = make_requests(WorkloadConfig(kind="fastgen-2600-60", num_requests=60, rate=1.5, seed=0))
     by_policy = {
-        policy: compute(simulate(reqs, SimConfig(policy=policy, max_num_batched_tokens=budget), A100_7B))
+        policy: compute(simulate(reqs, SimConfig(SchedulerConfig(policy=policy, max_num_batched_tokens=budget)), A100_7B))
         for policy, budget in (("splitfuse", 512), ("prefill_first", 8192), ("orca", 8192))
     }
     split, first, orca = by_policy["splitfuse"], by_policy["prefill_first"], by_policy["orca"]
@@ -282,7 +285,7 @@ def test_measure_times_the_real_runner():
 
 def test_a_request_the_pool_cannot_hold_is_reported():
     with pytest.raises(RuntimeError, match="ended before max_tokens"):
-        simulate([request(0, 100, 50)], SimConfig(num_kv_blocks=4, block_size=16), AFFINE)
+        simulate([request(0, 100, 50)], SimConfig(cache=CacheConfig(num_kv_blocks=4, block_size=16)), AFFINE)
 
 
 def _kv_slots_block_by_block(sched) -> tuple[int, int]:

@@ -14,12 +14,16 @@ import json
 import math
 import sys
 
-from conveyor.config.engine import SCHEDULING_POLICIES
+from conveyor.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from conveyor.sim.metrics import compute
 from conveyor.sim.presets import PRESETS, cost_model
 from conveyor.sim.report import comparison_table
 from conveyor.sim.simulator import SimConfig, simulate
 from conveyor.sim.workloads import WorkloadConfig, make_requests
+
+
+POLICIES = tuple(p.value for p in SchedulingPolicy)
+DEFAULT = SimConfig()  # the engine flags' defaults: the configs' own, and the simulator's fixed pool
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,14 +42,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     w.add_argument("--prompt-len", type=int, default=512, help="fixed/random/normal workloads")
     w.add_argument("--output-len", type=int, default=128, help="fixed/random/normal workloads")
     e = p.add_argument_group("engine")
-    e.add_argument("--policies", default=",".join(SCHEDULING_POLICIES), help="comma-separated")
+    e.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
     e.add_argument("--cost", default="cpu-tiny", help=f"cost model: {', '.join(PRESETS)}")
-    e.add_argument("--budget", default="2048",
+    e.add_argument("--budget", default=str(DEFAULT.scheduler.max_num_batched_tokens),
                    help="max_num_batched_tokens: one number, or per policy (splitfuse=512,orca=8192)")
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--num-kv-blocks", type=int, default=4096)
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--max-model-len", type=int, default=8192)
+    e.add_argument("--max-num-seqs", type=int, default=DEFAULT.scheduler.max_num_seqs)
+    e.add_argument("--num-kv-blocks", type=int, default=DEFAULT.cache.num_kv_blocks)
+    e.add_argument("--block-size", type=int, default=DEFAULT.cache.block_size)
+    e.add_argument("--max-model-len", type=int, default=DEFAULT.max_model_len)
     e.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--json", help="also write every metric here")
     return p.parse_args(argv)
@@ -54,9 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in SCHEDULING_POLICIES]
+    unknown = [p for p in policies if p not in POLICIES]
     if unknown:
-        sys.exit(f"unknown policies {unknown}; choose from {', '.join(SCHEDULING_POLICIES)}")
+        sys.exit(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
     budgets = _budgets(args.budget, policies)
     cost = cost_model(args.cost)
     workload = WorkloadConfig(
@@ -64,13 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         path=args.path, token_counts=args.tokens, prompt_len=args.prompt_len, output_len=args.output_len,
     )  # fmt: skip
     requests = make_requests(workload)
+    cache = CacheConfig(num_kv_blocks=args.num_kv_blocks, block_size=args.block_size)
     results = {}
     for policy in policies:
-        config = SimConfig(
-            policy=policy, max_num_batched_tokens=budgets[policy], max_num_seqs=args.max_num_seqs,
-            num_kv_blocks=args.num_kv_blocks, block_size=args.block_size, max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching, num_clients=args.clients,
+        scheduler = SchedulerConfig(
+            policy=SchedulingPolicy(policy), max_num_batched_tokens=budgets[policy], max_num_seqs=args.max_num_seqs,
+            enable_prefix_caching=not args.no_prefix_caching,
         )  # fmt: skip
+        config = SimConfig(scheduler, cache, max_model_len=args.max_model_len, num_clients=args.clients)
         results[policy] = compute(simulate(requests, config, cost))
 
     print(_header(args, requests, budgets, cost.name))
@@ -107,7 +112,7 @@ def _budgets(spec: str, policies: list[str]) -> dict[str, int]:
     if "=" not in spec:
         return dict.fromkeys(policies, int(spec))
     named = {k.strip(): int(v) for k, v in (item.split("=", 1) for item in spec.split(","))}
-    return {p: named.get(p, 2048) for p in policies}
+    return {p: named.get(p, DEFAULT.scheduler.max_num_batched_tokens) for p in policies}
 
 
 if __name__ == "__main__":

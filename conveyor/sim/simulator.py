@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
-from conveyor.config import SchedulerConfig
+from conveyor.config import CacheConfig, SchedulerConfig
 from conveyor.sim.costmodel import CostModel, StepShape
 from conveyor.sim.workloads import SYNTHETIC_VOCAB, SimRequest
 from conveyor.stages.scheduler.block_manager import BlockManager
@@ -30,13 +30,12 @@ from conveyor.wire.messages import SamplingParams, ScheduleRequest
 
 @dataclasses.dataclass(frozen=True)
 class SimConfig:
-    policy: str = "splitfuse"
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    num_kv_blocks: int = 4096
-    block_size: int = 16
+    """The engine's own SchedulerConfig and CacheConfig, plus what the simulator alone needs.
+    The pool is fixed here (no worker sizes it): 4096 blocks unless given."""
+
+    scheduler: SchedulerConfig = SchedulerConfig()
+    cache: CacheConfig = CacheConfig(num_kv_blocks=4096)
     max_model_len: int = 8192
-    enable_prefix_caching: bool = True
     num_clients: int | None = None  # closed loop instead of the workload's arrival times
 
 
@@ -75,13 +74,8 @@ class SimResult:
 
 
 def build_scheduler(config: SimConfig) -> Scheduler:
-    sched = SchedulerConfig(
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs,
-        policy=config.policy,
-        enable_prefix_caching=config.enable_prefix_caching,
-    )
-    blocks = BlockManager(config.num_kv_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+    sched, cache = config.scheduler, config.cache
+    blocks = BlockManager(cache.num_kv_blocks, cache.block_size, enable_prefix_caching=sched.enable_prefix_caching)
     return Scheduler(sched, blocks, max_model_len=config.max_model_len, eos_token_ids=())
 
 
@@ -143,7 +137,7 @@ def simulate(requests: list[SimRequest], config: SimConfig, cost: CostModel) -> 
         requests=[records[r.request_id] for r in requests],
         steps=steps,
         num_preemptions=sched.num_preemptions,
-        num_kv_slots=config.num_kv_blocks * config.block_size,
+        num_kv_slots=config.cache.num_kv_blocks * config.cache.block_size,
     )
 
 
