@@ -12,18 +12,37 @@ hands it out again: least recently freed first, unnamed blocks before named ones
 sequence's later blocks before its earlier ones (a prefix's head is the likeliest to recur).
 Python's tuple hash is 64-bit and deterministic for ints; a collision would need two different
 chains to agree on all 64 bits.
+
+Sequences: the block table of a Sequence (`block_ids`) is kept here too, as nano-vllm's block
+manager keeps it. A table covers the sequence's computed tokens and those scheduled next;
+`num_registered_blocks` of its blocks are named in the prefix cache. The scheduler decides who
+runs and who is preempted; it asks this class whether and how much fits (`num_admittable`,
+`num_appendable`) and has it do the bookkeeping (`allocate_prompt`, `append`,
+`register_full_blocks`, `fork`, `release`). Pure Python: no torch, no zmq.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:  # sequence.py imports the hashes from here
+    from conveyor.stages.scheduler.sequence import Sequence
 
 ROOT_HASH = 0x9E3779B97F4A7C15  # the "parent" of a sequence's first block
 
 
 def chain_hash(parent: int, tokens: Iterable[int]) -> int:
     return hash((parent, tuple(tokens)))
+
+
+class BlockCopy(NamedTuple):
+    """Copy-on-write: a sequence about to write into a block it shares gets a copy of it."""
+
+    position: int  # in the sequence's block table
+    src: int  # the shared block
+    dst: int  # the sequence's own copy, which the worker fills from src before the step
 
 
 class BlockManager:
@@ -69,7 +88,7 @@ class BlockManager:
 
     def allocate(self, num: int) -> list[int]:
         """Fresh blocks (ref 1), evicting the prefix-cache names of the free blocks taken."""
-        if num > len(self._free):
+        if not self.can_allocate(num):
             raise RuntimeError(f"asked for {num} KV blocks with {len(self._free)} free")
         blocks = []
         for _ in range(num):
@@ -123,6 +142,83 @@ class BlockManager:
         if self.enable_prefix_caching and name not in self._cached and self._hash[block] is None:
             self._cached[name] = block
             self._hash[block] = name
+
+    # --- sequences' block tables --------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks holding the longest prefix of a waiting sequence's known tokens
+        (not yet shared), never the block of its last token, whose logits are needed. Nothing
+        for a sequence with computed tokens."""
+        if seq.num_computed_tokens:
+            return []
+        bs = self.block_size
+        return self.lookup(seq.full_block_hashes(bs, (seq.num_tokens - 1) // bs))
+
+    def num_admittable(self, hits: list[int]) -> int:
+        """Tokens past the prefix `hits` that the free pool can hold (a hit on a free block takes
+        that block out of the pool)."""
+        revived = sum(1 for block in hits if self._ref_counts[block] == 0)
+        return (len(self._free) - revived) * self.block_size
+
+    def allocate_prompt(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
+        """Start a sequence's table: the prefix `hits` shared (its tokens count as computed), then
+        fresh blocks for the next `num_tokens` tokens (`num_admittable` allows them)."""
+        self.share(hits)
+        seq.block_ids = hits
+        seq.num_registered_blocks = len(hits)  # hits are named already
+        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.block_ids += self.allocate(self.blocks_needed(seq.num_computed_tokens + num_tokens, len(hits)))
+
+    def can_append_in_place(self, seq: Sequence) -> bool:
+        """Whether the next token goes into a block the sequence already holds alone: appending
+        it needs nothing (the common decode)."""
+        computed = seq.num_computed_tokens
+        bs = self.block_size
+        return computed % bs != 0 and self._ref_counts[seq.block_ids[computed // bs]] == 1
+
+    def num_appendable(self, seq: Sequence) -> int:
+        """Tokens past the computed ones that the sequence's table and the free pool can hold. A
+        shared block the first of them goes into costs one free block for its copy."""
+        computed = seq.num_computed_tokens
+        bs = self.block_size
+        cow = computed % bs != 0 and self._ref_counts[seq.block_ids[computed // bs]] > 1
+        return (len(seq.block_ids) + len(self._free) - cow) * bs - computed
+
+    def append(self, seq: Sequence, num_tokens: int) -> BlockCopy | None:
+        """Blocks for the sequence's next `num_tokens` tokens (`num_appendable` allows them). The
+        copy to make first when the first of them goes into a block another sequence holds."""
+        table, computed = seq.block_ids, seq.num_computed_tokens
+        position = computed // self.block_size  # the block the first new token goes into
+        copy = None
+        if computed % self.block_size and self._ref_counts[table[position]] > 1:
+            (own,) = self.allocate(1)
+            copy = BlockCopy(position, table[position], own)
+            table[position] = own
+            self.free([copy.src])
+        table += self.allocate(self.blocks_needed(computed + num_tokens, len(table)))
+        return copy
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Name the sequence's blocks that filled since the last call in the prefix cache."""
+        # Only blocks whose ids are all known: a pending draw's block waits for its id.
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+        if num_full <= seq.num_registered_blocks or not self.enable_prefix_caching:
+            return
+        hashes = seq.full_block_hashes(self.block_size, num_full)
+        for i in range(seq.num_registered_blocks, num_full):
+            self.register(seq.block_ids[i], hashes[i])
+        seq.num_registered_blocks = num_full
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent's table."""
+        child.block_ids = list(parent.block_ids)
+        self.share(child.block_ids)
+
+    def release(self, seq: Sequence) -> None:
+        """Free the sequence's whole table (it finished, or is preempted to be recomputed)."""
+        self.free(seq.block_ids)
+        seq.block_ids = []
+        seq.num_registered_blocks = 0
 
 
 def kv_slots(blocks: BlockManager, tables: Iterable[tuple[list[int], int]]) -> tuple[int, int]:

@@ -39,8 +39,7 @@ def token_batches(step: int, updates: list[SeqUpdate], num_detokenizers: int) ->
         batch = batches[seq.detokenizer]
         if batch is None:
             batch = batches[seq.detokenizer] = TokenBatch(step=step, new_seqs=[], updates=[])
-        if not seq.known_by_detokenizer:
-            seq.known_by_detokenizer = True
+        if update.new_to_detokenizer:
             tail_start = max(0, seq.num_prompt_tokens - PROMPT_TAIL_TOKENS)
             batch.new_seqs.append(
                 DetokSeq(

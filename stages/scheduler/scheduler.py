@@ -9,9 +9,10 @@ steps of their own; vLLM before chunked prefill) and orca (decodes plus whole pr
 Memory: a sequence reuses every cached full block of its known tokens at admission (never the
 block of its last token, whose logits are needed); blocks are allocated as tokens are scheduled,
 named in the prefix cache as they fill, and freed when the sequence ends. A write into a block
-another sequence still holds first copies it (copy-on-write). When not one token of a running
-sequence fits, the running sequence with the lowest priority and latest arrival is preempted by
-recomputation: its blocks are freed and it waits again with every token it has.
+another sequence still holds first copies it (copy-on-write). The block manager keeps the block
+tables; this class decides. When not one token of a running sequence fits, the running sequence
+with the lowest priority and latest arrival is preempted by recomputation: its blocks are freed
+and it waits again with every token it has.
 
 Parallel samples: a request for k samples runs as one sequence until its prompt is computed; the
 step that samples its first token forks k-1 siblings sharing all its blocks.
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from conveyor.config import SchedulerConfig
 from conveyor.stages.scheduler.block_manager import BlockManager, kv_slots
 from conveyor.stages.scheduler.early_aborts import EarlyAborts
-from conveyor.stages.scheduler.sequence import Sequence, SeqStatus
+from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
 from conveyor.stages.scheduler.step import Row, ScheduledStep, SeqUpdate
 from conveyor.stages.scheduler.waiting_queue import WaitingQueue
 from conveyor.wire.messages import FinishReason, ScheduleRequest, TokenLogprob, TopLogprobs
@@ -60,6 +61,21 @@ class Scheduler:
         self._finished_for_worker: list[int] = []
         self._unsampled_updates: list[SeqUpdate] = []  # finishes with no token: aborts, too big for the pool
         self._early_aborts = EarlyAborts()
+
+    @classmethod
+    def from_config(
+        cls,
+        config: SchedulerConfig,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> Scheduler:
+        """A scheduler over a fresh pool of `num_blocks` KV blocks of `block_size` tokens, with
+        prefix caching as `config` says."""
+        blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
+        return cls(config, blocks, max_model_len=max_model_len, eos_token_ids=eos_token_ids)
 
     # --- requests in and out -------------------------------------------------------------
 
@@ -134,6 +150,7 @@ class Scheduler:
         if not rows and not self._finished_for_worker:
             return None
         new_seqs, new_seqs_computed, num_sampled = [], [], 0
+        register_full_blocks = self.blocks.register_full_blocks
         for row in rows:
             seq = row.seq
             if not seq.known_by_worker:
@@ -144,7 +161,7 @@ class Scheduler:
             row.new_block_ids = seq.block_ids[seq.num_blocks_sent :]
             seq.num_blocks_sent = len(seq.block_ids)
             seq.num_computed_tokens += row.num_tokens
-            self._register_full_blocks(seq)
+            register_full_blocks(seq)
             row.samples = seq.num_computed_tokens == seq.num_tokens
             row.epoch = seq.num_preemptions
             if row.samples:
@@ -189,6 +206,7 @@ class Scheduler:
         sampled = iter(sampled_token_ids)
         tops = iter(top_logprobs or ())
         eos, max_model_len = self.eos_token_ids, self.max_model_len
+        register_full_blocks = self.blocks.register_full_blocks
         for draw, (row, seq) in enumerate(step.draws()):
             token = next(sampled)
             logprob = next(logprobs) if logprobs is not None else 0.0
@@ -197,7 +215,7 @@ class Scheduler:
                 continue  # aborted, finished or preempted while the step ran: dropped
             if draw in failed:  # its placeholder id is no token of the sequence
                 self._finish(seq, FinishReason.ERROR, report=False)
-                updates.append(SeqUpdate(seq, [], FinishReason.ERROR))
+                updates.append(self._introduced(SeqUpdate(seq, [], FinishReason.ERROR)))
                 continue
             seq.token_ids.append(token)
             seq.num_pending_tokens -= 1
@@ -205,9 +223,11 @@ class Scheduler:
             reason = seq.stop_reason(token, eos, max_model_len)
             if reason is not None:
                 self._finish(seq, reason, report=False)
-            elif seq.num_registered_blocks < seq.num_computed_tokens // self.blocks.block_size:
-                self._register_full_blocks(seq)  # a block whose last id was pending
+            else:
+                register_full_blocks(seq)  # a block whose last id was pending
             update = SeqUpdate(seq, [token], reason)
+            if not seq.known_by_detokenizer:
+                self._introduced(update)
             if top is not None:
                 update.logprobs = [TokenLogprob(logprob, top.token_ids, top.logprobs)]
             updates.append(update)
@@ -234,14 +254,13 @@ class Scheduler:
             if seq.num_pending_tokens and seq.at_length_limit(seq.num_tokens, max_model_len):
                 continue  # its pending draw is its last
             (decodes if seq.num_uncomputed_tokens == 1 else prompts).append(seq)
-        bs, ref_count = self.blocks.block_size, self.blocks.ref_count
+        can_append_in_place = self.blocks.can_append_in_place
         for seq in decodes:
             if budget == 0:
                 return 0
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted to make room for an earlier one
-            computed = seq.num_computed_tokens
-            if computed % bs and ref_count(seq.block_ids[computed // bs]) == 1:
+            if can_append_in_place(seq):
                 row = Row(seq, 1, [], [])  # the common case: room left in its own last block
             elif (row := self._reserve(seq, 1, scheduled, copies)) is None:
                 continue
@@ -262,51 +281,40 @@ class Scheduler:
 
     def _admit(self, budget: int, rows: list[Row], *, chunk: bool) -> int:
         """Start waiting sequences while the budget, the seats and the pool allow."""
-        bs = self.blocks.block_size
+        blocks = self.blocks
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.peek()
             if seq is None:
                 break
-            hits = []
-            if seq.num_computed_tokens == 0:
-                hits = self.blocks.lookup(seq.full_block_hashes(bs, (seq.num_tokens - 1) // bs))
-            num = min(seq.num_tokens - len(hits) * bs, budget)
-            whole_prompt_fits = num == seq.num_tokens - len(hits) * bs
+            hits = blocks.match_prefix(seq)
+            num_uncached = seq.num_tokens - len(hits) * blocks.block_size
+            num = min(num_uncached, budget)
+            whole_prompt_fits = num == num_uncached
             if not chunk and not whole_prompt_fits and (rows or budget < self.config.max_num_batched_tokens):
                 break  # no splitting: it waits for a step with room for all of it
-            revived = sum(1 for b in hits if self.blocks.ref_count(b) == 0)
-            num = min(num, (self.blocks.num_free - revived) * bs)
+            num = min(num, blocks.num_admittable(hits))
             if num < 1:
                 if not self.running and not rows:  # the whole pool is free and still too small
                     self._finish(seq, FinishReason.LENGTH)
                     continue
                 break
             self.waiting.pop()
-            self.blocks.share(hits)
-            seq.block_ids = hits
-            seq.num_registered_blocks = len(hits)  # hits are named already
-            seq.num_computed_tokens = len(hits) * bs
+            blocks.allocate_prompt(seq, hits, num)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
-            seq.block_ids += self.blocks.allocate(self.blocks.blocks_needed(seq.num_computed_tokens + num, len(hits)))
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             rows.append(Row(seq, num, [], []))
             budget -= num
         return budget
 
-    # --- blocks --------------------------------------------------------------------------
+    # --- room, forks, endings -------------------------------------------------------------
 
     def _reserve(self, seq: Sequence, num: int, scheduled: set[int], copies: list) -> Row | None:
         """Blocks for up to `num` more tokens of a running sequence: a prompt chunk shrinks to
         what fits; when not one token fits, others are preempted. None: nothing reserved."""
-        bs, blocks = self.blocks.block_size, self.blocks
-        while True:
-            written = seq.num_computed_tokens // bs  # the block the first new token goes into
-            cow = seq.num_computed_tokens % bs != 0 and blocks.ref_count(seq.block_ids[written]) > 1
-            capacity = (len(seq.block_ids) + blocks.num_free - cow) * bs - seq.num_computed_tokens
-            if (fit := min(num, capacity)) >= 1:
-                break
+        blocks = self.blocks
+        while (fit := min(num, blocks.num_appendable(seq))) < 1:
             victim = max(
                 (s for s in self.running if s.status is SeqStatus.RUNNING and s.seq_id not in scheduled),
                 key=lambda s: s.sort_key,
@@ -322,33 +330,17 @@ class Scheduler:
                     self._preempt(seq)
                 return None
             self._preempt(victim)
-        replaced = []
-        if cow:
-            shared = seq.block_ids[written]
-            (own,) = blocks.allocate(1)
-            copies.append((shared, own))
-            seq.block_ids[written] = own
-            blocks.free([shared])
-            replaced.append((written, own))
-        seq.block_ids += blocks.allocate(blocks.blocks_needed(seq.num_computed_tokens + fit, len(seq.block_ids)))
-        return Row(seq, fit, [], replaced)
-
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        if not self.blocks.enable_prefix_caching:
-            return
-        # Only blocks whose ids are all known: a pending draw's block waits for update().
-        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.blocks.block_size
-        if num_full > seq.num_registered_blocks:
-            hashes = seq.full_block_hashes(self.blocks.block_size, num_full)
-            for i in range(seq.num_registered_blocks, num_full):
-                self.blocks.register(seq.block_ids[i], hashes[i])
-            seq.num_registered_blocks = num_full
+        copy = blocks.append(seq, fit)
+        if copy is None:
+            return Row(seq, fit, [], [])
+        copies.append((copy.src, copy.dst))
+        return Row(seq, fit, [], [(copy.position, copy.dst)])
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         children = []
         for index in range(1, seq.num_pending_forks + 1):
             child = seq.fork(self._new_seq_id(), index)
-            self.blocks.share(child.block_ids)
+            self.blocks.fork(seq, child)
             child.num_blocks_sent = len(child.block_ids)  # the worker copies the parent's table
             self.by_request[seq.request_id].append(child)
             self.running.append(child)
@@ -357,9 +349,8 @@ class Scheduler:
         return children
 
     def _preempt(self, seq: Sequence) -> None:
-        self.blocks.free(seq.block_ids)
-        seq.block_ids = []
-        seq.num_computed_tokens = seq.num_registered_blocks = 0
+        self.blocks.release(seq)
+        seq.num_computed_tokens = 0
         seq.num_pending_tokens = 0  # in-flight draws come back to a waiting sequence: dropped
         seq.num_preemptions += 1
         if seq.known_by_worker:
@@ -377,15 +368,23 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.num_pending_tokens = 0  # draws still in flight are dropped when they come back
-        self.blocks.free(seq.block_ids)
-        seq.block_ids = []
+        self.blocks.release(seq)
         if seq.known_by_worker:
             self._finished_for_worker.append(seq.seq_id)
         if report:
-            self._unsampled_updates.append(SeqUpdate(seq, [], reason))
+            self._unsampled_updates.append(self._introduced(SeqUpdate(seq, [], reason)))
         seqs = self.by_request.get(seq.request_id)
         if seqs is not None and all(s.is_finished for s in seqs):
             del self.by_request[seq.request_id]
+
+    @staticmethod
+    def _introduced(update: SeqUpdate) -> SeqUpdate:
+        """The update, marked where it is its sequence's first: every update reaches the
+        detokenizer, in the order they are made, and the first brings the sequence's DetokSeq."""
+        seq = update.seq
+        if not seq.known_by_detokenizer:
+            seq.known_by_detokenizer = update.new_to_detokenizer = True
+        return update
 
     def _new_seq_id(self) -> int:
         seq_id = self._next_seq_id

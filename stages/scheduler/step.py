@@ -55,3 +55,5 @@ class SeqUpdate:
     new_token_ids: list[int]
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when the request asked
+    # The detokenizer's first update of the sequence: its batch carries the sequence's DetokSeq.
+    new_to_detokenizer: bool = False
