@@ -19,7 +19,7 @@ from conveyor.config.engine import (
 )
 from conveyor.config.errors import ConfigError
 from conveyor.config.model import DTYPES, ModelConfig
-from conveyor.config.options import collect, option
+from conveyor.config.options import Setting, collect, option, settings
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -46,6 +46,13 @@ OPTION_CLASSES: dict[str, type] = {
     "stages": StagesConfig,
     "server": ServerConfig,
 }
+
+
+def option_settings(*names: str) -> tuple[Setting, ...]:
+    """The settings with these keyword names, in that order: for a tool that offers a few of the
+    engine's options (`conveyor bench offline`)."""
+    by_name = {s.name: s for cls in OPTION_CLASSES.values() for s in settings(cls)}
+    return tuple(by_name[name] for name in names)
 
 
 def resolve_device(device: str) -> str:

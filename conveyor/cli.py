@@ -38,7 +38,8 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
         "serve", help="load an OpenAI-compatible server over HTTP: latency, throughput, effective throughput"
     ))  # fmt: skip
     bench_args.add_offline(which.add_parser(
-        "offline", help="offline tokens/s of conveyor's LLM API against transformers' generate"
+        "offline", help="offline tokens/s of conveyor's LLM API against transformers' generate",
+        formatter_class=DefaultsHelpFormatter,
     ))  # fmt: skip
     bench_args.add_step(which.add_parser("step", help="CPU cost of one scheduler step over N running decodes"))
     bench_args.add_forward(which.add_parser(

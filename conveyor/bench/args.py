@@ -6,6 +6,13 @@ from __future__ import annotations
 import argparse
 import math
 
+from conveyor.config.build import option_settings
+from conveyor.config.options import add_arguments
+
+# The engine options `bench offline` passes to LLM(...): flags, defaults and help are the config's.
+OFFLINE_ENGINE_OPTIONS = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
+                          "gpu_memory_utilization")  # fmt: skip
+
 DATASET_HELP = (
     "sharegpt (needs --dataset-path), random (--input-len/--output-len), prefill-heavy (~462 in, 16 out), "
     "decode-heavy (~462 in, 256 out), fastgen-PROMPT-OUTPUT (FastGen's normal workloads, e.g. fastgen-1200-60, "
@@ -52,13 +59,7 @@ def add_serve(p: argparse.ArgumentParser) -> None:
 
 def add_offline(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine")
-    e.add_argument("--model", help="checkpoint directory (default: the embedded tiny Llama)")
-    e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    e.add_argument("--num-kv-blocks", type=int, help="fix the KV pool (default: from free memory)")
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    add_arguments(e, option_settings("model", *OFFLINE_ENGINE_OPTIONS))
     e.add_argument("--hf-batch-size", type=int, default=16, help="transformers baseline: prompts per static batch")
     e.add_argument("--skip-hf", action="store_true", help="conveyor only")
     add_dataset(p, num_prompts=200, num_prompts_help="requests (default 200)")

@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from conveyor.bench.args import OFFLINE_ENGINE_OPTIONS
 from conveyor.bench.dataset import BenchRequest, DatasetConfig, make_dataset
 from conveyor.bench.prompts import FileCounter
 from conveyor.sim.report import markdown_table
@@ -149,10 +150,7 @@ def _main(args: argparse.Namespace) -> int:
     requests = asyncio.run(make_dataset(config, FileCounter(Path(model) / "tokenizer.json")))
     if not requests:
         raise ValueError("the dataset is empty")
-    options = dict(
-        device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-    )  # fmt: skip
+    options = {name: getattr(args, name) for name in OFFLINE_ENGINE_OPTIONS}
     ours, device, dtype = run_conveyor(requests, model, **options)
     results = [ours]
     if not args.skip_hf:
