@@ -18,7 +18,6 @@ from tokenizers import Tokenizer
 
 from conveyor.config.build import build_engine_config
 from conveyor.stages.detokenizer.main import Detokenizer
-from conveyor.stages.scheduler.block_manager import BlockManager
 from conveyor.stages.scheduler.plan import step_plan, token_batches
 from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.stages.tokenizer.encoder import PromptEncoder
@@ -62,13 +61,10 @@ class LLM:
         self.runner = ModelRunner(self.config)
         num_blocks = self.runner.num_available_blocks()
         self.runner.initialize_cache(num_blocks)
-        self.scheduler = Scheduler(
+        self.scheduler = Scheduler.from_config(
             self.config.scheduler,
-            BlockManager(
-                num_blocks,
-                self.config.cache.block_size,
-                enable_prefix_caching=self.config.scheduler.enable_prefix_caching,
-            ),
+            num_blocks=num_blocks,
+            block_size=self.config.cache.block_size,
             max_model_len=self.config.model.max_model_len,
             eos_token_ids=self.config.model.eos_token_ids,
         )

@@ -19,9 +19,10 @@ EOS = 999
 
 
 def make(num_blocks=256, block_size=4, budget=32, max_seqs=64, max_model_len=512, **config):
-    sched = Scheduler(
+    sched = Scheduler.from_config(
         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, **config),
-        BlockManager(num_blocks, block_size),
+        num_blocks=num_blocks,
+        block_size=block_size,
         max_model_len=max_model_len,
         eos_token_ids=(EOS,),
     )

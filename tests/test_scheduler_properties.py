@@ -17,7 +17,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conveyor.config import SchedulerConfig
-from conveyor.stages.scheduler.block_manager import BlockManager
 from conveyor.stages.scheduler.plan import step_plan
 from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.stages.scheduler.sequence import SeqStatus
@@ -66,8 +65,8 @@ def test_random_streams_keep_every_invariant(reqs, block_size, num_blocks, budge
                                              lookahead, eos):  # fmt: skip
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, policy=policy,
                              enable_prefix_caching=caching)  # fmt: skip
-    sched = Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching=caching), max_model_len=256,
-                      eos_token_ids=EOS_IDS)  # fmt: skip
+    sched = Scheduler.from_config(config, num_blocks=num_blocks, block_size=block_size, max_model_len=256,
+                                  eos_token_ids=EOS_IDS)  # fmt: skip
     runner = FakeRunner(num_blocks, block_size)
     prefixes = [[(p * 31 + j) % 500 for j in range(k)] for p, k in enumerate((0, 9, 20))]
     prompts = {f"r{i}": prefixes[pre] + [(i * 13 + j) % 500 + 1 for j in range(own)]

@@ -18,7 +18,6 @@ import statistics
 import time
 
 from conveyor.config import SchedulerConfig
-from conveyor.stages.scheduler.block_manager import BlockManager
 from conveyor.stages.scheduler.plan import step_plan, token_batches
 from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.wire.channel import encode
@@ -29,9 +28,10 @@ def measure(num_running: int, *, steps: int = 200, prompt_len: int = 200, block_
     max_tokens = 10_000_000  # never finishes during the run
     # prefill warm-up decodes too (up to ~prompt_len * num_running / budget steps), then `steps`
     num_blocks = num_running * ((2 * prompt_len + steps) // block_size + 4)
-    sched = Scheduler(
+    sched = Scheduler.from_config(
         SchedulerConfig(max_num_batched_tokens=max(2048, num_running), max_num_seqs=num_running),
-        BlockManager(num_blocks, block_size),
+        num_blocks=num_blocks,
+        block_size=block_size,
         max_model_len=1 << 20,
     )
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -22,7 +22,6 @@ from collections import deque
 from conveyor.config import CacheConfig, SchedulerConfig
 from conveyor.sim.costmodel import CostModel, StepShape
 from conveyor.sim.workloads import SYNTHETIC_VOCAB, SimRequest
-from conveyor.stages.scheduler.block_manager import BlockManager
 from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.stages.scheduler.step import ScheduledStep
 from conveyor.wire.messages import SamplingParams, ScheduleRequest
@@ -74,9 +73,10 @@ class SimResult:
 
 
 def build_scheduler(config: SimConfig) -> Scheduler:
-    sched, cache = config.scheduler, config.cache
-    blocks = BlockManager(cache.num_kv_blocks, cache.block_size, enable_prefix_caching=sched.enable_prefix_caching)
-    return Scheduler(sched, blocks, max_model_len=config.max_model_len, eos_token_ids=())
+    cache = config.cache
+    return Scheduler.from_config(
+        config.scheduler, num_blocks=cache.num_kv_blocks, block_size=cache.block_size, max_model_len=config.max_model_len
+    )
 
 
 def simulate(requests: list[SimRequest], config: SimConfig, cost: CostModel) -> SimResult:

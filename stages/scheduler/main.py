@@ -31,7 +31,6 @@ from conveyor.config.env import test_plan_delay_s
 from conveyor.stages import metrics
 from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
-from conveyor.stages.scheduler.block_manager import BlockManager
 from conveyor.stages.scheduler.plan import step_plan, token_batches
 from conveyor.stages.scheduler.scheduler import ScheduledStep, Scheduler
 from conveyor.stages.scheduler.waiting_queue import QueueFull
@@ -88,9 +87,10 @@ class SchedulerStage:
         for worker in self.workers:
             worker.send(InitializeCache(num_blocks))
         cfg = self.config
-        self.scheduler = Scheduler(
+        self.scheduler = Scheduler.from_config(
             cfg.scheduler,
-            BlockManager(num_blocks, cfg.cache.block_size, enable_prefix_caching=cfg.scheduler.enable_prefix_caching),
+            num_blocks=num_blocks,
+            block_size=cfg.cache.block_size,
             max_model_len=cfg.model.max_model_len,
             eos_token_ids=cfg.model.eos_token_ids,
         )
