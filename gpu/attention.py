@@ -71,7 +71,7 @@ class AttentionMetadata:
         block_size: int,
         sliding_window: int | None,
         cpu_kernel: PagedAttentionKernel | None = None,
-    ) -> "AttentionMetadata":
+    ) -> AttentionMetadata:
         """From host lists and device tensors: block_tables [B, max_blocks] int32 and positions
         [T] int64, already on the target device. Masks are built on that device, unless
         cpu_kernel is given (CPU, float32): it needs none."""

@@ -50,9 +50,7 @@ def num_blocks_for_memory(model: ModelConfig, cache: CacheConfig, device: torch.
     return num_blocks
 
 
-def allocate_kv_caches(
-    model: ModelConfig, num_blocks: int, block_size: int, device: torch.device | str
-) -> list[torch.Tensor]:
+def allocate_kv_caches(model: ModelConfig, num_blocks: int, block_size: int, device: torch.device | str) -> list[torch.Tensor]:
     """One zeroed [2, num_blocks, block_size, Hkv, D] tensor per layer."""
     shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
     dtype = getattr(torch, model.dtype)

@@ -14,12 +14,10 @@ import math
 import torch
 
 from conveyor.config.model import ModelConfig
-from conveyor.gpu.cpu_kernels.fused_ops import supports
+from conveyor.gpu.cpu_kernels.fused_ops import CpuFusedOps, supports
 
 
-def inverse_frequencies(
-    head_dim: int, rope_theta: float, rope_scaling: dict[str, float | str]
-) -> torch.Tensor:
+def inverse_frequencies(head_dim: int, rope_theta: float, rope_scaling: dict[str, float | str]) -> torch.Tensor:
     """inv_freq [head_dim // 2] float32 for the configured rope type."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (rope_theta**exponents)
@@ -70,10 +68,10 @@ class RotaryEmbedding:
         # [P, D]: cos in the first half, sin in the second, so one index_select serves both.
         self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
         self.head_dim = head_dim
-        self.ops = None  # CpuFusedOps: rotate float32 CPU q and k in place, in one pass
+        self.ops: CpuFusedOps | None = None  # rotate float32 CPU q and k in place, in one pass
 
     @classmethod
-    def from_config(cls, config: ModelConfig, device: torch.device | str = "cpu") -> "RotaryEmbedding":
+    def from_config(cls, config: ModelConfig, device: torch.device | str = "cpu") -> RotaryEmbedding:
         # Table covers the positions a sequence may reach (the max_position_embeddings at most).
         return cls(
             config.head_dim,
@@ -83,9 +81,7 @@ class RotaryEmbedding:
             device,
         )
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k), same dtypes. On the
         C path q and k are rotated in place and returned."""
         if self.ops is not None and supports(q) and supports(k) and supports(self.cos_sin):

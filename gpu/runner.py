@@ -136,9 +136,7 @@ class ModelRunner:
         if new.params.logit_bias and not all(0 <= t < vocab for t in new.params.logit_bias):
             raise ValueError(f"seq {new.seq_id}: logit_bias token id out of range [0, {vocab})")
         # A prefix-cache hit: the leading num_computed_tokens already have KV in the row's blocks.
-        return SeqState(
-            list(new.token_ids), new.params, new.num_prompt_tokens, new.num_computed_tokens, index=new.index
-        )
+        return SeqState(list(new.token_ids), new.params, new.num_prompt_tokens, new.num_computed_tokens, index=new.index)
 
     def _check_forks(self, scheduled: list[ScheduledSeq], sampling_rows: list[int]) -> list[list[Fork]]:
         """The forks of each sampling row; raises if a non-sampling row forks or a fork's seq_id
@@ -289,7 +287,7 @@ class DeviceTimer:
         self.cuda = device.type == "cuda"
         self.seconds = 0.0
 
-    def __enter__(self) -> "DeviceTimer":
+    def __enter__(self) -> DeviceTimer:
         if self.cuda:
             self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self._start.record()

@@ -21,7 +21,6 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram
 
 from conveyor.stages.runtime import STAGES
-
 from conveyor.wire.messages import FinishReason
 
 # Latency buckets from 1 ms to 5 min; token-count buckets in powers of two.
@@ -38,9 +37,15 @@ def _gauge(name: str, doc: str) -> Gauge:
 
 # --- request lifecycle (histograms) -------------------------------------------------------
 queue_time = Histogram("conveyor_request_queue_time_seconds", "Arrival at the ingress to first scheduled", buckets=_SECONDS)
-time_to_first_token = Histogram("conveyor_time_to_first_token_seconds", "Arrival to the first token sent to the client", buckets=_SECONDS)
-inter_token_latency = Histogram("conveyor_inter_token_latency_seconds", "Time between consecutive tokens sent to the client", buckets=_SECONDS)
-time_per_output_token = Histogram("conveyor_time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1), per request", buckets=_SECONDS)
+time_to_first_token = Histogram(
+    "conveyor_time_to_first_token_seconds", "Arrival to the first token sent to the client", buckets=_SECONDS
+)
+inter_token_latency = Histogram(
+    "conveyor_inter_token_latency_seconds", "Time between consecutive tokens sent to the client", buckets=_SECONDS
+)
+time_per_output_token = Histogram(
+    "conveyor_time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1), per request", buckets=_SECONDS
+)
 e2e_latency = Histogram("conveyor_e2e_request_latency_seconds", "Arrival to the last token", buckets=_SECONDS)
 prefill_time = Histogram("conveyor_request_prefill_time_seconds", "First scheduled to first token", buckets=_SECONDS)
 decode_time = Histogram("conveyor_request_decode_time_seconds", "First token to finish", buckets=_SECONDS)

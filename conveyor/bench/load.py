@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 

@@ -1,11 +1,11 @@
 """The PNG figures of a run (matplotlib, no display needed), after FastGen's:
 
-  throughput_latency.png    request throughput (x) against E2E latency (y), mean and P90, one
-                            point per load point, labelled with it (FastGen's Figures 4 and 5)
-  effective_throughput.png  effective throughput under each generation SLA against the load
-                            points: clients for a sweep (FastGen's Figure 6)
-  token_latency.png         P50 / P90 / P95 / P99 of the inter-token latency per load point
-                            (FastGen's Figure 7), with TTFT's beside it
+throughput_latency.png    request throughput (x) against E2E latency (y), mean and P90, one
+                          point per load point, labelled with it (FastGen's Figures 4 and 5)
+effective_throughput.png  effective throughput under each generation SLA against the load
+                          points: clients for a sweep (FastGen's Figure 6)
+token_latency.png         P50 / P90 / P95 / P99 of the inter-token latency per load point
+                          (FastGen's Figure 7), with TTFT's beside it
 """
 
 from __future__ import annotations

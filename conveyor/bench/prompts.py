@@ -81,9 +81,7 @@ class WordCounter:
         return [round(len(t.split()) * WORDS_TO_TOKENS) for t in texts]
 
 
-async def choose_counter(
-    session: aiohttp.ClientSession, base_url: str, model: str, tokenizer: str | None = None
-) -> TokenCounter:
+async def choose_counter(session: aiohttp.ClientSession, base_url: str, model: str, tokenizer: str | None = None) -> TokenCounter:
     """The server's /tokenize if it answers, else the tokenizer.json given, else words."""
     server = ServerCounter(session, base_url, model)
     try:
@@ -131,7 +129,8 @@ class PromptMaker:
             for i, c in zip(todo, got):
                 counts[i, num_words[i]] = c
                 error = abs(c - lengths[i])
-                if best[i] is None or error < best[i][0]:
+                prior = best[i]
+                if prior is None or error < prior[0]:
                     best[i] = (error, num_words[i])
                 step = round((lengths[i] - c) / per_word) or (1 if c < lengths[i] else -1 if c > lengths[i] else 0)
                 k = max(1, num_words[i] + step)
@@ -141,6 +140,7 @@ class PromptMaker:
             todo = next_todo
         out = []
         for i, chosen in enumerate(best):
+            assert chosen is not None  # the first round counts every prompt
             k = chosen[1]
             out.append((" ".join(streams[i][:k]), counts[i, k]))
         return out

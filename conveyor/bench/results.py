@@ -87,10 +87,8 @@ def compute(
         tpot=summary([t for t in (r.tpot for r in done) if t is not None], PERCENTILES),
         itl=summary(itl, PERCENTILES),
         e2e=summary([r.e2e for r in done], PERCENTILES),
-        effective_throughput={
-            n: sum(meets_sla(rec, gen_tokens_per_s=n) for rec in records) / duration for n in SLA_GEN_TOKENS_PER_S
-        },
-        errors=dict(Counter(r.error for r in failed)),
+        effective_throughput={n: sum(meets_sla(rec, gen_tokens_per_s=n) for rec in records) / duration for n in SLA_GEN_TOKENS_PER_S},
+        errors=dict(Counter(r.error or "" for r in failed)),  # a failed request has an error
     )
 
 
@@ -114,10 +112,7 @@ ROWS = [
     *_latency_rows("TPOT", "tpot", "ms", 1e3, "{:.2f}"),
     *_latency_rows("ITL", "itl", "ms", 1e3, "{:.2f}"),
     *_latency_rows("E2E", "e2e", "s", 1.0, "{:.2f}"),
-    *(
-        (f"effective req/s (gen {n:g} tok/s)", lambda m, n=n: m.effective_throughput[n], "{:.2f}")
-        for n in SLA_GEN_TOKENS_PER_S
-    ),
+    *((f"effective req/s (gen {n:g} tok/s)", lambda m, n=n: m.effective_throughput[n], "{:.2f}") for n in SLA_GEN_TOKENS_PER_S),
 ]
 
 

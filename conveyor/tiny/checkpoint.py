@@ -72,14 +72,12 @@ def _trained_tokenizer_json() -> str:
     return train_tokenizer().to_str()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tokenizer_json(architecture: str) -> str:
     return for_architecture(Tokenizer.from_str(_trained_tokenizer_json()), architecture).to_str(pretty=True)
 
 
-def make_checkpoint(
-    path: str | Path, architecture: str = "LlamaForCausalLM", *, seed: int = 0, **config_overrides: Any
-) -> Path:
+def make_checkpoint(path: str | Path, architecture: str = "LlamaForCausalLM", *, seed: int = 0, **config_overrides: Any) -> Path:
     """Write a complete checkpoint into `path` (created if missing) and return it.
 
     `config_overrides` are config.json fields (hidden_size=64, num_hidden_layers=2,
@@ -94,8 +92,7 @@ def make_checkpoint(
 
     tensors = _weights(config, seed)
     dtype = getattr(torch, config["dtype"])
-    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, root / "model.safetensors",
-              metadata={"format": "pt"})
+    save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, root / "model.safetensors", metadata={"format": "pt"})
     _write_json(root / "config.json", config)
     _write_json(
         root / "generation_config.json",
@@ -222,9 +219,7 @@ def _weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     def norm(name: str, scale: float = 1.0) -> None:
         tensors[f"{name}.weight"] = scale * (1.0 + normal(hidden, std=NORM_JITTER))
 
-    tensors: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": normal(vocab, hidden, std=EMBED_GAIN / math.sqrt(hidden))
-    }
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(vocab, hidden, std=EMBED_GAIN / math.sqrt(hidden))}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}"
         norm(f"{p}.input_layernorm")

@@ -32,9 +32,7 @@ class CpuFusedOps:
         for fn in (self._rms_norm, self._rotary, self._silu_mul):
             fn.restype = None
 
-    def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H], weight [H] -> [T, H]. With residual [T, H]: residual += x in place, and the
         norm is of that sum."""
         tokens, hidden = x.shape
@@ -55,9 +53,7 @@ class CpuFusedOps:
             raise ValueError(f"rotary: q {tuple(q.shape)}, k {tuple(k.shape)}, table {tuple(cos_sin.shape)}")
         if positions.dtype != torch.int64 or positions.shape != (tokens,) or not positions.is_contiguous():
             raise ValueError("rotary: positions must be a contiguous int64 [T] tensor")
-        self._rotary(
-            q.data_ptr(), k.data_ptr(), positions.data_ptr(), cos_sin.data_ptr(), tokens, num_heads, k.shape[1], head_dim
-        )
+        self._rotary(q.data_ptr(), k.data_ptr(), positions.data_ptr(), cos_sin.data_ptr(), tokens, num_heads, k.shape[1], head_dim)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate = silu(gate) * up, in place; returns gate."""

@@ -79,8 +79,7 @@ class PagedAttentionKernel:
         )  # fmt: skip
         if status != 0:
             raise ValueError(
-                f"CPU paged attention does not handle {num_heads} heads over {num_kv_heads} kv heads "
-                f"with blocks of {block_size}"
+                f"CPU paged attention does not handle {num_heads} heads over {num_kv_heads} kv heads with blocks of {block_size}"
             )
         return out
 

@@ -6,9 +6,7 @@ from __future__ import annotations
 import torch
 
 
-def sampled_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, logit_rows: torch.Tensor | None = None
-) -> torch.Tensor:
+def sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, logit_rows: torch.Tensor | None = None) -> torch.Tensor:
     """log_softmax(logits)[logit_rows[i], token_ids[i]]: logits [S, V] float32 as the model gave
     them, token_ids [N] int64 in [0, V) (the sampler's, failed draws included), logit_rows [N]
     int64 (None: row i) -> [N] float32; NaN where the raw row was not finite."""

@@ -95,9 +95,9 @@ def _uniforms(
     """u [N] ~ U[0, 1): seeded draws from their own generator (on the CPU, so a seed gives the
     same token on any device), the rest from the default generator of the device."""
     u = torch.rand(len(params), device=device)
-    seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+    seeded = {i: p.seed for i, p in enumerate(params) if p.seed is not None and not p.greedy}  # row -> seed
     if seeded:
-        seeds = [seed_for(params[i].seed, output_indices[i], choice_indices[i]) for i in seeded]
+        seeds = [seed_for(seed, output_indices[i], choice_indices[i]) for i, seed in seeded.items()]
         values = [torch.rand((), generator=torch.Generator().manual_seed(seed)).item() for seed in seeds]
-        u[to_device(seeded, torch.int64, device)] = to_device(values, torch.float32, device)
+        u[to_device(list(seeded), torch.int64, device)] = to_device(values, torch.float32, device)
     return u

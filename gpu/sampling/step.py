@@ -59,8 +59,9 @@ def sample_step(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tu
     logprobs = sampled_logprobs(logits, token_ids, draw_rows)  # [N] float32
 
     wanted = [r for r, row in enumerate(rows) if row.params.logprobs is not None]
-    k = max((rows[r].params.logprobs for r in wanted), default=0)
-    top_values = top_ids = None
+    k = max((rows[r].params.logprobs or 0 for r in wanted), default=0)
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
     if k > 0:
         top_values, top_ids = top_logprobs(logits[to_device(wanted, torch.int64, device)], k)  # [R, k]
     token_ids, logprobs, valid, top_values, top_ids = to_host(token_ids, logprobs, valid, top_values, top_ids)

@@ -3,6 +3,8 @@ step's results come down together behind one synchronisation."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -15,8 +17,9 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def to_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """Device tensors -> CPU tensors, waiting on the device once for all of them (None passes)."""
+def to_host(*tensors: torch.Tensor | None) -> list[Any]:
+    """Device tensors -> CPU tensors, waiting on the device once for all of them (None passes:
+    each item is a tensor where the argument was one, which a list type cannot say)."""
     if all(t is None or t.device.type == "cpu" for t in tensors):
         return list(tensors)
     # non_blocking device-to-host copies land in pinned memory; one stream sync covers them all.

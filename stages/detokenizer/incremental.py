@@ -23,9 +23,7 @@ _MAX_HELD = 3  # tokens to look back for the start of an unfinished character
 
 
 class IncrementalDetokenizer:
-    def __init__(
-        self, tokenizer: Tokenizer, prompt_tail: Sequence[int] = (), skip_special_tokens: bool = True
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_tail: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
         """`prompt_tail`: the last few prompt ids, decoding context for the first output ids."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens

@@ -25,8 +25,9 @@ def api_key_middleware(api_key: str):
         if request.path not in OPEN_PATHS:
             given = _presented_key(request)
             if given is None:
-                raise ApiError(401, "this server needs an API key: `Authorization: Bearer KEY` or `X-Api-Key: KEY`",
-                               code="invalid_api_key")
+                raise ApiError(
+                    401, "this server needs an API key: `Authorization: Bearer KEY` or `X-Api-Key: KEY`", code="invalid_api_key"
+                )
             if not hmac.compare_digest(given.encode(errors="replace"), expected):
                 raise ApiError(401, "the API key is not valid", code="invalid_api_key")
         return await handler(request)

@@ -45,7 +45,7 @@ class Cors:
 
     async def add_headers(self, request: web.Request, response: web.StreamResponse) -> None:
         origin = request.headers.get("Origin")
-        if self.allows(origin):
+        if origin is not None and self.allows(origin):
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Access-Control-Expose-Headers"] = "Retry-After"
             response.headers.add("Vary", "Origin")

@@ -17,9 +17,8 @@ import msgspec
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from conveyor.stages import metrics
-
 from conveyor.config import EngineConfig
+from conveyor.stages import metrics
 
 # The `type` OpenAI puts in an error body, by HTTP status.
 _TYPES = {

@@ -16,9 +16,8 @@ choices are aborted.
 
 from __future__ import annotations
 
-import time
-
 import logging
+import time
 
 from aiohttp import web
 
@@ -159,7 +158,11 @@ class GenerateRoutes:
         skip = gen.params.skip_special_tokens
         texts = []
         for prompt in gen.prompts:
-            texts.append(prompt.text if prompt.token_ids is None else await self.encoder.decode(prompt.token_ids, skip))
+            if prompt.token_ids is not None:
+                texts.append(await self.encoder.decode(prompt.token_ids, skip))
+            else:
+                assert prompt.text is not None  # a prompt is text or token ids (messages are not echoed)
+                texts.append(prompt.text)
         return texts
 
 

@@ -47,8 +47,7 @@ class BoundedSite(web.BaseSite):
         # 127.0.0.1 and ::1). They share the bound: at its edge, the last free slot waits on
         # whichever address took it first.
         loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(self.limits.host or None, self.limits.port, type=socket.SOCK_STREAM,
-                                       flags=socket.AI_PASSIVE)
+        infos = await loop.getaddrinfo(self.limits.host or None, self.limits.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         for family, _, _, _, address in dict.fromkeys(infos):
             sock = socket.create_server(address, family=family, backlog=self._backlog, reuse_port=True)
             sock.setblocking(False)
@@ -89,7 +88,7 @@ class BoundedSite(web.BaseSite):
     def _new_handler(self, made: list[LimitedHandler]) -> LimitedHandler:
         # As web.Server.__call__ makes aiohttp's RequestHandler, with the runner's keyword arguments.
         server = self._runner.server
-        handler = LimitedHandler(server, loop=server._loop, limits=self.limits, on_closed=self.slots.release,
-                                 **server._kwargs)
+        assert server is not None  # runner.setup() made it before the first connection
+        handler = LimitedHandler(server, loop=server._loop, limits=self.limits, on_closed=self.slots.release, **server._kwargs)
         made.append(handler)
         return handler

@@ -81,8 +81,10 @@ def check_num_seqs(gen: Generation, max_seqs: int) -> None:
         return
     # Blame the sample count when it alone is too many, else the batch that multiplies it.
     param = "prompt" if num_samples <= max_seqs else "best_of" if num_samples > gen.params.n else "n"
-    message = (f"this request would start {len(gen.prompts)} prompt(s) x {num_samples} sample(s) = {num_seqs} "
-               f"sequences; this server allows at most {max_seqs} per request")
+    message = (
+        f"this request would start {len(gen.prompts)} prompt(s) x {num_samples} sample(s) = {num_seqs} "
+        f"sequences; this server allows at most {max_seqs} per request"
+    )
     raise ApiError(400, message, param=param, code="too_many_sequences")
 
 
@@ -124,7 +126,7 @@ def _generation(body: SamplingBody, max_tokens: int | None, logprobs: int | None
     if "" in stop:
         raise ApiError(400, "stop strings must not be empty", param="stop")
     _check_token_ids(body.stop_token_ids or [], vocab_size, "stop_token_ids")
-    fields = dict(
+    fields: dict[str, Any] = dict(
         n=body.n,
         best_of=body.best_of,
         temperature=body.temperature,

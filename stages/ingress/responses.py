@@ -144,9 +144,7 @@ class ResponseBuilder:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
         return _sse({**head, "choices": [], "usage": self._usage()})
 
-    def _chunk(
-        self, index: int, text: str, token_ids: list[int], logprobs: list[TextLogprob], reason: FinishReason | None
-    ) -> bytes:
+    def _chunk(self, index: int, text: str, token_ids: list[int], logprobs: list[TextLogprob], reason: FinishReason | None) -> bytes:
         c = self.choices[index]  # streams never have best_of > n: answer index = choice index
         offset = c.num_chars_sent  # characters of the choice's text before this chunk's tokens
         if c.num_chunks_sent == 0:

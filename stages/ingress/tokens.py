@@ -40,9 +40,9 @@ class LazyEncoder:
             if self._encoder is None:
                 try:
                     self._encoder = await asyncio.to_thread(PromptEncoder.for_engine, self.config)
-                except Exception:
+                except Exception as err:
                     log.exception("cannot load the tokenizer of %s", self.config.model.path)
-                    raise ApiError(500, "the server cannot load the model's tokenizer", code="tokenizer_unavailable")
+                    raise ApiError(500, "the server cannot load the model's tokenizer", code="tokenizer_unavailable") from err
             return self._encoder
 
     async def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -69,7 +69,7 @@ class TokenRoutes:
             if body.prompt is not None:
                 ids = await asyncio.to_thread(encoder.encode_prompt, body.prompt, max_len)
             else:
-                messages = [{"role": m.role, "content": m.content} for m in chat_messages(body.messages)]
+                messages = [{"role": m.role, "content": m.content} for m in chat_messages(body.messages or [])]
                 try:
                     ids = await asyncio.to_thread(encoder.encode_chat, messages, body.add_generation_prompt, max_len)
                 except ValueError as e:

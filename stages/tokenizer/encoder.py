@@ -128,6 +128,8 @@ class PromptEncoder:
         that strips the whitespace beside it, lstrip/rstrip, which no Llama 3 or Qwen2 token
         does), so a content with special text changes only its own piece.
         """
+        special_text = self._special_text
+        assert special_text is not None  # encode_chat comes here only when a content holds special text
         originals: list[str] = []  # the special-token texts taken out of the contents, in order
         nonce = secrets.token_hex(8)
 
@@ -135,15 +137,12 @@ class PromptEncoder:
             originals.append(match.group())
             return f"\ue000{nonce}:{len(originals) - 1}\ue001"
 
-        hidden = [
-            {**m, "content": self._special_text.sub(hide, m["content"])} if self._has_special_text(m) else m
-            for m in messages
-        ]
+        hidden = [{**m, "content": special_text.sub(hide, m["content"])} if self._has_special_text(m) else m for m in messages]
         text = self.render_chat(hidden, add_generation_prompt)
         placeholder = re.compile(f"\ue000{nonce}:([0-9]+)\ue001")
         ids: list[int] = []
         start = 0
-        for special in [*self._special_text.finditer(text), None]:
+        for special in [*special_text.finditer(text), None]:
             piece = text[start : len(text) if special is None else special.start()]
             piece = placeholder.sub(lambda m: originals[int(m.group(1))], piece)
             if piece:
@@ -185,9 +184,7 @@ class PromptEncoder:
 
 def _environment() -> ImmutableSandboxedEnvironment:
     """jinja2 set up as transformers sets it up, so templates written for it render the same."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -206,12 +203,9 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
     # jinja2's own tojson escapes HTML characters and sorts keys; templates expect plain JSON.
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_exception(message: str) -> None:
