@@ -56,7 +56,7 @@ def option_settings(*names: str) -> tuple[Setting, ...]:
 
 
 def resolve_device(device: str) -> str:
-    """"auto" -> "cuda" when available, else "cpu"; the option's choices are checked by collect()."""
+    """`auto` is "cuda" when available, else "cpu"; the choices were checked by collect()."""
     if device == "auto":
         import torch
 

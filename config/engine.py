@@ -93,9 +93,7 @@ class ServerConfig:
     )  # fmt: skip
     allowed_origins: tuple[str, ...] = option((), "CORS origins allowed to call the API ('*' for any)", none="none")
     # Jinja text overriding the checkpoint's chat template; the option takes a file or the text.
-    chat_template: str | None = option(
-        None, "Jinja file (or text) overriding the checkpoint's chat template", none="the checkpoint's"
-    )
+    chat_template: str | None = option(None, "Jinja file (or text) overriding the checkpoint's chat template", none="the checkpoint's")
     # Sequences one HTTP request may start (prompts x max(n, best_of)): past it, a 400.
     max_seqs_per_request: int = option(256, "sequences one request may start (prompts x n)", positive=True)
     # HTTP hardening, per ingress process: a client slower than these is disconnected.
@@ -125,15 +123,9 @@ class ServerConfig:
         30.0, "seconds of silence (no heartbeat) after which a stage is declared dead", flag="stage-timeout",
         positive=True,
     )  # fmt: skip
-    drain_timeout_s: float = option(
-        30.0, "on SIGTERM, seconds in-flight requests get to finish", flag="drain-timeout", positive=True
-    )
-    max_engine_restarts: int = option(
-        3, "engine failures in --restart-window before the daemon exits", positive=True
-    )
-    restart_window_s: float = option(
-        300.0, "seconds over which engine failures are counted", flag="restart-window", positive=True
-    )
+    drain_timeout_s: float = option(30.0, "on SIGTERM, seconds in-flight requests get to finish", flag="drain-timeout", positive=True)
+    max_engine_restarts: int = option(3, "engine failures in --restart-window before the daemon exits", positive=True)
+    restart_window_s: float = option(300.0, "seconds over which engine failures are counted", flag="restart-window", positive=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +137,7 @@ class EngineConfig:
     stages: StagesConfig = StagesConfig()
     server: ServerConfig = ServerConfig()
 
-    def replace(self, **changes) -> "EngineConfig":
+    def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)
 
 

@@ -12,16 +12,14 @@ import sys
 
 from conveyor.config import ConfigError, ServerConfig
 from conveyor.config.build import OPTION_CLASSES, build_engine_config
-from conveyor.config.options import DefaultsHelpFormatter, add_arguments, settings
 from conveyor.config.env import api_key_from_env, log_level
+from conveyor.config.options import DefaultsHelpFormatter, add_arguments, settings
 
 
 def serve_parser(sub: argparse._SubParsersAction) -> None:
     """One flag per option() field of the config classes (config/options.py), grouped by class;
     --api-key-file is the only flag that is not a setting."""
-    p = sub.add_parser(
-        "serve", help="serve a checkpoint over the OpenAI-compatible HTTP API", formatter_class=DefaultsHelpFormatter
-    )
+    p = sub.add_parser("serve", help="serve a checkpoint over the OpenAI-compatible HTTP API", formatter_class=DefaultsHelpFormatter)
     for title, cls in OPTION_CLASSES.items():
         group = p.add_argument_group(title)
         add_arguments(group, settings(cls))
@@ -95,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser(sub)
     bench_parser(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=log_level().upper(), format="%(asctime)s %(levelname)s [launcher] %(message)s", datefmt="%H:%M:%S"
-    )
+    logging.basicConfig(level=log_level().upper(), format="%(asctime)s %(levelname)s [launcher] %(message)s", datefmt="%H:%M:%S")
     try:
         return serve(args) if args.command == "serve" else bench(args)
     except ConfigError as e:

@@ -10,8 +10,15 @@ import dataclasses
 import pytest
 
 from conveyor import cli
-from conveyor.config import ConfigError, EngineConfig, SchedulerConfig, SchedulingPolicy, ServerConfig
-from conveyor.config import config_from_json, config_to_json
+from conveyor.config import (
+    ConfigError,
+    EngineConfig,
+    SchedulerConfig,
+    SchedulingPolicy,
+    ServerConfig,
+    config_from_json,
+    config_to_json,
+)
 from conveyor.config.build import OPTION_CLASSES, build_engine_config
 from conveyor.config.options import settings
 

@@ -39,15 +39,24 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     s.add_argument("--model", help="model name in the API (default: the first of GET /v1/models)")
     s.add_argument("--api-key", help="sent as Authorization: Bearer")
     s.add_argument("--tokenizer", help="tokenizer.json for prompt lengths when the server has no POST /tokenize")
-    s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="ask for exactly max_tokens (default: on for synthetic datasets, off for sharegpt)")
-    s.add_argument("--return-token-ids", action=argparse.BooleanOptionalAction, default=True,
-                   help="ask for each chunk's token ids, to count tokens per chunk exactly")
+    s.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ask for exactly max_tokens (default: on for synthetic datasets, off for sharegpt)",
+    )
+    s.add_argument(
+        "--return-token-ids",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask for each chunk's token ids, to count tokens per chunk exactly",
+    )
     s.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")  # fmt: skip
     add_dataset(p, num_prompts=None, num_prompts_help="requests per run (default 500) or per sweep point (default 512)")
     load = p.add_argument_group("load")
-    load.add_argument("--request-rate", type=float, default=math.inf,
-                      help="Poisson arrivals per second (default inf: every request at once)")
+    load.add_argument(
+        "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default inf: every request at once)"
+    )
     load.add_argument("--max-concurrency", type=int, help="requests in flight at most (open loop)")
     load.add_argument("--sweep-clients", type=_int_list,
                       help="closed loop, one run per count: e.g. 1,2,4,8,16,32 (FastGen's clients)")  # fmt: skip
@@ -68,18 +77,31 @@ def add_offline(p: argparse.ArgumentParser) -> None:
 
 def add_step(p: argparse.ArgumentParser) -> None:
     p.add_argument("--running", type=int, nargs="+", default=[1, 16, 64, 256, 1024])
-    p.add_argument("--prepare", action="store_true",
-                   help="also time one ModelRunner input preparation alone (loads torch and the tiny model)")
+    p.add_argument(
+        "--prepare", action="store_true", help="also time one ModelRunner input preparation alone (loads torch and the tiny model)"
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="for --prepare")  # fmt: skip
 
 
 def add_forward(p: argparse.ArgumentParser) -> None:
     from conveyor.bench.forward import parse_shape
 
-    p.add_argument("--decode", type=parse_shape, nargs="*", default=[(256, 500), (32, 200), (1, 200)],
-                   metavar="ROWSxCONTEXT", help="decode steps: ROWS sequences with CONTEXT tokens each")
-    p.add_argument("--prefill", type=parse_shape, nargs="*", default=[(10, 200), (8, 256)],
-                   metavar="ROWSxLEN", help="prefill steps: ROWS fresh prompts of LEN tokens (8x256 fills the default budget)")
+    p.add_argument(
+        "--decode",
+        type=parse_shape,
+        nargs="*",
+        default=[(256, 500), (32, 200), (1, 200)],
+        metavar="ROWSxCONTEXT",
+        help="decode steps: ROWS sequences with CONTEXT tokens each",
+    )
+    p.add_argument(
+        "--prefill",
+        type=parse_shape,
+        nargs="*",
+        default=[(10, 200), (8, 256)],
+        metavar="ROWSxLEN",
+        help="prefill steps: ROWS fresh prompts of LEN tokens (8x256 fills the default budget)",
+    )
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the variants")
     p.add_argument("--repeats", type=int, default=5, help="steps per variant and shape in a round")  # fmt: skip
 

@@ -21,7 +21,6 @@ from conveyor.sim.report import comparison_table
 from conveyor.sim.simulator import SimConfig, simulate
 from conveyor.sim.workloads import WorkloadConfig, make_requests
 
-
 POLICIES = tuple(p.value for p in SchedulingPolicy)
 DEFAULT = SimConfig()  # the engine flags' defaults: the configs' own, and the simulator's fixed pool
 
@@ -33,8 +32,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="sharegpt, fixed, random, normal, fastgen-PROMPT-OUTPUT (e.g. fastgen-2600-60), "
                         "prefill-heavy, decode-heavy")  # fmt: skip
     w.add_argument("--path", help="ShareGPT JSON (for --workload sharegpt)")
-    w.add_argument("--tokens", choices=("tokenizer", "whitespace"), default="tokenizer",
-                   help="ShareGPT token counts: the tiny model's tokenizer, or 4/3 tokens per word")
+    w.add_argument(
+        "--tokens",
+        choices=("tokenizer", "whitespace"),
+        default="tokenizer",
+        help="ShareGPT token counts: the tiny model's tokenizer, or 4/3 tokens per word",
+    )
     w.add_argument("--num-requests", type=int, default=500)
     w.add_argument("--rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
     w.add_argument("--clients", type=int, default=None, help="closed loop: this many requests in flight")
@@ -44,8 +47,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     e = p.add_argument_group("engine")
     e.add_argument("--policies", default=",".join(POLICIES), help="comma-separated")
     e.add_argument("--cost", default="cpu-tiny", help=f"cost model: {', '.join(PRESETS)}")
-    e.add_argument("--budget", default=str(DEFAULT.scheduler.max_num_batched_tokens),
-                   help="max_num_batched_tokens: one number, or per policy (splitfuse=512,orca=8192)")
+    e.add_argument(
+        "--budget",
+        default=str(DEFAULT.scheduler.max_num_batched_tokens),
+        help="max_num_batched_tokens: one number, or per policy (splitfuse=512,orca=8192)",
+    )
     e.add_argument("--max-num-seqs", type=int, default=DEFAULT.scheduler.max_num_seqs)
     e.add_argument("--num-kv-blocks", type=int, default=DEFAULT.cache.num_kv_blocks)
     e.add_argument("--block-size", type=int, default=DEFAULT.cache.block_size)
@@ -108,7 +114,7 @@ def _header(args: argparse.Namespace, requests: list, budgets: dict[str, int], c
 
 
 def _budgets(spec: str, policies: list[str]) -> dict[str, int]:
-    """"2048" for every policy, or "splitfuse=512,orca=8192" (unnamed policies keep 2048)."""
+    """ "2048" for every policy, or "splitfuse=512,orca=8192" (unnamed policies keep 2048)."""
     if "=" not in spec:
         return dict.fromkeys(policies, int(spec))
     named = {k.strip(): int(v) for k, v in (item.split("=", 1) for item in spec.split(","))}
