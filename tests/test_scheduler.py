@@ -10,8 +10,8 @@ from conveyor.config import SchedulerConfig
 from conveyor.stages.scheduler.block_manager import BlockManager
 from conveyor.stages.scheduler.plan import step_plan
 from conveyor.stages.scheduler.scheduler import Scheduler
-from conveyor.stages.scheduler.waiting_queue import QueueFull
 from conveyor.stages.scheduler.sequence import Sequence
+from conveyor.stages.scheduler.waiting_queue import QueueFull
 from conveyor.wire.messages import FinishReason, SamplingParams, ScheduleRequest
 from tests.fake_worker import FakeRunner, expected_tokens, next_token
 

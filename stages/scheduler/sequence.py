@@ -131,8 +131,8 @@ class Sequence:
             hashes.append(chain_hash(parent, self.token_ids[i * block_size : (i + 1) * block_size]))
         return hashes[:num_blocks]
 
-    def fork(self, seq_id: int, index: int) -> "Sequence":
-        """A sibling sharing everything computed so far (the caller shares the blocks)."""
+    def fork(self, seq_id: int, index: int) -> Sequence:
+        """A sibling sharing everything computed so far (BlockManager.fork shares the blocks)."""
         child = Sequence.__new__(Sequence)
         for name in Sequence.__slots__:
             setattr(child, name, getattr(self, name))

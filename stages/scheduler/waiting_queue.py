@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 
 from conveyor.config import SchedulerConfig
-from conveyor.stages.scheduler.sequence import Sequence, SeqStatus
+from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
 
 
 class QueueFull(Exception):
