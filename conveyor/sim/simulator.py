@@ -37,6 +37,12 @@ class SimConfig:
     max_model_len: int = 8192
     num_clients: int | None = None  # closed loop instead of the workload's arrival times
 
+    @property
+    def num_kv_blocks(self) -> int:
+        if self.cache.num_kv_blocks is None:
+            raise ValueError("the simulator has no worker to size the KV pool: give CacheConfig(num_kv_blocks=N)")
+        return self.cache.num_kv_blocks
+
 
 @dataclasses.dataclass
 class RequestRecord:
@@ -75,7 +81,7 @@ class SimResult:
 def build_scheduler(config: SimConfig) -> Scheduler:
     cache = config.cache
     return Scheduler.from_config(
-        config.scheduler, num_blocks=cache.num_kv_blocks, block_size=cache.block_size, max_model_len=config.max_model_len
+        config.scheduler, num_blocks=config.num_kv_blocks, block_size=cache.block_size, max_model_len=config.max_model_len
     )
 
 
@@ -137,7 +143,7 @@ def simulate(requests: list[SimRequest], config: SimConfig, cost: CostModel) -> 
         requests=[records[r.request_id] for r in requests],
         steps=steps,
         num_preemptions=sched.num_preemptions,
-        num_kv_slots=config.cache.num_kv_blocks * config.cache.block_size,
+        num_kv_slots=config.num_kv_blocks * config.cache.block_size,
     )
 
 
