@@ -17,11 +17,11 @@ import msgspec
 from tokenizers import Tokenizer
 
 from conveyor.config.build import build_engine_config
-from conveyor.stages.detokenizer.main import Detokenizer
+from conveyor.stages.detokenizer.detokenizer import Detokenizer
 from conveyor.stages.scheduler.plan import step_plan, token_batches
 from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.stages.tokenizer.encoder import PromptEncoder
-from conveyor.stages.tokenizer.main import Rejected, prepare
+from conveyor.stages.tokenizer.preparation import Rejected, prepare
 from conveyor.wire.messages import ChatMessage, SamplingParams, TextDelta, TextLogprob, TokenizeRequest
 
 

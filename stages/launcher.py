@@ -34,30 +34,27 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
+from typing import Any
 
 import zmq
 from prometheus_client import multiprocess
 
 from conveyor.config import EngineConfig, config_to_json
 from conveyor.config.env import API_KEY_VARIABLE
-from conveyor.wire.addresses import address, make_run_dir, sweep_stale_run_dirs
-from conveyor.wire.channel import Receiver, Sender
-from conveyor.wire.messages import Drained, EngineStatus, Heartbeat, LauncherInbound, StageFailed, StageReady
+from conveyor.wire.addresses import make_run_dir, sweep_stale_run_dirs
+from conveyor.wire.messages import Drained, EngineStatus, Heartbeat, IngressInbound, LauncherInbound, StageFailed, StageReady
+from conveyor.wire.topology import INGRESS, LAUNCHER, SCHEDULER, Stage, receiver, sender, senders, start_plan
 
 log = logging.getLogger("conveyor")
 GRACE_S = 5.0
 POLL_MS = 100  # how often a dead child is noticed
-ENGINE_STAGES = ("scheduler", "worker")  # the death of one is an engine failure
-# Stopped and started together on an engine failure: the detokenizers' sequence state belongs to
-# the dead scheduler (its sequence ids start again from 0).
-RESTARTED_WITH_ENGINE = (*ENGINE_STAGES, "detokenizer")
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 30.0
 
 
 @dataclass
 class Child:
-    stage: str
+    stage: Stage[Any]
     index: int
     process: subprocess.Popen | None  # None: stopped, waiting for an engine restart
     restarts: int = 0  # times this slot was started before this process
@@ -66,19 +63,7 @@ class Child:
 
     @property
     def name(self) -> str:
-        return f"{self.stage}-{self.index}"
-
-
-def stage_plan(config: EngineConfig) -> list[tuple[str, int]]:
-    """Start order: the scheduler first (workers report to it), then workers, pools, ingress."""
-    s = config.stages
-    return (
-        [("scheduler", 0)]
-        + [("worker", r) for r in range(config.parallel.tensor_parallel_size)]
-        + [("tokenizer", i) for i in range(s.num_tokenizers)]
-        + [("detokenizer", i) for i in range(s.num_detokenizers)]
-        + [("ingress", i) for i in range(s.num_ingress)]
-    )
+        return f"{self.stage.name}-{self.index}"
 
 
 class Launcher:
@@ -101,7 +86,7 @@ class Launcher:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             self._open_sockets()
-            for stage, index in stage_plan(self.config):
+            for stage, index in start_plan(self.config):
                 self._start(stage, index)
             if not self._wait_until_ready():
                 return 0 if self.signals else 1
@@ -125,9 +110,9 @@ class Launcher:
         os.mkdir(self.metrics_dir, 0o700)
         self.env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=self.metrics_dir, PYTHONUNBUFFERED="1")
         self.env.pop(API_KEY_VARIABLE, None)  # only the ingress needs it
-        self.inbox: Receiver[LauncherInbound] = Receiver(self.ctx, address(self.run_dir, "launcher", 0), LauncherInbound)
-        self.ingresses = [Sender(self.ctx, address(self.run_dir, "ingress", i)) for i in range(self.config.stages.num_ingress)]
-        self.scheduler = Sender(self.ctx, address(self.run_dir, "scheduler", 0))
+        self.inbox = receiver(self.ctx, self.config, LAUNCHER)
+        self.ingresses = senders(self.ctx, self.config, INGRESS)
+        self.scheduler = sender(self.ctx, self.config, SCHEDULER)
 
     def _forget(self, child: Child) -> None:
         """A stage process is gone for good: its live gauges (the scheduler's) stop counting.
@@ -135,10 +120,10 @@ class Launcher:
         if child.process is not None:
             multiprocess.mark_process_dead(child.process.pid, self.metrics_dir)
 
-    def _start(self, stage: str, index: int, restarts: int = 0) -> None:
-        cmd = [sys.executable, "-m", "conveyor.stages", stage, str(index), self.config_path, str(restarts)]
+    def _start(self, stage: Stage[Any], index: int, restarts: int = 0) -> None:
+        cmd = [sys.executable, "-m", "conveyor.stages", stage.name, str(index), self.config_path, str(restarts)]
         env = self.env
-        if stage == "ingress" and self.server.api_key is not None:
+        if stage is INGRESS and self.server.api_key is not None:
             env = dict(env, **{API_KEY_VARIABLE: self.server.api_key})  # never on disk, never in ps
         child = Child(stage, index, subprocess.Popen(cmd, env=env), restarts)
         self.children[child.name] = child
@@ -203,7 +188,7 @@ class Launcher:
                 child.ready, child.last_beat = True, time.monotonic()
                 if child.restarts:
                     log.info("stage %s is back", child.name)
-                if stage == "ingress" and self.engine_ready:  # a restarted ingress
+                if stage == INGRESS.name and self.engine_ready:  # a restarted ingress
                     self.ingresses[index].send(EngineStatus(ready=True, draining=self.drain_deadline is not None))
                 self._maybe_engine_back()
             case Heartbeat(stage=stage, index=index, pid=pid):
@@ -250,12 +235,13 @@ class Launcher:
             )  # fmt: skip
             return False
         self._forget(child)
-        if child.stage in ENGINE_STAGES:
+        if child.stage.fails_engine:
             self._engine_failed()
         else:
             log.warning("restarting stage %s", child.name)
-            for sender in [self.scheduler, *self.ingresses]:
-                sender.send(StageFailed(stage=child.stage, index=child.index))
+            failed = StageFailed(stage=child.stage.name, index=child.index)
+            self.scheduler.send(failed)
+            self._tell_ingresses(failed)
             self._start(child.stage, child.index, child.restarts + 1)
         return True
 
@@ -272,7 +258,7 @@ class Launcher:
         self.restart_engine_at = time.monotonic() + backoff
 
     def _engine_children(self) -> list[Child]:
-        return [c for c in self.children.values() if c.stage in RESTARTED_WITH_ENGINE]
+        return [c for c in self.children.values() if c.stage.restarts_with_engine]
 
     def _maybe_restart_engine(self) -> None:
         if self.restart_engine_at is None or time.monotonic() < self.restart_engine_at:
@@ -306,9 +292,9 @@ class Launcher:
             return True
         return False
 
-    def _tell_ingresses(self, msg: EngineStatus) -> None:
-        for sender in self.ingresses:
-            sender.send(msg)
+    def _tell_ingresses(self, msg: IngressInbound) -> None:
+        for ingress in self.ingresses:
+            ingress.send(msg)
 
     def _stop_children(self) -> None:
         if hasattr(self, "ingresses"):

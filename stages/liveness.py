@@ -12,13 +12,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from typing import Any
 
 import zmq
 
 from conveyor.config import EngineConfig
-from conveyor.wire.addresses import address
-from conveyor.wire.channel import Sender
 from conveyor.wire.messages import Heartbeat
+from conveyor.wire.topology import LAUNCHER, Stage, sender
 
 BEATS_PER_TIMEOUT = 5  # a stage misses this many beats in a row before it is declared dead
 MAX_INTERVAL_S = 1.0
@@ -29,9 +29,9 @@ def interval(config: EngineConfig) -> float:
 
 
 class Pulse:
-    def __init__(self, ctx: zmq.Context, config: EngineConfig, stage: str, index: int):
-        self._sender = Sender(ctx, address(config.server.run_dir, "launcher", 0))
-        self._message = Heartbeat(stage=stage, index=index, pid=os.getpid())
+    def __init__(self, ctx: zmq.Context, config: EngineConfig, stage: Stage[Any], index: int):
+        self._sender = sender(ctx, config, LAUNCHER)
+        self._message = Heartbeat(stage=stage.name, index=index, pid=os.getpid())
         self._interval = interval(config)
         self._next = 0.0
 

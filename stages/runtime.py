@@ -18,16 +18,16 @@ import os
 import shutil
 import signal
 import sys
+from typing import Any
 
 import zmq
 
 from conveyor.config import ConfigError, EngineConfig, config_from_json
 from conveyor.config.env import api_key_from_env, log_level
-from conveyor.wire.addresses import address
-from conveyor.wire.channel import Sender
 from conveyor.wire.messages import StageReady
+from conveyor.wire.topology import LAUNCHER, STAGE_NAMES, Stage, sender
 
-STAGES = ("ingress", "tokenizer", "scheduler", "worker", "detokenizer")
+STAGES = STAGE_NAMES  # the stages `main` starts, in start order (wire/topology.py)
 PR_SET_PDEATHSIG = 1
 # What the kernel sends a stage when its launcher dies (die_with_parent). Not SIGTERM, which is
 # the launcher's own "stop": this one also means nobody is left to remove the run directory.
@@ -90,6 +90,7 @@ def run_async(coro) -> None:
     async def supervised():
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
+
         def stop(signum: int) -> None:
             _note_signal(signum)
             task.cancel()
@@ -104,10 +105,10 @@ def run_async(coro) -> None:
     uvloop.run(supervised())
 
 
-def report_ready(ctx: zmq.Context, config: EngineConfig, stage: str, index: int) -> None:
-    sender = Sender(ctx, address(config.server.run_dir, "launcher", 0))
-    sender.send(StageReady(stage=stage, index=index))
-    sender.close()
+def report_ready(ctx: zmq.Context, config: EngineConfig, stage: Stage[Any], index: int) -> None:
+    launcher = sender(ctx, config, LAUNCHER)
+    launcher.send(StageReady(stage=stage.name, index=index))
+    launcher.close()
 
 
 def with_api_key(config: EngineConfig) -> EngineConfig:

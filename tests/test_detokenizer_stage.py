@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from conveyor.stages.detokenizer.logprobs import byte_level_decoding_table
-from conveyor.stages.detokenizer.main import STOPPED_MEMORY_STEPS, Detokenizer
+from conveyor.stages.detokenizer.detokenizer import STOPPED_MEMORY_STEPS, Detokenizer
 from conveyor.tiny.checkpoint import make_checkpoint
 from conveyor.tiny.tokenizer import SPECIAL_TOKEN_IDS
 from conveyor.wire.messages import DetokSeq, FinishReason, SeqTokens, TextDelta, TokenBatch, TokenLogprob

@@ -8,7 +8,7 @@ import pytest
 from conveyor.config.build import build_engine_config
 from conveyor.stages.tokenizer.encoder import PromptEncoder
 from conveyor.stages.tokenizer.length_limit import CHUNK_CHARS
-from conveyor.stages.tokenizer.main import Rejected, prepare
+from conveyor.stages.tokenizer.preparation import Rejected, prepare
 from conveyor.tiny.checkpoint import ensure_default_model
 from conveyor.wire.messages import ChatMessage, SamplingParams, TokenizeRequest
 

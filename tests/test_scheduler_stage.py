@@ -5,13 +5,14 @@ idle spell computes, so that a burst arriving meanwhile fills the next step."""
 from __future__ import annotations
 
 import shutil
+from typing import NamedTuple
 
 import pytest
 import zmq
 
 from conveyor.stages.scheduler.main import SchedulerStage
-from conveyor.wire.addresses import address, make_run_dir
-from conveyor.wire.channel import Receiver, Sender
+from conveyor.wire.addresses import make_run_dir
+from conveyor.wire.channel import Receiver
 from conveyor.wire.messages import (
     InitializeCache,
     SamplingParams,
@@ -21,24 +22,29 @@ from conveyor.wire.messages import (
     WorkerInbound,
     WorkerReady,
 )
+from conveyor.wire.topology import DETOKENIZER, INGRESS, SCHEDULER, WORKER, receiver, sender
 from tests.ingress_fakes import make_config
 
 
+class Wired(NamedTuple):
+    stage: SchedulerStage
+    worker: Receiver[WorkerInbound]  # the test's end of the worker socket, for turn()
+
+
 @pytest.fixture
-def stage(tmp_path):
+def wired(tmp_path):
     run_dir = make_run_dir()
     config = make_config(tmp_path, run_dir)
     ctx = zmq.Context()
-    worker = Receiver(ctx, address(run_dir, "worker", 0), WorkerInbound)
+    worker = receiver(ctx, config, WORKER)
     # Bound so the stage's tokens and replies have somewhere to go; nobody reads them.
-    others = [Receiver(ctx, address(run_dir, "detokenizer", 0), object), Receiver(ctx, address(run_dir, "ingress", 0), object)]
+    others = [receiver(ctx, config, DETOKENIZER), receiver(ctx, config, INGRESS)]
     stage = SchedulerStage(config, ctx)
-    Sender(ctx, address(run_dir, "scheduler", 0)).send(WorkerReady(rank=0, num_kv_blocks=64))
+    sender(ctx, config, SCHEDULER).send(WorkerReady(rank=0, num_kv_blocks=64))
     stage.start()
     assert isinstance(worker.recv(timeout_ms=5000), InitializeCache)
     assert stage.max_in_flight == 2  # asynchronous scheduling, the default
-    stage.worker_end = worker  # the test's end of the worker socket, for turn()
-    yield stage
+    yield Wired(stage, worker)
     for r in [worker, *others]:
         r.close()
     ctx.destroy(linger=0)
@@ -50,16 +56,17 @@ def request(n: int) -> ScheduleRequest:
     return ScheduleRequest(f"r{n}", 0, [n + 1] * 12, params, arrival_time=0.0)
 
 
-def turn(stage: SchedulerStage) -> StepPlan | None:
+def turn(wired: Wired) -> StepPlan | None:
     """What the stage's loop does after taking its messages: plan if it may, and the plan the
     worker then receives (None: no plan went out)."""
+    stage = wired.stage
     if not stage.may_plan():
         return None
     sent = stage.scheduler.num_steps
     stage.plan_next()
     if stage.scheduler.num_steps == sent:
         return None
-    plan = stage.worker_end.recv(timeout_ms=5000)
+    plan = wired.worker.recv(timeout_ms=5000)
     assert isinstance(plan, StepPlan)
     return plan
 
@@ -68,37 +75,39 @@ def rows(plan: StepPlan) -> list[tuple[int, int]]:
     return [(s.seq_id, s.num_tokens) for s in plan.scheduled]
 
 
-def test_the_first_step_after_idle_runs_alone_and_the_burst_joins_the_next(stage):
+def test_the_first_step_after_idle_runs_alone_and_the_burst_joins_the_next(wired):
+    stage = wired.stage
     stage.handle(request(0))
-    first = turn(stage)
+    first = turn(wired)
     assert first.after_idle and rows(first) == [(0, 12)]
     # Async scheduling would allow a second step now; it would hold only seq 0's decode.
-    assert turn(stage) is None
+    assert turn(wired) is None
     for n in (1, 2):  # the burst arrives while the first step computes
         stage.handle(request(n))
-    assert turn(stage) is None
+    assert turn(wired) is None
     stage.handle(StepResult(first.step, sampled_token_ids=[7]))
-    second = turn(stage)
+    second = turn(wired)
     assert not second.after_idle
     assert rows(second) == [(0, 1), (1, 12), (2, 12)]  # the decode fused with the burst's prompts
     # From here on the lookahead is back: a third step goes out while the second computes.
-    third = turn(stage)
+    third = turn(wired)
     assert rows(third) == [(0, 1), (1, 1), (2, 1)]
-    assert turn(stage) is None  # two in flight
+    assert turn(wired) is None  # two in flight
 
 
-def test_an_idle_spell_between_requests_runs_alone_again(stage):
+def test_an_idle_spell_between_requests_runs_alone_again(wired):
+    stage = wired.stage
     stage.handle(request(0))
-    first = turn(stage)
+    first = turn(wired)
     stage.handle(StepResult(first.step, sampled_token_ids=[7]))
-    assert turn(stage) is not None and turn(stage) is not None  # the lookahead is back
+    assert turn(wired) is not None and turn(wired) is not None  # the lookahead is back
     while stage.in_flight:  # run the request to its end, two steps in flight at most
         assert len(stage.in_flight) <= 2
         step = stage.in_flight[0]
         stage.handle(StepResult(step.step, sampled_token_ids=[7] * step.num_sampled))
-        turn(stage)
+        turn(wired)
     assert not stage.scheduler.has_work()
     stage.handle(request(1))
-    again = turn(stage)
+    again = turn(wired)
     assert again.after_idle and rows(again) == [(1, 12)]
-    assert turn(stage) is None
+    assert turn(wired) is None

@@ -2,7 +2,8 @@
 
 A receiver binds one PULL socket and decodes with one typed decoder; a message that fails to
 decode is logged and dropped, never fatal. A sender connects a PUSH socket to one address (a
-fixed destination) or several (zmq round-robins between them: a stage pool).
+fixed destination) or several (zmq round-robins between them: a stage pool). Which stage listens
+where, and what it takes, is declared once in topology.py.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ def encode(msg: Any) -> bytes:
     return _encoder.encode(msg)
 
 
-class Sender:
+class Sender(Generic[T]):
+    """Sends T: a Sender[SchedulerInbound] takes only what the scheduler's socket decodes."""
+
     def __init__(self, ctx: zmq.Context, addresses: str | list[str]):
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
@@ -38,7 +41,7 @@ class Sender:
         for addr in [addresses] if isinstance(addresses, str) else addresses:
             self.socket.connect(addr)
 
-    def send(self, msg: Any) -> None:
+    def send(self, msg: T) -> None:
         self.socket.send(_encoder.encode(msg), copy=False)
 
     def close(self) -> None:
@@ -70,9 +73,6 @@ class Receiver(_ReceiverBase[T]):
     # Called on every recv and every SIGNAL_CHECK_MS of an unbounded wait: a stage hangs its
     # liveness heartbeat here (stages/liveness.py). Bounded waits are the caller's loop's to beat.
     on_wait: Callable[[], None] | None = None
-
-    def poll(self, timeout_ms: int | None) -> bool:
-        return bool(self.socket.poll(timeout_ms))
 
     def recv(self, timeout_ms: int | None = None) -> T | None:
         """The next message, or None after timeout_ms (or when the message was undecodable).

@@ -184,17 +184,13 @@ class StepPlan(Struct, tag=10):
     after_idle: bool = False
 
 
-class Shutdown(Struct, tag=11):
-    pass
-
-
-class InitializeCache(Struct, tag=13):
+class InitializeCache(Struct, tag=13):  # tag 11 (a Shutdown nobody sent) is retired, not reused
     """Sent once every rank reported WorkerReady: the pool size all ranks agree on."""
 
     num_kv_blocks: int
 
 
-WorkerInbound = StepPlan | InitializeCache | Shutdown
+WorkerInbound = StepPlan | InitializeCache
 
 
 # --- received by a detokenizer --------------------------------------------------------------

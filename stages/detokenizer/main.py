@@ -10,8 +10,6 @@ under load the detokenizer catches up instead of falling behind.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import time
 from pathlib import Path
 
@@ -20,132 +18,23 @@ from tokenizers import Tokenizer
 
 from conveyor.config import EngineConfig
 from conveyor.stages import metrics
-from conveyor.stages.detokenizer.incremental import IncrementalDetokenizer
-from conveyor.stages.detokenizer.logprobs import TokenTexts
-from conveyor.stages.detokenizer.stop_strings import StopMatcher
+from conveyor.stages.detokenizer.detokenizer import Detokenizer
 from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
-from conveyor.wire.addresses import address
-from conveyor.wire.channel import Receiver, Sender
-from conveyor.wire.messages import (
-    DeltaBatch,
-    DetokenizerInbound,
-    DetokSeq,
-    FinishReason,
-    FinishSeqs,
-    SeqTokens,
-    TextDelta,
-    TokenBatch,
-)
-
-log = logging.getLogger(__name__)
-
-# A sequence stopped here keeps generating until the scheduler reads FinishSeqs, so tokens for it
-# may still be in flight; its id is remembered this many steps to drop them without complaint.
-STOPPED_MEMORY_STEPS = 4096
-
-
-@dataclasses.dataclass
-class SeqState:
-    info: DetokSeq
-    decoder: IncrementalDetokenizer
-    stop: StopMatcher | None = None  # None: no stop strings
-    num_output_tokens: int = 0
-
-    def decode(self, token_ids: list[int], final: bool) -> str:
-        """The text `token_ids` add, held back and cut by the stop strings (then `stop` is
-        stopped); with `final`, everything held comes out unless a stop string ends it."""
-        before, self.num_output_tokens = self.num_output_tokens, self.num_output_tokens + len(token_ids)
-        if self.stop is None:
-            return self.decoder.step(token_ids, final=final)
-        # Text of the first min_tokens tokens cannot complete a stop string (vLLM's rule): an
-        # update that crosses the line is decoded in two parts.
-        num_protected = min(max(0, self.info.min_tokens - before), len(token_ids))
-        rest, text = token_ids[num_protected:], ""
-        if num_protected:
-            text = self.stop.add(self.decoder.step(token_ids[:num_protected], final=final and not rest), can_stop=False)
-        if rest or not num_protected:  # an empty final step still flushes the decoder's held bytes
-            text += self.stop.add(self.decoder.step(rest, final=final))
-        if final and not self.stop.is_stopped:
-            text += self.stop.flush()
-        return text
-
-
-class Detokenizer:
-    def __init__(self, tokenizer: Tokenizer):
-        self.tokenizer = tokenizer
-        self.token_texts = TokenTexts(tokenizer)
-        self.seqs: dict[int, SeqState] = {}
-        self.stopped: dict[int, int] = {}  # seq_id -> step it matched a stop string at, oldest first
-
-    def process(self, batch: TokenBatch, out: list[list[TextDelta]]) -> list[int]:
-        """Decode one step's tokens, appending deltas to `out[ingress]`; return the ids of the
-        sequences that matched a stop string (the scheduler should finish them)."""
-        for info in batch.new_seqs:
-            decoder = IncrementalDetokenizer(self.tokenizer, info.prompt_tail, info.skip_special_tokens)
-            stop = StopMatcher(info.stop, info.include_stop_str_in_output) if info.stop else None
-            self.seqs[info.seq_id] = SeqState(info, decoder, stop)
-        stopped = []
-        for update in batch.updates:
-            state = self.seqs.get(update.seq_id)
-            if state is None:
-                if update.seq_id in self.stopped:
-                    if update.finish_reason is not None:  # the scheduler sends nothing after this
-                        del self.stopped[update.seq_id]
-                else:
-                    log.error("tokens for unknown sequence %d", update.seq_id)
-                continue
-            delta = self._delta(state, update)
-            out[state.info.ingress].append(delta)
-            if delta.finish_reason is not None:
-                del self.seqs[update.seq_id]
-                if update.finish_reason is None:  # finished here: the scheduler does not know
-                    stopped.append(update.seq_id)
-                    self.stopped[update.seq_id] = batch.step
-        self._forget_stopped(batch.step)
-        return stopped
-
-    def _delta(self, state: SeqState, update: SeqTokens) -> TextDelta:
-        text = state.decode(update.token_ids, final=update.finish_reason is not None)
-        finish_reason, stop_reason = update.finish_reason, None
-        if state.stop is not None and state.stop.is_stopped:  # a stop string outranks EOS or length
-            finish_reason, stop_reason = FinishReason.STOP, state.stop.stop_reason
-        info = state.info
-        logprobs = self.token_texts.logprobs(update.token_ids, update.logprobs) if info.logprobs else []
-        return TextDelta(
-            request_id=info.request_id,
-            index=info.index,
-            text=text,
-            token_ids=update.token_ids,
-            finish_reason=finish_reason,
-            num_prompt_tokens=info.num_prompt_tokens,
-            num_output_tokens=state.num_output_tokens,
-            num_cached_tokens=info.num_cached_tokens,
-            cumulative_logprob=update.cumulative_logprob,
-            logprobs=logprobs,
-            stop_reason=stop_reason,
-            queue_time=update.queue_time,
-        )
-
-    def _forget_stopped(self, step: int) -> None:
-        while self.stopped:
-            seq_id, stopped_at = next(iter(self.stopped.items()))
-            if step - stopped_at < STOPPED_MEMORY_STEPS:
-                return
-            del self.stopped[seq_id]
+from conveyor.wire.messages import DeltaBatch, FinishSeqs, TextDelta
+from conveyor.wire.topology import DETOKENIZER, INGRESS, SCHEDULER, receiver, sender, senders
 
 
 def run(config: EngineConfig, index: int) -> None:
-    run_dir = config.server.run_dir
     tokenizer = Tokenizer.from_file(str(Path(config.model.path) / "tokenizer.json"))
     detokenizer = Detokenizer(tokenizer)
     ctx = zmq.Context()
     try:
-        inbox: Receiver[DetokenizerInbound] = Receiver(ctx, address(run_dir, "detokenizer", index), DetokenizerInbound)
-        scheduler = Sender(ctx, address(run_dir, "scheduler", 0))
-        ingresses = [Sender(ctx, address(run_dir, "ingress", i)) for i in range(config.stages.num_ingress)]
-        report_ready(ctx, config, "detokenizer", index)
-        inbox.on_wait = Pulse(ctx, config, "detokenizer", index).beat
+        inbox = receiver(ctx, config, DETOKENIZER, index)
+        scheduler = sender(ctx, config, SCHEDULER)
+        ingresses = senders(ctx, config, INGRESS)
+        report_ready(ctx, config, DETOKENIZER, index)
+        inbox.on_wait = Pulse(ctx, config, DETOKENIZER, index).beat
         while True:
             out: list[list[TextDelta]] = [[] for _ in ingresses]
             stopped: list[int] = []
@@ -157,8 +46,8 @@ def run(config: EngineConfig, index: int) -> None:
                 batch = inbox.recv_nowait()
             if stopped:  # first: every step the scheduler runs before reading it is wasted
                 scheduler.send(FinishSeqs(stopped))
-            for sender, deltas in zip(ingresses, out):
+            for ingress, deltas in zip(ingresses, out):
                 if deltas:
-                    sender.send(DeltaBatch(deltas, sent_time=time.time()))
+                    ingress.send(DeltaBatch(deltas, sent_time=time.time()))
     finally:
         ctx.destroy(linger=0)

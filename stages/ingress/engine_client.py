@@ -31,9 +31,11 @@ from conveyor.wire.messages import (
     EngineStatus,
     RequestAccepted,
     RequestRejected,
+    SchedulerInbound,
     StageFailed,
     TextDelta,
     TokenizeRequest,
+    TokenizerInbound,
 )
 
 STRAY_MEMORY = 4096  # ids of requests aborted because of a stray message, remembered to abort once
@@ -62,7 +64,13 @@ class RequestStream:
 
 
 class EngineClient:
-    def __init__(self, index: int, tokenizers: list[Sender], scheduler: Sender, on_drained: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        index: int,
+        tokenizers: list[Sender[TokenizerInbound]],
+        scheduler: Sender[SchedulerInbound],
+        on_drained: Callable[[], None] = lambda: None,
+    ):
         self.index = index
         self.ready = False
         self.draining = False

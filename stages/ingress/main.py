@@ -22,9 +22,9 @@ from conveyor.stages.ingress.app import build_app
 from conveyor.stages.ingress.engine_client import EngineClient
 from conveyor.stages.ingress.listener import BoundedSite
 from conveyor.stages.liveness import Pulse
-from conveyor.wire.addresses import address
-from conveyor.wire.channel import AsyncReceiver, Sender
+from conveyor.wire.channel import AsyncReceiver
 from conveyor.wire.messages import Drained, IngressInbound, StageReady
+from conveyor.wire.topology import INGRESS, LAUNCHER, SCHEDULER, TOKENIZER, async_receiver, sender, senders
 
 log = logging.getLogger(__name__)
 
@@ -33,16 +33,15 @@ SHUTDOWN_TIMEOUT_S = 2.0  # how long open HTTP connections get to finish when th
 
 async def serve(config: EngineConfig, index: int) -> None:
     """Run until cancelled; then close the HTTP site and the sockets."""
-    run_dir = config.server.run_dir
     ctx = zmq.asyncio.Context()
     sync_ctx = zmq.Context.shadow(ctx)  # senders never wait: unbounded PUSH queues
-    receiver = AsyncReceiver(ctx, address(run_dir, "ingress", index), IngressInbound)
-    tokenizers = [Sender(sync_ctx, address(run_dir, "tokenizer", i)) for i in range(config.stages.num_tokenizers)]
-    scheduler = Sender(sync_ctx, address(run_dir, "scheduler", 0))
-    launcher = Sender(sync_ctx, address(run_dir, "launcher", 0))
+    receiver = async_receiver(ctx, config, INGRESS, index)
+    tokenizers = senders(sync_ctx, config, TOKENIZER)
+    scheduler = sender(sync_ctx, config, SCHEDULER)
+    launcher = sender(sync_ctx, config, LAUNCHER)
     engine = EngineClient(index, tokenizers, scheduler, on_drained=lambda: launcher.send(Drained(index)))
     pump = asyncio.create_task(_receive(receiver, engine), name=f"ingress-{index}-receive")
-    pulse = Pulse(sync_ctx, config, "ingress", index)  # the launcher heeds beats once we are ready
+    pulse = Pulse(sync_ctx, config, INGRESS, index)  # the launcher heeds beats once we are ready
     beating = asyncio.create_task(pulse.run(), name=f"ingress-{index}-heartbeat")
 
     runner = web.AppRunner(
@@ -57,7 +56,7 @@ async def serve(config: EngineConfig, index: int) -> None:
         site = BoundedSite(runner, config.server)  # SO_REUSEPORT, max_connections, HTTP timeouts
         await site.start()
         log.info("ingress %d listening on http://%s:%d", index, config.server.host, config.server.port)
-        launcher.send(StageReady(stage="ingress", index=index))
+        launcher.send(StageReady(stage=INGRESS.name, index=index))
         await pump  # runs until cancelled
     finally:
         for task in (pump, beating):
@@ -70,7 +69,7 @@ async def serve(config: EngineConfig, index: int) -> None:
         ctx.term()
 
 
-async def _receive(receiver: AsyncReceiver, engine: EngineClient) -> None:
+async def _receive(receiver: AsyncReceiver[IngressInbound], engine: EngineClient) -> None:
     while True:
         msg = await receiver.recv()
         if msg is not None:

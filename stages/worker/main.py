@@ -13,12 +13,11 @@ import zmq
 
 from conveyor.config import EngineConfig
 from conveyor.gpu.runner import ModelRunner
+from conveyor.stages import metrics
 from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
-from conveyor.wire.addresses import address
-from conveyor.wire.channel import Receiver, Sender
-from conveyor.stages import metrics
-from conveyor.wire.messages import InitializeCache, Shutdown, StepPlan, StepResult, WorkerInbound, WorkerReady
+from conveyor.wire.messages import InitializeCache, StepPlan, StepResult, WorkerReady
+from conveyor.wire.topology import SCHEDULER, WORKER, receiver, sender
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +31,18 @@ def record_step(result: StepResult) -> None:
 
 
 def run(config: EngineConfig, rank: int) -> None:
-    run_dir = config.server.run_dir
     runner = ModelRunner(config, rank)
     ctx = zmq.Context()
     try:
-        inbox: Receiver[WorkerInbound] = Receiver(ctx, address(run_dir, "worker", rank), WorkerInbound)
-        scheduler = Sender(ctx, address(run_dir, "scheduler", 0))
+        inbox = receiver(ctx, config, WORKER, rank)
+        scheduler = sender(ctx, config, SCHEDULER)
         scheduler.send(WorkerReady(rank=rank, num_kv_blocks=runner.num_available_blocks()))
         while True:
             match inbox.recv():
                 case InitializeCache(num_kv_blocks=num_blocks):
                     runner.initialize_cache(num_blocks)
-                    report_ready(ctx, config, "worker", rank)
-                    inbox.on_wait = Pulse(ctx, config, "worker", rank).beat
+                    report_ready(ctx, config, WORKER, rank)
+                    inbox.on_wait = Pulse(ctx, config, WORKER, rank).beat
                 case StepPlan() as plan:
                     started = time.time()
                     result = runner.execute(plan)
@@ -57,7 +55,5 @@ def run(config: EngineConfig, rank: int) -> None:
                     if rank == 0 and plan.scheduled:
                         scheduler.send(result)
                         record_step(result)
-                case Shutdown():
-                    return
     finally:
         ctx.destroy(linger=0)

@@ -1,0 +1,86 @@
+"""The process graph's table (wire/topology.py): the start plan and the addresses it derives, and
+messages crossing the typed senders and receivers it makes."""
+
+from __future__ import annotations
+
+import shutil
+from typing import cast
+
+import zmq
+
+from conveyor.config import EngineConfig, ModelConfig, ParallelConfig, ServerConfig, StagesConfig
+from conveyor.stages.runtime import STAGES
+from conveyor.wire import topology
+from conveyor.wire.addresses import make_run_dir
+from conveyor.wire.messages import AbortRequest, StageFailed
+from conveyor.wire.topology import (
+    INGRESS,
+    LAUNCHER,
+    SCHEDULER,
+    TOKENIZER,
+    address_of,
+    receiver,
+    sender,
+    senders,
+    start_plan,
+)
+
+
+def engine(run_dir: str = "/run/conveyor-x", num_workers: int = 1, **stages: int) -> EngineConfig:
+    return EngineConfig(
+        model=cast(ModelConfig, None),  # the table reads no model
+        parallel=ParallelConfig(tensor_parallel_size=num_workers),
+        stages=StagesConfig(**stages),
+        server=ServerConfig(run_dir=run_dir),
+    )
+
+
+def names(plan) -> list[str]:
+    return [f"{stage.name}-{index}" for stage, index in plan]
+
+
+def test_the_start_plan_is_scheduler_then_workers_tokenizers_detokenizers_ingresses():
+    config = engine(num_workers=2, num_tokenizers=3, num_detokenizers=2, num_ingress=2)
+    assert names(start_plan(config)) == [
+        "scheduler-0",
+        "worker-0", "worker-1",
+        "tokenizer-0", "tokenizer-1", "tokenizer-2",
+        "detokenizer-0", "detokenizer-1",
+        "ingress-0", "ingress-1",
+    ]  # fmt: skip
+
+
+def test_every_started_stage_is_one_the_stage_entry_point_accepts():
+    assert {stage.name for stage, _ in start_plan(engine())} == set(STAGES)
+    assert LAUNCHER.name not in STAGES  # an inbox, not a stage process
+
+
+def test_the_supervision_groups():
+    assert [s.name for s in topology.STAGES if s.fails_engine] == ["scheduler", "worker"]
+    # The detokenizers' sequence state belongs to the scheduler: they restart with it.
+    assert [s.name for s in topology.STAGES if s.restarts_with_engine] == ["scheduler", "worker", "detokenizer"]
+
+
+def test_addresses_keep_their_format():
+    config = engine(run_dir="/run/conveyor-x")
+    assert address_of(config, TOKENIZER, 2) == "ipc:///run/conveyor-x/tokenizer-2.sock"
+    assert address_of(config, LAUNCHER) == "ipc:///run/conveyor-x/launcher-0.sock"
+
+
+def test_a_message_reaches_the_process_it_is_sent_to():
+    run_dir = make_run_dir()
+    config = engine(run_dir=run_dir, num_ingress=2)
+    ctx = zmq.Context()
+    try:
+        inboxes = [receiver(ctx, config, INGRESS, i) for i in range(2)]
+        scheduler_inbox = receiver(ctx, config, SCHEDULER)
+        ingresses = senders(ctx, config, INGRESS)
+        assert len(ingresses) == 2
+        ingresses[1].send(StageFailed(stage="tokenizer", index=0))
+        sender(ctx, config, SCHEDULER).send(AbortRequest(["r1"]))
+        assert inboxes[1].recv(timeout_ms=5000) == StageFailed(stage="tokenizer", index=0)
+        assert inboxes[0].recv(timeout_ms=50) is None
+        assert scheduler_inbox.recv(timeout_ms=5000) == AbortRequest(["r1"])
+    finally:
+        ctx.destroy(linger=0)
+        shutil.rmtree(run_dir, ignore_errors=True)

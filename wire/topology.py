@@ -1,0 +1,95 @@
+"""The process graph, declared once: each stage, the message union its socket takes, and how many
+of it a config starts (plus the launcher's inbox, addressed like a stage but not started as one).
+
+Everything else is derived from the table: a stage's inbox (`receiver`), typed senders to its peers
+(`sender`, `senders`: sending a message the peer does not take is a type error), the launcher's
+start plan (`start_plan`) and the names the stage entry point accepts (`STAGE_NAMES`). Process
+`index` of stage `name` listens on `{name}-{index}.sock` in the run directory (addresses.py).
+Adding a stage means a row here and the stage's package; nothing else names its socket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import zmq
+import zmq.asyncio
+
+from conveyor.config import EngineConfig
+from conveyor.wire.addresses import address
+from conveyor.wire.channel import AsyncReceiver, Receiver, Sender
+from conveyor.wire.messages import (
+    DetokenizerInbound,
+    IngressInbound,
+    LauncherInbound,
+    SchedulerInbound,
+    TokenizerInbound,
+    WorkerInbound,
+)
+
+T = TypeVar("T")
+
+
+def _one(config: EngineConfig) -> int:
+    return 1
+
+
+@dataclass(frozen=True)
+class Stage(Generic[T]):
+    """One row of the table: a kind of process, and what its socket takes (T, a tagged union)."""
+
+    name: str
+    inbound: Any  # the msgspec type its receiver decodes: T at run time
+    num_processes: Callable[[EngineConfig], int] = _one
+    fails_engine: bool = False  # its death is an engine failure, not a restart of itself
+    # Stopped and started with the engine, because its state belongs to the engine's.
+    restarts_with_engine: bool = False
+
+
+SCHEDULER: Stage[SchedulerInbound] = Stage("scheduler", SchedulerInbound, fails_engine=True, restarts_with_engine=True)
+WORKER: Stage[WorkerInbound] = Stage(
+    "worker", WorkerInbound, lambda c: c.parallel.tensor_parallel_size, fails_engine=True, restarts_with_engine=True
+)
+TOKENIZER: Stage[TokenizerInbound] = Stage("tokenizer", TokenizerInbound, lambda c: c.stages.num_tokenizers)
+# Its sequence state belongs to the scheduler that died (sequence ids start again from 0).
+DETOKENIZER: Stage[DetokenizerInbound] = Stage(
+    "detokenizer", DetokenizerInbound, lambda c: c.stages.num_detokenizers, restarts_with_engine=True
+)
+INGRESS: Stage[IngressInbound] = Stage("ingress", IngressInbound, lambda c: c.stages.num_ingress)
+LAUNCHER: Stage[LauncherInbound] = Stage("launcher", LauncherInbound)  # the launcher's inbox
+
+# Start order: the scheduler first (workers report to it), then workers, pools, ingress.
+STAGES: tuple[Stage[Any], ...] = (SCHEDULER, WORKER, TOKENIZER, DETOKENIZER, INGRESS)
+STAGE_NAMES = tuple(stage.name for stage in STAGES)
+BY_NAME: dict[str, Stage[Any]] = {stage.name: stage for stage in STAGES}
+
+
+def start_plan(config: EngineConfig) -> list[tuple[Stage[Any], int]]:
+    """Every stage process the launcher starts, as (stage, index), in start order."""
+    return [(stage, i) for stage in STAGES for i in range(stage.num_processes(config))]
+
+
+def address_of(config: EngineConfig, stage: Stage[Any], index: int = 0) -> str:
+    return address(config.server.run_dir, stage.name, index)
+
+
+def receiver(ctx: zmq.Context, config: EngineConfig, stage: Stage[T], index: int = 0) -> Receiver[T]:
+    """The one socket process `index` of `stage` binds and receives on."""
+    return Receiver(ctx, address_of(config, stage, index), stage.inbound)
+
+
+def async_receiver(ctx: zmq.asyncio.Context, config: EngineConfig, stage: Stage[T], index: int = 0) -> AsyncReceiver[T]:
+    return AsyncReceiver(ctx, address_of(config, stage, index), stage.inbound)
+
+
+def sender(ctx: zmq.Context, config: EngineConfig, stage: Stage[T], index: int = 0) -> Sender[T]:
+    """A sender to process `index` of `stage` (the scheduler, the launcher: index 0)."""
+    return Sender(ctx, address_of(config, stage, index))
+
+
+def senders(ctx: zmq.Context, config: EngineConfig, stage: Stage[T]) -> list[Sender[T]]:
+    """One sender per process of `stage`, by index: replies go to the ingress that owns a request,
+    tokens to the detokenizer that owns a sequence, a plan to every worker rank."""
+    return [sender(ctx, config, stage, i) for i in range(stage.num_processes(config))]
