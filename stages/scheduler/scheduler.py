@@ -206,7 +206,7 @@ class Scheduler:
         sampled = iter(sampled_token_ids)
         tops = iter(top_logprobs or ())
         eos, max_model_len = self.eos_token_ids, self.max_model_len
-        register_full_blocks = self.blocks.register_full_blocks
+        register_full_blocks, block_size = self.blocks.register_full_blocks, self.blocks.block_size
         for draw, (row, seq) in enumerate(step.draws()):
             token = next(sampled)
             logprob = next(logprobs) if logprobs is not None else 0.0
@@ -223,7 +223,7 @@ class Scheduler:
             reason = seq.stop_reason(token, eos, max_model_len)
             if reason is not None:
                 self._finish(seq, reason, report=False)
-            else:
+            elif seq.num_registered_blocks < seq.num_computed_tokens // block_size:  # spares most draws the call
                 register_full_blocks(seq)  # a block whose last id was pending
             update = SeqUpdate(seq, [token], reason)
             if not seq.known_by_detokenizer:
