@@ -23,12 +23,6 @@ def prometheus_multiproc_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
-def test_plan_delay_s() -> float:
-    """Test hook: the scheduler sleeps this long before sending each plan, so the worker waits on
-    its host; the GPU-bubble metrics must show it. Never set in production."""
-    return float(os.environ.get("CONVEYOR_TEST_PLAN_DELAY_S") or 0.0)
-
-
 def cpu_kernels_enabled() -> bool:
     """CONVEYOR_CPU_KERNELS=0 keeps the worker on the torch reference paths on CPU (no compiler
     is called); the default builds and uses the C++ kernels of gpu/cpu_kernels."""

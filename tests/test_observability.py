@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ from tests.conftest import Daemon, free_port
 
 pytestmark = pytest.mark.slow
 OPS = Path(__file__).resolve().parent.parent / "ops"
+SLOW_SCHEDULER = Path(__file__).resolve().parent / "slow_scheduler"  # its sitecustomize delays each plan
 needs_prometheus = pytest.mark.skipif(
     not (shutil.which("prometheus") and shutil.which("promtool")), reason="Debian's prometheus package is not installed"
 )
@@ -125,9 +127,9 @@ def bubble_fraction(daemon: Daemon) -> float:
 
 def test_the_bubble_rises_when_the_worker_waits_for_its_host(daemon_factory, monkeypatch):
     steady = bubble_fraction(daemon_factory("--num-kv-blocks", "256"))
-    # Longer than a step of this load on a slow CPU (~30-60 ms without AVX-512), so async scheduling
-    # cannot hide it behind the step in flight.
-    monkeypatch.setenv("CONVEYOR_TEST_PLAN_DELAY_S", "0.1")
+    # The delay (0.1 s) is longer than a step of this load on a slow CPU (~30-60 ms without
+    # AVX-512), so async scheduling cannot hide it behind the step in flight.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SLOW_SCHEDULER), os.environ.get("PYTHONPATH")])))
     delayed = bubble_fraction(daemon_factory("--num-kv-blocks", "256"))
     assert 0 < steady < 1 and 0 < delayed < 1
     assert delayed > steady + 0.1, (steady, delayed)

@@ -27,17 +27,14 @@ import time
 import zmq
 
 from conveyor.config import EngineConfig
-from conveyor.config.env import test_plan_delay_s
 from conveyor.stages import metrics
 from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
 from conveyor.stages.scheduler.plan import step_plan, token_batches
 from conveyor.stages.scheduler.scheduler import ScheduledStep, Scheduler
-from conveyor.stages.scheduler.waiting_queue import QueueFull
 from conveyor.stages.scheduler.stats_log import StatsLog
 from conveyor.stages.scheduler.step import SeqUpdate
-from conveyor.wire.addresses import address
-from conveyor.wire.channel import Receiver, Sender
+from conveyor.stages.scheduler.waiting_queue import QueueFull
 from conveyor.wire.messages import (
     AbortRequest,
     FinishReason,
@@ -51,18 +48,18 @@ from conveyor.wire.messages import (
     StepResult,
     WorkerReady,
 )
+from conveyor.wire.topology import DETOKENIZER, INGRESS, SCHEDULER, WORKER, receiver, senders
 
 log = logging.getLogger(__name__)
 
 
 class SchedulerStage:
     def __init__(self, config: EngineConfig, ctx: zmq.Context):
-        run_dir = config.server.run_dir
         self.config = config
-        self.inbox: Receiver[SchedulerInbound] = Receiver(ctx, address(run_dir, "scheduler", 0), SchedulerInbound)
-        self.workers = [Sender(ctx, address(run_dir, "worker", r)) for r in range(config.parallel.tensor_parallel_size)]
-        self.detokenizers = [Sender(ctx, address(run_dir, "detokenizer", d)) for d in range(config.stages.num_detokenizers)]
-        self.ingresses = [Sender(ctx, address(run_dir, "ingress", i)) for i in range(config.stages.num_ingress)]
+        self.inbox = receiver(ctx, config, SCHEDULER)
+        self.workers = senders(ctx, config, WORKER)
+        self.detokenizers = senders(ctx, config, DETOKENIZER)
+        self.ingresses = senders(ctx, config, INGRESS)
         self.scheduler: Scheduler | None = None
         self.in_flight: collections.deque[ScheduledStep] = collections.deque()  # sent, result pending
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
@@ -71,7 +68,6 @@ class SchedulerStage:
         self.seen = {"aborts": 0, "preemptions": 0, "queries": 0, "hits": 0}
         self.prompt_tokens_per_s = 0.0  # moving average, for Retry-After
         self.last_step_end = time.monotonic()
-        self.plan_delay_s = test_plan_delay_s()
         self.stats = StatsLog()
         self.idle = True
         self.alone: ScheduledStep | None = None  # the first step after an idle spell
@@ -179,8 +175,6 @@ class SchedulerStage:
             plan = step_plan(step)
             plan.after_idle = self.idle
             metrics.scheduler_step_time.observe(time.perf_counter() - started)
-            if self.plan_delay_s:
-                time.sleep(self.plan_delay_s)
             for worker in self.workers:
                 worker.send(plan)
             if step.rows:  # a plan of finished ids only gets no result
@@ -224,10 +218,10 @@ class SchedulerStage:
             return
         step = self.scheduler.num_steps
         now = time.time()
-        for sender, batch in zip(self.detokenizers, token_batches(step, updates, len(self.detokenizers))):
+        for detokenizer, batch in zip(self.detokenizers, token_batches(step, updates, len(self.detokenizers))):
             if batch is not None:
                 batch.sent_time = now
-                sender.send(batch)
+                detokenizer.send(batch)
 
     def record_step(self, step: ScheduledStep) -> None:
         now = time.monotonic()
@@ -259,8 +253,8 @@ def run(config: EngineConfig, index: int) -> None:
     stage = SchedulerStage(config, ctx)
     try:
         stage.start()
-        report_ready(ctx, config, "scheduler", index)
-        stage.inbox.on_wait = Pulse(ctx, config, "scheduler", index).beat
+        report_ready(ctx, config, SCHEDULER, index)
+        stage.inbox.on_wait = Pulse(ctx, config, SCHEDULER, index).beat
         stage.loop()
     finally:
         ctx.destroy(linger=0)
