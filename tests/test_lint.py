@@ -1,0 +1,37 @@
+"""ruff (lint and format) and mypy over the whole tree, through .ci/lint, so that the README's
+test command runs them.
+
+Marked `lint` (`-m "not lint"` leaves them out) and skipped until the whole tree is clean:
+issue 14's final pass formats and fixes the files that were being refactored when the tools came
+in, then sets WHOLE_TREE_CLEAN. Skipped as well where ruff or mypy is not installed (the `test`
+extra pins both).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+WHOLE_TREE_CLEAN = False
+
+pytestmark = [
+    pytest.mark.lint,
+    pytest.mark.skipif(not WHOLE_TREE_CLEAN, reason="until issue 14's final pass cleans the files being refactored"),
+]
+
+
+@pytest.mark.parametrize("tool", ["ruff-check", "ruff-format", "mypy"])
+def test_clean(tool: str):
+    module = tool.split("-")[0]
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed (pip install -e '.[test]')")
+    # The tools' scripts sit beside this interpreter.
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    run = subprocess.run(["bash", ".ci/lint", tool], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f".ci/lint {tool} failed:\n{run.stdout[-6000:]}{run.stderr[-2000:]}"
