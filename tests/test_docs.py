@@ -84,15 +84,15 @@ def build_index(roots: list[Path]) -> Index:
         for path in sorted(root.rglob("*.py")):
             tree = ast.parse(path.read_text(), str(path))
             top = index.modules.setdefault(path.stem if path.stem != "__init__" else path.parent.name, set())
-            for node in tree.body:
-                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                    top.add(node.name)
-                elif isinstance(node, ast.Assign):
-                    top.update(t.id for t in node.targets if isinstance(t, ast.Name))
-                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                    top.add(node.target.id)
-                elif isinstance(node, ast.ImportFrom | ast.Import):
-                    top.update((a.asname or a.name).split(".")[0] for a in node.names)
+            for stmt in tree.body:
+                if isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    top.add(stmt.name)
+                elif isinstance(stmt, ast.Assign):
+                    top.update(t.id for t in stmt.targets if isinstance(t, ast.Name))
+                elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                    top.add(stmt.target.id)
+                elif isinstance(stmt, ast.ImportFrom | ast.Import):
+                    top.update((a.asname or a.name).split(".")[0] for a in stmt.names)
             for node in ast.walk(tree):
                 if isinstance(node, ast.ClassDef):
                     index.classes.setdefault(node.name, set()).update(_class_members(node))
