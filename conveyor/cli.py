@@ -58,9 +58,9 @@ def bench(args: argparse.Namespace) -> int:
         from conveyor.bench import forward
 
         return forward.main(args)
-    from conveyor.bench import step
+    from conveyor.bench import scheduler_cost
 
-    return step.main(args.running, prepare=args.prepare, device=args.device)
+    return scheduler_cost.main(args.running, prepare=args.prepare, device=args.device)
 
 
 def serve(args: argparse.Namespace) -> int:

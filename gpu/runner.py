@@ -35,7 +35,7 @@ from conveyor.wire.messages import MAX_LOGPROBS, Fork, NewSeq, SamplingParams, S
 
 
 @dataclasses.dataclass
-class SeqState:
+class WorkerSeq:
     token_ids: list[int]  # prompt, then every output so far
     params: SamplingParams
     num_prompt_tokens: int
@@ -75,7 +75,7 @@ class ModelRunner:
                 small_linear = cpu_small_linear() if small_linear_pays_on_this_cpu() else None
                 self.model.use_cpu_ops(cpu_fused_ops(), small_linear)
         self.kv_caches: list[torch.Tensor] = []
-        self.seqs: dict[int, SeqState] = {}
+        self.seqs: dict[int, WorkerSeq] = {}
         self._last_return: float | None = None  # perf_counter when execute last returned
 
     def num_available_blocks(self) -> int:
@@ -127,7 +127,7 @@ class ModelRunner:
             failed_draws=samples.failed_draws,
         )
 
-    def _register(self, new: NewSeq) -> SeqState:
+    def _register(self, new: NewSeq) -> WorkerSeq:
         vocab = self.config.model.vocab_size
         if new.token_ids and not 0 <= min(new.token_ids) <= max(new.token_ids) < vocab:
             raise ValueError(f"seq {new.seq_id}: token id out of range [0, {vocab})")
@@ -136,7 +136,7 @@ class ModelRunner:
         if new.params.logit_bias and not all(0 <= t < vocab for t in new.params.logit_bias):
             raise ValueError(f"seq {new.seq_id}: logit_bias token id out of range [0, {vocab})")
         # A prefix-cache hit: the leading num_computed_tokens already have KV in the row's blocks.
-        return SeqState(list(new.token_ids), new.params, new.num_prompt_tokens, new.num_computed_tokens, index=new.index)
+        return WorkerSeq(list(new.token_ids), new.params, new.num_prompt_tokens, new.num_computed_tokens, index=new.index)
 
     def _check_forks(self, scheduled: list[ScheduledSeq], sampling_rows: list[int]) -> list[list[Fork]]:
         """The forks of each sampling row; raises if a non-sampling row forks or a fork's seq_id
@@ -149,7 +149,7 @@ class ModelRunner:
             raise ValueError(f"fork seq_ids {new_ids} repeat or are already live")
         return [scheduled[i].forks for i in sampling_rows]
 
-    def _append_sampled(self, sampling: list[SeqState], forks: list[list[Fork]], sampled: list[int]) -> None:
+    def _append_sampled(self, sampling: list[WorkerSeq], forks: list[list[Fork]], sampled: list[int]) -> None:
         """Each sampling row's token, then one new sequence per fork: the row's state after the
         step (its own block table list) plus the fork's token. `sampled` is in draw order."""
         tokens = iter(sampled)
@@ -162,7 +162,7 @@ class ModelRunner:
             seq.token_ids.append(own)
         assert next(tokens, None) is None, "more sampled ids than draws"
 
-    def _prepare(self, rows: list[SeqState], num_tokens: list[int]) -> StepInputs:
+    def _prepare(self, rows: list[WorkerSeq], num_tokens: list[int]) -> StepInputs:
         """Host lists -> device tensors, one pass per sequence."""
         input_ids: list[int] = []
         positions: list[int] = []
@@ -207,7 +207,7 @@ class ModelRunner:
             sampling_rows=sampling_rows,
         )
 
-    def _run(self, rows: list[SeqState], inputs: StepInputs, forks: list[list[Fork]]) -> StepSamples:
+    def _run(self, rows: list[WorkerSeq], inputs: StepInputs, forks: list[list[Fork]]) -> StepSamples:
         """Forward and sampling -> one token id and logprob per draw (each sampling row, then its
         forks in order), and top logprobs for the draws that asked."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)  # [T, H]
@@ -245,7 +245,7 @@ class ModelRunner:
         for n in lens:
             blocks = list(range(next_block, next_block + -(-n // self.block_size)))
             next_block += len(blocks)
-            rows.append(SeqState([0] * n, params, n, block_table=blocks))
+            rows.append(WorkerSeq([0] * n, params, n, block_table=blocks))
         saved, self.kv_caches = self.kv_caches, caches
         try:
             inputs = self._prepare(rows, lens)
@@ -268,7 +268,7 @@ def _check_block_ids(scheduled: list[ScheduledSeq], num_blocks: int) -> None:
             raise ValueError(f"seq {row.seq_id}: block ids {ids} outside the pool [0, {num_blocks})")
 
 
-def _update_block_table(seq: SeqState, row: ScheduledSeq) -> None:
+def _update_block_table(seq: WorkerSeq, row: ScheduledSeq) -> None:
     """Copy-on-write replacements first (their blocks were filled by the plan's copy_blocks),
     then the row's new blocks."""
     for pos, block in row.replaced_blocks:

@@ -343,9 +343,9 @@ def test_offline_reports_both_engines(tmp_path, capsys):
 
 
 def test_step_times_input_preparation():
-    from conveyor.bench import step
+    from conveyor.bench import scheduler_cost
 
-    r = step.measure_prepare(step.prepare_runner("cpu"), 8, repeats=10)
+    r = scheduler_cost.measure_prepare(scheduler_cost.prepare_runner("cpu"), 8, repeats=10)
     assert r["running"] == 8 and 0 < r["median_ms"] <= r["p90_ms"]
 
 

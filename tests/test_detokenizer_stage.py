@@ -9,7 +9,7 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
-from conveyor.stages.detokenizer.logprobs import byte_level_decoding_table
+from conveyor.stages.detokenizer.token_texts import byte_level_decoding_table
 from conveyor.stages.detokenizer.detokenizer import STOPPED_MEMORY_STEPS, Detokenizer
 from conveyor.tiny.checkpoint import make_checkpoint
 from conveyor.tiny.tokenizer import SPECIAL_TOKEN_IDS

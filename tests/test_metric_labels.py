@@ -21,7 +21,7 @@ SCRAPE = """
 import sys
 import conveyor.stages.ingress.errors  # the ingress imports it: it adds the error types
 from prometheus_client import generate_latest
-from conveyor.stages.ingress.metrics import make_registry
+from conveyor.stages.ingress.metrics_route import make_registry
 sys.stdout.write(generate_latest(make_registry()).decode())
 """
 

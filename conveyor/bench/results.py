@@ -1,6 +1,6 @@
 """The metrics of one benchmark run (one load point), from its RequestResults.
 
-The definitions are the simulator's (conveyor.sim.metrics), measured on the client's clock:
+The definitions are the simulator's (conveyor.sim.run_metrics), measured on the client's clock:
   throughput      completed requests, prompt tokens, output tokens, both: per second of the run
                   (first send to last finish); failed requests count in the run, not in these
   TTFT            first output chunk - send
@@ -8,7 +8,7 @@ The definitions are the simulator's (conveyor.sim.metrics), measured on the clie
                   FastGen's per-token generation latency when every chunk holds one token)
   TPOT            per request, (last chunk - first chunk) / (output tokens - 1)
   E2E             end of stream - send
-  effective       FastGen's SLA (conveyor.sim.metrics.meets_sla): TTFT <= prompt tokens / 512
+  effective       FastGen's SLA (conveyor.sim.run_metrics.meets_sla): TTFT <= prompt tokens / 512
   throughput      tokens/s and the EMA of the per-token gaps under 1/N s, N = 2, 4, 6 tokens/s;
                   requests meeting it, per second
 Every latency is summarised by its mean, P50, P90, P95 and P99 (seconds).
@@ -22,7 +22,7 @@ from collections import Counter
 import numpy as np
 
 from conveyor.bench.client import RequestResult
-from conveyor.sim.metrics import SLA_GEN_TOKENS_PER_S, meets_sla, summary
+from conveyor.sim.run_metrics import SLA_GEN_TOKENS_PER_S, meets_sla, summary
 from conveyor.sim.report import markdown_table
 from conveyor.sim.simulator import RequestRecord
 

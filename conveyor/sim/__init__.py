@@ -1,11 +1,11 @@
 """The scheduling simulator: the real Scheduler and block manager driven by a discrete-event
 clock, with a fitted forward-pass cost model in place of the worker.
 
-costmodel.py  step latency from a step's shape, least-squares fit, scaling
-presets.py    shipped cost models (cpu-tiny measured, a100-* derived)
-measure.py    times the real ModelRunner on the tiny model and fits cpu-tiny
-workloads.py  ShareGPT and synthetic requests, Poisson or closed-loop arrivals
-simulator.py  the event loop
-metrics.py    throughput, TTFT, token latency, TPOT, E2E, effective throughput, KV waste
-report.py     the comparison table; __main__.py the CLI (docs/simulator.md)
+costmodel.py    step latency from a step's shape, least-squares fit, scaling
+presets.py      shipped cost models (cpu-tiny measured, a100-* derived)
+measure.py      times the real ModelRunner on the tiny model and fits cpu-tiny
+workloads.py    ShareGPT and synthetic requests, Poisson or closed-loop arrivals
+simulator.py    the event loop
+run_metrics.py  throughput, TTFT, token latency, TPOT, E2E, effective throughput, KV waste
+report.py       the comparison table; __main__.py the CLI (docs/simulator.md)
 """

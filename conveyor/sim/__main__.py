@@ -15,7 +15,7 @@ import math
 import sys
 
 from conveyor.config import CacheConfig, SchedulerConfig, SchedulingPolicy
-from conveyor.sim.metrics import compute
+from conveyor.sim.run_metrics import compute
 from conveyor.sim.presets import PRESETS, cost_model
 from conveyor.sim.report import comparison_table
 from conveyor.sim.simulator import SimConfig, simulate

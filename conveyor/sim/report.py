@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conveyor.sim.metrics import Metrics
+from conveyor.sim.run_metrics import Metrics
 
 # (label, how to read it from Metrics, format)
 ROWS = [

@@ -12,7 +12,7 @@ import logging
 from tokenizers import Tokenizer
 
 from conveyor.stages.detokenizer.incremental import IncrementalDetokenizer
-from conveyor.stages.detokenizer.logprobs import TokenTexts
+from conveyor.stages.detokenizer.token_texts import TokenTexts
 from conveyor.stages.detokenizer.stop_strings import StopMatcher
 from conveyor.wire.messages import DetokSeq, FinishReason, SeqTokens, TextDelta, TokenBatch
 
@@ -24,7 +24,7 @@ STOPPED_MEMORY_STEPS = 4096
 
 
 @dataclasses.dataclass
-class SeqState:
+class SeqText:
     info: DetokSeq
     decoder: IncrementalDetokenizer
     stop: StopMatcher | None = None  # None: no stop strings
@@ -53,7 +53,7 @@ class Detokenizer:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)
-        self.seqs: dict[int, SeqState] = {}
+        self.seqs: dict[int, SeqText] = {}
         self.stopped: dict[int, int] = {}  # seq_id -> step it matched a stop string at, oldest first
 
     def process(self, batch: TokenBatch, out: list[list[TextDelta]]) -> list[int]:
@@ -62,7 +62,7 @@ class Detokenizer:
         for info in batch.new_seqs:
             decoder = IncrementalDetokenizer(self.tokenizer, info.prompt_tail, info.skip_special_tokens)
             stop = StopMatcher(info.stop, info.include_stop_str_in_output) if info.stop else None
-            self.seqs[info.seq_id] = SeqState(info, decoder, stop)
+            self.seqs[info.seq_id] = SeqText(info, decoder, stop)
         stopped = []
         for update in batch.updates:
             state = self.seqs.get(update.seq_id)
@@ -83,7 +83,7 @@ class Detokenizer:
         self._forget_stopped(batch.step)
         return stopped
 
-    def _delta(self, state: SeqState, update: SeqTokens) -> TextDelta:
+    def _delta(self, state: SeqText, update: SeqTokens) -> TextDelta:
         text = state.decode(update.token_ids, final=update.finish_reason is not None)
         finish_reason, stop_reason = update.finish_reason, None
         if state.stop is not None and state.stop.is_stopped:  # a stop string outranks EOS or length

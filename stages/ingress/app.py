@@ -25,7 +25,7 @@ from conveyor.stages.ingress.cors import Cors
 from conveyor.stages.ingress.engine_client import EngineClient
 from conveyor.stages.ingress.errors import ApiError
 from conveyor.stages.ingress.generate import GenerateRoutes
-from conveyor.stages.ingress.metrics import make_registry, metrics_handler
+from conveyor.stages.ingress.metrics_route import make_registry, metrics_handler
 from conveyor.stages.ingress.openapi import document
 from conveyor.stages.ingress.tokens import LazyEncoder, TokenRoutes
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from conveyor.stages.ingress.logprobs import chat_logprobs, completion_logprobs
+from conveyor.stages.ingress.openai_logprobs import chat_logprobs, completion_logprobs
 from conveyor.wire.messages import FinishReason, SamplingParams, TextDelta, TextLogprob
 
 DONE = b"data: [DONE]\n\n"

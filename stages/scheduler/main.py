@@ -33,7 +33,7 @@ from conveyor.stages.runtime import report_ready
 from conveyor.stages.scheduler.plan import step_plan, token_batches
 from conveyor.stages.scheduler.scheduler import ScheduledStep, Scheduler
 from conveyor.stages.scheduler.stats_log import StatsLog
-from conveyor.stages.scheduler.step import SeqUpdate
+from conveyor.stages.scheduler.scheduled_step import SeqUpdate
 from conveyor.stages.scheduler.waiting_queue import QueueFull
 from conveyor.wire.messages import (
     AbortRequest,

@@ -3,7 +3,7 @@ batches for the detokenizers. Shared by the scheduler stage and the in-process P
 
 from __future__ import annotations
 
-from conveyor.stages.scheduler.step import ScheduledStep, SeqUpdate
+from conveyor.stages.scheduler.scheduled_step import ScheduledStep, SeqUpdate
 from conveyor.wire.messages import DetokSeq, Fork, NewSeq, ScheduledSeq, SeqTokens, StepPlan, TokenBatch
 
 PROMPT_TAIL_TOKENS = 6  # decoding context the detokenizer needs for the first output tokens

@@ -6,7 +6,7 @@ import logging
 import time
 
 from conveyor.stages.scheduler.scheduler import Scheduler
-from conveyor.stages.scheduler.step import ScheduledStep
+from conveyor.stages.scheduler.scheduled_step import ScheduledStep
 from conveyor.wire.messages import StepResult
 
 log = logging.getLogger("conveyor.stats")

@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from conveyor.gpu.sampling.logprobs import sampled_logprobs, top_logprobs
+from conveyor.gpu.sampling.model_logprobs import sampled_logprobs, top_logprobs
 from conveyor.gpu.sampling.penalties import apply_penalties
 from conveyor.gpu.sampling.sampler import sample
 from conveyor.gpu.sampling.transfer import to_device, to_host

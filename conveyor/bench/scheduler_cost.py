@@ -62,13 +62,13 @@ def measure(num_running: int, *, steps: int = 200, prompt_len: int = 200, block_
 def measure_prepare(runner, num_running: int, *, repeats: int = 200, context_len: int = 200) -> dict:
     """One `_prepare` for `num_running` decodes (each computing its last token), timed `repeats`
     times on a built ModelRunner (see `prepare_runner`)."""
-    from conveyor.gpu.runner import SeqState
+    from conveyor.gpu.runner import WorkerSeq
 
     block_size, vocab = runner.block_size, runner.config.model.vocab_size - 16
     blocks_per_seq = -(-context_len // block_size)
     params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     rows = [
-        SeqState([(i * 31 + j) % vocab for j in range(context_len)], params, context_len - 1, context_len - 1,
+        WorkerSeq([(i * 31 + j) % vocab for j in range(context_len)], params, context_len - 1, context_len - 1,
                  list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
         for i in range(num_running)
     ]  # fmt: skip
