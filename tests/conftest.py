@@ -52,9 +52,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     from conveyor.tiny.checkpoint import make_checkpoint
 
     root = tmp_path_factory.mktemp("checkpoints")
-    return {
-        arch: make_checkpoint(root / arch, arch, seed=i + 1, **SMALL) for i, arch in enumerate(ARCHITECTURES)
-    }
+    return {arch: make_checkpoint(root / arch, arch, seed=i + 1, **SMALL) for i, arch in enumerate(ARCHITECTURES)}
 
 
 @pytest.fixture(scope="session")

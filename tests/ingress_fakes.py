@@ -40,8 +40,8 @@ import zmq
 
 from conveyor.config import EngineConfig, ModelConfig, ServerConfig
 from conveyor.stages.ingress.main import serve
-from conveyor.tiny.checkpoint import make_checkpoint
 from conveyor.tiny import tokenizer as tiny_tokenizer
+from conveyor.tiny.checkpoint import make_checkpoint
 from conveyor.wire.addresses import address, make_run_dir
 from conveyor.wire.channel import Receiver, Sender
 from conveyor.wire.messages import (
@@ -70,8 +70,15 @@ VOCAB_SIZE = tiny_tokenizer.VOCAB_SIZE  # the tiny checkpoint's
 def make_config(root: Path, run_dir: str, **server) -> EngineConfig:
     """A tiny checkpoint (real tokenizer and chat template) served as MODEL_NAME; `server`
     overrides ServerConfig fields (api_key, allowed_origins, ...)."""
-    ckpt = make_checkpoint(root / "ckpt", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN)
+    ckpt = make_checkpoint(
+        root / "ckpt",
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_MODEL_LEN,
+    )
     model = ModelConfig.from_pretrained(ckpt, served_name=MODEL_NAME)
     server = ServerConfig(host="127.0.0.1", port=free_port(), run_dir=run_dir, max_body_bytes=MAX_BODY_BYTES, **server)
     return EngineConfig(model=model, server=server)
@@ -136,9 +143,21 @@ def choice_deltas(req: TokenizeRequest, index: int, num_prompt: int, num_cached:
         if params.logprobs is not None:
             top = top_alternatives(index, i, params.logprobs)
             logprobs = [TextLogprob(texts[i], list(texts[i].encode()), token_logprob(index), top)]
-        deltas.append(TextDelta(req.request_id, index, text, [ids[i]], finish if i == last else None, num_prompt,
-                                i + 1, num_cached, (i + 1) * token_logprob(index), logprobs,
-                                stop_reason if i == last else None))
+        deltas.append(
+            TextDelta(
+                req.request_id,
+                index,
+                text,
+                [ids[i]],
+                finish if i == last else None,
+                num_prompt,
+                i + 1,
+                num_cached,
+                (i + 1) * token_logprob(index),
+                logprobs,
+                stop_reason if i == last else None,
+            )
+        )
     return deltas
 
 
@@ -165,7 +184,7 @@ def sse(response: requests.Response) -> list:
     events = []
     for block in raw[:-2].split("\n\n"):
         assert block.startswith("data: "), block
-        payload = block[len("data: "):]
+        payload = block[len("data: ") :]
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
     return events[:-1]
@@ -184,10 +203,7 @@ def raw_post(url: str, path: str, body: dict) -> socket.socket:
     host, port = url.removeprefix("http://").split(":")
     data = json.dumps(body).encode()
     sock = socket.create_connection((host, int(port)), timeout=5)
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: {host}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-    )
+    head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
     sock.sendall(head.encode() + data)
     return sock
 

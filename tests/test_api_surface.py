@@ -59,15 +59,41 @@ def text_of(choice: dict) -> str:
 
 def test_every_parameter_reaches_sampling_params(server):
     url, engine, _ = server
-    common = {"temperature": 0.7, "top_p": 1, "top_k": 5, "min_p": 0.1, "presence_penalty": 0.5,
-              "frequency_penalty": -0.5, "repetition_penalty": 1.2, "seed": 11, "n": 2, "stop": "zz",
-              "stop_token_ids": [3], "include_stop_str_in_output": True, "ignore_eos": True, "min_tokens": 2,
-              "logit_bias": {"7": -100, "9": 100}, "user": "someone", "stream": True,
-              "stream_options": {"include_usage": True}}
+    common = {
+        "temperature": 0.7,
+        "top_p": 1,
+        "top_k": 5,
+        "min_p": 0.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2,
+        "seed": 11,
+        "n": 2,
+        "stop": "zz",
+        "stop_token_ids": [3],
+        "include_stop_str_in_output": True,
+        "ignore_eos": True,
+        "min_tokens": 2,
+        "logit_bias": {"7": -100, "9": 100},
+        "user": "someone",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     sse(post(url, "/v1/completions", common | {"prompt": "a", "max_tokens": 4, "logprobs": 3}))
-    sse(post(url, "/v1/chat/completions", common | {"messages": [{"role": "user", "content": "a"}],
-                                                     "max_tokens": 9, "max_completion_tokens": 4,
-                                                     "logprobs": True, "top_logprobs": 3}))
+    sse(
+        post(
+            url,
+            "/v1/chat/completions",
+            common
+            | {
+                "messages": [{"role": "user", "content": "a"}],
+                "max_tokens": 9,
+                "max_completion_tokens": 4,
+                "logprobs": True,
+                "top_logprobs": 3,
+            },
+        )
+    )
     for req in engine.requests[-2:]:
         p = req.params
         assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.7, 1.0, 5, 0.1)
@@ -112,15 +138,25 @@ def test_completion_logprobs(server, stream):
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_logprobs(server, stream):
     url, _, _ = server
-    body = {"messages": [{"role": "user", "content": "a"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 3,
-            "stream": stream, "return_token_ids": True}
+    body = {
+        "messages": [{"role": "user", "content": "a"}],
+        "max_tokens": 2,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "stream": stream,
+        "return_token_ids": True,
+    }
     out = post(url, "/v1/chat/completions", body)
     choices = [c["choices"][0] for c in sse(out)] if stream else out.json()["choices"]
     content = sum((c["logprobs"]["content"] for c in choices), [])
     assert all(len(c["logprobs"]["content"]) == len(c["token_ids"]) for c in choices)
     assert content == [
-        {"token": f" t{i}", "logprob": -1.0, "bytes": list(f" t{i}".encode()),
-         "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in expected_top(i, 3)]}
+        {
+            "token": f" t{i}",
+            "logprob": -1.0,
+            "bytes": list(f" t{i}".encode()),
+            "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in expected_top(i, 3)],
+        }
         for i in range(2)
     ]
 
@@ -221,10 +257,20 @@ def test_response_envelope(server, chat):
 
 def test_boundary_values_are_accepted(server):
     url, _, _ = server
-    for extra in ({"temperature": 0}, {"temperature": 2}, {"top_p": 1}, {"logprobs": 20}, {"n": 1},
-                  {"logit_bias": {"0": -100, str(VOCAB_SIZE - 1): 100}}, {"stop_token_ids": [VOCAB_SIZE - 1]},
-                  {"prompt": [0, VOCAB_SIZE - 1]}, {"presence_penalty": -2, "frequency_penalty": 2},
-                  {"repetition_penalty": 0.01}, {"repetition_penalty": 100}, {"temperature": 1e-46}):
+    for extra in (
+        {"temperature": 0},
+        {"temperature": 2},
+        {"top_p": 1},
+        {"logprobs": 20},
+        {"n": 1},
+        {"logit_bias": {"0": -100, str(VOCAB_SIZE - 1): 100}},
+        {"stop_token_ids": [VOCAB_SIZE - 1]},
+        {"prompt": [0, VOCAB_SIZE - 1]},
+        {"presence_penalty": -2, "frequency_penalty": 2},
+        {"repetition_penalty": 0.01},
+        {"repetition_penalty": 100},
+        {"temperature": 1e-46},
+    ):
         assert post(url, "/v1/completions", {"prompt": "a"} | extra).status_code == 200, extra
 
 
@@ -241,11 +287,9 @@ BAD_INPUTS = [
     (COMPLETE, {"prompt": "hi", "n": 0}, 400, "invalid_request_error", "n", None),
     (COMPLETE, {"prompt": "hi", "n": 129}, 400, "invalid_request_error", "n", None),
     (COMPLETE, {"prompt": "hi", "max_tokens": 0}, 400, "invalid_request_error", "max_tokens", None),
-    (CHAT, {"messages": MESSAGES, "max_completion_tokens": 0}, 400, "invalid_request_error", "max_completion_tokens",
-     None),
+    (CHAT, {"messages": MESSAGES, "max_completion_tokens": 0}, 400, "invalid_request_error", "max_completion_tokens", None),
     (COMPLETE, {"prompt": "hi", "logprobs": 21}, 400, "invalid_request_error", "logprobs", None),
-    (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "invalid_request_error", "top_logprobs",
-     None),
+    (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, 400, "invalid_request_error", "top_logprobs", None),
     (CHAT, {"messages": MESSAGES, "top_logprobs": 2}, 400, "invalid_request_error", "top_logprobs", None),
     (CHAT, {"messages": MESSAGES, "logprobs": 3}, 400, "invalid_request_error", "logprobs", None),
     (COMPLETE, {"prompt": [1, VOCAB_SIZE]}, 400, "invalid_request_error", "prompt", None),
@@ -263,21 +307,25 @@ BAD_INPUTS = [
     (COMPLETE, {"prompt": "hi", "repetition_penalty": 0}, 400, "invalid_request_error", "repetition_penalty", None),
     (COMPLETE, {"prompt": "hi", "repetition_penalty": 1e-50}, 400, "invalid_request_error", "repetition_penalty", None),
     (COMPLETE, {"prompt": "hi", "repetition_penalty": 101}, 400, "invalid_request_error", "repetition_penalty", None),
-    (COMPLETE, b'{"prompt": "hi", "repetition_penalty": 1e999}', 400, "invalid_request_error", "repetition_penalty",
-     None),
+    (COMPLETE, b'{"prompt": "hi", "repetition_penalty": 1e999}', 400, "invalid_request_error", "repetition_penalty", None),
     (COMPLETE, {"prompt": "hi", "min_tokens": -1}, 400, "invalid_request_error", "min_tokens", None),
     (COMPLETE, {"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, 400, "invalid_request_error", "min_tokens", None),
     (COMPLETE, {"prompt": "hi", "stop": ""}, 400, "invalid_request_error", "stop", None),
     (COMPLETE, {"prompt": "hi", "stop": [1]}, 400, "invalid_request_error", "stop[0]", None),
-    (COMPLETE, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "invalid_request_error",
-     "stream_options", None),
+    (COMPLETE, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "invalid_request_error", "stream_options", None),
     (COMPLETE, {"prompt": "hi", "echo": True, "logprobs": 0}, 400, "invalid_request_error", "echo", None),
     (CHAT, {"messages": []}, 400, "invalid_request_error", "messages", None),
     (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_request_error", "messages[0].role", None),
     (CHAT, {"messages": MESSAGES, "model": "gpt-4o"}, 404, "not_found_error", "model", "model_not_found"),
     (COMPLETE, {"prompt": "x" * MAX_BODY_BYTES}, 413, "invalid_request_error", None, "request_too_large"),
-    (CHAT, {"messages": [{"role": "user", "content": "TOO_LONG"}], "stream": True}, 400, "invalid_request_error",
-     "prompt", "context_length_exceeded"),
+    (
+        CHAT,
+        {"messages": [{"role": "user", "content": "TOO_LONG"}], "stream": True},
+        400,
+        "invalid_request_error",
+        "prompt",
+        "context_length_exceeded",
+    ),
     ("/tokenize", {}, 400, "invalid_request_error", "prompt", None),
     ("/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, "invalid_request_error", "prompt", None),
     ("/tokenize", {"messages": []}, 400, "invalid_request_error", "messages", None),
@@ -285,8 +333,7 @@ BAD_INPUTS = [
     ("/detokenize", {"tokens": [VOCAB_SIZE]}, 400, "invalid_request_error", "tokens", None),
     ("/detokenize", {"tokens": "1 2"}, 400, "invalid_request_error", "tokens", None),
 ]
-GOOD = {COMPLETE: {"prompt": "ok"}, CHAT: {"messages": MESSAGES}, "/tokenize": {"prompt": "ok"},
-        "/detokenize": {"tokens": [1, 2]}}
+GOOD = {COMPLETE: {"prompt": "ok"}, CHAT: {"messages": MESSAGES}, "/tokenize": {"prompt": "ok"}, "/detokenize": {"tokens": [1, 2]}}
 
 
 @pytest.mark.parametrize("path, body, status, error_type, param, code", BAD_INPUTS)
@@ -347,8 +394,7 @@ def test_tokenize_and_detokenize(server, locked):
     url, _, config = server
     encoder = PromptEncoder(config.model.path)
     out = post(url, "/tokenize", {"prompt": "hello world", "model": MODEL_NAME}).json()
-    assert out == {"tokens": encoder.encode_prompt("hello world"), "count": len(out["tokens"]),
-                   "max_model_len": MAX_MODEL_LEN}
+    assert out == {"tokens": encoder.encode_prompt("hello world"), "count": len(out["tokens"]), "max_model_len": MAX_MODEL_LEN}
     back = post(url, "/detokenize", {"tokens": out["tokens"], "skip_special_tokens": True}).json()
     assert back == {"prompt": "hello world"}
     assert post(url, "/detokenize", {"tokens": out["tokens"]}).json()["prompt"] == encoder.decode(out["tokens"], False)
@@ -366,13 +412,15 @@ def test_openai_sdk_parameters(server, chat):
     url, engine, _ = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
     if chat:
+
         def create(**kw):
             lp = {"logprobs": True, "top_logprobs": 2}
-            return client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "a"}],
-                                                  **lp, **kw)
+            return client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "a"}], **lp, **kw)
     else:
+
         def create(**kw):
             return client.completions.create(model=MODEL_NAME, prompt="a", logprobs=2, **kw)
+
     out = create(max_tokens=9, stop=["1 t"], seed=42)
     choice = out.choices[0]
     assert (choice.message.content if chat else choice.text) == " t0 t" and choice.finish_reason == "stop"

@@ -9,8 +9,8 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
-from conveyor.stages.detokenizer.token_texts import byte_level_decoding_table
 from conveyor.stages.detokenizer.detokenizer import STOPPED_MEMORY_STEPS, Detokenizer
+from conveyor.stages.detokenizer.token_texts import byte_level_decoding_table
 from conveyor.tiny.checkpoint import make_checkpoint
 from conveyor.tiny.tokenizer import SPECIAL_TOKEN_IDS
 from conveyor.wire.messages import DetokSeq, FinishReason, SeqTokens, TextDelta, TokenBatch, TokenLogprob

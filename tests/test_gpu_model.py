@@ -6,11 +6,10 @@ chunks of 7 tokens, sequences joining mid-way, one preempted and resumed.
 
 from __future__ import annotations
 
-import time
-
 import dataclasses
 import json
 import random
+import time
 
 import pytest
 import torch
@@ -18,9 +17,9 @@ from safetensors.torch import load_file, save_file
 
 from conveyor.config import ConfigError, ModelConfig
 from conveyor.gpu.attention import AttentionMetadata
+from conveyor.gpu.cpu_kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
 from conveyor.gpu.kv_cache import allocate_kv_caches
 from conveyor.gpu.loader import load_model
-from conveyor.gpu.cpu_kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
 from conveyor.gpu.runner import ModelRunner
 from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
 from tests.gpu_checkpoints import ARCHS, VOCAB, checkpoint, engine_config, hf_model
@@ -99,9 +98,7 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def forward_prompts(
-    model, config: ModelConfig, prompts: list[list[int]], block_size: int = 4, cpu_kernel=None
-) -> torch.Tensor:
+def forward_prompts(model, config: ModelConfig, prompts: list[list[int]], block_size: int = 4, cpu_kernel=None) -> torch.Tensor:
     """All-position logits [T, V] of the prompts, flattened in one forward with a fresh cache;
     cpu_kernel: the C++ paged attention, else the torch path."""
     device = next(model.parameters()).device
@@ -113,9 +110,7 @@ def forward_prompts(
     for i, n in enumerate(num_blocks):
         tables[i, :n] = torch.tensor([ids.pop() for _ in range(n)])
     positions = torch.cat([torch.arange(n) for n in lens]).to(device)
-    meta = AttentionMetadata.build(
-        lens, lens, tables.to(device), positions, block_size, config.sliding_window, cpu_kernel
-    )
+    meta = AttentionMetadata.build(lens, lens, tables.to(device), positions, block_size, config.sliding_window, cpu_kernel)
     input_ids = torch.tensor([t for p in prompts for t in p], device=device)
     with torch.inference_mode():
         return model.compute_logits(model(input_ids, positions, meta, caches))

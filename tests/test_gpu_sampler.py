@@ -56,10 +56,7 @@ def test_seeded_row_ignores_batch_composition():
 
 def test_seeded_draw_depends_on_seed_and_index():
     x = torch.zeros(1, V)  # uniform: every token equally likely
-    draws = {
-        seed: [sample_ids(x, [SamplingParams(temperature=1.0, seed=seed)], [i]).item() for i in range(40)]
-        for seed in (1, 2)
-    }
+    draws = {seed: [sample_ids(x, [SamplingParams(temperature=1.0, seed=seed)], [i]).item() for i in range(40)] for seed in (1, 2)}
     assert draws[1] != draws[2]
     assert len(set(draws[1])) > 10  # the index moves the draw along
     assert draws[1] == [sample_ids(x, [SamplingParams(temperature=1.0, seed=1)], [i]).item() for i in range(40)]

@@ -33,8 +33,12 @@ IDS = [100 + i for i in range(NUM_TOKENS)]
 
 
 def usage_of(prompt: int, completion: int, cached: int = 0) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def with_prompt(body: dict, chat: bool, prompt: str = "a b") -> tuple[str, dict]:
@@ -73,15 +77,25 @@ def test_models_and_metrics(server):
 
 def test_completion(server):
     url, engine, _ = server
-    body = {"model": MODEL_NAME, "prompt": "one two three", "max_tokens": 50, "temperature": 0.5,
-            "top_p": 0.9, "top_k": 7, "seed": 3, "stop_token_ids": [2], "ignore_eos": True,
-            "return_token_ids": True, "user": "u", "some_extension": {"x": 1}}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "one two three",
+        "max_tokens": 50,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 7,
+        "seed": 3,
+        "stop_token_ids": [2],
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "user": "u",
+        "some_extension": {"x": 1},
+    }
     out = post(url, "/v1/completions", body).json()
     assert out["object"] == "text_completion" and out["model"] == MODEL_NAME
     assert re.fullmatch(r"cmpl-0-\d+-[0-9a-f]+", out["id"])
     [choice] = out["choices"]
-    assert choice == {"index": 0, "text": TEXT, "logprobs": None, "finish_reason": "stop", "stop_reason": None,
-                      "token_ids": IDS}
+    assert choice == {"index": 0, "text": TEXT, "logprobs": None, "finish_reason": "stop", "stop_reason": None, "token_ids": IDS}
     assert out["usage"] == usage_of(3, NUM_TOKENS)
     req = engine.requests[-1]
     assert req.request_id == out["id"] and req.ingress == 0 and req.prompt == "one two three"
@@ -104,8 +118,10 @@ def test_completion_prompt_forms(server, prompt):
 
 def test_chat(server):
     url, engine, _ = server
-    messages = [{"role": "system", "content": "be brief"},
-                {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]},
+    ]
     out = post(url, "/v1/chat/completions", {"messages": messages, "max_completion_tokens": 3}).json()
     assert out["object"] == "chat.completion" and out["id"].startswith("chatcmpl-0-")
     [choice] = out["choices"]
@@ -123,8 +139,7 @@ def test_chat(server):
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_stream(server, chat, include_usage):
     url, _, _ = server
-    body = {"max_tokens": 4, "stream": True, "return_token_ids": True,
-            "stream_options": {"include_usage": include_usage}}
+    body = {"max_tokens": 4, "stream": True, "return_token_ids": True, "stream_options": {"include_usage": include_usage}}
     if chat:
         body["messages"] = [{"role": "user", "content": "a b"}]
     else:
@@ -249,22 +264,17 @@ def test_cached_tokens_in_usage(server, chat):
     url, _, _ = server
     path, body = with_prompt({"max_tokens": 2}, chat, prompt="CACHED a b c")
     assert post(url, path, body).json()["usage"] == usage_of(4, 2, cached=3)
-    path, body = with_prompt({"max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}, chat,
-                             prompt="CACHED a b c")
+    path, body = with_prompt({"max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}, chat, prompt="CACHED a b c")
     assert sse(post(url, path, body))[-1]["usage"] == usage_of(4, 2, cached=3)
 
 
 def test_openai_sdk(server):
     url, _, _ = server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-    out = client.completions.create(
-        model=MODEL_NAME, prompt="hello", max_tokens=3, extra_body={"return_token_ids": True}
-    )
+    out = client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=3, extra_body={"return_token_ids": True})
     assert out.choices[0].text == " t0 t1 t2" and out.choices[0].finish_reason == "length"
     assert out.choices[0].token_ids == IDS[:3] and out.usage.completion_tokens == 3
-    stream = client.completions.create(
-        model=MODEL_NAME, prompt="hello", stream=True, stream_options={"include_usage": True}
-    )
+    stream = client.completions.create(model=MODEL_NAME, prompt="hello", stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == TEXT
     assert chunks[-1].usage.completion_tokens == NUM_TOKENS
@@ -317,13 +327,22 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role", None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
-     "messages[0].content", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content", None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "TOO_LONG"}], "stream": True}, 400,
-     "prompt", "context_length_exceeded"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2, "best_of": 4,
-                              "stream": True}, 400, "best_of", None),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "TOO_LONG"}], "stream": True},
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "n": 2, "best_of": 4, "stream": True},
+        400,
+        "best_of",
+        None,
+    ),
 ]
 
 
@@ -388,8 +407,7 @@ def test_engine_stop_fails_requests_in_flight(server):
     answers = {}
     waiting = threading.Thread(target=lambda: answers.update(r=post(url, "/v1/completions", {"prompt": "SLOW"})))
     waiting.start()
-    streamed = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "SLOW"}], "stream": True},
-                    stream=True)
+    streamed = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "SLOW"}], "stream": True}, stream=True)
     assert wait_for(lambda: len(engine.requests) == num_requests + 2)
     body = streamed.iter_content(None)
     first = next(body)  # the stream began

@@ -20,8 +20,12 @@ from conveyor.stages.ingress.protocol import Generation, Prompt, check_num_seqs
 from conveyor.wire.messages import SamplingParams
 from tests.ingress_fakes import assert_error, post, running_server
 
-GOOD = {"/v1/completions": {"prompt": "ok"}, "/v1/chat/completions": {"messages": [{"role": "user", "content": "ok"}]},
-        "/tokenize": {"prompt": "ok"}, "/detokenize": {"tokens": [1, 2]}}
+GOOD = {
+    "/v1/completions": {"prompt": "ok"},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "ok"}]},
+    "/tokenize": {"prompt": "ok"},
+    "/detokenize": {"tokens": [1, 2]},
+}
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +34,13 @@ def server(tmp_path_factory):
         yield running
 
 
-@pytest.mark.parametrize("body", [
-    {"prompt": ["a", "b", "c"], "n": 100},  # 300 sequences > 256
-    {"prompt": [[1], [2], [3]], "n": 2, "best_of": 128},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": ["a", "b", "c"], "n": 100},  # 300 sequences > 256
+        {"prompt": [[1], [2], [3]], "n": 2, "best_of": 128},
+    ],
+)
 def test_too_many_sequences_is_a_400_naming_the_batch(server, body):
     url, engine, _ = server
     num_requests = len(engine.requests)
@@ -42,9 +49,15 @@ def test_too_many_sequences_is_a_400_naming_the_batch(server, body):
     assert post(url, "/v1/completions", body | {"n": 1, "best_of": None}).status_code == 200
 
 
-@pytest.mark.parametrize("num_prompts, n, best_of, param", [
-    (1, 100, None, "n"), (1, 10, 100, "best_of"), (1, 100, 100, "n"), (10, 10, None, "prompt"),
-])
+@pytest.mark.parametrize(
+    "num_prompts, n, best_of, param",
+    [
+        (1, 100, None, "n"),
+        (1, 10, 100, "best_of"),
+        (1, 100, 100, "n"),
+        (10, 10, None, "prompt"),
+    ],
+)
 def test_max_seqs_per_request_names_what_to_lower(num_prompts, n, best_of, param):
     gen = Generation(params=SamplingParams(n=n, best_of=best_of), prompts=[Prompt(text="a")] * num_prompts)
     check_num_seqs(gen, max_seqs=num_prompts * max(n, best_of or 0))  # exactly at the bound: fine
@@ -60,8 +73,7 @@ BAD_BYTES = {  # case: (the body for a route, the error code)
     "invalid utf-8 in an ignored field": (lambda route: _with(route, b'"ok", "ignored": "\xc3\x28"'), "invalid_utf8"),
     "an encoded surrogate": (lambda route: _with(route, b'"\xed\xa0\x80"'), "invalid_utf8"),
     "an escaped lone surrogate": (lambda route: _with(route, b'"a\\ud800"'), None),
-    "objects nested 1,000 deep": (lambda route: _with(route, b'"ok", "x": ' + b'{"a": ' * 1000 + b"1" + b"}" * 1000),
-                                  "json_too_deep"),
+    "objects nested 1,000 deep": (lambda route: _with(route, b'"ok", "x": ' + b'{"a": ' * 1000 + b"1" + b"}" * 1000), "json_too_deep"),
     "nested 1,000 deep in an ignored field": (lambda route: _with(route, b'"ok", "ignored": ' + DEEP), "json_too_deep"),
 }
 
@@ -113,9 +125,16 @@ def test_a_corrupt_compressed_body_is_a_400_without_a_traceback(server, caplog, 
 
 
 @pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("content_type", [
-    "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "application/jsonp", None,
-])
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/jsonp",
+        None,
+    ],
+)
 def test_a_body_that_is_not_declared_json_is_a_415(server, route, content_type):
     """What a cross-site form post or a no-cors fetch can send without a preflight."""
     url, engine, _ = server
@@ -131,16 +150,18 @@ def test_a_body_that_is_not_declared_json_is_a_415(server, route, content_type):
 @pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON"])
 def test_json_content_types_are_accepted(server, content_type):
     url, _, _ = server
-    response = requests.post(url + "/v1/completions", data=b'{"prompt": "ok"}', headers={"Content-Type": content_type},
-                             timeout=10)
+    response = requests.post(url + "/v1/completions", data=b'{"prompt": "ok"}', headers={"Content-Type": content_type}, timeout=10)
     assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize("head", [
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Encoding: br\r\n",
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nBad Header: 1\r\n",
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: -5\r\n",
-])
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Encoding: br\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nBad Header: 1\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: -5\r\n",
+    ],
+)
 def test_http_that_cannot_be_parsed_is_a_json_400_without_a_traceback(server, caplog, head):
     url, _, _ = server
     host, port = url.removeprefix("http://").split(":")

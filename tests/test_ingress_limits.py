@@ -22,15 +22,18 @@ BODY_TIMEOUT_S = 0.3
 KEEPALIVE_TIMEOUT_S = 2.0
 MAX_KEEPALIVE_REQUESTS = 3
 BODY = json.dumps({"prompt": "ok", "max_tokens": 2}).encode()
-POST = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n" % len(BODY))
+POST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(BODY)
 GET = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    limits = dict(header_timeout_s=HEADER_TIMEOUT_S, body_timeout_s=BODY_TIMEOUT_S,
-                  keepalive_timeout_s=KEEPALIVE_TIMEOUT_S, max_keepalive_requests=MAX_KEEPALIVE_REQUESTS)
+    limits = dict(
+        header_timeout_s=HEADER_TIMEOUT_S,
+        body_timeout_s=BODY_TIMEOUT_S,
+        keepalive_timeout_s=KEEPALIVE_TIMEOUT_S,
+        max_keepalive_requests=MAX_KEEPALIVE_REQUESTS,
+    )
     with running_server(tmp_path_factory.mktemp("limits"), **limits) as running:
         yield running
 

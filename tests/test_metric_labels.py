@@ -32,7 +32,7 @@ def scrape(env: dict) -> str:
 
 
 def zero_series_missing(text: str) -> list[str]:
-    from conveyor.stages.ingress.errors import SERVER_ERROR, _TYPES
+    from conveyor.stages.ingress.errors import _TYPES, SERVER_ERROR
 
     wanted = [f'conveyor_errors_total{{type="{t}"}} 0.0' for t in set(_TYPES.values()) | {SERVER_ERROR}]
     wanted += [f'conveyor_requests_finished_total{{finish_reason="{r.openai}"}} 0.0' for r in FinishReason]

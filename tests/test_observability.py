@@ -36,7 +36,7 @@ def drive_load(daemon: Daemon, seconds: float = 6.0) -> None:
 
     def one(i: int) -> None:
         body = {"prompt": shared + f"request {i}", "max_tokens": 24 + i % 16, "ignore_eos": True, "stream": i % 2 == 0}
-        requests.post(url, json=body, timeout=60).content
+        _ = requests.post(url, json=body, timeout=60).content  # read the whole body, streamed or not
 
     deadline = time.monotonic() + seconds
     with concurrent.futures.ThreadPoolExecutor(12) as pool:

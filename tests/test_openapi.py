@@ -48,9 +48,12 @@ def test_lists_every_route(server, document):
     served = {(r.method.lower(), r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
     documented = {(method, path) for path, operations in document["paths"].items() for method in operations}
     assert served == documented == ROUTES
-    for path, fields in (("/v1/completions", {"prompt", "temperature", "logprobs", "echo", "stop"}),
-                         ("/v1/chat/completions", {"messages", "top_logprobs", "logit_bias"}),
-                         ("/tokenize", {"prompt", "messages"}), ("/detokenize", {"tokens"})):
+    for path, fields in (
+        ("/v1/completions", {"prompt", "temperature", "logprobs", "echo", "stop"}),
+        ("/v1/chat/completions", {"messages", "top_logprobs", "logit_bias"}),
+        ("/tokenize", {"prompt", "messages"}),
+        ("/detokenize", {"tokens"}),
+    ):
         ref = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert fields <= set(document["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"])
     # The bounds decoding enforces are the published ones.
@@ -86,8 +89,9 @@ def test_schemathesis_finds_no_server_error(server, document, method, path, mode
     url, _, _ = server
     operation = schemathesis.openapi.from_dict(document)[path][method.upper()]
 
-    @settings(max_examples=25, deadline=None, database=None, phases=[Phase.explicit, Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=25, deadline=None, database=None, phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck)
+    )
     @given(case=operation.as_strategy(generation_mode=mode))
     def call(case):
         response = case.call(base_url=url, timeout=10)

@@ -3,8 +3,9 @@ from the list imports fine in an editable install and vanishes from a wheel)."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 

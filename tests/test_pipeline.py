@@ -4,7 +4,6 @@ concurrency, KV blocks returned, process supervision and clean shutdown."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import signal
 import time
 from pathlib import Path
@@ -46,7 +45,11 @@ def test_http_greedy_matches_transformers(arch, checkpoints, reference, daemon_f
         assert ids == expected
         assert text == ref.tokenizer.decode(expected, skip_special_tokens=True)
         counts = {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-        assert counts == {"prompt_tokens": len(prompt_ids), "completion_tokens": NUM_TOKENS, "total_tokens": len(prompt_ids) + NUM_TOKENS}
+        assert counts == {
+            "prompt_tokens": len(prompt_ids),
+            "completion_tokens": NUM_TOKENS,
+            "total_tokens": len(prompt_ids) + NUM_TOKENS,
+        }
         assert complete(daemon, prompt, stream=True)[:2] == (ids, text)
     assert len(ref.encode(PROMPTS[1])) > int(BUDGET)
 

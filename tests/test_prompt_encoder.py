@@ -11,9 +11,7 @@ import pytest
 from conveyor.stages.tokenizer.encoder import PromptEncoder
 from conveyor.tiny.checkpoint import make_checkpoint
 
-SMALL = dict(
-    hidden_size=64, intermediate_size=160, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
-)
+SMALL = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
 
 PROMPTS = [
     "Hello, world!",
@@ -62,9 +60,7 @@ def test_encode_prompt_matches_transformers(pair, text):
 @pytest.mark.parametrize("messages", CHATS, ids=["user", "system+multi-turn+unicode", "whitespace"])
 def test_encode_chat_matches_transformers(pair, messages, add_generation_prompt):
     ours, theirs = pair
-    expected = theirs.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True
-    )
+    expected = theirs.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     got = ours.encode_chat(messages, add_generation_prompt=add_generation_prompt)
     assert got == _ids(expected)
     assert got.count(ours.tokenizer.token_to_id("<|begin_of_text|>")) == 1  # BOS not added twice

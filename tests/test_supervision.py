@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import Daemon, cmdline, stream_events
+from tests.conftest import Daemon, cmdline
 
 pytestmark = pytest.mark.slow
 

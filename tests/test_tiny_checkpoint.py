@@ -18,9 +18,7 @@ from conveyor.tiny.checkpoint import DEFAULT_SHAPE, TINY_MODEL_VERSION, ensure_d
 from conveyor.tiny.tokenizer import DEFAULT_CORPUS, SPECIAL_TOKEN_IDS, VOCAB_SIZE, train_tokenizer
 
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SMALL = dict(
-    hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-)
+SMALL = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +52,7 @@ def test_tokenizer_training_is_deterministic():
     assert there.strip() == here
 
 
-@pytest.mark.parametrize(
-    "text", ["Hello, world!", "emoji 😊🌄 and 東京, ещё", "  spaces\t\ttabs\n\n", "x = [1, 22, 333]"]
-)
+@pytest.mark.parametrize("text", ["Hello, world!", "emoji 😊🌄 and 東京, ещё", "  spaces\t\ttabs\n\n", "x = [1, 22, 333]"])
 def test_tokenizer_round_trips_any_text_and_prepends_bos(text):
     tok = train_tokenizer()
     enc = tok.encode(text)
@@ -77,8 +73,11 @@ def test_tokenizer_learned_english():
 def test_llama_tensor_names_and_shapes(small):
     tensors = load_file(small["LlamaForCausalLM"] / "model.safetensors")
     hidden, inter, kv = 64, 160, 2 * 16
-    expected = {"model.embed_tokens.weight": (VOCAB_SIZE, hidden), "model.norm.weight": (hidden,),
-                "lm_head.weight": (VOCAB_SIZE, hidden)}
+    expected = {
+        "model.embed_tokens.weight": (VOCAB_SIZE, hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (VOCAB_SIZE, hidden),
+    }
     for i in range(2):
         p = f"model.layers.{i}"
         expected |= {
@@ -120,8 +119,9 @@ def test_model_config_reads_it(small, arch):
 
 
 def test_overrides_reach_config_and_tensors(tmp_path):
-    path = make_checkpoint(tmp_path, rope_theta=500000.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
-                           dtype="bfloat16", **SMALL)
+    path = make_checkpoint(
+        tmp_path, rope_theta=500000.0, rope_scaling={"rope_type": "linear", "factor": 2.0}, dtype="bfloat16", **SMALL
+    )
     cfg = ModelConfig.from_pretrained(path)
     assert cfg.rope_theta == 500000.0 and cfg.rope_type == "linear" and cfg.dtype == "bfloat16"
     assert all(t.dtype == torch.bfloat16 for t in load_file(path / "model.safetensors").values())
@@ -156,8 +156,7 @@ def test_transformers_loads_everything(small, arch):
     messages = [{"role": "user", "content": "Hi"}]
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text == (
-        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
-        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
     )
 
 
@@ -173,12 +172,19 @@ def test_default_shape_model_is_decisive(tmp_path, overrides):
     for prompt in ("Hello, my name is", "def fibonacci(n):", "The weather today"):
         ids = tok(prompt, return_tensors="pt").input_ids
         with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=64, do_sample=False, output_scores=True,
-                                 return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+            out = model.generate(
+                ids,
+                max_new_tokens=64,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
             hidden = model(out.sequences, output_hidden_states=True).hidden_states
         assert all(torch.isfinite(h).all() for h in hidden)
         gaps += [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
-        outputs.append(out.sequences[0, ids.shape[1]:].tolist())
+        outputs.append(out.sequences[0, ids.shape[1] :].tolist())
     assert statistics.median(gaps) > 0.1  # measured ~0.7; HF's std 0.02 init gives ~1e-4
     assert all(len(set(o)) > 8 for o in outputs)  # not one token (or a short loop) repeated
 
@@ -193,8 +199,12 @@ def test_ensure_default_model_generates_once(tmp_path, monkeypatch):
     config = json.loads((path / "config.json").read_text())
     assert {k: config[k] for k in DEFAULT_SHAPE} == DEFAULT_SHAPE
     assert {p.name for p in path.iterdir()} == {
-        "config.json", "generation_config.json", "model.safetensors",
-        "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
     }
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert ensure_default_model() == path
