@@ -59,7 +59,7 @@ class ModelConfig:
         dtype: str | None = None,
         max_model_len: int | None = None,
         served_name: str | None = None,
-    ) -> "ModelConfig":
+    ) -> ModelConfig:
         root = Path(path).expanduser()
         if not root.is_dir():
             raise ConfigError(f"model path {str(path)!r} is not a directory")

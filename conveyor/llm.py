@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 import msgspec
 from tokenizers import Tokenizer
@@ -151,9 +151,7 @@ class LLM:
                 updates = self.scheduler.take_unsampled_updates()
             else:
                 r = self.runner.execute(step_plan(step))
-                updates = self.scheduler.update(
-                    step, r.sampled_token_ids, r.sampled_logprobs, r.top_logprobs, r.failed_draws
-                )
+                updates = self.scheduler.update(step, r.sampled_token_ids, r.sampled_logprobs, r.top_logprobs, r.failed_draws)
             (batch,) = token_batches(self.scheduler.num_steps, updates, 1)
             if batch is None:
                 continue

@@ -117,7 +117,7 @@ class StepResult(Struct, tag=5):
     sampled_logprobs: list[float] = []
     # For draws whose sequence asked for logprobs (params.logprobs is not None), in draw order:
     # the top alternatives under the same raw distribution.
-    top_logprobs: list["TopLogprobs"] = []
+    top_logprobs: list[TopLogprobs] = []
     # Indices into sampled_token_ids of draws whose logits were not finite (NaN, +inf, or every
     # token masked): their id is a placeholder 0, and the scheduler ends their sequence with
     # FinishReason.ERROR. The step and the other draws go on.
@@ -219,7 +219,7 @@ class SeqTokens(Struct):
     finish_reason: FinishReason | None = None
     cumulative_logprob: float = 0.0  # sum of the sequence's sampled-token logprobs so far
     # When the sequence asked for logprobs: one entry per token_ids entry.
-    logprobs: list["TokenLogprob"] = []
+    logprobs: list[TokenLogprob] = []
     queue_time: float = 0.0  # on the final update: arrival to first scheduled, seconds
 
 
@@ -273,7 +273,7 @@ class TextDelta(Struct):
     num_output_tokens: int = 0  # tokens generated so far for this choice
     num_cached_tokens: int = 0
     cumulative_logprob: float = 0.0
-    logprobs: list["TextLogprob"] = []  # one per token in token_ids, when asked for
+    logprobs: list[TextLogprob] = []  # one per token in token_ids, when asked for
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     queue_time: float = 0.0  # on the final delta: arrival to first scheduled, seconds
 
@@ -284,7 +284,7 @@ class TextLogprob(Struct):
     token: str
     bytes: list[int]
     logprob: float
-    top: list["TextLogprob"] = []
+    top: list[TextLogprob] = []
 
 
 class DeltaBatch(Struct, tag=22):

@@ -22,8 +22,8 @@ from collections import Counter
 import numpy as np
 
 from conveyor.bench.client import RequestResult
-from conveyor.sim.run_metrics import SLA_GEN_TOKENS_PER_S, meets_sla, summary
 from conveyor.sim.report import markdown_table
+from conveyor.sim.run_metrics import SLA_GEN_TOKENS_PER_S, meets_sla, summary
 from conveyor.sim.simulator import RequestRecord
 
 PERCENTILES = (50, 90, 95, 99)

@@ -15,9 +15,9 @@ import math
 import sys
 
 from conveyor.config import CacheConfig, SchedulerConfig, SchedulingPolicy
-from conveyor.sim.run_metrics import compute
 from conveyor.sim.presets import PRESETS, cost_model
 from conveyor.sim.report import comparison_table
+from conveyor.sim.run_metrics import compute
 from conveyor.sim.simulator import SimConfig, simulate
 from conveyor.sim.workloads import WorkloadConfig, make_requests
 

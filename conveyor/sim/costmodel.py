@@ -36,7 +36,7 @@ class StepShape:
     attention_pairs: int = 0  # query-key pairs: sum over rows of n*s + n*(n+1)/2
 
     @classmethod
-    def of_rows(cls, rows: Iterable[tuple[int, int]]) -> "StepShape":
+    def of_rows(cls, rows: Iterable[tuple[int, int]]) -> StepShape:
         """From (tokens cached before the step, tokens computed in it) per row."""
         rows = list(rows)
         return cls(
@@ -88,8 +88,9 @@ class CostModel:
         )
         return max(self.floor_s, t)
 
-    def scaled(self, flops_factor: float, gpus: int = 1, *, floor_factor: float = 1.0,
-               comm_s: float = 0.0, name: str | None = None) -> "CostModel":
+    def scaled(
+        self, flops_factor: float, gpus: int = 1, *, floor_factor: float = 1.0, comm_s: float = 0.0, name: str | None = None
+    ) -> CostModel:
         """This model on `flops_factor` times the work per token, split over `gpus` GPUs.
 
         Assumptions: the compute-bound part (per token, per context entry, per attention pair)
@@ -122,8 +123,14 @@ class CostModel:
         return max(0.0, (self.floor_s - self.intercept_s) / self.per_token_s)
 
 
-def fit(measurements: Sequence[Measurement | tuple], *, terms: Sequence[str] = TERMS,
-        with_floor: bool = True, relative: bool = True, name: str = "fitted") -> CostModel:
+def fit(
+    measurements: Sequence[Measurement | tuple],
+    *,
+    terms: Sequence[str] = TERMS,
+    with_floor: bool = True,
+    relative: bool = True,
+    name: str = "fitted",
+) -> CostModel:
     """Least-squares fit of a CostModel to timed passes.
 
     `relative` minimises squared relative errors ((model - measured) / measured), so a 4 ms decode

@@ -39,8 +39,7 @@ def default_grid(max_model_len: int = 2048) -> list[list[tuple[int, int]]]:
     return [rows for rows in grid if all(s + n <= max_model_len for s, n in rows)]
 
 
-def measure(grid: list[list[tuple[int, int]]], *, repeats: int = 5, threads: int = 1,
-            model: str | None = None) -> list[Measurement]:
+def measure(grid: list[list[tuple[int, int]]], *, repeats: int = 5, threads: int = 1, model: str | None = None) -> list[Measurement]:
     """Time each grid point on the CPU with the real runner (loads torch and the model).
 
     Repeats go round the whole grid, so a burst of load from another process spoils one repeat
@@ -105,8 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     samples = measure(default_grid(), repeats=args.repeats, threads=args.threads, model=args.model)
     model = fit(samples, name="cpu-tiny")
     for m in samples:
-        print(f"T={m.num_tokens:5d} S={m.num_seqs:4d} C={m.context_tokens:7d} P={m.attention_pairs:9d} "
-              f"measured {m.seconds * 1e3:8.2f} ms  model {model.latency(m.shape) * 1e3:8.2f} ms")
+        print(
+            f"T={m.num_tokens:5d} S={m.num_seqs:4d} C={m.context_tokens:7d} P={m.attention_pairs:9d} "
+            f"measured {m.seconds * 1e3:8.2f} ms  model {model.latency(m.shape) * 1e3:8.2f} ms"
+        )
     print(model)
     if args.json:
         with open(args.json, "w") as f:

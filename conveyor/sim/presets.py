@@ -36,9 +36,20 @@ CPU_TINY = CostModel(
 )
 
 
-def roofline(params: float, *, peak_flops: float, mfu: float, mem_bw: float, bw_util: float,
-             kv_bytes_per_token: float, pair_flops: float, launch_s: float, per_seq_s: float,
-             name: str, weight_bytes_per_param: float = 2.0) -> CostModel:
+def roofline(
+    params: float,
+    *,
+    peak_flops: float,
+    mfu: float,
+    mem_bw: float,
+    bw_util: float,
+    kv_bytes_per_token: float,
+    pair_flops: float,
+    launch_s: float,
+    per_seq_s: float,
+    name: str,
+    weight_bytes_per_param: float = 2.0,
+) -> CostModel:
     """A cost model from hardware numbers: compute at `mfu` of peak, memory at `bw_util` of peak."""
     flops, bw = peak_flops * mfu, mem_bw * bw_util
     return CostModel(

@@ -25,10 +25,7 @@ ROWS = [
     ("TPOT P99 (ms)", lambda m: m.tpot["p99"] * 1e3, "{:.1f}"),
     ("E2E mean (s)", lambda m: m.e2e["mean"], "{:.2f}"),
     ("E2E P99 (s)", lambda m: m.e2e["p99"], "{:.2f}"),
-    *(
-        (f"effective req/s (gen {n:g} tok/s)", lambda m, n=n: m.effective_throughput[n], "{:.2f}")
-        for n in (2.0, 4.0, 6.0)
-    ),
+    *((f"effective req/s (gen {n:g} tok/s)", lambda m, n=n: m.effective_throughput[n], "{:.2f}") for n in (2.0, 4.0, 6.0)),
     ("KV waste in held blocks", lambda m: m.kv_waste * 100, "{:.1f}%"),
     ("KV pool in use (mean)", lambda m: m.kv_usage * 100, "{:.1f}%"),
     ("prefix cache hits", lambda m: m.prefix_cache_hit_rate * 100, "{:.1f}%"),

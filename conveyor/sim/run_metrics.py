@@ -75,9 +75,7 @@ def compute(result: SimResult) -> Metrics:
         token_latency={**summary(gaps, (50, 90, 95, 99)), "max": float(gaps.max()) if gaps.size else 0.0},
         tpot=summary(tpots, (50, 90, 99)),
         e2e=summary([r.finish - r.arrival for r in reqs], (50, 90, 99)),
-        effective_throughput={
-            n: sum(meets_sla(r, gen_tokens_per_s=n) for r in reqs) / duration for n in SLA_GEN_TOKENS_PER_S
-        },
+        effective_throughput={n: sum(meets_sla(r, gen_tokens_per_s=n) for r in reqs) / duration for n in SLA_GEN_TOKENS_PER_S},
         kv_waste=float(np.mean([1 - s.kv_filled / s.kv_allocated for s in held])) if held else 0.0,
         kv_usage=float(np.mean([s.kv_allocated / result.num_kv_slots for s in steps])) if steps else 0.0,
         prefix_cache_hit_rate=sum(r.num_cached_tokens for r in reqs) / max(1, num_prompt),
@@ -87,8 +85,9 @@ def compute(result: SimResult) -> Metrics:
     )
 
 
-def meets_sla(record: RequestRecord, *, prompt_tokens_per_s: float = SLA_PROMPT_TOKENS_PER_S,
-              gen_tokens_per_s: float, ema_span: int = EMA_SPAN) -> bool:
+def meets_sla(
+    record: RequestRecord, *, prompt_tokens_per_s: float = SLA_PROMPT_TOKENS_PER_S, gen_tokens_per_s: float, ema_span: int = EMA_SPAN
+) -> bool:
     """FastGen's per-request SLA: the prompt at >= 512 tokens/s, then generation at >= N tokens/s
     by the EMA of the token gaps (pandas ewm(span, adjust=True).mean(), every value < 1/N)."""
     if record.ttft > record.num_prompt_tokens / prompt_tokens_per_s:

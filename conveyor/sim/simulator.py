@@ -22,8 +22,8 @@ from collections import deque
 from conveyor.config import CacheConfig, SchedulerConfig
 from conveyor.sim.costmodel import CostModel, StepShape
 from conveyor.sim.workloads import SYNTHETIC_VOCAB, SimRequest
-from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.stages.scheduler.scheduled_step import ScheduledStep
+from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.wire.messages import SamplingParams, ScheduleRequest
 
 

@@ -70,10 +70,7 @@ def make_requests(config: WorkloadConfig) -> list[SimRequest]:
         prompts = [tuple(int(t) for t in rng.integers(0, SYNTHETIC_VOCAB, p)) for p, _ in lengths]
         outputs = [o for _, o in lengths]
     arrivals = arrival_times(len(prompts), config.rate, rng)
-    return [
-        SimRequest(f"req-{i}", prompt, output, float(t))
-        for i, (prompt, output, t) in enumerate(zip(prompts, outputs, arrivals))
-    ]
+    return [SimRequest(f"req-{i}", prompt, output, float(t)) for i, (prompt, output, t) in enumerate(zip(prompts, outputs, arrivals))]
 
 
 def arrival_times(num: int, rate: float, rng: np.random.Generator) -> np.ndarray:
@@ -148,9 +145,7 @@ def keeps_exchange(prompt_len: int, output_len: int, config: WorkloadConfig) -> 
 
 def _encoder(config: WorkloadConfig, rng: np.random.Generator):
     if config.token_counts == "whitespace":
-        return lambda text: tuple(
-            int(t) for t in rng.integers(0, SYNTHETIC_VOCAB, round(len(text.split()) * WORDS_TO_TOKENS))
-        )
+        return lambda text: tuple(int(t) for t in rng.integers(0, SYNTHETIC_VOCAB, round(len(text.split()) * WORDS_TO_TOKENS)))
     if config.token_counts != "tokenizer":
         raise ValueError("token_counts is 'tokenizer' or 'whitespace'")
     from tokenizers import Tokenizer

@@ -6,10 +6,10 @@ top_k, top_p and min_p, then draws (greedy: argmax of the edited logits). model_
 reads the raw logits. Rows with default params skip every edit and filter they do not use.
 """
 
+from conveyor.gpu.sampling.draws import SamplingRow, StepSamples, sample_step
 from conveyor.gpu.sampling.model_logprobs import sampled_logprobs, top_logprobs
 from conveyor.gpu.sampling.penalties import apply_penalties
 from conveyor.gpu.sampling.sampler import sample, seed_for
-from conveyor.gpu.sampling.draws import SamplingRow, StepSamples, sample_step
 
 __all__ = [
     "SamplingRow",

@@ -12,8 +12,8 @@ import logging
 from tokenizers import Tokenizer
 
 from conveyor.stages.detokenizer.incremental import IncrementalDetokenizer
-from conveyor.stages.detokenizer.token_texts import TokenTexts
 from conveyor.stages.detokenizer.stop_strings import StopMatcher
+from conveyor.stages.detokenizer.token_texts import TokenTexts
 from conveyor.wire.messages import DetokSeq, FinishReason, SeqTokens, TextDelta, TokenBatch
 
 log = logging.getLogger(__name__)

@@ -31,9 +31,9 @@ from conveyor.stages import metrics
 from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
 from conveyor.stages.scheduler.plan import step_plan, token_batches
+from conveyor.stages.scheduler.scheduled_step import SeqUpdate
 from conveyor.stages.scheduler.scheduler import ScheduledStep, Scheduler
 from conveyor.stages.scheduler.stats_log import StatsLog
-from conveyor.stages.scheduler.scheduled_step import SeqUpdate
 from conveyor.stages.scheduler.waiting_queue import QueueFull
 from conveyor.wire.messages import (
     AbortRequest,
@@ -124,9 +124,7 @@ class SchedulerStage:
                     return []
                 self.record_step(step)
                 self.stats.add(msg, step)
-                updates = self.scheduler.update(
-                    step, msg.sampled_token_ids, msg.sampled_logprobs, msg.top_logprobs, msg.failed_draws
-                )
+                updates = self.scheduler.update(step, msg.sampled_token_ids, msg.sampled_logprobs, msg.top_logprobs, msg.failed_draws)
                 metrics.generation_tokens.inc(sum(len(u.new_token_ids) for u in updates))
                 self.record_outputs(updates)
                 return updates

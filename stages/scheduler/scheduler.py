@@ -32,8 +32,8 @@ from collections.abc import Callable
 from conveyor.config import SchedulerConfig
 from conveyor.stages.scheduler.block_manager import BlockManager, kv_slots
 from conveyor.stages.scheduler.early_aborts import EarlyAborts
-from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
 from conveyor.stages.scheduler.scheduled_step import Row, ScheduledStep, SeqUpdate
+from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
 from conveyor.stages.scheduler.waiting_queue import WaitingQueue
 from conveyor.wire.messages import FinishReason, ScheduleRequest, TokenLogprob, TopLogprobs
 

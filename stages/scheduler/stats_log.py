@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 import time
 
-from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.stages.scheduler.scheduled_step import ScheduledStep
+from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.wire.messages import StepResult
 
 log = logging.getLogger("conveyor.stats")
