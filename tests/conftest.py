@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -197,10 +198,11 @@ def daemon_factory():
         d.stop()
 
 
-def stream_events(response: requests.Response) -> list[dict | str]:
-    """Parse an SSE body into JSON events, with the final "[DONE]" kept as a string."""
+def stream_events(response: requests.Response) -> list[Any]:
+    """Parse an SSE body into JSON events (objects), with the final "[DONE]" kept as a string."""
     events = []
-    for line in response.iter_lines(decode_unicode=True):
+    for raw in response.iter_lines():
+        line = raw.decode()  # SSE is UTF-8 (and the ingress says charset=utf-8)
         if not line:
             continue
         assert line.startswith("data: "), line

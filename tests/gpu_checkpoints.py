@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import tempfile
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 import transformers
@@ -23,7 +24,24 @@ INITIALIZER_RANGE = 0.1
 VOCAB = 512
 _ROOT = tempfile.TemporaryDirectory(prefix="conveyor-gpu-ckpt-")
 
-_COMMON = dict(
+
+class _Common(TypedDict):
+    """The config fields every variant shares (typed, so mypy checks them against each config class)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    initializer_range: float
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int
+
+
+_COMMON = _Common(
     vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=128,
@@ -67,7 +85,7 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
 
 
 ARCHS = tuple(_configs())
-_MODEL_CLASSES = {
+_MODEL_CLASSES: dict[str, type[transformers.PreTrainedModel]] = {
     "llama": transformers.LlamaForCausalLM,
     "mistral": transformers.MistralForCausalLM,
     "mistral_swa": transformers.MistralForCausalLM,
@@ -91,9 +109,11 @@ def checkpoint(name: str) -> Path:
     return path
 
 
-def hf_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+def hf_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> transformers.PreTrainedModel:
     """The HF reference model for `name`, in eval mode."""
-    model = _MODEL_CLASSES[name].from_pretrained(checkpoint(name), dtype=dtype).to(device)
+    model = _MODEL_CLASSES[name].from_pretrained(checkpoint(name), dtype=dtype)
+    # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as unbound.
+    model = model.to(device)  # type: ignore[arg-type]
     return model.eval()
 
 

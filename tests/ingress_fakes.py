@@ -33,6 +33,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import requests
 import uvloop
@@ -49,6 +50,7 @@ from conveyor.wire.messages import (
     DeltaBatch,
     EngineStatus,
     FinishReason,
+    IngressInbound,
     LauncherInbound,
     RequestAccepted,
     RequestRejected,
@@ -67,9 +69,9 @@ MAX_BODY_BYTES = 64 * 1024
 VOCAB_SIZE = tiny_tokenizer.VOCAB_SIZE  # the tiny checkpoint's
 
 
-def make_config(root: Path, run_dir: str, **server) -> EngineConfig:
-    """A tiny checkpoint (real tokenizer and chat template) served as MODEL_NAME; `server`
-    overrides ServerConfig fields (api_key, allowed_origins, ...)."""
+def make_config(root: Path, run_dir: str, **server_fields: Any) -> EngineConfig:
+    """A tiny checkpoint (real tokenizer and chat template) served as MODEL_NAME; `server_fields`
+    override ServerConfig fields (api_key, allowed_origins, ...)."""
     ckpt = make_checkpoint(
         root / "ckpt",
         hidden_size=64,
@@ -80,7 +82,7 @@ def make_config(root: Path, run_dir: str, **server) -> EngineConfig:
         max_position_embeddings=MAX_MODEL_LEN,
     )
     model = ModelConfig.from_pretrained(ckpt, served_name=MODEL_NAME)
-    server = ServerConfig(host="127.0.0.1", port=free_port(), run_dir=run_dir, max_body_bytes=MAX_BODY_BYTES, **server)
+    server = ServerConfig(host="127.0.0.1", port=free_port(), run_dir=run_dir, max_body_bytes=MAX_BODY_BYTES, **server_fields)
     return EngineConfig(model=model, server=server)
 
 
@@ -126,7 +128,9 @@ def choice_deltas(req: TokenizeRequest, index: int, num_prompt: int, num_cached:
     texts = [token(index, i)[0] for i in range(len(ids))]
     starts = [sum(map(len, texts[:i])) for i in range(len(ids) + 1)]
     joined = "".join(texts)
-    end, last, stop_reason = len(joined), len(ids) - 1, None  # text kept, final token, why
+    # The text kept, the final token, and why it stopped (a stop string or a stop token id).
+    end, last = len(joined), len(ids) - 1
+    stop_reason: str | int | None = None
     matches = sorted((joined.find(stop), stop) for stop in params.stop if stop in joined)
     if matches:  # the earliest wins
         pos, stop_reason = matches[0]
@@ -235,10 +239,10 @@ class FakeEngine(threading.Thread):
 
     def run(self) -> None:
         ctx = zmq.Context()
-        tokenizer = Receiver(ctx, address(self.run_dir, "tokenizer", 0), TokenizerInbound)
-        scheduler = Receiver(ctx, address(self.run_dir, "scheduler", 0), SchedulerInbound)
-        launcher = Receiver(ctx, address(self.run_dir, "launcher", 0), LauncherInbound)
-        self.ingress = Sender(ctx, address(self.run_dir, "ingress", 0))
+        tokenizer: Receiver[TokenizerInbound] = Receiver(ctx, address(self.run_dir, "tokenizer", 0), TokenizerInbound)
+        scheduler: Receiver[SchedulerInbound] = Receiver(ctx, address(self.run_dir, "scheduler", 0), SchedulerInbound)
+        launcher: Receiver[LauncherInbound] = Receiver(ctx, address(self.run_dir, "launcher", 0), LauncherInbound)
+        self.ingress: Sender[IngressInbound] = Sender(ctx, address(self.run_dir, "ingress", 0))
         poller = zmq.Poller()
         for r in (tokenizer, scheduler, launcher):
             poller.register(r.socket, zmq.POLLIN)

@@ -3,8 +3,11 @@ to, what a dead tokenizer fails, what a stray message aborts, and when a drain i
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from conveyor.stages.ingress.engine_client import EngineClient
 from conveyor.stages.ingress.protocol import Generation, Prompt
+from conveyor.wire.channel import Sender
 from conveyor.wire.messages import (
     AbortRequest,
     DeltaBatch,
@@ -13,24 +16,34 @@ from conveyor.wire.messages import (
     RequestAccepted,
     RequestRejected,
     SamplingParams,
+    SchedulerInbound,
     StageFailed,
     TextDelta,
+    TokenizerInbound,
 )
 
+T = TypeVar("T")
 
-class Outbox:
-    def __init__(self) -> None:
-        self.sent: list = []
 
-    def send(self, msg) -> None:
+class Outbox(Sender[T]):
+    """A Sender that records what it is handed instead of sending it."""
+
+    def __init__(self) -> None:  # no Sender.__init__: there is no socket
+        self.sent: list[T] = []
+
+    def send(self, msg: T) -> None:
         self.sent.append(msg)
+
+    def close(self) -> None:
+        pass
 
 
 def client(num_tokenizers: int = 2):
-    tokenizers = [Outbox() for _ in range(num_tokenizers)]
-    scheduler = Outbox()
+    tokenizers: list[Outbox[TokenizerInbound]] = [Outbox() for _ in range(num_tokenizers)]
+    scheduler: Outbox[SchedulerInbound] = Outbox()
     drained: list[bool] = []
-    engine = EngineClient(0, tokenizers, scheduler, on_drained=lambda: drained.append(True))
+    # [*tokenizers]: the client takes a list[Sender[...]] (lists are invariant); the same outboxes.
+    engine = EngineClient(0, [*tokenizers], scheduler, on_drained=lambda: drained.append(True))
     engine.ready = True
     return engine, tokenizers, scheduler, drained
 
@@ -39,7 +52,7 @@ def submit(engine: EngineClient, request_id: str):
     return engine.submit([request_id], Generation(SamplingParams(), [Prompt(text="hi")]))
 
 
-def aborted(scheduler: Outbox) -> list[str]:
+def aborted(scheduler: Outbox[SchedulerInbound]) -> list[str]:
     return [rid for msg in scheduler.sent if isinstance(msg, AbortRequest) for rid in msg.request_ids]
 
 

@@ -218,7 +218,8 @@ def generate(runner, requests: list[tuple[list[int], SamplingParams]], num_steps
     and each step's StepResult. Blocks are handed out in order."""
     bs, next_block = runner.block_size, 0
     tokens = [list(p) for p, _ in requests]
-    computed, tables, results = [0] * len(requests), [[] for _ in requests], []
+    computed, results = [0] * len(requests), []
+    tables: list[list[int]] = [[] for _ in requests]  # each request's block ids
     new = [NewSeq(i, list(p), params, len(p)) for i, (p, params) in enumerate(requests)]
     for step in range(num_steps):
         rows = []

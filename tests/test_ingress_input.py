@@ -20,7 +20,7 @@ from conveyor.stages.ingress.protocol import Generation, Prompt, check_num_seqs
 from conveyor.wire.messages import SamplingParams
 from tests.ingress_fakes import assert_error, post, running_server
 
-GOOD = {
+GOOD: dict[str, dict[str, object]] = {  # route: a body it accepts
     "/v1/completions": {"prompt": "ok"},
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "ok"}]},
     "/tokenize": {"prompt": "ok"},

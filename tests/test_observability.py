@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -35,7 +36,7 @@ def drive_load(daemon: Daemon, seconds: float = 6.0) -> None:
     shared = "A shared prefix that several requests repeat word for word. " * 4
 
     def one(i: int) -> None:
-        body = {"prompt": shared + f"request {i}", "max_tokens": 24 + i % 16, "ignore_eos": True, "stream": i % 2 == 0}
+        body: dict[str, Any] = {"prompt": shared + f"request {i}", "max_tokens": 24 + i % 16, "ignore_eos": True, "stream": i % 2 == 0}
         _ = requests.post(url, json=body, timeout=60).content  # read the whole body, streamed or not
 
     deadline = time.monotonic() + seconds

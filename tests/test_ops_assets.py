@@ -38,7 +38,7 @@ def load_yaml(path: Path) -> dict:
 
 def dashboard_panels() -> list[dict]:
     """Every panel but the rows themselves, including those nested in a collapsed row."""
-    found = []
+    found: list[dict] = []
     for panel in json.loads(DASHBOARD.read_text())["panels"]:
         found.extend(panel.get("panels", []) if panel["type"] == "row" else [panel])
     return found
@@ -192,6 +192,7 @@ def test_promql_names_rejects_what_it_should():
 
 
 def run_promtool(*args: str, cwd: Path = REPO) -> None:
+    assert promtool is not None  # its callers are marked needs_promtool
     done = subprocess.run([promtool, *args], cwd=cwd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
 

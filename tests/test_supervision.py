@@ -58,8 +58,8 @@ class Stream(threading.Thread):
         try:
             with requests.post(self.url, json=self.body, stream=True, timeout=120) as r:
                 assert r.status_code == 200, r.text
-                for line in r.iter_lines(decode_unicode=True):
-                    if line:
+                for raw in r.iter_lines():
+                    if line := raw.decode():  # SSE is UTF-8
                         data = line.removeprefix("data: ")
                         self.events.append(data if data == "[DONE]" else json.loads(data))
                         self.started.set()
