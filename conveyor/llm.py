@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Sequence as Seq
+from typing import cast
 
 import msgspec
 from tokenizers import Tokenizer
@@ -33,7 +34,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop", "length", or "error": its logits were not finite, it ended
     cumulative_logprob: float = 0.0
     logprobs: list[TextLogprob] = dataclasses.field(default_factory=list)  # when asked for
-    stop_reason: str | None = None  # the stop string that ended it
+    stop_reason: str | int | None = None  # the stop string, or stop token id, that ended it
 
 
 @dataclasses.dataclass
@@ -78,15 +79,15 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, or a list of token ids); outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        batch = cast(Seq[str | Seq[int]], [prompts] if single else prompts)  # the check mypy cannot follow
         requests = [
             TokenizeRequest(f"gen-{next(self._ids)}", 0, SamplingParams(), time.time(), **(
                 {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)}
             ))
-            for p in prompts
+            for p in batch
         ]  # fmt: skip
-        return self._run(requests, prompts, sampling_params)
+        return self._run(requests, batch, sampling_params)
 
     def chat(
         self,
@@ -95,7 +96,8 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Apply the checkpoint's chat template to each conversation, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        single = messages and isinstance(messages[0], dict)
+        conversations = cast(Seq[Seq[dict]], [messages] if single else messages)  # the check mypy cannot follow
         requests = [
             TokenizeRequest(
                 f"chat-{next(self._ids)}", 0, SamplingParams(), time.time(),
@@ -106,7 +108,7 @@ class LLM:
         ]  # fmt: skip
         return self._run(requests, [None] * len(requests), sampling_params)
 
-    def _run(self, requests: list[TokenizeRequest], prompts: list, sampling_params) -> list[RequestOutput]:
+    def _run(self, requests: list[TokenizeRequest], prompts: Seq, sampling_params) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):

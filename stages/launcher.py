@@ -130,18 +130,18 @@ class Launcher:
 
     def _kill(self, children: list[Child]) -> None:
         """SIGTERM, then SIGKILL what is still there after the grace period."""
-        children = [c for c in children if c.process is not None]
-        for child in children:
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
+        running = [(c, c.process) for c in children if c.process is not None]
+        for _, process in running:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
-        for child in children:
+        for child, process in running:
             try:
-                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 log.warning("stage %s did not stop in %.0f s; killing it", child.name, GRACE_S)
-                child.process.kill()
-                child.process.wait()
+                process.kill()
+                process.wait()
 
     # --- start-up ----------------------------------------------------------------------------
 
@@ -211,14 +211,14 @@ class Launcher:
         """Ready stages that sent no heartbeat for --stage-timeout: killed, and returned."""
         now, timeout = time.monotonic(), self.server.stage_timeout_s
         silent = [
-            c for c in self.children.values()
+            (c, c.process) for c in self.children.values()
             if c.ready and c.process is not None and c.process.poll() is None and now - c.last_beat > timeout
         ]  # fmt: skip
-        for child in silent:
+        for child, process in silent:
             log.error("stage %s sent no heartbeat for %.1f s; declaring it dead", child.name, now - child.last_beat)
-            child.process.kill()
-            child.process.wait()
-        return silent
+            process.kill()
+            process.wait()
+        return [child for child, _ in silent]
 
     def _recover(self, child: Child) -> bool:
         """Restart a dead stage (or the whole engine); False when the daemon should give up."""

@@ -91,7 +91,8 @@ def run_transformers(requests: list[BenchRequest], model: str, *, device: str, d
     tokenizer = AutoTokenizer.from_pretrained(model, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()
+    # transformers types `.to` on a loaded model as taking the model again (its wrapper's signature)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device).eval()  # type: ignore[arg-type]
 
     def generate(prompts: list[str], num_tokens: int) -> tuple[int, int]:
         batch = tokenizer(prompts, return_tensors="pt", padding=True).to(device)

@@ -40,12 +40,14 @@ def measure(num_running: int, *, steps: int = 200, prompt_len: int = 200, block_
         sched.add_request(ScheduleRequest(f"r{i}", 0, prompt, params, 0.0))
     while any(s.num_computed_tokens < s.num_tokens - 1 for s in sched.running) or sched.waiting:
         step = sched.schedule()  # prefill until everyone decodes
+        assert step is not None  # the pool holds every sequence, so each step has rows
         sched.update(step, [7] * step.num_sampled)
 
     timings = []
     for _ in range(steps):
         start = time.perf_counter()
         step = sched.schedule()
+        assert step is not None
         wire = encode(step_plan(step))
         updates = sched.update(step, [7] * step.num_sampled)
         for batch in token_batches(step.step, updates, 1):

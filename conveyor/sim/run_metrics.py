@@ -55,10 +55,15 @@ class Metrics:
         return out
 
 
+def _finish(r: RequestRecord) -> float:
+    assert r.finish is not None, "simulate() raises unless every request finished"
+    return r.finish
+
+
 def compute(result: SimResult) -> Metrics:
     reqs = result.requests
     start = min(r.arrival for r in reqs)
-    duration = max(r.finish for r in reqs) - start
+    duration = max(_finish(r) for r in reqs) - start
     num_prompt = sum(r.num_prompt_tokens for r in reqs)
     num_output = sum(len(r.token_times) for r in reqs)
     gaps = np.concatenate([np.diff(r.token_times) for r in reqs] + [np.zeros(0)])
@@ -74,7 +79,7 @@ def compute(result: SimResult) -> Metrics:
         ttft=summary([r.ttft for r in reqs], (50, 90, 95, 99)),
         token_latency={**summary(gaps, (50, 90, 95, 99)), "max": float(gaps.max()) if gaps.size else 0.0},
         tpot=summary(tpots, (50, 90, 99)),
-        e2e=summary([r.finish - r.arrival for r in reqs], (50, 90, 99)),
+        e2e=summary([_finish(r) - r.arrival for r in reqs], (50, 90, 99)),
         effective_throughput={n: sum(meets_sla(r, gen_tokens_per_s=n) for r in reqs) / duration for n in SLA_GEN_TOKENS_PER_S},
         kv_waste=float(np.mean([1 - s.kv_filled / s.kv_allocated for s in held])) if held else 0.0,
         kv_usage=float(np.mean([s.kv_allocated / result.num_kv_slots for s in steps])) if steps else 0.0,

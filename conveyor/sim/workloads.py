@@ -110,7 +110,8 @@ def _sharegpt(config: WorkloadConfig, rng: np.random.Generator) -> tuple[list[tu
         raise ValueError("the sharegpt workload needs a path to the dataset JSON")
     pairs = sharegpt_exchanges(config.path)
     encode = _encoder(config, rng)
-    prompts, outputs = [], []
+    prompts: list[tuple[int, ...]] = []
+    outputs: list[int] = []
     for i in rng.permutation(len(pairs)):
         if len(prompts) == config.num_requests:
             break

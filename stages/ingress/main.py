@@ -34,7 +34,7 @@ SHUTDOWN_TIMEOUT_S = 2.0  # how long open HTTP connections get to finish when th
 async def serve(config: EngineConfig, index: int) -> None:
     """Run until cancelled; then close the HTTP site and the sockets."""
     ctx = zmq.asyncio.Context()
-    sync_ctx = zmq.Context.shadow(ctx)  # senders never wait: unbounded PUSH queues
+    sync_ctx: zmq.Context = zmq.Context.shadow(ctx)  # senders never wait: unbounded PUSH queues
     receiver = async_receiver(ctx, config, INGRESS, index)
     tokenizers = senders(sync_ctx, config, TOKENIZER)
     scheduler = sender(sync_ctx, config, SCHEDULER)
@@ -64,8 +64,12 @@ async def serve(config: EngineConfig, index: int) -> None:
         await asyncio.gather(pump, beating, return_exceptions=True)
         engine.fail_all()  # open streams end with an error event instead of being cut
         await runner.cleanup()
-        for socket in (receiver, *tokenizers, scheduler, launcher, pulse):
-            socket.close()
+        receiver.close()
+        for tokenizer in tokenizers:
+            tokenizer.close()
+        scheduler.close()
+        launcher.close()
+        pulse.close()
         ctx.term()
 
 

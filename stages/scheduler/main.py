@@ -60,7 +60,9 @@ class SchedulerStage:
         self.workers = senders(ctx, config, WORKER)
         self.detokenizers = senders(ctx, config, DETOKENIZER)
         self.ingresses = senders(ctx, config, INGRESS)
-        self.scheduler: Scheduler | None = None
+        # Built by start(), once every worker rank has reported how many KV blocks it holds;
+        # nothing else runs before it.
+        self.scheduler: Scheduler
         self.in_flight: collections.deque[ScheduledStep] = collections.deque()  # sent, result pending
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self.stalled = False  # the last try planned nothing while a step was in flight

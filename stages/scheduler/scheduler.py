@@ -246,7 +246,8 @@ class Scheduler:
 
     def _run_running(self, budget: int, rows: list[Row], copies: list, scheduled: set[int]) -> int:
         """Decodes first (one token each), then prompts under way, in admission order."""
-        decodes, prompts = [], []
+        decodes: list[Sequence] = []
+        prompts: list[Sequence] = []
         max_model_len = self.max_model_len
         for seq in self.running:
             if seq.status is not SeqStatus.RUNNING:
@@ -260,9 +261,9 @@ class Scheduler:
                 return 0
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted to make room for an earlier one
-            if can_append_in_place(seq):
-                row = Row(seq, 1, [], [])  # the common case: room left in its own last block
-            elif (row := self._reserve(seq, 1, scheduled, copies)) is None:
+            # The common case first: room left in its own last block.
+            row = Row(seq, 1, [], []) if can_append_in_place(seq) else self._reserve(seq, 1, scheduled, copies)
+            if row is None:
                 continue
             rows.append(row)
             scheduled.add(seq.seq_id)
