@@ -1,10 +1,8 @@
 """ruff (lint and format) and mypy over the whole tree, through .ci/lint, so that the README's
 test command runs them.
 
-Marked `lint` (`-m "not lint"` leaves them out) and skipped until the whole tree is clean:
-issue 14's final pass formats and fixes the files that were being refactored when the tools came
-in, then sets WHOLE_TREE_CLEAN. Skipped as well where ruff or mypy is not installed (the `test`
-extra pins both).
+Marked `lint` (`-m "not lint"` leaves them out). Skipped where ruff or mypy is not installed (the
+`test` extra pins both).
 """
 
 from __future__ import annotations
@@ -18,12 +16,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-WHOLE_TREE_CLEAN = False
 
-pytestmark = [
-    pytest.mark.lint,
-    pytest.mark.skipif(not WHOLE_TREE_CLEAN, reason="until issue 14's final pass cleans the files being refactored"),
-]
+pytestmark = pytest.mark.lint
 
 
 @pytest.mark.parametrize("tool", ["ruff-check", "ruff-format", "mypy"])
