@@ -1,0 +1,218 @@
+"""The seam between the model and the device: an attention backend and an ops object.
+
+The model (gpu/models/llama.py) never asks which device it runs on. Every layer calls `ops.*`
+for elementwise and linear work and `attn.forward(...)` for attention; a `Backend` bundles the
+two, chosen once at start-up (gpu/backends/__init__.py `select`). Implementations:
+gpu/backends/torch (the reference, any device), gpu/backends/cpu (C++ kernels and oneDNN,
+float32 CPU), gpu/backends/triton (CUDA; CPU tensors under TRITON_INTERPRET=1).
+
+Who calls what, per step (gpu/runner.py, then the model):
+1. runner, once: `attn.allocate_kv_caches(num_blocks, block_size)` (sized with
+   `attn.bytes_per_block(block_size)`), and `ops.prepare(model)` after the weights are loaded;
+2. runner, per plan: `attn.copy_blocks(kv_caches, pairs)` (copy-on-write), then
+   `meta = attn.build_metadata(query_lens, seq_lens, block_tables, positions, block_size, sliding_window)`;
+3. each layer: `attn.forward(q, k, v, kv_caches[layer], meta, scale)`, which writes the step's
+   new k/v (`write_kv`) and attends (`attend`) over a mixed step: decode rows (one query) and
+   prompt chunks (several, possibly after cached context) in one call.
+
+Tokens are flattened across rows ("varlen"): a step of B rows has T = sum(query_lens) tokens;
+row r owns tokens [query_start_loc[r], query_start_loc[r + 1]); its query j sits at position
+seq_lens[r] - query_lens[r] + j, attends causally to positions <= its own, and with a sliding
+window W sees only the W positions ending at its own (itself included).
+
+The KV cache is one tensor per layer whose dim 0 is keys/values and dim 1 is blocks
+([2, num_blocks, ...]): the layout inside a block is the backend's own (`kv_layout`), and only
+that backend reads or writes it. Block b of every layer belongs to the same sequence.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from conveyor.config.model import ModelConfig
+from conveyor.gpu.kv_cache import copy_blocks
+
+
+@dataclasses.dataclass(kw_only=True)
+class AttentionMetadata:
+    """Per-step inputs every layer's attention shares, built once per step by
+    `AttentionBackend.build_metadata`. Tensors are on the model's device; the host ints let a
+    backend size grids or pick paths without a device sync. A backend may subclass it with its
+    own fields (masks, split-K plans, ...) and build that with `build_common(..., **its_fields)`."""
+
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
+    query_start_loc: torch.Tensor  # [B + 1] int32: row r's tokens are [qsl[r], qsl[r + 1])
+    seq_lens: torch.Tensor  # [B] int32: context length after this step, new tokens included
+    query_lens: torch.Tensor  # [B] int32: new tokens of each row this step (>= 1)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with block 0 (never read past seq_len)
+    positions: torch.Tensor  # [T] int64: each new token's position in its sequence
+    block_size: int
+    sliding_window: int | None  # None: full causal attention
+    num_tokens: int  # T
+    max_query_len: int  # 1: every row decodes
+    max_seq_len: int
+    host_query_lens: list[int]  # the same as query_lens, on the host
+    host_seq_lens: list[int]
+
+    @classmethod
+    def build_common(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: torch.Tensor,
+        positions: torch.Tensor,
+        block_size: int,
+        sliding_window: int | None,
+        **fields,
+    ):
+        """The fields above from host lists and device tensors (block_tables [B, max_blocks]
+        int32, positions [T] int64, already on the device), plus a subclass's `fields`."""
+        device = block_tables.device
+        num_rows = len(query_lens)
+        starts = [0] * (num_rows + 1)
+        for i, q_len in enumerate(query_lens):
+            starts[i + 1] = starts[i] + q_len
+        q_lens_t = torch.tensor(query_lens, dtype=torch.int32).to(device, non_blocking=True)
+        # slot of each new token: its row's block table entry for the position, plus the offset.
+        row_of_token = torch.repeat_interleave(torch.arange(num_rows, device=device), q_lens_t, output_size=starts[-1])
+        block_ids = block_tables[row_of_token, positions // block_size].long()
+        return cls(
+            slot_mapping=block_ids * block_size + positions % block_size,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+            query_lens=q_lens_t,
+            block_tables=block_tables,
+            positions=positions,
+            block_size=block_size,
+            sliding_window=sliding_window,
+            num_tokens=starts[-1],
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            host_query_lens=list(query_lens),
+            host_seq_lens=list(seq_lens),
+            **fields,
+        )
+
+
+class AttentionBackend(abc.ABC):
+    """Owns the paged KV cache in its own layout and attention over it. Built by `select` with
+    the model's config and device; `num_kv_heads`, `head_dim`, `dtype` come from that config."""
+
+    def __init__(self, model: ModelConfig, device: torch.device) -> None:
+        self.model_config = model
+        self.device = device
+        self.num_layers = model.num_layers
+        self.num_kv_heads = model.num_kv_heads
+        self.head_dim = model.head_dim
+        self.dtype: torch.dtype = getattr(torch, model.dtype)
+
+    kv_layout: str = "[2, num_blocks, block_size, Hkv, D]"  # for docs and logs; the backend's own
+
+    def bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block takes across all layers, keys and values (for sizing the pool)."""
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element_size
+
+    @abc.abstractmethod
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        """One zeroed cache per layer, [2, num_blocks, ...] in this backend's layout. Zeroed:
+        padded block-table entries point at block 0, and NaN there would leak through 0 * NaN."""
+
+    def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+        """For each (src, dst): block dst := block src, keys and values, every layer. All sources
+        are read before any destination is written; destinations are distinct. Layout-blind:
+        whole blocks along dim 1."""
+        copy_blocks(kv_caches, pairs)
+
+    def build_metadata(
+        self,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: torch.Tensor,
+        positions: torch.Tensor,
+        block_size: int,
+        sliding_window: int | None,
+    ) -> AttentionMetadata:
+        """A step plan -> metadata. query_lens, seq_lens: one int per row (host); block_tables
+        [B, max_blocks] int32 and positions [T] int64 on the device. Override to add fields."""
+        return AttentionMetadata.build_common(query_lens, seq_lens, block_tables, positions, block_size, sliding_window)
+
+    @abc.abstractmethod
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """k, v [T, Hkv, D] (rotated, model dtype) -> this layer's cache at meta.slot_mapping."""
+
+    @abc.abstractmethod
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """q [T, Hq, D] -> out [T, Hq, D], after write_kv of this step's k, v [T, Hkv, D] (given
+        too, for a backend that reads fresh chunks' keys directly). Hq is a multiple of Hkv."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        """What a layer calls: write this step's k/v, then attend. q [T, Hq, D] -> [T, Hq, D]."""
+        self.write_kv(kv_cache, k, v, meta)
+        return self.attend(q, k, v, kv_cache, meta, scale)
+
+
+class LinearLayer(Protocol):
+    """What ops.linear reads from a model's linear layer (gpu/models/llama.py Linear)."""
+
+    weight: torch.Tensor  # [out, in]
+    bias: torch.Tensor | None  # [out]
+    prepared: object | None  # the ops' own form of the weight, set by ops.prepare; None: plain
+
+
+class Ops(abc.ABC):
+    """Elementwise and linear work of the decoder. Inputs are [T, ...] activations in the model
+    dtype; a method may work in place where it says so, and returns what the model uses next."""
+
+    name: str = "ops"
+
+    def prepare(self, model: nn.Module) -> None:  # noqa: B027 (a hook: most ops need nothing)
+        """Once, after the weights are loaded: re-layout weights (setting each Linear's
+        `prepared`). The default keeps every weight as loaded."""
+
+    @abc.abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [T, H], weight [H] -> [T, H]: normalised in float32, cast back, then scaled (as HF)."""
+
+    @abc.abstractmethod
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual [T, H] -> (rms_norm(x + residual), x + residual). The sum may be written
+        into `residual` in place (and returned as it)."""
+
+    @abc.abstractmethod
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64, q [T, Hq, D], k [T, Hkv, D], cos_sin [P, D] float32 (cos in the
+        first half, sin in the second: gpu/rope.py) -> rotated (q, k), "rotate half" (NeoX)
+        layout, cos/sin cast to q's dtype first (as HF). May rotate q and k in place."""
+
+    @abc.abstractmethod
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate, up [T, I] -> silu(gate) * up [T, I]; may overwrite gate and return it."""
+
+    @abc.abstractmethod
+    def linear(self, x: torch.Tensor, layer: LinearLayer) -> torch.Tensor:
+        """x [T, in] -> x @ layer.weight.T + layer.bias, [T, out]."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What `select` returns: the attention backend and ops the model runs on, and a line for
+    the start-up log."""
+
+    name: str  # "torch", "cpu" or "triton"
+    attn: AttentionBackend
+    ops: Ops
+    description: str  # "cpu (C++ paged attention, fused ops, ...)"
