@@ -30,6 +30,16 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+def pytest_configure(config):
+    """Without CUDA, Triton's kernels run on CPU tensors under its interpreter, which triton
+    reads from the environment once, when first imported: set here, before any test module (or
+    a daemon a test starts, which inherits it) imports triton. With CUDA they compile."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
