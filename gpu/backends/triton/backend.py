@@ -1,0 +1,92 @@
+"""TritonBackend: the seam of gpu/backends/base.py filled with this package's Triton kernels.
+
+Attention (TritonAttention):
+- KV cache: one zeroed tensor per layer, [2, num_blocks, block_size, Hkv, D] in the model dtype
+  (0 keys, 1 values): the layout of gpu/kv_cache.py, so `copy_blocks` is the base class's.
+- metadata: the base class's AttentionMetadata (query_start_loc, seq_lens, block tables, slot
+  mapping, on the device); the kernels need nothing more, so a step builds no masks.
+- write: kv_write.write_kv scatters the step's k/v [T, Hkv, D] through the slot mapping.
+- attend: one paged_attention launch for the whole mixed step (decode rows and prompt chunks),
+  reading K/V in place through the block tables.
+
+Ops (TritonOps): add + RMSNorm and RMSNorm (add_rms_norm.py), rotary in place (rotary.py) and
+SiLU x up (silu_mul.py) are Triton kernels; linear is torch's (cuBLAS already does the GEMM).
+
+Importing this module imports triton: gpu/backends/__init__.py imports it only when the triton
+backend is selected. On a CPU device the kernels run only under Triton's interpreter
+(TRITON_INTERPRET=1 set before triton is imported); without it `triton_backend` refuses with a
+ConfigError rather than failing at the first launch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from conveyor.config.errors import ConfigError
+from conveyor.config.model import ModelConfig
+from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Backend, LinearLayer, Ops
+from conveyor.gpu.backends.triton.add_rms_norm import add_rms_norm, rms_norm
+from conveyor.gpu.backends.triton.kv_write import write_kv
+from conveyor.gpu.backends.triton.paged_attention import paged_attention
+from conveyor.gpu.backends.triton.rotary import apply_rotary_
+from conveyor.gpu.backends.triton.silu_mul import silu_mul
+
+
+class TritonAttention(AttentionBackend):
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        # k, v are in the cache already (write_kv ran first): the kernel reads every key from there.
+        return paged_attention(
+            q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, sliding_window=meta.sliding_window
+        )
+
+
+class TritonOps(Ops):
+    name = "triton"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(x, residual, weight, eps), residual  # residual += x in place
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        apply_rotary_(q, k, positions, cos_sin)
+        return q, k
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return silu_mul(gate, up, out=gate)
+
+    def linear(self, x: torch.Tensor, layer: LinearLayer) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+def triton_backend(model: ModelConfig, device: torch.device) -> Backend:
+    """The triton Backend for `model` on `device`: CUDA, or CPU under the interpreter."""
+    interpreted = triton.knobs.runtime.interpret
+    if device.type != "cuda" and not interpreted:
+        raise ConfigError(
+            f"--attention-backend triton runs on CUDA, or on {device.type} only under Triton's interpreter "
+            "(set TRITON_INTERPRET=1 in the environment)"
+        )
+    how = "under Triton's interpreter, slow: for testing" if interpreted else "compiled"
+    return Backend(
+        name="triton",
+        attn=TritonAttention(model, device),
+        ops=TritonOps(),
+        description=f"triton (paged attention, KV write, add + RMSNorm, rotary, SiLU x up as Triton kernels, {how}; linear in torch)",
+    )
