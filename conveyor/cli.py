@@ -1,5 +1,5 @@
 """The `conveyor` command: `conveyor serve` starts the daemon (every stage, supervised);
-`conveyor bench serve | offline | step | forward` runs the benchmarks (conveyor/bench).
+`conveyor bench serve | offline | step | forward | sampling` runs the benchmarks (conveyor/bench).
 
 Bad options and bad checkpoints get one line on stderr and a non-zero exit, never a traceback.
 """
@@ -43,6 +43,7 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
     bench_args.add_forward(which.add_parser(
         "forward", help="one worker step on the CPU, with and without the C++ kernels, interleaved"
     ))  # fmt: skip
+    bench_args.add_sampling(which.add_parser("sampling", help="the sampler's draw against noise-tensor draws, interleaved"))
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -58,6 +59,10 @@ def bench(args: argparse.Namespace) -> int:
         from conveyor.bench import forward
 
         return forward.main(args)
+    if args.bench == "sampling":
+        from conveyor.bench import sampling
+
+        return sampling.main(args)
     from conveyor.bench import scheduler_cost
 
     return scheduler_cost.main(args.running, prepare=args.prepare, device=args.device)

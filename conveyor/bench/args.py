@@ -106,6 +106,14 @@ def add_forward(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="steps per variant and shape in a round")  # fmt: skip
 
 
+def add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 256], help="logits rows S (one draw each)")
+    p.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256], help="vocabulary sizes V")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the variants")
+    p.add_argument("--repeats", type=int, default=5, help="calls per variant and shape in a round")  # fmt: skip
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
