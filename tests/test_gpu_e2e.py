@@ -42,7 +42,7 @@ def bf16_checkpoint(tmp_path_factory):
 def hf_bf16(bf16_checkpoint):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(bf16_checkpoint, dtype=torch.bfloat16).to("cuda").eval()  # type: ignore[arg-type]
+    return AutoModelForCausalLM.from_pretrained(bf16_checkpoint, dtype=torch.bfloat16).to("cuda").eval()
 
 
 def prompts() -> list[list[int]]:
