@@ -1,6 +1,6 @@
 """The Triton backend: the attention backend and ops for CUDA, written as Triton kernels.
 
-backend.py puts the pieces behind the seam of gpu/backends/base.py: the KV cache, one tensor per
+backend.py puts the pieces behind the seam (conveyor.gpu.backends.base): the KV cache, one tensor per
 layer of [2, num_blocks, block_size, Hkv, D] (keys, then values); the per-step metadata
 (query_start_loc, seq_lens, block tables and slot mapping, on the device); writing the step's K/V
 through the slot mapping (kv_write.py); one paged attention launch over a whole mixed step of
