@@ -1,0 +1,179 @@
+"""Paged attention over a whole mixed step (decode rows and prompt chunks) in one Triton launch.
+
+Layout: q [T, Hq, D], the step's rotated queries, rows' tokens concatenated (row r owns tokens
+[query_start_loc[r], query_start_loc[r + 1])); kv_cache [2, num_blocks, block_size, Hkv, D] with
+this step's K/V already written (kv_write.py); block_tables [B, max_blocks] int32, padded;
+seq_lens [B] int32, each row's context after this step. Query j of a row with q_len queries sits
+at position seq_len - q_len + j, sees positions <= its own (so a chunk is causal within itself
+and sees all of its row's cached blocks), and with a sliding window W only the W positions
+ending at its own. Keys and values are read in place through the block table, one key's block
+at a time: no gather copy. Unit stride along D is required; other strides are free (q may be a
+view into a fused qkv buffer).
+
+Grid: (T // BLOCK_Q + B, Hkv). A program owns one tile (paged_attention_tile.py): BLOCK_Q tokens
+of one row times the Hq / Hkv query heads of one kv head, and runs the online softmax over the
+keys its tile can see, BLOCK_N at a time, accumulating in float32 whatever the input dtype.
+Programs whose tile lies past their row's end return at once.
+
+Few rows with long contexts leave most SMs idle on this grid; `choose_num_splits` then sends the
+step to split-K (paged_attention_split_k.py), which also spreads each row's keys over programs.
+
+Tuned for: nothing yet. The tile sizes (BLOCK_M 16 for decode-only steps, 64 with chunks;
+BLOCK_N = block size; 4 warps, 8 at D = 256) were checked under TRITON_INTERPRET=1 for
+correctness only, over head dims 16 to 256 and block sizes 16 and 32; timing and tuning on a GPU
+(Llama-3-8B shapes: Hq 32, Hkv 8, D 128, block 16) wait for one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from conveyor.gpu.backends.triton.paged_attention_split_k import paged_attention_split_k
+from conveyor.gpu.backends.triton.paged_attention_tile import Tiling, attend_keys, check_inputs, find_tile, key_range, load_queries
+
+# Split-K heuristic (only on CUDA, and only for steps where every row decodes): split when the
+# rows x kv heads programs would fill less than half the SMs, into as many splits as fill them,
+# at most MAX_SPLITS, each covering at least MIN_KEYS_PER_SPLIT keys of the padded table width.
+MAX_SPLITS = 16
+MIN_KEYS_PER_SPLIT = 256
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    kv_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    scale_log2,
+    num_rows,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kv,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    row, q_start, q_len, tok0 = find_tile(query_start_loc_ptr, tl.program_id(0), num_rows, BLOCK_Q)
+    if tok0 >= q_len:
+        return
+    q, tok, head, row_valid = load_queries(
+        q_ptr, stride_qt, stride_qh, q_start, q_len, tok0, kv_head, GROUP, HEAD_DIM, BLOCK_M, BLOCK_D
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    seq_len = tl.load(seq_lens_ptr + row)
+    kv_lo, kv_hi = key_range(seq_len, q_len, tok0, window, BLOCK_Q, BLOCK_N, HAS_WINDOW)
+    acc, m, denom = attend_keys(
+        q,
+        seq_len - q_len + tok,
+        kv_ptr + kv_head * stride_kh,
+        block_tables_ptr + row.to(tl.int64) * stride_bt,
+        kv_lo,
+        kv_hi,
+        window,
+        scale_log2,
+        stride_kv,
+        stride_kb,
+        stride_ks,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        BLOCK_SIZE,
+        HAS_WINDOW,
+        UPCAST,
+        PRECISION,
+    )
+    acc = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]  # every valid query sees itself: denom > 0 there
+    offs_d = tl.arange(0, BLOCK_D)
+    ptrs = out_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """q [T, Hq, D] -> out [T, Hq, D] (written into `out` when given). num_splits: None lets
+    `choose_num_splits` decide; 1 forces this kernel, more forces split-K with that many splits."""
+    check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window, out)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if q.shape[0] == 0:
+        return out
+    tiling = Tiling.of(q, kv_cache, block_tables, sliding_window)
+    if num_splits is None:
+        num_splits = choose_num_splits(q, kv_cache, block_tables)
+    if num_splits > 1:
+        return paged_attention_split_k(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, tiling, num_splits, out)
+    _paged_attention_kernel[(tiling.num_tiles, kv_cache.shape[3])](
+        out,
+        q,
+        kv_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale * math.log2(math.e),
+        tiling.num_rows,
+        tiling.window,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        **tiling.constexprs(),
+    )
+    return out
+
+
+def choose_num_splits(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor) -> int:
+    """Split-K or not, from shapes alone (no device sync, so it holds under CUDA graphs). Only
+    on CUDA: the interpreter gains nothing from more programs."""
+    if q.device.type != "cuda":
+        return 1
+    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    num_rows, max_blocks = block_tables.shape
+    return num_splits_for(num_rows, q.shape[0], kv_cache.shape[3], max_blocks * kv_cache.shape[2], num_sms)
+
+
+def num_splits_for(num_rows: int, num_tokens: int, num_kv_heads: int, max_keys: int, num_sms: int) -> int:
+    """Only when every row decodes (T = B) and the B x Hkv programs of the plain kernel would
+    leave more than half the SMs idle: as many splits as fill the SMs, at most MAX_SPLITS, each
+    covering at least MIN_KEYS_PER_SPLIT of the max_keys the padded block table can hold."""
+    programs = num_rows * num_kv_heads
+    if num_tokens != num_rows or 2 * programs > num_sms:
+        return 1
+    return max(1, min(MAX_SPLITS, num_sms // programs, max_keys // MIN_KEYS_PER_SPLIT))

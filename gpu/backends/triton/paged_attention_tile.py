@@ -1,0 +1,238 @@
+"""The pieces both paged attention kernels share, as Triton device functions (no kernel here).
+
+A step's query tokens are cut into tiles per row and kv head: one tile is BLOCK_Q consecutive
+tokens of one row times the GROUP query heads that share one kv head, BLOCK_M = BLOCK_Q * GROUP
+rows of a [BLOCK_M, D] matrix (row m is token m // GROUP, head m % GROUP of the group), padded
+to a power of two >= 16 (what tl.dot needs). So GQA/MQA read each key once per tile, and a
+decode row's GROUP heads make up one tile.
+
+Tiles are numbered row by row without a host sync: row r's first tile is
+query_start_loc[r] // BLOCK_Q + r (vLLM's numbering), which never overlaps the next row's and
+bounds the count by T // BLOCK_Q + B; `find_tile` inverts it by binary search, and tiles past
+their row's end are empty.
+
+`attend_keys` runs the online softmax (in base 2: scores arrive pre-multiplied by
+scale * log2(e)) over keys [kv_lo, kv_hi) of one row, reading each key's block through the
+block table: no gather copy. It returns the unnormalised accumulator with its running max and
+denominator, which the plain kernel divides out and the split-K kernel stores for its reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def find_tile(query_start_loc_ptr, tile, num_rows, BLOCK_Q: tl.constexpr):
+    """-> (row, q_start, q_len, tok0): the tile's row, the row's first token in the step, its
+    query count, and the tile's first token within the row (>= q_len: an empty tile)."""
+    lo = tile * 0  # the largest row whose first tile is <= tile lies in [lo, hi)
+    hi = lo + num_rows
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(first <= tile, mid, lo)
+        hi = tl.where(first <= tile, hi, mid)
+    q_start = tl.load(query_start_loc_ptr + lo)
+    q_len = tl.load(query_start_loc_ptr + lo + 1) - q_start
+    tok0 = (tile - (q_start // BLOCK_Q + lo)) * BLOCK_Q
+    return lo, q_start, q_len, tok0
+
+
+@triton.jit
+def load_queries(
+    q_ptr,
+    stride_qt,
+    stride_qh,
+    q_start,
+    q_len,
+    tok0,
+    kv_head,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """-> (q [BLOCK_M, BLOCK_D], tok [BLOCK_M] token within the row, head [BLOCK_M], row_valid)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    tok = tok0 + offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    row_valid = (offs_m < (BLOCK_M // GROUP) * GROUP) & (tok < q_len)
+    ptrs = q_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(ptrs, mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    return q, tok, head, row_valid
+
+
+@triton.jit
+def key_range(seq_len, q_len, tok0, window, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """-> (kv_lo, kv_hi): the keys any query of the tile sees, kv_lo rounded down to BLOCK_N."""
+    context = seq_len - q_len  # cached positions before this step's tokens
+    kv_hi = context + tl.minimum(q_len, tok0 + BLOCK_Q)  # the tile's last query sees up to itself
+    kv_lo = kv_hi * 0
+    if HAS_WINDOW:  # the tile's first query sees `window` positions ending at its own
+        kv_lo = tl.maximum(context + tok0 - window + 1, 0)
+    return kv_lo // BLOCK_N * BLOCK_N, kv_hi
+
+
+@triton.jit
+def attend_keys(
+    q,  # [BLOCK_M, BLOCK_D] queries, their dtype (or float32 when UPCAST)
+    q_pos,  # [BLOCK_M] each query's position in its sequence
+    k_base,  # kv_cache[0, 0, 0, kv_head] pointer; values are stride_kv further
+    table_ptr,  # this row's block table
+    kv_lo,
+    kv_hi,
+    window,
+    scale_log2,
+    stride_kv,
+    stride_kb,
+    stride_ks,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """-> (acc [BLOCK_M, BLOCK_D] float32 unnormalised, m [BLOCK_M] running max in base 2
+    (-inf where a query saw no key), denom [BLOCK_M] denominator)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    denom = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        pos = start + offs_n  # [BLOCK_N] key positions
+        key_valid = pos < kv_hi
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        slot = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks  # [BLOCK_N]
+        load_mask = key_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_base + slot[:, None] + offs_d[None, :], mask=load_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(k_base + stride_kv + slot[:, None] + offs_d[None, :], mask=load_mask, other=0.0)
+        if UPCAST:  # the interpreter's bf16 arithmetic is wrong: compute in float32 there
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        visible = key_valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a query with no key yet: keep p = 0, not NaN
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        denom = denom * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    return acc, m, denom
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """The launch shape both kernels share, derived from tensor shapes alone (no device sync)."""
+
+    num_rows: int  # B
+    group: int  # query heads per kv head
+    head_dim: int
+    block_size: int
+    block_d: int  # head_dim padded to a power of two
+    block_m: int  # tile rows: block_q tokens x group heads, padded
+    block_q: int
+    block_n: int  # keys per loop step
+    num_tiles: int  # an upper bound: T // block_q + B
+    window: int  # 0 without a sliding window
+    upcast: bool  # compute in float32 after loading
+    precision: str  # tl.dot's input_precision
+    num_warps: int
+
+    @classmethod
+    def of(cls, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, sliding_window: int | None) -> Tiling:
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+        num_rows = block_tables.shape[0]
+        group = num_heads // num_kv_heads
+        # A step of decodes only needs one token per tile; chunks fill taller tiles. tl.dot needs >= 16.
+        block_m = max(16 if num_tokens == num_rows else 64, triton.next_power_of_2(group))
+        block_q = block_m // group
+        block_d = max(16, triton.next_power_of_2(head_dim))
+        return cls(
+            num_rows=num_rows,
+            group=group,
+            head_dim=head_dim,
+            block_size=block_size,
+            block_d=block_d,
+            block_m=block_m,
+            block_q=block_q,
+            block_n=max(16, min(block_size, 64)),
+            num_tiles=num_tokens // block_q + num_rows,
+            window=sliding_window or 0,
+            # On CPU tensors the kernels run under the interpreter, whose bf16 arithmetic is wrong.
+            upcast=q.dtype == torch.bfloat16 and q.device.type != "cuda",
+            # float32 caches get exact float32 products, not TF32: they are the reference precision.
+            precision="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=8 if block_d >= 256 else 4,
+        )
+
+    def constexprs(self) -> dict:
+        return dict(
+            GROUP=self.group,
+            HEAD_DIM=self.head_dim,
+            BLOCK_SIZE=self.block_size,
+            BLOCK_D=self.block_d,
+            BLOCK_M=self.block_m,
+            BLOCK_Q=self.block_q,
+            BLOCK_N=self.block_n,
+            HAS_WINDOW=self.window > 0,
+            UPCAST=self.upcast,
+            PRECISION=self.precision,
+            num_warps=self.num_warps,
+        )
+
+
+def check_inputs(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sliding_window: int | None,
+    out: torch.Tensor | None,
+) -> None:
+    """Shapes, dtypes and unit strides along D that the kernels' pointer arithmetic assumes."""
+    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            f"paged_attention: q must be [T, Hq, D] and kv_cache [2, N, bs, Hkv, D], got {tuple(q.shape)}, {tuple(kv_cache.shape)}"
+        )
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    if kv_cache.shape[4] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(
+            f"paged_attention: {num_heads} query heads of {head_dim} over a cache of {num_kv_heads} x {kv_cache.shape[4]}"
+        )
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"paged_attention: q is {q.dtype}, the cache {kv_cache.dtype}")
+    if q.stride(2) != 1 or kv_cache.stride(4) != 1 or block_tables.stride(1) != 1:
+        raise ValueError("paged_attention: q, kv_cache and block_tables need unit stride along their last dim")
+    num_rows = block_tables.shape[0]
+    if query_start_loc.shape != (num_rows + 1,) or seq_lens.shape != (num_rows,):
+        raise ValueError(
+            f"paged_attention: {num_rows} block-table rows, "
+            f"query_start_loc {tuple(query_start_loc.shape)}, seq_lens {tuple(seq_lens.shape)}"
+        )
+    for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"paged_attention: {name} must be int32, got {t.dtype}")
+    if not query_start_loc.is_contiguous() or not seq_lens.is_contiguous():
+        raise ValueError("paged_attention: query_start_loc and seq_lens must be contiguous")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"paged_attention: sliding_window must be >= 1, got {sliding_window}")
+    if out is not None and (out.shape != q.shape or out.stride(2) != 1):
+        raise ValueError(f"paged_attention: out must be {tuple(q.shape)} with unit stride along D")
