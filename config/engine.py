@@ -63,10 +63,18 @@ class SchedulerConfig:
     )
 
 
+# gpu/backends: auto is triton on CUDA and cpu (the C++ kernels) on a CPU.
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     device: str = "cpu"  # "cpu" or "cuda": resolved from the --device option at build time
     tensor_parallel_size: int = option(1, "GPUs one model is split over (only 1 is implemented)")
+    attention_backend: str = option(
+        "auto", "attention backend and ops: auto (triton on CUDA, cpu on a CPU), torch (reference), cpu (C++ kernels), "
+        "triton (Triton kernels; on a CPU only under TRITON_INTERPRET=1)", choices=ATTENTION_BACKENDS,
+    )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,10 @@
-"""The paged KV cache: how many blocks fit, and their allocation.
+"""The paged KV cache's pool: how many blocks fit, and copying whole blocks.
 
-One tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim] in the model dtype:
-index 0 holds keys, 1 values. Block b of every layer belongs to the same sequence, so the
-scheduler hands out block ids once for all layers. `copy_blocks` does a plan's copy-on-write
-copies (a forked sequence about to write into a block it shares).
+The attention backend (gpu/backends) allocates the cache, one tensor per layer, in its own layout
+inside a block, with dim 0 keys/values and dim 1 blocks: [2, num_blocks, ...]. Block b of every
+layer belongs to the same sequence, so the scheduler hands out block ids once for all layers.
+`copy_blocks` does a plan's copy-on-write copies (a forked sequence about to write into a block
+it shares), whole blocks, so it serves every layout.
 """
 
 from __future__ import annotations
@@ -12,19 +13,13 @@ import torch
 
 from conveyor.config.engine import CacheConfig
 from conveyor.config.errors import ConfigError
-from conveyor.config.model import ModelConfig
 
 GIB = 1024**3
 
 
-def bytes_per_block(model: ModelConfig, block_size: int) -> int:
-    """Bytes one block takes across all layers (keys and values)."""
-    element_size = torch.empty((), dtype=getattr(torch, model.dtype)).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element_size
-
-
-def num_blocks_for_memory(model: ModelConfig, cache: CacheConfig, device: torch.device | str) -> int:
-    """How many blocks this device can hold.
+def num_blocks_for_memory(per_block: int, cache: CacheConfig, device: torch.device | str) -> int:
+    """How many blocks of `per_block` bytes (all layers: the backend's bytes_per_block) this
+    device can hold.
 
     A fixed cache.num_kv_blocks wins. On CPU the pool is cache.cpu_kv_cache_gib. On CUDA it is
     gpu_memory_utilization of the device's total memory less what is in use now: call this after
@@ -33,7 +28,6 @@ def num_blocks_for_memory(model: ModelConfig, cache: CacheConfig, device: torch.
     """
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    per_block = bytes_per_block(model, cache.block_size)
     device = torch.device(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -48,15 +42,6 @@ def num_blocks_for_memory(model: ModelConfig, cache: CacheConfig, device: torch.
             f"{per_block / 2**20:.2f} MiB per block): raise gpu_memory_utilization or shorten the model"
         )
     return num_blocks
-
-
-def allocate_kv_caches(model: ModelConfig, num_blocks: int, block_size: int, device: torch.device | str) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, Hkv, D] tensor per layer."""
-    shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-    dtype = getattr(torch, model.dtype)
-    # Zeroed, not empty: padded block-table entries read block 0, and garbage there could be NaN
-    # (masked scores are dropped, but NaN * 0 in the value product is not).
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:

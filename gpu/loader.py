@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 
 from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
+from conveyor.gpu.backends import Backend, torch_backend
 from conveyor.gpu.models import LlamaForCausalLM, build_model
 
 SINGLE_FILE = "model.safetensors"
@@ -25,17 +26,21 @@ INDEX_FILE = "model.safetensors.index.json"
 SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def load_model(config: ModelConfig, device: torch.device | str) -> LlamaForCausalLM:
-    """Build the model for `config` on `device` with the checkpoint's weights, in eval mode."""
+def load_model(config: ModelConfig, device: torch.device | str, backend: Backend | None = None) -> LlamaForCausalLM:
+    """Build the model for `config` on `device` with the checkpoint's weights, in eval mode,
+    running on `backend` (None: the torch backend), whose ops prepare the loaded weights."""
     device = torch.device(device)
     dtype = getattr(torch, config.dtype)
+    backend = backend or torch_backend(config, device)
     with torch.device("meta"):
-        model = build_model(config, rope_device=device)
+        model = build_model(config, rope_device=device, backend=backend)
     model = model.to(dtype=dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives each parameter its own storage: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, config.path)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    backend.ops.prepare(model)
+    return model
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:

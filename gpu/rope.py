@@ -3,8 +3,8 @@
 The inverse frequencies follow Hugging Face's `modeling_rope_utils` formulas so that logits match
 HF numerically. cos/sin are precomputed once for every position up to `max_positions` in float32,
 with the same arithmetic HF uses per step (float32 position * float32 inv_freq), then indexed by
-the flattened positions of a step. The rotation is the "rotate half" (GPT-NeoX) layout that HF
-Llama, Mistral and Qwen2 checkpoints use.
+the flattened positions of a step. The rotation itself is the backend ops' (`ops.rotary`: the
+"rotate half" (GPT-NeoX) layout that HF Llama, Mistral and Qwen2 checkpoints use).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import math
 import torch
 
 from conveyor.config.model import ModelConfig
-from conveyor.gpu.cpu_kernels.fused_ops import CpuFusedOps, supports
 
 
 def inverse_frequencies(head_dim: int, rope_theta: float, rope_scaling: dict[str, float | str]) -> torch.Tensor:
@@ -50,8 +49,8 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, float | str])
 
 
 class RotaryEmbedding:
-    """Holds the cos/sin table on the model's device and rotates q and k in place of HF's per-step
-    computation. A plain object, not a module: it is derived from the config, never loaded."""
+    """Holds the cos/sin table on the model's device, which `ops.rotary` indexes in place of HF's
+    per-step computation. A plain object, not a module: it is derived from the config, never loaded."""
 
     def __init__(
         self,
@@ -68,7 +67,6 @@ class RotaryEmbedding:
         # [P, D]: cos in the first half, sin in the second, so one index_select serves both.
         self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
         self.head_dim = head_dim
-        self.ops: CpuFusedOps | None = None  # rotate float32 CPU q and k in place, in one pass
 
     @classmethod
     def from_config(cls, config: ModelConfig, device: torch.device | str = "cpu") -> RotaryEmbedding:
@@ -80,21 +78,3 @@ class RotaryEmbedding:
             max(config.max_model_len, 1),
             device,
         )
-
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64; q [T, Hq, D], k [T, Hkv, D] -> rotated (q, k), same dtypes. On the
-        C path q and k are rotated in place and returned."""
-        if self.ops is not None and supports(q) and supports(k) and supports(self.cos_sin):
-            self.ops.rotary(q, k, positions, self.cos_sin)
-            return q, k
-        cos, sin = self.cos_sin[positions].chunk(2, dim=-1)  # [T, D/2] each
-        # HF casts cos/sin to the activation dtype before rotating; so do we (matters in bf16).
-        cos = cos.to(q.dtype)[:, None, :]
-        sin = sin.to(q.dtype)[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Equal, bit for bit, to HF's x * cat(cos, cos) + rotate_half(x) * cat(sin, sin).
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -18,20 +18,22 @@ non-blocking (from pinned memory on CUDA). The scheduler side sees only StepPlan
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import numpy as np
 import torch
 
 from conveyor.config.engine import EngineConfig
-from conveyor.gpu.attention import AttentionMetadata
-from conveyor.gpu.cpu_kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
-from conveyor.gpu.cpu_kernels.small_linear import pays_on_this_cpu as small_linear_pays_on_this_cpu
+from conveyor.gpu.backends import AttentionMetadata, Backend, select
 from conveyor.gpu.host_memory import keep_freed_memory
-from conveyor.gpu.kv_cache import allocate_kv_caches, copy_blocks, num_blocks_for_memory
+from conveyor.gpu.kv_cache import num_blocks_for_memory
 from conveyor.gpu.loader import load_model
+from conveyor.gpu.profile_steps import profile_steps
 from conveyor.gpu.sampling import SamplingRow, StepSamples, sample_step
 from conveyor.wire.messages import MAX_LOGPROBS, Fork, NewSeq, SamplingParams, ScheduledSeq, StepPlan, StepResult
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -58,23 +60,25 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    """`backend`: the attention backend and ops to run on; None (the worker): chosen from
+    config.parallel.attention_backend by gpu.backends.select."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0, backend: Backend | None = None) -> None:
         self.config = config
         self.block_size = config.cache.block_size
         self.device = _device(config.parallel.device, rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model = load_model(config.model, self.device)
-        # Paged attention reading the cache in place, the elementwise ops fused, and narrow linears
-        # streaming their weights once, where a C++ build is possible (CPU, float32).
-        self.cpu_kernel = None
         if self.device.type == "cpu":
             keep_freed_memory()  # activations reuse warm heap pages instead of fresh mmaps
-            if config.model.dtype == "float32":
-                self.cpu_kernel = paged_attention_kernel()
-                small_linear = cpu_small_linear() if small_linear_pays_on_this_cpu() else None
-                self.model.use_cpu_ops(cpu_fused_ops(), small_linear)
+        # The attention backend and ops, chosen once: auto is triton on CUDA, cpu (the C++ kernels)
+        # on a CPU, torch where the cpu backend cannot run.
+        self.backend = backend or select(config.parallel.attention_backend, self.device, config.model)
+        log.info("attention backend: %s", self.backend.description)
+        self.attn = self.backend.attn
+        self.model = load_model(config.model, self.device, self.backend)
         self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
         self.seqs: dict[int, WorkerSeq] = {}
         self._last_return: float | None = None  # perf_counter when execute last returned
 
@@ -82,10 +86,11 @@ class ModelRunner:
         """KV blocks this device can hold next to the model (and, on CUDA, a full step's peak)."""
         if self.device.type == "cuda" and self.config.cache.num_kv_blocks is None:
             self._profile_run()
-        return num_blocks_for_memory(self.config.model, self.config.cache, self.device)
+        return num_blocks_for_memory(self.attn.bytes_per_block(self.block_size), self.config.cache, self.device)
 
     def initialize_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.config.model, num_blocks, self.block_size, self.device)
+        self.kv_caches = self.attn.allocate_kv_caches(num_blocks, self.block_size)
+        self.num_blocks = num_blocks
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -97,13 +102,13 @@ class ModelRunner:
             self.seqs.pop(seq_id, None)
         for new in plan.new_seqs:
             self.seqs[new.seq_id] = self._register(new)
-        copy_blocks(self.kv_caches, plan.copy_blocks)
+        self.attn.copy_blocks(self.kv_caches, plan.copy_blocks)
 
         samples = StepSamples([], [], [])
         busy = 0.0
         if plan.scheduled:
             rows = [self.seqs[row.seq_id] for row in plan.scheduled]
-            _check_block_ids(plan.scheduled, self.kv_caches[0].shape[1])
+            _check_block_ids(plan.scheduled, self.num_blocks)
             for seq, row in zip(rows, plan.scheduled):
                 _update_block_table(seq, row)
             num_tokens = [row.num_tokens for row in plan.scheduled]
@@ -190,14 +195,13 @@ class ModelRunner:
             tables[i, :n] = seq.block_table[:n]
 
         positions_t = self._to_device(torch.tensor(positions, dtype=torch.int64))
-        meta = AttentionMetadata.build(
+        meta = self.attn.build_metadata(
             num_tokens,
             seq_lens,
             self._to_device(torch.from_numpy(tables)),
             positions_t,
             self.block_size,
             self.config.model.sliding_window,
-            self.cpu_kernel,
         )
         return StepInputs(
             input_ids=self._to_device(torch.tensor(input_ids, dtype=torch.int64)),
@@ -229,34 +233,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _profile_run(self) -> None:
-        """One forward at the full token budget plus sampling for the most rows, on a scratch
-        cache, so the activations' peak is held by torch's allocator when memory is measured."""
+        """The worst steps the scheduler can plan (gpu/profile_steps.py: a fresh prefill at the
+        full token budget, the budget as decode rows at the longest context, a chunk after a long
+        cached prefix), then sampling for the most rows, on a scratch cache, so the activations'
+        peak is held by torch's allocator when memory is measured."""
         model_cfg, sched = self.config.model, self.config.scheduler
-        total = sched.max_num_batched_tokens
-        lens = [min(model_cfg.max_model_len, total - i) for i in range(0, total, model_cfg.max_model_len)]
-        num_blocks = sum(-(-n // self.block_size) for n in lens)
-        caches = allocate_kv_caches(model_cfg, num_blocks, self.block_size, self.device)
+        steps = profile_steps(sched.max_num_batched_tokens, sched.max_num_seqs, model_cfg.max_model_len, self.block_size)
         # Every sampling feature at once, so that the peak covers their [S, V] temporaries.
         params = SamplingParams(
             temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.5,
             repetition_penalty=1.1, min_tokens=2, logit_bias={0: 1.0}, logprobs=MAX_LOGPROBS, max_tokens=None,
         )  # fmt: skip
-        rows, next_block = [], 0
-        for n in lens:
-            blocks = list(range(next_block, next_block + -(-n // self.block_size)))
-            next_block += len(blocks)
-            rows.append(WorkerSeq([0] * n, params, n, block_table=blocks))
-        saved, self.kv_caches = self.kv_caches, caches
+        saved = self.kv_caches, self.num_blocks
+        self.num_blocks = max(step.num_blocks for step in steps)
+        self.kv_caches = self.attn.allocate_kv_caches(self.num_blocks, self.block_size)
         try:
-            inputs = self._prepare(rows, lens)
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
-            num_rows = min(sched.max_num_seqs, total)
-            logits = self.model.compute_logits(hidden[:num_rows])
-            history = [0] * min(model_cfg.max_model_len, total)  # one output: min_tokens still bans EOS
-            row = SamplingRow(params, history, len(history) - 1, [0])
-            sample_step(logits, [row] * num_rows, model_cfg.eos_token_ids)
+            for step in steps:
+                rows = [
+                    WorkerSeq([0] * n, params, n, num_computed=n - q, block_table=list(table))
+                    for q, n, table in zip(step.query_lens, step.seq_lens, step.block_tables)
+                ]
+                inputs = self._prepare(rows, step.query_lens)
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)  # [T, H]
+                if step is steps[0]:  # the prefill: T is the whole budget, enough rows to sample
+                    self._profile_sampling(hidden, params)
         finally:
-            self.kv_caches = saved
+            self.kv_caches, self.num_blocks = saved
+
+    def _profile_sampling(self, hidden: torch.Tensor, params: SamplingParams) -> None:
+        model_cfg, sched = self.config.model, self.config.scheduler
+        num_rows = min(sched.max_num_seqs, sched.max_num_batched_tokens)
+        logits = self.model.compute_logits(hidden[:num_rows])
+        history = [0] * min(model_cfg.max_model_len, sched.max_num_batched_tokens)  # one output: min_tokens still bans EOS
+        row = SamplingRow(params, history, len(history) - 1, [0])
+        sample_step(logits, [row] * num_rows, model_cfg.eos_token_ids)
 
 
 def _check_block_ids(scheduled: list[ScheduledSeq], num_blocks: int) -> None:

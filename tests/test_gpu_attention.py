@@ -1,12 +1,17 @@
 """Paged attention against a dense float64 reference, on random data in shuffled blocks: the torch
-path, and the C++ CPU kernel (gpu/cpu_kernels) on the same cases."""
+backend, and the cpu backend's C++ kernel (gpu/cpu_kernels) on the same cases, each through the
+seam (gpu/backends/base.py): allocate_kv_caches, build_metadata, forward."""
 
 from __future__ import annotations
+
+import types
 
 import pytest
 import torch
 
-from conveyor.gpu.attention import AttentionMetadata, paged_attention, write_kv
+from conveyor.gpu.backends.cpu import CpuAttention
+from conveyor.gpu.backends.torch import TorchAttention, TorchMetadata
+from conveyor.gpu.backends.torch.attention import write_kv
 from conveyor.gpu.cpu_kernels import paged_attention_kernel
 
 needs_kernel = pytest.mark.skipif(paged_attention_kernel() is None, reason="no C++ compiler for the CPU kernel")
@@ -29,11 +34,19 @@ def dense_reference(q, k, v, window):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+def attention_backend(num_kv_heads, head_dim, kernel=None):
+    """The torch backend, or with `kernel` the cpu backend's attention, for one float32 layer."""
+    model = types.SimpleNamespace(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype="float32")
+    cpu = torch.device("cpu")
+    return TorchAttention(model, cpu) if kernel is None else CpuAttention(model, cpu, kernel)
+
+
 def run_case(seq_lens, q_lens, num_heads, num_kv_heads, window, block_size=4, head_dim=16, seed=0, kernel=None):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 5  # a few blocks nobody owns
     ids = torch.randperm(num_blocks, generator=gen).tolist()  # non-contiguous tables
-    cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim)
+    attn = attention_backend(num_kv_heads, head_dim, kernel)
+    (cache,) = attn.allocate_kv_caches(num_blocks, block_size)
     tables = torch.zeros(len(seq_lens), max(-(-n // block_size) for n in seq_lens), dtype=torch.int32)
     full_k, full_v, queries, new_k, new_v, positions, slots = [], [], [], [], [], [], []
     for i, (seq_len, q_len) in enumerate(zip(seq_lens, q_lens)):
@@ -53,10 +66,11 @@ def run_case(seq_lens, q_lens, num_heads, num_kv_heads, window, block_size=4, he
         new_pos = range(seq_len - q_len, seq_len)
         slots += [int(tables[i, p // block_size]) * block_size + p % block_size for p in new_pos]
 
-    meta = AttentionMetadata.build(q_lens, seq_lens, tables, torch.tensor(positions), block_size, window, kernel)
+    meta = attn.build_metadata(q_lens, seq_lens, tables, torch.tensor(positions), block_size, window)
     assert meta.slot_mapping.tolist() == slots
     assert meta.query_start_loc.tolist() == [0, *torch.tensor(q_lens).cumsum(0).tolist()]
-    out = paged_attention(torch.cat(queries), torch.cat(new_k), torch.cat(new_v), cache, meta, head_dim**-0.5)
+    assert (meta.max_query_len, meta.max_seq_len, meta.num_tokens) == (max(q_lens), max(seq_lens), sum(q_lens))
+    out = attn.forward(torch.cat(queries), torch.cat(new_k), torch.cat(new_v), cache, meta, head_dim**-0.5)
 
     start = 0
     for i, q in enumerate(queries):
@@ -69,7 +83,8 @@ def run_case(seq_lens, q_lens, num_heads, num_kv_heads, window, block_size=4, he
         blocks, offsets = tables[i].long()[pos // block_size], pos % block_size
         if kernel is None:  # [2, N, bs, Hkv, D]
             stored_k, stored_v = cache[0, blocks, offsets], cache[1, blocks, offsets]
-        else:  # the kernel's order inside a block: keys [Hkv, D, bs], values [Hkv, bs, D]
+        else:  # [2, N, Hkv, bs * D], the kernel's order inside a block: keys [Hkv, D, bs], values [Hkv, bs, D]
+            assert cache.shape == (2, cache.shape[1], num_kv_heads, block_size * head_dim)
             stored_k = cache[0].view(-1, num_kv_heads, head_dim, block_size)[blocks, :, :, offsets]
             stored_v = cache[1].view(-1, num_kv_heads, block_size, head_dim)[blocks, :, offsets]
         assert torch.equal(stored_k, full_k[i]) and torch.equal(stored_v, full_v[i])
@@ -123,7 +138,7 @@ def test_cpu_kernel_matches_reference(num_heads, num_kv_heads, head_dim, window)
         [9, 23, 11, 30, 1, 14], [1, 7, 11, 1, 1, 1], num_heads, num_kv_heads, window,
         head_dim=head_dim, kernel=kernel,
     )  # fmt: skip
-    assert meta.cpu_kernel is kernel and meta.decodes == [] and meta.prefills == []  # no masks built
+    assert not isinstance(meta, TorchMetadata)  # no masks built
 
 
 @needs_kernel
@@ -151,7 +166,7 @@ def test_cpu_kernel_prompt_tiles(num_heads, num_kv_heads, head_dim, window):
 @needs_kernel
 def test_cpu_kernel_rejects_what_it_cannot_read():
     kernel = paged_attention_kernel()
-    q, cache = torch.randn(1, 4, 8), torch.zeros(2, 2, 4, 2, 8)
+    q, cache = torch.randn(1, 4, 8), torch.zeros(2, 2, 2, 4 * 8)  # [2, N, Hkv, bs * D]
     one = torch.ones(1, 1, dtype=torch.int32)
     with pytest.raises(ValueError, match="int32"):
         kernel(q, cache, one.long(), torch.tensor([0, 1], dtype=torch.int32), one[0], None, 1.0)
@@ -159,6 +174,8 @@ def test_cpu_kernel_rejects_what_it_cannot_read():
         kernel(q.double(), cache.double(), one, torch.tensor([0, 1], dtype=torch.int32), one[0], None, 1.0)
     with pytest.raises(ValueError, match="heads"):  # 3 query heads cannot share 2 kv heads
         kernel(torch.randn(1, 3, 8), cache, one, torch.tensor([0, 1], dtype=torch.int32), one[0], None, 1.0)
+    with pytest.raises(ValueError, match="KV cache must be"):  # the torch backend's layout is not the kernel's
+        kernel(q, torch.zeros(2, 2, 4, 2, 8), one, torch.tensor([0, 1], dtype=torch.int32), one[0], None, 1.0)
 
 
 def test_cpu_kernels_can_be_switched_off(monkeypatch, tmp_path):

@@ -1,4 +1,5 @@
-"""The C++ fused ops (gpu/cpu_kernels/fused_ops.cpp) against the torch paths they replace.
+"""The C++ fused ops (gpu/cpu_kernels/fused_ops.cpp), alone and as the cpu backend's ops, against
+the torch backend's ops they replace.
 
 The model-level check, logits against Hugging Face with every C++ op on, is in test_gpu_model.py;
 here each op alone, at sizes on both sides of the one-thread threshold, and its argument checks.
@@ -9,11 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conveyor.gpu.backends.cpu import CpuOps
+from conveyor.gpu.backends.torch import TorchOps
 from conveyor.gpu.cpu_kernels import cpu_fused_ops
 from conveyor.gpu.models.llama import MLP, RMSNorm
 from conveyor.gpu.rope import RotaryEmbedding
 
 ops = cpu_fused_ops()
+cpu_ops, torch_ops = CpuOps(ops, None), TorchOps()
 pytestmark = pytest.mark.skipif(ops is None, reason="no C++ compiler for the CPU kernels")
 
 TOKENS = [1, 7, 300]  # 300 x 256 floats is past the serial threshold
@@ -26,13 +30,13 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_rms_norm_with_and_without_the_residual(tokens):
     g = torch.Generator().manual_seed(tokens)
-    norm = RMSNorm(256, 1e-5)
+    norm = RMSNorm(256, 1e-5, torch_ops)
     norm.weight.data = torch.randn(256, generator=g)
     x, residual = torch.randn(tokens, 256, generator=g), torch.randn(tokens, 256, generator=g)
     want_plain = norm(x)
     want, want_residual = norm(x, residual.clone())
 
-    norm.ops = ops
+    norm.ops = cpu_ops
     assert close(norm(x), want_plain)
     stream = residual.clone()
     got, got_residual = norm(x, stream)
@@ -46,10 +50,9 @@ def test_rotary_in_place_matches_the_torch_rotation(tokens):
     rope = RotaryEmbedding(head_dim=32, rope_theta=10000.0, rope_scaling={}, max_positions=512)
     positions = torch.randint(0, 512, (tokens,), generator=g)
     q, k = torch.randn(tokens, 8, 32, generator=g), torch.randn(tokens, 4, 32, generator=g)
-    want_q, want_k = rope(positions, q, k)
+    want_q, want_k = torch_ops.rotary(positions, q, k, rope.cos_sin)
 
-    rope.ops = ops
-    got_q, got_k = rope(positions, q.clone(), k.clone())
+    got_q, got_k = cpu_ops.rotary(positions, q.clone(), k.clone(), rope.cos_sin)
     assert close(got_q, want_q) and close(got_k, want_k)
 
 
@@ -66,10 +69,10 @@ def test_mlp_takes_the_c_path_only_for_what_it_supports():
     class Config:
         hidden_size, intermediate_size, mlp_bias = 16, 40, False
 
-    mlp = MLP(Config())
+    mlp = MLP(Config(), torch_ops)
     x = torch.randn(5, 16)
     want = mlp(x)
-    mlp.ops = ops
+    mlp.ops = cpu_ops
     assert close(mlp(x), want)
     assert close(mlp.double()(x.double()).float(), want)  # float64: the torch path serves
 

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conveyor.config import ConfigError, ModelConfig
-from conveyor.gpu.attention import AttentionMetadata
+from conveyor.gpu.backends import Backend
+from conveyor.gpu.backends.cpu import CpuAttention, CpuOps
 from conveyor.gpu.cpu_kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
-from conveyor.gpu.kv_cache import allocate_kv_caches
 from conveyor.gpu.loader import load_model
 from conveyor.gpu.runner import ModelRunner
 from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
@@ -98,19 +98,20 @@ def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-def forward_prompts(model, config: ModelConfig, prompts: list[list[int]], block_size: int = 4, cpu_kernel=None) -> torch.Tensor:
-    """All-position logits [T, V] of the prompts, flattened in one forward with a fresh cache;
-    cpu_kernel: the C++ paged attention, else the torch path."""
+def forward_prompts(model, config: ModelConfig, prompts: list[list[int]], block_size: int = 4) -> torch.Tensor:
+    """All-position logits [T, V] of the prompts, flattened in one forward with a fresh cache of
+    the model's backend."""
     device = next(model.parameters()).device
+    attn = model.backend.attn
     lens = [len(p) for p in prompts]
     num_blocks = [-(-n // block_size) for n in lens]
-    caches = allocate_kv_caches(config, sum(num_blocks), block_size, device)
+    caches = attn.allocate_kv_caches(sum(num_blocks), block_size)
     ids = list(range(sum(num_blocks)))[::-1]  # descending block ids
     tables = torch.zeros(len(prompts), max(num_blocks), dtype=torch.int32)
     for i, n in enumerate(num_blocks):
         tables[i, :n] = torch.tensor([ids.pop() for _ in range(n)])
     positions = torch.cat([torch.arange(n) for n in lens]).to(device)
-    meta = AttentionMetadata.build(lens, lens, tables.to(device), positions, block_size, config.sliding_window, cpu_kernel)
+    meta = attn.build_metadata(lens, lens, tables.to(device), positions, block_size, config.sliding_window)
     input_ids = torch.tensor([t for p in prompts for t in p], device=device)
     with torch.inference_mode():
         return model.compute_logits(model(input_ids, positions, meta, caches))
@@ -120,14 +121,16 @@ def forward_prompts(model, config: ModelConfig, prompts: list[list[int]], block_
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prompt_logits_match_hf(arch, cpu_kernels):
     config = ModelConfig.from_pretrained(checkpoint(arch))
-    model, kernel = load_model(config, "cpu"), None
-    if cpu_kernels:  # every C++ op: attention, RMSNorm + residual, rotary, SiLU * up
+    backend = None
+    if cpu_kernels:  # every C++ op: attention, RMSNorm + residual, rotary, SiLU * up, narrow linears
         kernel, ops, small_linear = paged_attention_kernel(), cpu_fused_ops(), cpu_small_linear()
         if kernel is None or ops is None or small_linear is None:
             pytest.skip("no C++ compiler here")
-        model.use_cpu_ops(ops, small_linear)
+        cpu = torch.device("cpu")
+        backend = Backend("cpu", CpuAttention(config, cpu, kernel), CpuOps(ops, small_linear), "every C++ kernel")
+    model = load_model(config, "cpu", backend)
     lengths = [37, 50, 1, 488]  # 576 rows, a multiple of 64: the linears take oneDNN's packed path too
-    ours = forward_prompts(model, config, random_prompts(lengths), cpu_kernel=kernel)
+    ours = forward_prompts(model, config, random_prompts(lengths))
     hf = hf_model(arch)
     start = 0
     for prompt in random_prompts(lengths):

@@ -1,6 +1,7 @@
 """The C++ small linear (gpu/cpu_kernels/small_linear.cpp) against torch's, oneDNN's packed
-weights (gpu/cpu_kernels/packed_linear.py), and the Linear module that moves its weight to the
-transposed storage the kernel reads and picks a path by rows.
+weights (gpu/cpu_kernels/packed_linear.py), and the cpu backend's ops (gpu/backends/cpu/ops.py),
+whose `prepare` moves a Linear's weight to the transposed storage the kernel reads and whose
+`linear` picks a path by rows.
 
 The model-level check, logits against Hugging Face with every C++ op on, is in test_gpu_model.py.
 """
@@ -11,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conveyor.gpu.backends.cpu.ops import CpuOps, SmallLinearWeight
+from conveyor.gpu.backends.torch import TorchOps
 from conveyor.gpu.cpu_kernels import cpu_small_linear
 from conveyor.gpu.cpu_kernels.packed_linear import (
     PACKED_MIN_ROWS,
@@ -34,32 +37,41 @@ def test_matches_torch(rows, k, n, bias):
     assert torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+def cpu_linear(in_features: int, out_features: int, bias: bool) -> Linear:
+    """A Linear on the cpu ops with the small-linear kernel, prepared as at load."""
+    ops = CpuOps(None, small)
+    layer = Linear(in_features, out_features, bias, ops)
+    ops.prepare(layer)
+    return layer
+
+
 def test_linear_moves_its_weight_and_back_without_changing_results():
-    layer = Linear(64, 96, bias=True)
+    layer = Linear(64, 96, True, TorchOps())
     x = torch.randn(7, 64)
     want = layer(x)
     storage = layer.weight.data.clone()
 
-    layer.use_cpu_linear(small)
-    assert layer.small is small and not layer.weight.is_contiguous()  # a view of [in, out] storage
+    layer.ops = ops = CpuOps(None, small)
+    ops.prepare(layer)
+    assert isinstance(layer.prepared, SmallLinearWeight) and not layer.weight.is_contiguous()  # a view of [in, out] storage
     assert layer.weight.t().is_contiguous() and torch.equal(layer.weight, storage)
-    assert (layer.packed is not None) == packed_linear_available()
+    assert (layer.prepared.packed is not None) == packed_linear_available()
     assert torch.allclose(layer(x), want, rtol=1e-5, atol=1e-5)
     for rows in (PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 2047, small.max_rows + 1):  # each side of each switch
         tall = torch.randn(rows, 64)
         assert torch.allclose(layer(tall), F.linear(tall, storage, layer.bias), rtol=1e-5, atol=1e-4)
 
-    layer.use_cpu_linear(None)
-    assert layer.small is None and layer.packed is None
+    layer.ops = ops = CpuOps(None, None)  # no small-linear kernel (it does not pay on this CPU)
+    ops.prepare(layer)
+    assert layer.prepared is None
     assert layer.weight.is_contiguous() and torch.equal(layer.weight, storage)
 
 
 def test_layers_the_kernel_does_not_take_keep_torch():
-    wide = Linear(2048, 32, bias=False)  # more input features than the kernel takes
-    odd = Linear(64, 40, bias=False)  # N not a multiple of 16
+    wide = cpu_linear(2048, 32, bias=False)  # more input features than the kernel takes
+    odd = cpu_linear(64, 40, bias=False)  # N not a multiple of 16
     for layer in (wide, odd):
-        layer.use_cpu_linear(small)
-        assert layer.small is None and layer.packed is None and layer.weight.is_contiguous()
+        assert layer.prepared is None and layer.weight.is_contiguous()
 
 
 def test_bad_arguments_raise():
@@ -76,15 +88,18 @@ def test_bad_arguments_raise():
 
 def test_a_head_tied_to_the_embedding_keeps_its_layout():
     from conveyor.config.model import ModelConfig
+    from conveyor.gpu.backends import Backend
+    from conveyor.gpu.backends.torch import TorchAttention
     from conveyor.gpu.cpu_kernels import cpu_fused_ops
     from conveyor.gpu.loader import load_model
     from tests.gpu_checkpoints import checkpoint
 
-    model = load_model(ModelConfig.from_pretrained(checkpoint("qwen2")), "cpu")
+    config = ModelConfig.from_pretrained(checkpoint("qwen2"))
+    backend = Backend("cpu", TorchAttention(config, torch.device("cpu")), CpuOps(cpu_fused_ops(), small), "small linears")
+    model = load_model(config, "cpu", backend)  # prepared at load
     assert model.lm_head.weight is model.model.embed_tokens.weight
-    model.use_cpu_ops(cpu_fused_ops(), small)
-    assert model.lm_head.small is None and model.model.embed_tokens.weight.is_contiguous()
-    assert model.model.layers[0].mlp.up_proj.small is small
+    assert model.lm_head.prepared is None and model.model.embed_tokens.weight.is_contiguous()
+    assert isinstance(model.model.layers[0].mlp.up_proj.prepared, SmallLinearWeight)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -100,14 +115,14 @@ def test_packed_weights_match_torch(bias):
 def test_a_layer_routes_by_rows(monkeypatch):
     """Which path serves a step: spy on both. oneDNN takes many rows in multiples of 64 (its
     per-shape primitives are then reused), the C++ kernel the rest."""
-    layer = Linear(64, 96, bias=False)
-    layer.use_cpu_linear(small)
-    if layer.packed is None:
+    layer = cpu_linear(64, 96, bias=False)
+    assert isinstance(layer.prepared, SmallLinearWeight)
+    if layer.prepared.packed is None:
         pytest.skip("no oneDNN packed weights in this torch")
     calls = []
-    import conveyor.gpu.models.llama as llama
+    import conveyor.gpu.cpu_kernels.packed_linear as packed
 
-    monkeypatch.setattr(llama, "packed_linear", lambda x, p, b: calls.append(("packed", len(x))) or packed_linear(x, p, b))
+    monkeypatch.setattr(packed, "packed_linear", lambda x, p, b: calls.append(("packed", len(x))) or packed_linear(x, p, b))
 
     class SmallSpy:
         max_rows = small.max_rows
@@ -116,7 +131,7 @@ def test_a_layer_routes_by_rows(monkeypatch):
             calls.append(("small", len(x)))
             return small(x, w, b)
 
-    monkeypatch.setattr(layer, "small", SmallSpy())
+    monkeypatch.setattr(layer.ops, "small_linear", SmallSpy())
     for rows in (1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 2047, 2048):
         layer(torch.randn(rows, 64))
     assert calls == [("small", 1), ("small", 511), ("packed", 512), ("small", 2047), ("packed", 2048)]

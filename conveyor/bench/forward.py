@@ -5,13 +5,14 @@ the forward pass, sampling (greedy, as `bench serve` asks). Shapes:
 - decode RxC: R sequences, each with C tokens of context, all decoding one token;
 - prefill RxL: R fresh prompts of L tokens in one step (dropped after, so every repeat is fresh).
 
-Variants, each its own ModelRunner (the C++ attention owns the order inside a KV block, so a
-cache is never shared between variants):
-- torch: the torch reference paths only;
-- attention: the C++ paged attention (gpu/cpu_kernels/paged_attention.cpp);
-- fused: that plus RMSNorm / rotary / SiLU * up in one pass each (fused_ops.cpp);
-- all: that plus the narrow linears (small_linear.cpp) instead of torch's sgemm: what the worker
-  runs.
+Variants, each its own ModelRunner on its own backend (gpu/backends; the cpu backend's cache has
+its own layout, so a cache is never shared between variants):
+- torch: the torch backend, the reference paths;
+- attention: the cpu backend's attention, the C++ paged attention (paged_attention.cpp), with torch ops;
+- fused: that plus the cpu ops' RMSNorm / rotary / SiLU * up in one pass each (fused_ops.cpp);
+- all: that plus the narrow linears (small_linear.cpp, oneDNN's packed weights for many rows)
+  instead of torch's sgemm, even where the cpu backend would not pick them (see `pays_on_this_cpu`);
+- cpu: the cpu backend exactly as the worker selects it on this machine (`--attention-backend cpu`).
 They are timed in interleaved rounds, so that a noisy machine slows all of them alike; the
 table gives each variant's median over rounds of its per-round median step time.
 """
@@ -25,7 +26,7 @@ import time
 
 from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
 
-VARIANTS = ("torch", "attention", "fused", "all")
+VARIANTS = ("torch", "attention", "fused", "all", "cpu")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -43,15 +44,10 @@ class StepDriver:
 
     def __init__(self, variant: str, num_blocks: int) -> None:
         from conveyor.config.build import build_engine_config
-        from conveyor.gpu.cpu_kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
         from conveyor.gpu.runner import ModelRunner
 
-        self.runner = ModelRunner(build_engine_config(None, device="cpu", num_kv_blocks=num_blocks))
-        self.runner.cpu_kernel = paged_attention_kernel() if variant != "torch" else None
-        fused = cpu_fused_ops() if variant in ("fused", "all") else None
-        self.runner.model.use_cpu_ops(fused, cpu_small_linear() if variant == "all" else None)
-        if variant != "torch" and self.runner.cpu_kernel is None:
-            raise RuntimeError("the C++ CPU kernels are unavailable here (no compiler, or CONVEYOR_CPU_KERNELS=0)")
+        config = build_engine_config(None, device="cpu", num_kv_blocks=num_blocks)
+        self.runner = ModelRunner(config, backend=variant_backend(variant, config.model))
         self.runner.initialize_cache(num_blocks)
         self.block_size = self.runner.block_size
         self.num_blocks = num_blocks
@@ -96,6 +92,27 @@ class StepDriver:
         return seconds
 
 
+def variant_backend(variant: str, model):
+    """The Backend a variant runs on: torch's, or the cpu backend's pieces, added one by one."""
+    import torch
+
+    from conveyor.gpu.backends import Backend, select, torch_backend
+    from conveyor.gpu.backends.cpu import CpuAttention, CpuOps
+    from conveyor.gpu.backends.torch import TorchOps
+    from conveyor.gpu.cpu_kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
+
+    device = torch.device("cpu")
+    if variant == "torch":
+        return torch_backend(model, device)
+    if variant == "cpu":
+        return select("cpu", device, model)
+    kernel, fused = paged_attention_kernel(), cpu_fused_ops()
+    if kernel is None or fused is None:
+        raise RuntimeError("the C++ CPU kernels are unavailable here (no compiler, or CONVEYOR_CPU_KERNELS=0)")
+    ops = {"attention": TorchOps(), "fused": CpuOps(fused, None), "all": CpuOps(fused, cpu_small_linear())}[variant]
+    return Backend(variant, CpuAttention(model, device, kernel), ops, f"bench variant {variant}")
+
+
 def measure(shapes: list[tuple[str, int, int]], rounds: int, repeats: int) -> dict[tuple[str, int, int, str], float]:
     """(kind, rows, length) shapes -> {(kind, rows, length, variant): median seconds}."""
     import torch
@@ -138,12 +155,12 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {e}")
         return 1
     print(f"one worker step on the CPU, median ms over {args.rounds} interleaved rounds of {args.repeats}")
-    print(f"{'step':>16} {'torch':>9} {'attention':>10} {'fused':>9} {'all':>9} {'all / torch':>12}")
+    print(f"{'step':>16} {'torch':>9} {'attention':>10} {'fused':>9} {'all':>9} {'cpu':>9} {'all / torch':>12} {'cpu / torch':>12}")
     for kind, rows, length in shapes:
         ms = {v: results[(kind, rows, length, v)] * 1e3 for v in VARIANTS}
         label = f"{kind} {rows}x{length}"
         print(
-            f"{label:>16} {ms['torch']:>9.2f} {ms['attention']:>10.2f} {ms['fused']:>9.2f} {ms['all']:>9.2f} "
-            f"{ms['all'] / ms['torch']:>12.2f}"
+            f"{label:>16} {ms['torch']:>9.2f} {ms['attention']:>10.2f} {ms['fused']:>9.2f} {ms['all']:>9.2f} {ms['cpu']:>9.2f} "
+            f"{ms['all'] / ms['torch']:>12.2f} {ms['cpu'] / ms['torch']:>12.2f}"
         )
     return 0

@@ -164,9 +164,12 @@ class AttentionBackend(abc.ABC):
 class LinearLayer(Protocol):
     """What ops.linear reads from a model's linear layer (gpu/models/llama.py Linear)."""
 
-    weight: torch.Tensor  # [out, in]
-    bias: torch.Tensor | None  # [out]
-    prepared: object | None  # the ops' own form of the weight, set by ops.prepare; None: plain
+    @property
+    def weight(self) -> torch.Tensor: ...  # [out, in]
+    @property
+    def bias(self) -> torch.Tensor | None: ...  # [out]
+    @property
+    def prepared(self) -> object | None: ...  # the ops' own form of the weight, set by ops.prepare; None: plain
 
 
 class Ops(abc.ABC):
@@ -205,6 +208,10 @@ class Ops(abc.ABC):
     @abc.abstractmethod
     def linear(self, x: torch.Tensor, layer: LinearLayer) -> torch.Tensor:
         """x [T, in] -> x @ layer.weight.T + layer.bias, [T, out]."""
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend cannot run here (device, dtype, no compiler): the message says why."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,8 @@ Only what torch does badly on a CPU lives here, float32 only:
 packed_linear.py is not C++: it holds the same narrow layers' weights in oneDNN's blocked
 layout, for steps of many rows (prefill), through ops torch already ships.
 `paged_attention_kernel()`, `cpu_fused_ops()` and `cpu_small_linear()` return None when their library is unavailable
-(no compiler, a failed build, CONVEYOR_CPU_KERNELS=0); callers then use the torch reference
-paths, which compute the same functions.
+(no compiler, a failed build, CONVEYOR_CPU_KERNELS=0); the cpu backend (gpu/backends/cpu), their
+only caller, then uses the torch backend's paths, which compute the same functions.
 """
 
 from conveyor.gpu.cpu_kernels.fused_ops import CpuFusedOps, cpu_fused_ops

@@ -1,14 +1,14 @@
 // Paged attention on the CPU, reading keys and values in place through the block tables.
 //
-// The torch reference path (gpu/attention.py) gathers every row's blocks into a padded
+// The torch backend (gpu/backends/torch/attention.py) gathers every row's blocks into a padded
 // contiguous tensor before scaled_dot_product_attention, which copies the whole KV context of
 // the step once or twice per layer; on a CPU that copy was three quarters of a decode step.
 // Here each query token streams its context straight out of the cache once, with an online
 // softmax (running max and sum, rescaled per block), so memory traffic is the
 // context itself and nothing more.
 //
-// Cache layout. The cache is one [2, num_blocks, block_size * Hkv * D] buffer per layer, as
-// gpu/kv_cache.py allocates it, but this kernel owns the order inside a block: head-major, keys
+// Cache layout. The cache is one [2, num_blocks, Hkv, block_size * D] buffer per layer, as the
+// cpu backend (gpu/backends/cpu/attention.py) declares and allocates it: head-major, keys
 // transposed, values not:
 //   keys   of block b, head h: [D, block_size]   at k_cache + (b * Hkv + h) * D * block_size
 //   values of block b, head h: [block_size, D]   at v_cache + (b * Hkv + h) * block_size * D

@@ -1,7 +1,12 @@
 """The ctypes face of paged_attention.cpp: argument checks, then one C call.
 
 `paged_attention_kernel()` is None where the library cannot be had (see build.load_library),
-and the runner then keeps the torch path of gpu/attention.py, which computes the same function.
+and the cpu backend (gpu/backends/cpu) then keeps the torch backend's attention, which computes
+the same function.
+
+The cache is [2, num_blocks, Hkv, block_size * D] float32 (gpu/backends/cpu/attention.py): per
+(block, kv head), keys as [D, block_size] and values as [block_size, D]. block_size is the last
+dim over head_dim.
 """
 
 from __future__ import annotations
@@ -30,10 +35,10 @@ class PagedAttentionKernel:
         self._write.argtypes = [_ptr] * 5 + [_i64] * 4
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """kv_cache [2, N, bs, Hkv, D] float32 (its blocks in this kernel's order); k, v [T, Hkv, D];
-        slot_mapping [T] int64, distinct slots."""
+        """kv_cache [2, N, Hkv, bs * D] float32; k, v [T, Hkv, D]; slot_mapping [T] int64, distinct slots."""
         k, v = k.contiguous(), v.contiguous()
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        num_kv_heads, block_size = _cache_shape(kv_cache, k.shape[-1])
+        head_dim = k.shape[-1]
         if k.dtype != torch.float32 or v.dtype != torch.float32 or kv_cache.dtype != torch.float32:
             raise ValueError("the CPU paged attention kernel takes float32 k, v and cache")
         if slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous():
@@ -57,12 +62,12 @@ class PagedAttentionKernel:
         sliding_window: int | None,
         scale: float,
     ) -> torch.Tensor:
-        """q [T, Hq, D] float32; kv_cache [2, N, bs, Hkv, D] float32 (this step's k/v already
+        """q [T, Hq, D] float32; kv_cache [2, N, Hkv, bs * D] float32 (this step's k/v already
         written); block_tables [B, max_blocks], query_start_loc [B + 1], seq_lens [B], all int32
         and contiguous -> out [T, Hq, D]."""
         q = q.contiguous()
         num_tokens, num_heads, head_dim = q.shape
-        _, _, block_size, num_kv_heads, _ = kv_cache.shape
+        num_kv_heads, block_size = _cache_shape(kv_cache, head_dim)
         num_rows, max_blocks = block_tables.shape
         for name, t in (("block_tables", block_tables), ("query_start_loc", query_start_loc), ("seq_lens", seq_lens)):
             if t.dtype != torch.int32 or not t.is_contiguous() or t.device.type != "cpu":
@@ -82,6 +87,13 @@ class PagedAttentionKernel:
                 f"CPU paged attention does not handle {num_heads} heads over {num_kv_heads} kv heads with blocks of {block_size}"
             )
         return out
+
+
+def _cache_shape(kv_cache: torch.Tensor, head_dim: int) -> tuple[int, int]:
+    """(Hkv, block_size) of a [2, N, Hkv, block_size * D] cache."""
+    if kv_cache.dim() != 4 or kv_cache.shape[0] != 2 or kv_cache.shape[3] % head_dim:
+        raise ValueError(f"the KV cache must be [2, N, Hkv, block_size * {head_dim}], got {tuple(kv_cache.shape)}")
+    return kv_cache.shape[2], kv_cache.shape[3] // head_dim
 
 
 @functools.cache

@@ -1,17 +1,14 @@
-"""Paged attention over flattened ("varlen") tokens: the torch reference path (CPU and CUDA).
+"""The torch attention backend: paged attention in plain torch, on any device (the reference).
 
-A step's tokens from all its rows are concatenated: q [T, Hq, D], k/v [T, Hkv, D]. Each layer's
-KV cache is one tensor [2, num_blocks, block_size, Hkv, D]; token p of a sequence lives in block
-block_table[p // block_size] at offset p % block_size. `paged_attention` writes the step's new
-k/v at `slot_mapping`, then lets every row attend to its whole context read back through its
-block table: query j of a row with q_len queries and seq_len context sits at position
-seq_len - q_len + j (causal), and sees at most `sliding_window` positions back, itself included.
+Cache: one tensor per layer, [2, num_blocks, block_size, Hkv, D] in the model dtype (index 0
+keys, 1 values); token p of a sequence lives in block block_table[p // block_size] at offset
+p % block_size. `write_kv` scatters the step's k/v at the slot mapping; `attend` lets every row
+attend to its whole context read back through its block table.
 
-On a CPU with float32 caches the step goes to the C++ kernel of gpu/cpu_kernels, which reads
-the cache in place (no gathers). Otherwise: rows with one query (decodes, or a prompt's last
-chunk of one token) are batched by context length, each bucket one padded gather and one
-scaled_dot_product_attention call; longer rows (prompt chunks) run one call each.
-AttentionMetadata is built once per step and holds the masks every layer shares.
+Rows with one query (decodes, or a prompt's last chunk of one token) are batched by context
+length, each bucket one padded gather and one scaled_dot_product_attention call; longer rows
+(prompt chunks) run one call each. TorchMetadata is built once per step and holds the masks
+every layer shares.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from conveyor.gpu.cpu_kernels import PagedAttentionKernel
+from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata
 
 
 @dataclasses.dataclass
@@ -49,71 +46,47 @@ class PrefillChunk:
         return self.seq_len == self.end - self.start
 
 
-@dataclasses.dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
-    query_start_loc: torch.Tensor  # [B + 1] int32
-    seq_lens: torch.Tensor  # [B] int32: context length after this step, new tokens included
-    query_lens: torch.Tensor  # [B] int32
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+@dataclasses.dataclass(kw_only=True)
+class TorchMetadata(AttentionMetadata):
     decodes: list[DecodeBatch]  # single-query rows, bucketed by context length
     prefills: list[PrefillChunk]
-    cpu_kernel: PagedAttentionKernel | None = None  # set: every row goes to it (no decodes/prefills)
-    sliding_window: int | None = None
 
-    @classmethod
-    def build(
-        cls,
-        query_lens: list[int],
-        seq_lens: list[int],
-        block_tables: torch.Tensor,
-        positions: torch.Tensor,
-        block_size: int,
-        sliding_window: int | None,
-        cpu_kernel: PagedAttentionKernel | None = None,
-    ) -> AttentionMetadata:
-        """From host lists and device tensors: block_tables [B, max_blocks] int32 and positions
-        [T] int64, already on the target device. Masks are built on that device, unless
-        cpu_kernel is given (CPU, float32): it needs none."""
-        device = block_tables.device
+
+BUCKET_SPREAD = 1.3  # a decode bucket's longest context is at most this times its shortest
+
+
+class TorchAttention(AttentionBackend):
+    kv_layout = "[2, num_blocks, block_size, Hkv, D]"
+
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+
+    def build_metadata(self, query_lens, seq_lens, block_tables, positions, block_size, sliding_window) -> TorchMetadata:
         num_rows = len(query_lens)
         starts = [0] * (num_rows + 1)
         for i, q_len in enumerate(query_lens):
             starts[i + 1] = starts[i] + q_len
-        q_lens_t = torch.tensor(query_lens, dtype=torch.int32).to(device, non_blocking=True)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True)
-
-        # slot of each new token: its row's block table entry for the position, plus the offset.
-        row_of_token = torch.repeat_interleave(torch.arange(num_rows, device=device), q_lens_t, output_size=starts[-1])
-        block_ids = block_tables[row_of_token, positions // block_size].long()
-        slot_mapping = block_ids * block_size + positions % block_size
-
-        decodes, prefills = [], []
-        if cpu_kernel is None:  # the torch path: padded buckets and per-chunk masks
-            decode_rows = [i for i, q_len in enumerate(query_lens) if q_len == 1]
-            decodes = [
-                _decode_batch(rows, starts, seq_lens, block_tables, block_size, sliding_window)
-                for rows in _length_buckets(decode_rows, seq_lens, num_rows)
-            ]
-            prefills = [
-                _prefill_chunk(i, starts, seq_lens[i], block_tables, block_size, sliding_window)
-                for i, q_len in enumerate(query_lens)
-                if q_len > 1
-            ]
-        return cls(
-            slot_mapping=slot_mapping,
-            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device, non_blocking=True),
-            seq_lens=seq_lens_t,
-            query_lens=q_lens_t,
-            block_tables=block_tables,
-            decodes=decodes,
-            prefills=prefills,
-            cpu_kernel=cpu_kernel,
-            sliding_window=sliding_window,
+        decode_rows = [i for i, q_len in enumerate(query_lens) if q_len == 1]
+        decodes = [
+            _decode_batch(rows, starts, seq_lens, block_tables, block_size, sliding_window)
+            for rows in _length_buckets(decode_rows, seq_lens, num_rows)
+        ]
+        prefills = [
+            _prefill_chunk(i, starts, seq_lens[i], block_tables, block_size, sliding_window)
+            for i, q_len in enumerate(query_lens)
+            if q_len > 1
+        ]
+        return TorchMetadata.build_common(
+            query_lens, seq_lens, block_tables, positions, block_size, sliding_window, decodes=decodes, prefills=prefills
         )
 
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
 
-BUCKET_SPREAD = 1.3  # a decode bucket's longest context is at most this times its shortest
+    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        assert isinstance(meta, TorchMetadata), "metadata from another backend"
+        return attend(q, k, v, kv_cache, meta, scale)
 
 
 def _length_buckets(rows: list[int], seq_lens: list[int], num_rows: int) -> list[list[int]]:
@@ -176,20 +149,8 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slot_mapping, v)
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] (rotated) -> attention output [T, Hq, D]."""
-    if meta.cpu_kernel is not None:  # its own order inside a block: it writes, it reads
-        kernel = meta.cpu_kernel
-        kernel.write_kv(kv_cache, k, v, meta.slot_mapping)
-        return kernel(q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.sliding_window, scale)
-    write_kv(kv_cache, k, v, meta.slot_mapping)
+def attend(q, k, v, kv_cache: torch.Tensor, meta: TorchMetadata, scale: float) -> torch.Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D] (rotated, already written) -> attention output [T, Hq, D]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads

@@ -1,0 +1,43 @@
+"""The cpu backend: the C++ kernels of gpu/cpu_kernels and oneDNN, for float32 models on a CPU.
+
+`cpu_backend(model, device)` puts together what this machine can run: the paged attention
+kernel (cpu/attention.py), the fused elementwise ops and, where it pays on this CPU
+(`pays_on_this_cpu`: AVX-512), the narrow-linear kernel with oneDNN's packed weights
+(cpu/ops.py). A piece whose library cannot be built is replaced by torch's; with none of them,
+or on another device or dtype, it raises BackendUnavailable with the reason, and `select` falls
+back to the torch backend with a warning.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.config.model import ModelConfig
+from conveyor.gpu.backends.base import AttentionBackend, Backend, BackendUnavailable
+from conveyor.gpu.backends.cpu.attention import CpuAttention
+from conveyor.gpu.backends.cpu.ops import CpuOps
+from conveyor.gpu.backends.torch import TorchAttention
+from conveyor.gpu.cpu_kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
+from conveyor.gpu.cpu_kernels.small_linear import pays_on_this_cpu
+
+
+def cpu_backend(model: ModelConfig, device: torch.device) -> Backend:
+    """The cpu Backend for `model` on `device`; BackendUnavailable where it cannot run."""
+    if device.type != "cpu":
+        raise BackendUnavailable(f"the C++ kernels run on the CPU, not {device.type}")
+    if model.dtype != "float32":
+        raise BackendUnavailable(f"the C++ kernels take float32, the model is {model.dtype}")
+    kernel, fused = paged_attention_kernel(), cpu_fused_ops()
+    small_linear = cpu_small_linear() if pays_on_this_cpu() else None
+    if kernel is None and fused is None and small_linear is None:
+        raise BackendUnavailable("no C++ kernel could be built (no compiler, a failed build, or CONVEYOR_CPU_KERNELS=0)")
+    attn: AttentionBackend = CpuAttention(model, device, kernel) if kernel is not None else TorchAttention(model, device)
+    parts = [
+        "C++ paged attention" if kernel is not None else "torch attention",
+        "fused ops" if fused is not None else "torch elementwise ops",
+        "small_linear + oneDNN packed linears" if small_linear is not None else "torch linears (small_linear does not pay here)",
+    ]
+    return Backend(name="cpu", attn=attn, ops=CpuOps(fused, small_linear), description=f"cpu ({', '.join(parts)})")
+
+
+__all__ = ["CpuAttention", "CpuOps", "cpu_backend"]
