@@ -115,10 +115,10 @@ def test_split_k_matches_reference(step, num_splits):
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 128, 256])
 def test_head_dims_and_block_sizes(head_dim, block_size):
-    """Every supported head dim (16 and 32: the tiny test models') with both block sizes, on a
-    step that mixes a decode, a fresh prompt and a chunk after cached blocks."""
+    """Every supported head dim (16 and 32: the tiny test models'; 80 pads to 128 lanes) with both
+    block sizes, on a step that mixes a decode, a fresh prompt and a chunk after cached blocks."""
     assert_matches(make_step([(37, 1), (0, 9), (20, 5)], 2, 2, head_dim, block_size, torch.float16), sliding_window=None)
 
 

@@ -150,7 +150,7 @@ class Tiling:
     num_tiles: int  # an upper bound: T // block_q + B
     window: int  # 0 without a sliding window
     upcast: bool  # compute in float32 after loading
-    precision: str  # tl.dot's input_precision
+    precision: str | None  # tl.dot's input_precision; None: Triton's default
     num_warps: int
 
     @classmethod
@@ -177,7 +177,7 @@ class Tiling:
             # On CPU tensors the kernels run under the interpreter, whose bf16 arithmetic is wrong.
             upcast=q.dtype == torch.bfloat16 and q.device.type != "cuda",
             # float32 caches get exact float32 products, not TF32: they are the reference precision.
-            precision="ieee" if q.dtype == torch.float32 else "tf32",
+            precision="ieee" if q.dtype == torch.float32 else None,
             num_warps=8 if block_d >= 256 else 4,
         )
 
