@@ -20,8 +20,8 @@ step to split-K (paged_attention_split_k.py), which also spreads each row's keys
 
 Tuned for: nothing yet. The tile sizes (BLOCK_M 16 for decode-only steps, 64 with chunks;
 BLOCK_N = block size; 4 warps, 8 at D = 256) were checked under TRITON_INTERPRET=1 for
-correctness only, over head dims 16, 32, 64, 80, 128 and 256 and block sizes 16 and 32; timing and tuning on a GPU
-(Llama-3-8B shapes: Hq 32, Hkv 8, D 128, block 16) wait for one.
+correctness only, over head dims 16, 32, 64, 80, 128 and 256 and block sizes 16 and 32. Timing
+and tuning on a GPU (Llama-3-8B shapes: Hq 32, Hkv 8, D 128, block 16) wait for one.
 """
 
 from __future__ import annotations
