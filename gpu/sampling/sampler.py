@@ -52,25 +52,27 @@ def sample(
         valid = best.isfinite()  # max propagates NaN; +inf, or -inf everywhere, is no distribution
         ids = ids.masked_fill(~valid, 0)
         return (ids, valid) if logit_rows is None else (ids[logit_rows], valid[logit_rows])
-    if logit_rows is not None:
-        logits = logits[logit_rows]  # [N, V]
     choice_indices = choice_indices or [0] * len(params)
     device = logits.device
     # Greedy rows run through the sampling math with temperature 1 and are replaced at the end.
-    temps = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)
-    logits = logits / temps[:, None]
+    temps = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)[:, None]
+    # [N, V]: a fresh tensor either way, so everything below may work in place (the caller's logits
+    # still give the logprobs); each [N, V] temporary costs a pass over memory at 128k vocabularies.
+    logits = logits / temps if logit_rows is None else logits[logit_rows].div_(temps)
     logits = filter_top_k_top_p(logits, params)
-    probs = filter_min_p(torch.softmax(logits, dim=-1), params)  # [N, V]; filtered entries are 0
-    cdf = probs.cumsum(dim=-1)  # [N, V], non-decreasing (sums of non-negative floats)
-    total = cdf[:, -1:]  # [N, 1]; below 1 by rounding, or by min_p's zeros; NaN: nothing to draw
+    greedy_ids = logits.argmax(dim=-1) if any(greedy) else None  # before exp, which can tie near the max
+    # Unnormalised probabilities exp(x - row max): the draw compares the running sum with u times the
+    # total, so softmax's division is not needed, and NaN, +inf or a row of -inf still give NaN.
+    probs = filter_min_p(logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_(), params)  # filtered entries are 0
+    cdf = probs.cumsum_(dim=-1)  # [N, V], non-decreasing (sums of non-negative floats)
+    total = cdf[:, -1:]  # [N, 1]; at least the row max's own 1 (every filter keeps it); NaN: nothing to draw
     valid = (total > 0).squeeze(1)  # [N]; False for NaN
     u = _uniforms(params, output_indices, choice_indices, device)[:, None]  # [N, 1] in [0, 1)
     # Strictly below the total, so some token's running sum exceeds it whatever the rounding.
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     sampled = torch.searchsorted(cdf, target, right=True).squeeze(1)  # first index with cdf > target
-    if any(greedy):
-        is_greedy = to_device(greedy, torch.bool, device)
-        sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+    if greedy_ids is not None:
+        sampled = torch.where(to_device(greedy, torch.bool, device), greedy_ids, sampled)
     return sampled.masked_fill(~valid, 0), valid  # NaN searches land on V: never let one out
 
 
