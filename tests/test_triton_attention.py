@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -102,7 +105,7 @@ def _step_args(step):
     )
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(step=step_strategy)
 def test_mixed_step_matches_reference(step):
     assert_matches(_step_args(step), step["window"], num_splits=1)
@@ -175,6 +178,46 @@ def test_rejects_mismatched_inputs():
         paged_attention(q.half(), kv_cache, tables, starts, seq_lens, scale)
     with pytest.raises(ValueError, match="query heads"):
         paged_attention(q[:, :3], kv_cache, tables, starts, seq_lens, scale)
+
+
+# Compiles the kernels for an H100 (sm_90) all the way to a cubin, with Triton's bundled ptxas: no
+# GPU needed. It catches what the interpreter lets through (types that change in a loop, an
+# unsupported construct, shared memory past the limit). A fresh process: the interpreter's jit
+# wraps kernels in a way the compiler cannot take.
+COMPILE_FOR_SM90 = textwrap.dedent("""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from conveyor.gpu.backends.triton import paged_attention, paged_attention_reduce, paged_attention_split_k
+
+    def compile_(fn, types, constexprs, num_warps=4):
+        signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
+        options = dict(num_warps=num_warps)
+        kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+        assert kernel.metadata.shared <= 227 * 1024, (fn.__name__, kernel.metadata.shared)
+
+    for dtype, head_dim, block_m, group in [("bf16", 128, 16, 4), ("fp16", 256, 64, 1)]:
+        constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_D=head_dim, BLOCK_M=block_m,
+                          BLOCK_Q=block_m // group, BLOCK_N=16, HAS_WINDOW=True, UPCAST=False, PRECISION=None)
+        types = dict(out_ptr="*" + dtype, q_ptr="*" + dtype, kv_ptr="*" + dtype, block_tables_ptr="*i32",
+                     query_start_loc_ptr="*i32", seq_lens_ptr="*i32", scale_log2="fp32",
+                     o_part_ptr="*fp32", m_part_ptr="*fp32", l_part_ptr="*fp32")
+        num_warps = 8 if head_dim >= 256 else 4
+        compile_(paged_attention._paged_attention_kernel, types, constexprs, num_warps)
+        compile_(paged_attention_split_k._paged_attention_split_kernel, types, dict(constexprs, NUM_SPLITS=8), num_warps)
+        reduce_constexprs = dict(NUM_SPLITS=8, HEAD_DIM=head_dim, BLOCK_S=8, BLOCK_D=head_dim)
+        compile_(paged_attention_reduce._reduce_splits_kernel, types, reduce_constexprs)
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the GPU tests compile and run the kernels")
+def test_kernels_compile_for_sm90():
+    ptxas = os.path.join(os.path.dirname(pytest.importorskip("triton").__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this triton build bundles no ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
 
 
 @pytest.mark.gpu
