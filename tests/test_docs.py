@@ -155,12 +155,24 @@ def check_path(token: str, repo: Path = REPO) -> str | None:
     return "not found in the repository"
 
 
+def _is_installed_module(name: str) -> bool:
+    """A top-level module installed outside the repository (torch, triton): its name wins over a
+    subpackage of ours with the same name (gpu/backends/torch/)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    origin = spec.origin if spec is not None else None
+    return origin is not None and not Path(origin).resolve().is_relative_to(REPO)
+
+
 def check_name(token: str, index: Index | None = None) -> str | None:
     """None when the Python name resolves, else why not."""
     index = index or package_index()
     parts = token.split(".")
     head = parts[0]
-    if head == "conveyor" or (head not in index.modules and head not in index.classes and importlib.util.find_spec(head)):
+    ours = head in index.modules or head in index.classes
+    if head == "conveyor" or _is_installed_module(head) or (not ours and importlib.util.find_spec(head)):
         return None if _import_attr(token) else "does not import"
     if len(parts) > 1:
         if head in index.classes:
