@@ -105,13 +105,13 @@ def _step_args(step):
     )
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(step=step_strategy)
 def test_mixed_step_matches_reference(step):
     assert_matches(_step_args(step), step["window"], num_splits=1)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=5, deadline=None)
 @given(step=step_strategy, num_splits=st.integers(2, 4))
 def test_split_k_matches_reference(step, num_splits):
     assert_matches(_step_args(step), step["window"], num_splits=num_splits)
