@@ -62,6 +62,7 @@ def test_llm_api_greedy_equals_the_torch_backend(name, models, torch_greedy):
         assert logprob == pytest.approx(want_logprob, abs=1e-3)  # float32 both ways: rounding only
 
 
+@pytest.mark.slow
 def test_daemon_serves_with_the_triton_backend(daemon_factory, models, torch_greedy):
     daemon = daemon_factory("--model", models["tiny-llama"], "--attention-backend", "triton", "--max-num-batched-tokens", "16")
     body = {"prompt": PROMPTS, "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
