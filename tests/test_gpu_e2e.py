@@ -26,8 +26,12 @@ from conveyor.tiny.checkpoint import make_checkpoint
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 SHAPE = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1)
-ARGMAX_MARGIN = 0.15  # bf16 logits of std ~4 (the generator's LOGIT_GAIN): a few ulps at that size
-LOGPROB_TOLERANCE = 0.15
+# Logits have a std of ~4 (the generator's LOGIT_GAIN), so the top ones lie in [8, 16), where a
+# bf16 ulp is 0.0625: both bounds are four ulps. On CPU, conveyor's torch backend in bf16 against
+# transformers in bf16 on this test's checkpoint and prompts differed by at most 0.11 in logprob
+# and never in argmax; a wrong kernel is off by whole units.
+ARGMAX_MARGIN = 0.25
+LOGPROB_TOLERANCE = 0.25
 MIN_EXACT = 0.9
 NUM_TOKENS = 24
 PROMPT_LENGTHS = (1, 7, 40, 90)
