@@ -49,3 +49,18 @@ def test_bench_variants_draw_from_the_same_distribution():
         freq = torch.bincount(draw(logits), minlength=4).float() / len(logits)
         assert (freq - expected).abs().max() < 0.04, (name, freq)
     assert set(time_shape(2, 64, torch.device("cpu"), rounds=1, repeats=1)) == set(VARIANTS)
+
+
+@pytest.mark.gpu
+def test_seeded_draws_on_cuda_ignore_the_batch_and_follow_the_cpu():
+    x = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 2
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42)
+    others = [SamplingParams(temperature=0.7, top_k=20), SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]
+    same_as_cpu = 0
+    for index in range(50):
+        alone = sample(x[2:3].cuda(), [seeded], [index])[0].item()
+        batch = sample(x.cuda(), [others[0], others[1], seeded, others[2]], [3, 1, index, 0])[0][2].item()
+        assert batch == alone
+        same_as_cpu += alone == sample(x[2:3], [seeded], [index])[0].item()
+    assert same_as_cpu >= 48  # the same u; exp and cumsum round differently only at a token's edge
+    assert set(time_shape(2, 64, torch.device("cuda"), rounds=1, repeats=1)) == set(VARIANTS)
