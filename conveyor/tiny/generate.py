@@ -9,7 +9,8 @@ as tokens. Prompts are tokenized by the tiny tokenizer, which splits text more f
 128k-id one: 2.7 characters a token over the first 300 ShareGPT conversations of the shared sample.
 
 Llama-3-8B in bfloat16 is 16 GB on disk; generating it needs about twice that in host memory
-(the tensors, then safetensors' buffer) and a few minutes of one core.
+(the tensors, then safetensors' buffer) and minutes: a 4-layer cut of the shape (3.6 GiB) peaked
+at 6.9 GiB resident and took 55 s on a 2-core development machine.
 """
 
 from __future__ import annotations
