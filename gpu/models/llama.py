@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
-        """input_ids, positions [T] int64; kv_caches one [2, N, bs, Hkv, D] per layer -> [T, H]."""
+        """input_ids, positions [T] int64; kv_caches one per layer, [2, N, ...] in the attention backend's layout -> [T, H]."""
         x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, positions, self.rope, meta, kv_cache)
