@@ -16,7 +16,15 @@ from conveyor.config.errors import ConfigError
 
 # The model families the worker implements; all share one decoder (gpu/models/llama.py).
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Each rope type with the rope_scaling fields it needs (gpu/rope.py builds the tables).
+ROPE_TYPE_FIELDS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+SUPPORTED_ROPE_TYPES = tuple(ROPE_TYPE_FIELDS)
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -89,7 +97,7 @@ class ModelConfig:
                 head_dim=int(hf.get("head_dim") or hidden // num_heads),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 rope_theta=_rope_theta(hf),
-                rope_scaling=_rope_scaling(hf),
+                rope_scaling=_rope_scaling(hf, max_pos),
                 max_position_embeddings=max_pos,
                 max_model_len=min(max_model_len or max_pos, max_pos),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -106,8 +114,7 @@ class ModelConfig:
             if isinstance(e, ConfigError):
                 raise
             raise ConfigError(f"malformed config.json in {root}: {e!r}") from None
-        if cfg.rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError(f"unsupported rope_type {cfg.rope_type!r} in {root}")
+        _check_rope_scaling(dict(cfg.rope_scaling), root)
         return cfg
 
 
@@ -127,13 +134,29 @@ def _rope_theta(hf: dict[str, Any]) -> float:
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
-def _rope_scaling(hf: dict[str, Any]) -> tuple[tuple[str, float | str], ...]:
+def _rope_scaling(hf: dict[str, Any], max_pos: int) -> tuple[tuple[str, float | str], ...]:
     scaling = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
     scaling.pop("rope_theta", None)
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
     scaling.setdefault("rope_type", "default")
+    if scaling["rope_type"] == "dynamic":
+        # HF's dynamic NTK scales from max_position_embeddings, whatever rope_scaling says.
+        scaling["original_max_position_embeddings"] = max_pos
+    elif scaling["rope_type"] in ("yarn", "llama3"):
+        # As HF's standardize_rope_params: a top-level value first (Phi-3 style), else max_position_embeddings.
+        original = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = original or max_pos
     return tuple(sorted((k, v) for k, v in scaling.items() if isinstance(v, (int, float, str))))
+
+
+def _check_rope_scaling(scaling: dict[str, float | str], root: Path) -> None:
+    rope_type = str(scaling["rope_type"])
+    if rope_type not in ROPE_TYPE_FIELDS:
+        raise ConfigError(f"unsupported rope_type {rope_type!r} in {root}; supported: {', '.join(ROPE_TYPE_FIELDS)}")
+    missing = [name for name in ROPE_TYPE_FIELDS[rope_type] if not isinstance(scaling.get(name), (int, float))]
+    if missing:
+        raise ConfigError(f"rope_scaling of type {rope_type!r} in {root} needs a number for {', '.join(missing)}")
 
 
 def _sliding_window(hf: dict[str, Any]) -> int | None:

@@ -1,10 +1,23 @@
-"""Rotary position embeddings (RoPE) for the decoder, rope types "default", "linear", "llama3".
+"""Rotary position embeddings (RoPE) for the decoder: rope types "default", "linear", "dynamic",
+"yarn" and "llama3".
 
 The inverse frequencies follow Hugging Face's `modeling_rope_utils` formulas so that logits match
 HF numerically. cos/sin are precomputed once for every position up to `max_positions` in float32,
-with the same arithmetic HF uses per step (float32 position * float32 inv_freq), then indexed by
-the flattened positions of a step. The rotation itself is the backend ops' (`ops.rotary`: the
-"rotate half" (GPT-NeoX) layout that HF Llama, Mistral and Qwen2 checkpoints use).
+with the same arithmetic HF uses per step (float32 position * float32 inv_freq, then cos and sin
+times YaRN's attention factor), then indexed by the flattened positions of a step. The rotation
+itself is the backend ops' (`ops.rotary`: the "rotate half" (GPT-NeoX) layout that HF Llama,
+Mistral and Qwen2 checkpoints use).
+
+Dynamic NTK has no single frequency set: HF recomputes inv_freq from the current sequence length
+once it exceeds the original maximum. The table gives row p the frequencies of
+seq_len = max(p + 1, original max), which is what HF computes when it decodes token by token (the
+keys cached at earlier positions keep the frequencies they were rotated with, here as in HF), and
+rows inside the original context are exactly the default table. Two other choices differ:
+- HF prefilling a prompt longer than the original maximum in one forward uses the whole prompt's
+  length for every position of it (and, in a batch, the longest row's), so its prompt logits
+  depend on how the prompt was chunked and batched; ours do not.
+- vLLM fixes the base at the longest length (max_position_embeddings * factor) for every position,
+  so it changes even the positions inside the original context; ours keep them exact.
 """
 
 from __future__ import annotations
@@ -15,23 +28,52 @@ import torch
 
 from conveyor.config.model import ModelConfig
 
+RopeScaling = dict[str, float | str]
 
-def inverse_frequencies(head_dim: int, rope_theta: float, rope_scaling: dict[str, float | str]) -> torch.Tensor:
-    """inv_freq [head_dim // 2] float32 for the configured rope type."""
+
+def inverse_frequencies(head_dim: int, rope_theta: float, rope_scaling: RopeScaling) -> torch.Tensor:
+    """inv_freq [head_dim // 2] float32 for the configured rope type (dynamic: inside the original context)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (rope_theta**exponents)
     rope_type = rope_scaling.get("rope_type", "default")
-    if rope_type == "default":
+    if rope_type in ("default", "dynamic"):
         return inv_freq
     if rope_type == "linear":
         # Positions divided by `factor` is the same as frequencies divided by it.
         return inv_freq / float(rope_scaling["factor"])
     if rope_type == "llama3":
         return _llama3_frequencies(inv_freq, rope_scaling)
+    if rope_type == "yarn":
+        return _yarn_frequencies(head_dim, rope_theta, rope_scaling)
     raise ValueError(f"unsupported rope_type {rope_type!r}")
 
 
-def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, float | str]) -> torch.Tensor:
+def attention_factor(rope_scaling: RopeScaling) -> float:
+    """The factor HF multiplies cos and sin by: YaRN's, from `attention_factor` or the mscales; else 1."""
+    if rope_scaling.get("rope_type") != "yarn":
+        return 1.0
+    if "attention_factor" in rope_scaling:
+        return float(rope_scaling["attention_factor"])
+    factor = float(rope_scaling["factor"])
+    mscale, mscale_all_dim = float(rope_scaling.get("mscale", 0)), float(rope_scaling.get("mscale_all_dim", 0))
+    if mscale and mscale_all_dim:  # DeepSeek's spelling: the ratio of two mscales
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor)
+
+
+def dynamic_ntk_frequencies(head_dim: int, rope_theta: float, rope_scaling: RopeScaling, seq_lens: torch.Tensor) -> torch.Tensor:
+    """inv_freq [S, head_dim // 2] float32 for the int64 sequence lengths [S], as HF's dynamic NTK.
+
+    Float32 arithmetic throughout, as HF's when `seq_len` is a tensor (its value during generate)."""
+    factor = float(rope_scaling["factor"])
+    original = int(rope_scaling["original_max_position_embeddings"])
+    seq_lens = torch.clamp(seq_lens.to(device="cpu", dtype=torch.int64), min=original)
+    base = rope_theta * ((factor * seq_lens / original) - (factor - 1)) ** (head_dim / (head_dim - 2))  # [S]
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    return 1.0 / (base[:, None] ** exponents[None, :])
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
     """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth blend between."""
     factor = float(scaling["factor"])
     low_freq_factor = float(scaling["low_freq_factor"])
@@ -48,6 +90,35 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: dict[str, float | str])
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_frequencies(head_dim: int, rope_theta: float, scaling: RopeScaling) -> torch.Tensor:
+    """YaRN: dimensions that turn fewer than beta_slow times over the original context are
+    interpolated (divided by `factor`), those turning more than beta_fast times are kept, with a
+    linear ramp between."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)  # HF's `or`: a 0 means the default too
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(num_rotations: float) -> float:  # the dimension that turns num_rotations times
+        return head_dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(rope_theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+
+    pos_freqs = rope_theta ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
+    extrapolation = 1 - ramp  # [D/2]: 1 where the dimension keeps its frequency
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 class RotaryEmbedding:
     """Holds the cos/sin table on the model's device, which `ops.rotary` indexes in place of HF's
     per-step computation. A plain object, not a module: it is derived from the config, never loaded."""
@@ -56,21 +127,27 @@ class RotaryEmbedding:
         self,
         head_dim: int,
         rope_theta: float,
-        rope_scaling: dict[str, float | str],
+        rope_scaling: RopeScaling,
         max_positions: int,
         device: torch.device | str = "cpu",
     ) -> None:
         # Computed on the CPU (explicitly, so a surrounding `torch.device("meta")` is ignored).
-        inv_freq = inverse_frequencies(head_dim, rope_theta, rope_scaling)
-        positions = torch.arange(max_positions, dtype=torch.int64, device="cpu").float()
-        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2], as HF: float32 product
+        positions = torch.arange(max_positions, dtype=torch.int64, device="cpu")
+        inv_freq = inverse_frequencies(head_dim, rope_theta, rope_scaling)[None, :]  # [1, D/2]
+        if rope_scaling.get("rope_type") == "dynamic":
+            original = int(rope_scaling["original_max_position_embeddings"])
+            if max_positions > original:  # rows past the original context: [P, D/2]
+                longer = dynamic_ntk_frequencies(head_dim, rope_theta, rope_scaling, positions + 1)
+                inv_freq = torch.where((positions >= original)[:, None], longer, inv_freq)
+        freqs = positions.float()[:, None] * inv_freq  # [P, D/2], as HF: float32 product
+        scale = attention_factor(rope_scaling)
         # [P, D]: cos in the first half, sin in the second, so one index_select serves both.
-        self.cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+        self.cos_sin = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1).to(device)
         self.head_dim = head_dim
 
     @classmethod
     def from_config(cls, config: ModelConfig, device: torch.device | str = "cpu") -> RotaryEmbedding:
-        # Table covers the positions a sequence may reach (the max_position_embeddings at most).
+        # Table covers the positions a sequence may reach (max_model_len).
         return cls(
             config.head_dim,
             config.rope_theta,

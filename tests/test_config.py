@@ -45,7 +45,8 @@ def test_max_model_len_is_capped_by_the_model(tmp_path):
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
         ({"dtype": "int8"}, "unsupported dtype"),
-        ({"rope_parameters": {"rope_type": "yarn"}}, "unsupported rope_type"),
+        ({"rope_parameters": {"rope_type": "longrope"}}, "unsupported rope_type"),
+        ({"rope_parameters": {"rope_type": "yarn"}}, "needs a number for factor"),
         ({"hidden_size": None}, "malformed config.json"),
     ],
 )
@@ -55,5 +56,7 @@ def test_refusals(tmp_path, fields, message):
 
 
 def test_engine_config_round_trips_through_json(tmp_path):
-    config = EngineConfig(model=load(tmp_path, rope_scaling={"rope_type": "llama3", "factor": 8.0}))
+    config = EngineConfig(
+        model=load(tmp_path, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})
+    )
     assert config_from_json(config_to_json(config)) == config
