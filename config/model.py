@@ -85,6 +85,8 @@ class ModelConfig:
             num_heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])
             max_pos = int(hf.get("max_position_embeddings", 2048))
+            scaling = _rope_scaling(hf, max_pos)
+            limit = _context_limit(max_pos, dict(scaling))
             cfg = cls(
                 path=str(root.resolve()),
                 architecture=arch,
@@ -97,9 +99,9 @@ class ModelConfig:
                 head_dim=int(hf.get("head_dim") or hidden // num_heads),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 rope_theta=_rope_theta(hf),
-                rope_scaling=_rope_scaling(hf, max_pos),
+                rope_scaling=scaling,
                 max_position_embeddings=max_pos,
-                max_model_len=min(max_model_len or max_pos, max_pos),
+                max_model_len=min(max_model_len or limit, limit),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
                 o_bias=arch != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
@@ -148,6 +150,20 @@ def _rope_scaling(hf: dict[str, Any], max_pos: int) -> tuple[tuple[str, float | 
         original = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
         scaling["original_max_position_embeddings"] = original or max_pos
     return tuple(sorted((k, v) for k, v in scaling.items() if isinstance(v, (int, float, str))))
+
+
+def _context_limit(max_pos: int, scaling: dict[str, float | str]) -> int:
+    """The longest context the rope table serves: max_position_embeddings, except where the scaling
+    exists to go past it (as vLLM derives it): YaRN to original_max_position_embeddings x factor,
+    dynamic NTK to max_position_embeddings x factor."""
+    factor = scaling.get("factor")
+    if not isinstance(factor, (int, float)) or factor <= 1:
+        return max_pos
+    if scaling["rope_type"] == "yarn":
+        return max(max_pos, int(float(scaling["original_max_position_embeddings"]) * factor))
+    if scaling["rope_type"] == "dynamic":
+        return int(max_pos * factor)
+    return max_pos
 
 
 def _check_rope_scaling(scaling: dict[str, float | str], root: Path) -> None:

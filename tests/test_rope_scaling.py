@@ -9,7 +9,6 @@ table reproduces (its docstring says how a one-shot HF prefill differs).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -110,6 +109,10 @@ def test_config_accepts_dynamic_and_yarn_and_names_missing_fields(tmp_path):
     assert yarn.rope_type == "yarn" and dict(yarn.rope_scaling)["original_max_position_embeddings"] == 128
     phi3_style = _write_config(tmp_path / "p", {"rope_type": "yarn", "factor": 4.0}, original_max_position_embeddings=32)
     assert dict(ModelConfig.from_pretrained(phi3_style).rope_scaling)["original_max_position_embeddings"] == 32
+    # The context the scaling exists for: dynamic to max_position_embeddings x factor, YaRN to
+    # original_max_position_embeddings x factor (never below max_position_embeddings).
+    assert dynamic.max_model_len == 256 and yarn.max_model_len == 512
+    assert ModelConfig.from_pretrained(phi3_style).max_model_len == 128
     with pytest.raises(ConfigError, match="'yarn'.*needs a number for factor"):
         ModelConfig.from_pretrained(_write_config(tmp_path / "m", {"rope_type": "yarn"}))
     with pytest.raises(ConfigError, match="'llama3'.*low_freq_factor, high_freq_factor"):
@@ -167,8 +170,9 @@ def test_yarn_llama_prompt_logits_match_hf(tmp_path, scaling):
 
 def test_dynamic_llama_matches_hf_inside_the_context_and_token_by_token_past_it(tmp_path):
     hf = _tiny_llama(tmp_path, {"rope_type": "dynamic", "factor": 2.0}, 32)
-    # max_model_len is capped at max_position_embeddings (32) when read: the test lets the table reach 56.
-    config = dataclasses.replace(ModelConfig.from_pretrained(tmp_path), max_model_len=56)
+    # Dynamic NTK serves max_position_embeddings x factor (64) positions, as in vLLM.
+    assert ModelConfig.from_pretrained(tmp_path).max_model_len == 64
+    config = ModelConfig.from_pretrained(tmp_path, max_model_len=56)
     model = load_model(config, "cpu")
     short, long = random_prompts([30, 56], seed=6)
     with torch.no_grad():
