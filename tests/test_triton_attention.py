@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from tests.triton_compile import compile_for_sm90
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -212,12 +212,7 @@ COMPILE_FOR_SM90 = textwrap.dedent("""
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the GPU tests compile and run the kernels")
 def test_kernels_compile_for_sm90():
-    ptxas = os.path.join(os.path.dirname(pytest.importorskip("triton").__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip("this triton build bundles no ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-4000:]
+    compile_for_sm90(COMPILE_FOR_SM90, timeout_s=240)
 
 
 @pytest.mark.gpu
