@@ -25,7 +25,7 @@ def prometheus_multiproc_dir() -> str | None:
 
 def cpu_kernels_enabled() -> bool:
     """CONVEYOR_CPU_KERNELS=0 keeps the worker on the torch reference paths on CPU (no compiler
-    is called); the default builds and uses the C++ kernels of gpu/cpu_kernels."""
+    is called); the default builds and uses the C++ kernels of gpu/backends/cpu/kernels."""
     return os.environ.get("CONVEYOR_CPU_KERNELS", "1") != "0"
 
 

@@ -371,6 +371,6 @@ def test_forward_rejects_a_bad_shape(capsys):
 
 
 def forward_kernels_available() -> bool:
-    from conveyor.gpu.cpu_kernels import cpu_fused_ops, paged_attention_kernel
+    from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops, paged_attention_kernel
 
     return paged_attention_kernel() is not None and cpu_fused_ops() is not None

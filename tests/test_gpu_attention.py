@@ -1,5 +1,5 @@
 """Paged attention against a dense float64 reference, on random data in shuffled blocks: the torch
-backend, and the cpu backend's C++ kernel (gpu/cpu_kernels) on the same cases, each through the
+backend, and the cpu backend's C++ kernel (gpu/backends/cpu/kernels) on the same cases, each through the
 seam (gpu/backends/base.py): allocate_kv_caches, build_metadata, forward."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conveyor.gpu.backends.cpu import CpuAttention
+from conveyor.gpu.backends.cpu.kernels import paged_attention_kernel
 from conveyor.gpu.backends.torch import TorchAttention, TorchMetadata
 from conveyor.gpu.backends.torch.attention import write_kv
-from conveyor.gpu.cpu_kernels import paged_attention_kernel
 
 needs_kernel = pytest.mark.skipif(paged_attention_kernel() is None, reason="no C++ compiler for the CPU kernel")
 
@@ -179,7 +179,7 @@ def test_cpu_kernel_rejects_what_it_cannot_read():
 
 
 def test_cpu_kernels_can_be_switched_off(monkeypatch, tmp_path):
-    from conveyor.gpu.cpu_kernels import build, fused_ops, paged_attention
+    from conveyor.gpu.backends.cpu.kernels import build, fused_ops, paged_attention
 
     loaders = (build.load_library, paged_attention.paged_attention_kernel, fused_ops.cpu_fused_ops)
 
@@ -211,7 +211,7 @@ def test_loading_the_kernel_keeps_subnormal_floats(tmp_path):
 
     script = (
         "import torch\n"
-        "from conveyor.gpu.cpu_kernels import paged_attention_kernel\n"
+        "from conveyor.gpu.backends.cpu.kernels import paged_attention_kernel\n"
         "assert paged_attention_kernel() is not None\n"
         "tiny = torch.tensor([1e-40]) * torch.tensor([1.0])\n"
         "print(tiny.item() != 0.0, 5e-324 * 1.0 != 0.0)\n"

@@ -1,4 +1,4 @@
-"""The C++ fused ops (gpu/cpu_kernels/fused_ops.cpp), alone and as the cpu backend's ops, against
+"""The C++ fused ops (gpu/backends/cpu/kernels/fused_ops.cpp), alone and as the cpu backend's ops, against
 the torch backend's ops they replace.
 
 The model-level check, logits against Hugging Face with every C++ op on, is in test_gpu_model.py;
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conveyor.gpu.backends.cpu import CpuOps
+from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops
 from conveyor.gpu.backends.torch import TorchOps
-from conveyor.gpu.cpu_kernels import cpu_fused_ops
 from conveyor.gpu.models.llama import MLP, RMSNorm
 from conveyor.gpu.rope import RotaryEmbedding
 

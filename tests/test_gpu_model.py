@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from conveyor.config import ConfigError, ModelConfig
 from conveyor.gpu.backends import Backend
 from conveyor.gpu.backends.cpu import CpuAttention, CpuOps
-from conveyor.gpu.cpu_kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
+from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
 from conveyor.gpu.loader import load_model
 from conveyor.gpu.runner import ModelRunner
 from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan

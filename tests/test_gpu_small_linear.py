@@ -1,5 +1,5 @@
-"""The C++ small linear (gpu/cpu_kernels/small_linear.cpp) against torch's, oneDNN's packed
-weights (gpu/cpu_kernels/packed_linear.py), and the cpu backend's ops (gpu/backends/cpu/ops.py),
+"""The C++ small linear (gpu/backends/cpu/kernels/small_linear.cpp) against torch's, oneDNN's packed
+weights (gpu/backends/cpu/kernels/packed_linear.py), and the cpu backend's ops (gpu/backends/cpu/ops.py),
 whose `prepare` moves a Linear's weight to the transposed storage the kernel reads and whose
 `linear` picks a path by rows.
 
@@ -12,15 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.gpu.backends.cpu.ops import CpuOps, SmallLinearWeight
-from conveyor.gpu.backends.torch import TorchOps
-from conveyor.gpu.cpu_kernels import cpu_small_linear
-from conveyor.gpu.cpu_kernels.packed_linear import (
+from conveyor.gpu.backends.cpu.kernels import cpu_small_linear
+from conveyor.gpu.backends.cpu.kernels.packed_linear import (
     PACKED_MIN_ROWS,
     pack_linear_weight,
     packed_linear,
     packed_linear_available,
 )
+from conveyor.gpu.backends.cpu.ops import CpuOps, SmallLinearWeight
+from conveyor.gpu.backends.torch import TorchOps
 from conveyor.gpu.models.llama import Linear
 
 small = cpu_small_linear()
@@ -89,8 +89,8 @@ def test_bad_arguments_raise():
 def test_a_head_tied_to_the_embedding_keeps_its_layout():
     from conveyor.config.model import ModelConfig
     from conveyor.gpu.backends import Backend
+    from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops
     from conveyor.gpu.backends.torch import TorchAttention
-    from conveyor.gpu.cpu_kernels import cpu_fused_ops
     from conveyor.gpu.loader import load_model
     from tests.gpu_checkpoints import checkpoint
 
@@ -120,7 +120,7 @@ def test_a_layer_routes_by_rows(monkeypatch):
     if layer.prepared.packed is None:
         pytest.skip("no oneDNN packed weights in this torch")
     calls = []
-    import conveyor.gpu.cpu_kernels.packed_linear as packed
+    import conveyor.gpu.backends.cpu.kernels.packed_linear as packed
 
     monkeypatch.setattr(packed, "packed_linear", lambda x, p, b: calls.append(("packed", len(x))) or packed_linear(x, p, b))
 

@@ -98,8 +98,8 @@ def variant_backend(variant: str, model):
 
     from conveyor.gpu.backends import Backend, select, torch_backend
     from conveyor.gpu.backends.cpu import CpuAttention, CpuOps
+    from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
     from conveyor.gpu.backends.torch import TorchOps
-    from conveyor.gpu.cpu_kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
 
     device = torch.device("cpu")
     if variant == "torch":

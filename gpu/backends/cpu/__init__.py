@@ -1,4 +1,4 @@
-"""The cpu backend: the C++ kernels of gpu/cpu_kernels and oneDNN, for float32 models on a CPU.
+"""The cpu backend: the C++ kernels of gpu/backends/cpu/kernels and oneDNN, for float32 models on a CPU.
 
 `cpu_backend(model, device)` puts together what this machine can run: the paged attention
 kernel (cpu/attention.py), the fused elementwise ops and, where it pays on this CPU
@@ -15,10 +15,10 @@ import torch
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends.base import AttentionBackend, Backend, BackendUnavailable
 from conveyor.gpu.backends.cpu.attention import CpuAttention
+from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
+from conveyor.gpu.backends.cpu.kernels.small_linear import pays_on_this_cpu
 from conveyor.gpu.backends.cpu.ops import CpuOps
 from conveyor.gpu.backends.torch import TorchAttention
-from conveyor.gpu.cpu_kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
-from conveyor.gpu.cpu_kernels.small_linear import pays_on_this_cpu
 
 
 def cpu_backend(model: ModelConfig, device: torch.device) -> Backend:

@@ -1,4 +1,4 @@
-"""The cpu attention backend: the C++ paged attention of gpu/cpu_kernels/paged_attention.cpp
+"""The cpu attention backend: the C++ paged attention of gpu/backends/cpu/kernels/paged_attention.cpp
 (float32, CPU), reading the cache in place through the block tables, no gathers, no masks.
 
 Cache layout: one tensor per layer, [2, num_blocks, Hkv, block_size * D] float32, the order the
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata
-from conveyor.gpu.cpu_kernels.paged_attention import PagedAttentionKernel
+from conveyor.gpu.backends.cpu.kernels.paged_attention import PagedAttentionKernel
 
 
 class CpuAttention(AttentionBackend):

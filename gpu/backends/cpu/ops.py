@@ -1,4 +1,4 @@
-"""The cpu ops: gpu/cpu_kernels' fused elementwise kernels and narrow-linear paths for float32
+"""The cpu ops: gpu/backends/cpu/kernels' fused elementwise kernels and narrow-linear paths for float32
 CPU tensors, torch's (TorchOps) for anything else.
 
 - RMSNorm (+ residual add), rotary, SiLU * up: one C++ pass each (fused_ops.cpp), where every
@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.gpu.backends.base import LinearLayer
+from conveyor.gpu.backends.cpu.kernels import packed_linear as packed
+from conveyor.gpu.backends.cpu.kernels.fused_ops import CpuFusedOps, supports
+from conveyor.gpu.backends.cpu.kernels.small_linear import CpuSmallLinear
 from conveyor.gpu.backends.torch.ops import TorchOps
-from conveyor.gpu.cpu_kernels import packed_linear as packed
-from conveyor.gpu.cpu_kernels.fused_ops import CpuFusedOps, supports
-from conveyor.gpu.cpu_kernels.small_linear import CpuSmallLinear
 from conveyor.gpu.models.llama import Linear
 
 

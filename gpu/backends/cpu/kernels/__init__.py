@@ -14,9 +14,9 @@ layout, for steps of many rows (prefill), through ops torch already ships.
 only caller, then uses the torch backend's paths, which compute the same functions.
 """
 
-from conveyor.gpu.cpu_kernels.fused_ops import CpuFusedOps, cpu_fused_ops
-from conveyor.gpu.cpu_kernels.paged_attention import PagedAttentionKernel, paged_attention_kernel
-from conveyor.gpu.cpu_kernels.small_linear import CpuSmallLinear, cpu_small_linear
+from conveyor.gpu.backends.cpu.kernels.fused_ops import CpuFusedOps, cpu_fused_ops
+from conveyor.gpu.backends.cpu.kernels.paged_attention import PagedAttentionKernel, paged_attention_kernel
+from conveyor.gpu.backends.cpu.kernels.small_linear import CpuSmallLinear, cpu_small_linear
 
 __all__ = [
     "CpuFusedOps",

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from conveyor.gpu.cpu_kernels.build import load_library
+from conveyor.gpu.backends.cpu.kernels.build import load_library
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 

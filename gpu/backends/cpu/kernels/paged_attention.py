@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from conveyor.gpu.cpu_kernels.build import load_library
+from conveyor.gpu.backends.cpu.kernels.build import load_library
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
