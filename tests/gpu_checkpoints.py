@@ -41,7 +41,7 @@ class _Common(TypedDict):
     pad_token_id: int
 
 
-_COMMON = _Common(
+COMMON_FIELDS = _Common(
     vocab_size=VOCAB,
     hidden_size=64,
     intermediate_size=128,
@@ -60,7 +60,7 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
     return {
         # llama3 rope whose original context (64) is shorter than our prompts; biases everywhere.
         "llama": transformers.LlamaConfig(
-            **_COMMON,
+            **COMMON_FIELDS,
             attention_bias=True,
             mlp_bias=True,
             rope_parameters={
@@ -73,11 +73,11 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
             },
         ),
         # head_dim 32 != hidden / heads (16), no sliding window.
-        "mistral": transformers.MistralConfig(**_COMMON, head_dim=32, sliding_window=None),
-        "mistral_swa": transformers.MistralConfig(**_COMMON, sliding_window=32),
+        "mistral": transformers.MistralConfig(**COMMON_FIELDS, head_dim=32, sliding_window=None),
+        "mistral_swa": transformers.MistralConfig(**COMMON_FIELDS, sliding_window=32),
         # q/k/v biases, tied embeddings, linear rope scaling.
         "qwen2": transformers.Qwen2Config(
-            **_COMMON,
+            **COMMON_FIELDS,
             tie_word_embeddings=True,
             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
         ),

@@ -20,7 +20,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from conveyor.config import ConfigError, ModelConfig
 from conveyor.gpu.loader import load_model
 from conveyor.gpu.rope import RotaryEmbedding, attention_factor, dynamic_ntk_frequencies, inverse_frequencies
-from tests.gpu_checkpoints import INITIALIZER_RANGE, VOCAB
+from tests.gpu_checkpoints import COMMON_FIELDS
 from tests.test_gpu_model import forward_prompts, random_prompts
 
 HEAD_DIM = 64
@@ -123,18 +123,10 @@ def test_config_accepts_dynamic_and_yarn_and_names_missing_fields(tmp_path):
 
 def _tiny_llama(path: Path, rope_parameters: dict, max_position_embeddings: int) -> transformers.LlamaForCausalLM:
     """A 2-layer random Llama saved to `path`, returned as the HF reference (float32, eval)."""
+    fields = COMMON_FIELDS.copy()
+    fields["max_position_embeddings"] = max_position_embeddings
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_position_embeddings,
-        initializer_range=INITIALIZER_RANGE,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
+        **fields,
         rope_parameters={"rope_theta": 10000.0, **rope_parameters},
     )
     torch.manual_seed(4321)

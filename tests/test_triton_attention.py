@@ -1,6 +1,6 @@
 """The Triton paged attention kernels (plain and split-K) against their torch reference.
 
-Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before the
+Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py before the
 kernel modules import triton's jit), so shapes stay tiny: every program instance costs
 milliseconds. Tolerances against the float32 reference: 1e-5 for float32; 5e-3 for float16
 (P is rounded to float16 before the P @ V product, and the output is float16); 2e-2 for bfloat16.
@@ -9,7 +9,6 @@ milliseconds. Tolerances against the float32 reference: 1e-5 for float32; 5e-3 f
 from __future__ import annotations
 
 import math
-import os
 import textwrap
 
 import pytest
@@ -19,8 +18,6 @@ from hypothesis import strategies as st
 
 from tests.triton_compile import compile_for_sm90
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from conveyor.gpu.backends.triton.paged_attention import num_splits_for, paged_attention  # noqa: E402

@@ -1,12 +1,11 @@
 """The Triton K/V write against its torch reference: every element equal (a copy, no arithmetic).
 
-Without CUDA the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set here before the
+Without CUDA the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py before the
 kernel module imports triton's jit).
 """
 
 from __future__ import annotations
 
-import os
 import textwrap
 
 import pytest
@@ -16,8 +15,6 @@ from hypothesis import strategies as st
 
 from tests.triton_compile import compile_for_sm90
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from conveyor.gpu.backends.triton.kv_write import reference_write_kv, write_kv  # noqa: E402

@@ -8,7 +8,6 @@ interpreter rounds float32 -> bf16 by truncation, so bf16 is compared on a GPU o
 
 from __future__ import annotations
 
-import os
 import textwrap
 
 import pytest
@@ -18,8 +17,6 @@ from hypothesis import strategies as st
 
 from tests.triton_compile import compile_for_sm90
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from conveyor.gpu.backends.triton.add_rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm  # noqa: E402
