@@ -53,6 +53,10 @@ class SchedulerConfig:
     # --async-scheduling, SGLang's overlap scheduler). Off: each plan waits for the last result.
     async_scheduling: bool = option(True, "plan the next step while the current one computes")
     enable_prefix_caching: bool = option(True, "reuse the KV of cached full blocks across requests")
+    # Multi-step decoding (vLLM's --num-scheduler-steps): a plan whose rows all decode runs this
+    # many forward passes back to back on the worker, inputs advanced on the device between them.
+    # Plans with prompt work (a waiting request, a chunk under way) stay single steps.
+    num_scheduler_steps: int = option(1, "decode passes per plan when every row decodes (multi-step)", minimum=1)
     # Admission bounds, on by default so one client cannot fill the server: past them new
     # requests get a 429 with Retry-After. None turns a bound off (0 on the command line).
     max_queued_requests: int | None = option(
@@ -75,6 +79,10 @@ class ParallelConfig:
         "auto", "attention backend and ops: auto (triton on CUDA, cpu on a CPU), torch (reference), cpu (C++ kernels), "
         "triton (Triton kernels; on a CPU only under TRITON_INTERPRET=1)", choices=ATTENTION_BACKENDS,
     )  # fmt: skip
+    # CUDA graphs (gpu/cuda_graphs.py): decode-only steps replay a graph captured per padded
+    # batch size (1, 2, 4, 8, then steps of 8 up to the cap or --max-num-seqs). CUDA only.
+    enforce_eager: bool = option(False, "never capture CUDA graphs: every step runs eagerly")
+    max_cuda_graph_batch_size: int = option(256, "largest decode batch replayed from a CUDA graph", minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -122,6 +122,14 @@ class StepResult(Struct, tag=5):
     # token masked): their id is a placeholder 0, and the scheduler ends their sequence with
     # FinishReason.ERROR. The step and the other draws go on.
     failed_draws: list[int] = []
+    # Multi-step plans (StepPlan.num_steps > 1) send one result per pass, as each pass ends:
+    # `pass_index` is its pass (0-based), `last_pass` True on the plan's final result (which may
+    # come early: every row stopped). Pass k's draws are the rows whose num_tokens > k, in plan
+    # order. `masked_draws`: indices of draws the worker skipped because their sequence already
+    # stopped inside the window (EOS, a stop token, a failed draw); their id is a placeholder 0.
+    pass_index: int = 0
+    last_pass: bool = True
+    masked_draws: list[int] = []
 
 
 class TopLogprobs(Struct):
@@ -171,7 +179,7 @@ class ScheduledSeq(Struct):
 
 
 class StepPlan(Struct, tag=10):
-    """One forward pass. The worker keeps each sequence's tokens, computed count and block table,
+    """One forward pass (or `num_steps` decode passes). The worker keeps each sequence's tokens, computed count and block table,
     appends what it samples, and drops a sequence when it appears in `finished_seq_ids`."""
 
     step: int
@@ -182,6 +190,11 @@ class StepPlan(Struct, tag=10):
     # The engine had nothing to run before this plan: the time since the last step is not a GPU
     # bubble (nobody was waiting), only the time from the plan's arrival on is.
     after_idle: bool = False
+    # Multi-step: > 1 runs this many forward passes back to back. Only for plans whose every row
+    # decodes (no prompt chunk, no new prompt, no fork): row r then decodes one token per pass in
+    # passes 0 .. num_tokens - 1 (its new_block_ids hold all of them), each pass's input being the
+    # token the pass before drew, on the device. One StepResult per pass.
+    num_steps: int = 1
 
 
 class InitializeCache(Struct, tag=13):  # tag 11 (a Shutdown nobody sent) is retired, not reused
