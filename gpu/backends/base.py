@@ -14,6 +14,9 @@ Who calls what, per step (gpu/runner.py, then the model):
 3. each layer: `attn.forward(q, k, v, kv_caches[layer], meta, scale)`, which writes the step's
    new k/v (`write_kv`) and attends (`attend`) over a mixed step: decode rows (one query) and
    prompt chunks (several, possibly after cached context) in one call.
+A decode step replayed from a CUDA graph (gpu/cuda_graphs.py) skips 2's build_metadata: its
+metadata is built once per graph with `attn.build_graph_metadata(...)` over static buffers, and
+only where `attn.supports_cuda_graphs` (the triton backend).
 
 Tokens are flattened across rows ("varlen"): a step of B rows has T = sum(query_lens) tokens;
 row r owns tokens [query_start_loc[r], query_start_loc[r + 1]); its query j sits at position
@@ -128,6 +131,44 @@ class AttentionBackend(abc.ABC):
         are read before any destination is written; destinations are distinct. Layout-blind:
         whole blocks along dim 1."""
         copy_blocks(kv_caches, pairs)
+
+    # True where every kernel of the decode path reads only device tensors and shapes (no host
+    # list, no sync), so a decode step can be captured in a CUDA graph over static buffers
+    # (gpu/cuda_graphs.py). The torch and cpu backends plan their work from host lists: False.
+    supports_cuda_graphs: bool = False
+
+    def build_graph_metadata(
+        self,
+        *,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        positions: torch.Tensor,
+        block_size: int,
+        sliding_window: int | None,
+    ) -> AttentionMetadata:
+        """The metadata of a decode step of B rows (one query each) that a CUDA graph captures:
+        views of static buffers (slot_mapping [B] int64, seq_lens [B] int32, block_tables
+        [B, max_blocks] int32, positions [B] int64), refilled before each replay. Host fields
+        hold no step's data: max_seq_len is what the table can hold, host_seq_lens repeat it.
+        Only for a backend with supports_cuda_graphs; override to add fields, as build_metadata."""
+        num_rows, max_blocks = block_tables.shape
+        max_seq_len = max_blocks * block_size
+        return AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=torch.arange(num_rows + 1, dtype=torch.int32, device=block_tables.device),
+            seq_lens=seq_lens,
+            query_lens=torch.ones(num_rows, dtype=torch.int32, device=block_tables.device),
+            block_tables=block_tables,
+            positions=positions,
+            block_size=block_size,
+            sliding_window=sliding_window,
+            num_tokens=num_rows,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            host_query_lens=[1] * num_rows,
+            host_seq_lens=[max_seq_len] * num_rows,
+        )
 
     def build_metadata(
         self,

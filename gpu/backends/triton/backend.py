@@ -8,6 +8,8 @@ Attention (TritonAttention):
 - write: kv_write.write_kv scatters the step's k/v [T, Hkv, D] through the slot mapping.
 - attend: one paged_attention launch for the whole mixed step (decode rows and prompt chunks),
   reading K/V in place through the block tables.
+- CUDA graphs: supported (gpu/cuda_graphs.py). Grids and the split-K choice come from shapes
+  alone, so a decode step over static buffers (the base class's build_graph_metadata) captures.
 
 Ops (TritonOps): add + RMSNorm and RMSNorm (add_rms_norm.py), rotary in place (rotary.py) and
 SiLU x up (silu_mul.py) are Triton kernels; linear is torch's (cuBLAS already does the GEMM).
@@ -35,6 +37,9 @@ from conveyor.gpu.backends.triton.silu_mul import silu_mul
 
 
 class TritonAttention(AttentionBackend):
+    # The kernels size their grids from shapes and read seq lens, tables and slots on the device.
+    supports_cuda_graphs = True
+
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
