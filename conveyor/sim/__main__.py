@@ -2,9 +2,11 @@
 
     python -m conveyor.sim --workload sharegpt --path sharegpt.json \\
         --policies splitfuse,prefill_first,orca --rate 4 --num-requests 500 --cost cpu-tiny \\
-        [--budget 2048 --num-kv-blocks N --max-num-seqs 256] [--json out.json]
+        [--budget 2048 --num-kv-blocks N --max-num-seqs 256] [--json out.json] \\
+        [--num-scheduler-steps 1,8] [--no-async-scheduling] [--host-ms 4 --host-row-us 35]
 
-Every policy sees the same requests with the same arrival times (one seed).
+Every policy (and every multi-step K) sees the same requests with the same arrival times (one
+seed); one column per (policy, K). Every figure is an estimate from the cost models.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import math
 import sys
 
 from conveyor.config import CacheConfig, SchedulerConfig, SchedulingPolicy
-from conveyor.sim.presets import PRESETS, cost_model
+from conveyor.sim.hostcost import HostCost
+from conveyor.sim.presets import HOST_COSTS, PRESETS, cost_model
 from conveyor.sim.report import comparison_table
 from conveyor.sim.run_metrics import compute
 from conveyor.sim.simulator import SimConfig, simulate
@@ -57,6 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     e.add_argument("--block-size", type=int, default=DEFAULT.cache.block_size)
     e.add_argument("--max-model-len", type=int, default=DEFAULT.max_model_len)
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=DEFAULT.scheduler.async_scheduling,
+                   help="plan step n+1 while step n computes")  # fmt: skip
+    e.add_argument("--num-scheduler-steps", default=str(DEFAULT.scheduler.num_scheduler_steps),
+                   help="decode passes per plan (multi-step): one K, or several (1,8,16), one column each")  # fmt: skip
+    e.add_argument("--host-ms", type=float, default=None, help="host work per plan in ms (default: the cost preset's)")
+    e.add_argument("--host-row-us", type=float, default=None, help="host work per row of a plan in us (default: the preset's)")
     p.add_argument("--json", help="also write every metric here")
     return p.parse_args(argv)
 
@@ -68,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         sys.exit(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
     budgets = _budgets(args.budget, policies)
+    steps = [int(k) for k in args.num_scheduler_steps.split(",")]
+    if min(steps) < 1:
+        sys.exit("--num-scheduler-steps must be at least 1")
     cost = cost_model(args.cost)
+    host = _host(args, cost.name)
     workload = WorkloadConfig(
         kind=args.workload, num_requests=args.num_requests, rate=args.rate, seed=args.seed,
         path=args.path, token_counts=args.tokens, prompt_len=args.prompt_len, output_len=args.output_len,
@@ -77,26 +90,41 @@ def main(argv: list[str] | None = None) -> int:
     cache = CacheConfig(num_kv_blocks=args.num_kv_blocks, block_size=args.block_size)
     results = {}
     for policy in policies:
-        scheduler = SchedulerConfig(
-            policy=SchedulingPolicy(policy), max_num_batched_tokens=budgets[policy], max_num_seqs=args.max_num_seqs,
-            enable_prefix_caching=not args.no_prefix_caching,
-        )  # fmt: skip
-        config = SimConfig(scheduler, cache, max_model_len=args.max_model_len, num_clients=args.clients)
-        results[policy] = compute(simulate(requests, config, cost))
+        for k in steps:
+            scheduler = SchedulerConfig(
+                policy=SchedulingPolicy(policy), max_num_batched_tokens=budgets[policy], max_num_seqs=args.max_num_seqs,
+                enable_prefix_caching=not args.no_prefix_caching, async_scheduling=args.async_scheduling,
+                num_scheduler_steps=k,
+            )  # fmt: skip
+            config = SimConfig(scheduler, cache, max_model_len=args.max_model_len, num_clients=args.clients, host=host)
+            label = " ".join([policy] * (len(policies) > 1) + [f"K={k}"] * (len(steps) > 1)) or policy
+            results[label] = compute(simulate(requests, config, cost))
 
-    print(_header(args, requests, budgets, cost.name))
+    print(_header(args, requests, budgets, cost.name, host))
     print(comparison_table(results))
     if args.json:
         report = {
             "args": {**vars(args), "rate": None if math.isinf(args.rate) else args.rate},
-            "results": {policy: m.as_dict() for policy, m in results.items()},
+            "estimate": True,  # from cost models, not a measurement
+            "host": {"per_plan_s": host.per_plan_s, "per_row_s": host.per_row_s},
+            "results": {label: m.as_dict() for label, m in results.items()},
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0
 
 
-def _header(args: argparse.Namespace, requests: list, budgets: dict[str, int], cost: str) -> str:
+def _host(args: argparse.Namespace, cost: str) -> HostCost:
+    """The preset's host cost, with --host-ms / --host-row-us replacing its parts."""
+    preset = HOST_COSTS.get(cost, HostCost())
+    if args.host_ms is None and args.host_row_us is None:
+        return preset
+    plan = preset.per_plan_s if args.host_ms is None else args.host_ms * 1e-3
+    row = preset.per_row_s if args.host_row_us is None else args.host_row_us * 1e-6
+    return HostCost(plan, row, name="custom")
+
+
+def _header(args: argparse.Namespace, requests: list, budgets: dict[str, int], cost: str, host: HostCost) -> str:
     if args.clients:
         arrivals = f"{args.clients} closed-loop clients"
     else:
@@ -110,6 +138,9 @@ def _header(args: argparse.Namespace, requests: list, budgets: dict[str, int], c
         f"tokens, {arrivals}, seed {args.seed}\n"
         f"cost model {cost}; budget {budget} tokens, {args.max_num_seqs} seqs, "
         f"{args.num_kv_blocks} x {args.block_size}-token KV blocks\n"
+        f"host {host.per_plan_s * 1e3:g} ms per plan + {host.per_row_s * 1e6:g} us per row; "
+        f"async scheduling {'on' if args.async_scheduling else 'off'}; multi-step K = {args.num_scheduler_steps}\n"
+        "ESTIMATE: every figure below comes from the simulator's cost models, not from a measurement\n"
     )
 
 

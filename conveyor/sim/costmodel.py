@@ -13,13 +13,15 @@ P: query-key pairs, the sum over rows of n*s + n*(n+1)/2 for n new tokens after 
 `fit` leaves out the terms it is not asked for.
 
 `scaled` extrapolates to a bigger model or more GPUs under stated assumptions; `presets.py` holds
-the shipped parameters.
+the shipped parameters. `PassCost` is what the simulator asks of any cost model (this one, or
+roofline.RooflineCost).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -48,6 +50,15 @@ class StepShape:
 
     def features(self) -> tuple[int, int, int, int]:  # in TERMS order
         return (self.num_tokens, self.num_seqs, self.context_tokens, self.attention_pairs)
+
+
+class PassCost(Protocol):
+    """Seconds of device time for one forward pass of a given shape."""
+
+    @property
+    def name(self) -> str: ...
+
+    def latency(self, shape: StepShape) -> float: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The comparison table: one column per policy, one row per metric, plain text (Markdown-ready)."""
+"""The comparison table: one column per configuration (policy, K), one row per metric, plain text
+(Markdown-ready). Token latency is the inter-token latency (ITL)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ ROWS = [
     ("token latency P99 (ms)", lambda m: m.token_latency["p99"] * 1e3, "{:.1f}"),
     ("token latency max (ms)", lambda m: m.token_latency["max"] * 1e3, "{:.0f}"),
     ("TPOT mean (ms)", lambda m: m.tpot["mean"] * 1e3, "{:.1f}"),
+    ("TPOT P50 (ms)", lambda m: m.tpot["p50"] * 1e3, "{:.1f}"),
+    ("TPOT P90 (ms)", lambda m: m.tpot["p90"] * 1e3, "{:.1f}"),
     ("TPOT P99 (ms)", lambda m: m.tpot["p99"] * 1e3, "{:.1f}"),
     ("E2E mean (s)", lambda m: m.e2e["mean"], "{:.2f}"),
     ("E2E P99 (s)", lambda m: m.e2e["p99"], "{:.2f}"),
@@ -32,6 +35,9 @@ ROWS = [
     ("preemptions", lambda m: m.num_preemptions, "{:d}"),
     ("steps", lambda m: m.num_steps, "{:d}"),
     ("mean tokens per step", lambda m: m.mean_step_tokens, "{:.0f}"),
+    ("host plans", lambda m: m.num_plans, "{:d}"),
+    ("bubble (device idle / wall)", lambda m: m.bubble * 100, "{:.1f}%"),
+    ("wasted tokens (multi-step)", lambda m: m.num_wasted_tokens, "{:d}"),
 ]
 
 

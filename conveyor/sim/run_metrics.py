@@ -15,6 +15,9 @@ of the step that produced them):
                  1 / N s for a generation rate of N tokens/s; requests meeting both, per second
   KV waste       per step, 1 - (slots holding a token) / (slots in blocks held by sequences),
                  averaged over steps: the memory lost inside partly filled blocks
+  bubble         1 - (device time of all passes) / duration: the share of the run the device
+                 sat idle, waiting on the host or on arrivals
+  wasted tokens  rows a multi-step window computed for sequences that had already finished
 """
 
 from __future__ import annotations
@@ -46,8 +49,11 @@ class Metrics:
     kv_usage: float  # mean over steps of held slots / pool slots
     prefix_cache_hit_rate: float  # prompt tokens the prefix cache supplied / prompt tokens
     num_preemptions: int
-    num_steps: int
+    num_steps: int  # forward passes
     mean_step_tokens: float
+    bubble: float = 0.0  # device idle / duration
+    num_plans: int = 0  # host plans (a multi-step window is one)
+    num_wasted_tokens: int = 0
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -87,6 +93,9 @@ def compute(result: SimResult) -> Metrics:
         num_preemptions=result.num_preemptions,
         num_steps=len(steps),
         mean_step_tokens=float(np.mean([s.shape.num_tokens for s in steps])) if steps else 0.0,
+        bubble=1.0 - sum(s.seconds for s in steps) / duration if duration > 0 else 0.0,
+        num_plans=result.num_plans,
+        num_wasted_tokens=result.num_wasted_tokens,
     )
 
 
