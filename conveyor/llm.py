@@ -150,13 +150,21 @@ class LLM:
         while self.scheduler.has_work():
             step = self.scheduler.schedule()
             if step is None:
-                updates = self.scheduler.take_unsampled_updates()
-            else:
-                r = self.runner.execute(step_plan(step))
-                updates = self.scheduler.update(step, r.sampled_token_ids, r.sampled_logprobs, r.top_logprobs, r.failed_draws)
-            (batch,) = token_batches(self.scheduler.num_steps, updates, 1)
-            if batch is None:
+                self._detokenize(self.scheduler.take_unsampled_updates(), samples)
                 continue
+            for r in self.runner.execute(step_plan(step)):  # one result per pass, detokenized in turn
+                updates = self.scheduler.update(
+                    step, r.sampled_token_ids, r.sampled_logprobs, r.top_logprobs, r.failed_draws,
+                    pass_index=r.pass_index, masked_draws=r.masked_draws, last_pass=r.last_pass,
+                )  # fmt: skip
+                self._detokenize(updates, samples)
+        return samples
+
+    def _detokenize(self, updates: list, samples: dict[str, dict[int, CompletionOutput]]) -> None:
+        """As a detokenizer stage would: text deltas into `samples`, and stop strings found end
+        their sequences in the scheduler."""
+        (batch,) = token_batches(self.scheduler.num_steps, updates, 1)
+        if batch is not None:
             deltas: list[list[TextDelta]] = [[]]
             self.scheduler.finish_seqs(self.detokenizer.process(batch, deltas))
             for d in deltas[0]:
@@ -168,4 +176,3 @@ class LLM:
                 self._cached_tokens[d.request_id] = d.num_cached_tokens
                 if d.finish_reason is not None:
                     choice.finish_reason, choice.stop_reason = d.finish_reason.openai, d.stop_reason
-        return samples

@@ -1,62 +1,104 @@
-"""ModelRunner: runs one StepPlan on the device and returns the sampled token ids and logprobs.
+"""ModelRunner: runs StepPlans on the device, keeping the step state there between steps.
 
-It owns the model, the KV caches and the per-sequence state the plans refer to by seq_id (token
-ids, how many have KV in the cache, block table, sampling params, choice index). Per plan: drop
-finished sequences, register new ones (a known seq_id is replaced: a resume after preemption,
-computed again from 0 or from its prefix-cache hit), copy the plan's KV blocks (copy-on-write),
-rewrite then extend each row's block table, then every ScheduledSeq row computes its next
-`num_tokens` tokens. A row whose computed count reaches its known tokens samples one more, which
-is appended to the sequence, and one per fork from the same logits: each fork starts as a copy
-of the sequence plus its own token. Sampling (penalties, filters, draws, logprobs) is
-conveyor.gpu.sampling's; a draw whose logits were not finite appends a placeholder 0 and is
-named in StepResult.failed_draws, and the scheduler ends its sequence.
+Per plan: drop finished sequences, register new ones (a known seq_id is replaced: a resume after
+preemption, computed again from 0 or from its prefix-cache hit), copy the plan's KV blocks
+(copy-on-write), rewrite then extend each row's block table, then run the plan's passes. A row
+whose computed count reaches its known tokens samples one more, and one per fork from the same
+logits (each fork starts as a copy of the sequence plus its own token). Sampling is
+conveyor.gpu.sampling's; a draw whose logits were not finite is named in StepResult.failed_draws.
 
-Inputs are built on the host with one pass per sequence (never per token), then copied
-non-blocking (from pinned memory on CUDA). The scheduler side sees only StepPlan / StepResult.
+What stays on the device (gpu/persistent_batch.py): each sequence's row of the block tables,
+updated by the plan's diffs, and its newest sampled id. A decode row's input is read there, so
+with asynchronous scheduling step n + 1 is launched before step n's ids ever reach the host.
+Those ids come back on a side stream behind an event (HostCopy), and each pass becomes a
+StepResult once they land (`collect`), while later passes compute.
+
+Multi-step (StepPlan.num_steps = K > 1, every row decoding): pass k's inputs advance on the
+device from pass k - 1's (gpu/step_inputs.py). A row runs its first num_tokens passes; one whose
+sequence the host has seen stop (EOS or a stop token once min_tokens outputs exist, or a failed
+draw) leaves the later passes (a GPU sees it a pass late: its copy overlaps the next pass), and
+its draws there are reported in masked_draws. When no row is left the window ends early.
+
+Penalties read token histories on the host: a pass with such a row waits for the ids still in
+flight first (correct, and only that row's requests pay for it).
+
+Use: `execute(plan)` runs a plan to the end and returns its StepResults (one per pass). The
+worker stage overlaps instead: it iterates `launch(plan)` (each step of the iteration launches
+one pass) and sends what `collect(keep)` returns as the copies land.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
-import time
+from collections.abc import Iterator
 
-import numpy as np
 import torch
 
 from conveyor.config.engine import EngineConfig
-from conveyor.gpu.backends import AttentionMetadata, Backend, select
+from conveyor.gpu.backends import Backend, select
 from conveyor.gpu.host_memory import keep_freed_memory
 from conveyor.gpu.kv_cache import num_blocks_for_memory
 from conveyor.gpu.loader import load_model
+from conveyor.gpu.pass_clock import Mark, PassClock
+from conveyor.gpu.persistent_batch import PersistentBatch
 from conveyor.gpu.profile_steps import profile_steps
-from conveyor.gpu.sampling import SamplingRow, StepSamples, sample_step
-from conveyor.wire.messages import MAX_LOGPROBS, Fork, NewSeq, SamplingParams, ScheduledSeq, StepPlan, StepResult
+from conveyor.gpu.sampling import SamplingRow, sample_step
+from conveyor.gpu.sampling.draws import DeviceSamples, draw_step
+from conveyor.gpu.sampling.penalties import penalises_repeats
+from conveyor.gpu.sampling.transfer import HostCopy
+from conveyor.gpu.step_inputs import PassInputs, RowSpec, first_pass_inputs, next_pass_inputs
+from conveyor.wire.messages import MAX_LOGPROBS, NewSeq, SamplingParams, StepPlan, StepResult, TopLogprobs
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class WorkerSeq:
-    token_ids: list[int]  # prompt, then every output so far
+    token_ids: list[int]  # prompt, then the outputs the host has seen (the device may be ahead)
     params: SamplingParams
     num_prompt_tokens: int
-    num_computed: int = 0  # tokens whose KV is in the cache
+    num_computed: int = 0  # tokens whose KV is in the cache (or is being written by a launched pass)
     block_table: list[int] = dataclasses.field(default_factory=list)
     index: int = 0  # choice index within the request: seeded draws mix it in
+    num_tokens: int = -1  # tokens known, on the host or only on the device yet (-1: len(token_ids))
+    stopped: bool = False  # the host saw it draw EOS / a stop token, or fail: later draws are masked
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            self.num_tokens = len(self.token_ids)
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
 
 @dataclasses.dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [T] int64, on the device
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    logit_index: torch.Tensor  # [S] int64: each sampling row's last token in the step
-    sampling_rows: list[int]  # indices into the plan's rows of the S rows that sample
+class Window:
+    """One plan's passes: a single step, or a multi-step window of decode passes."""
+
+    plan: StepPlan
+    rows: list[WorkerSeq]
+    passes: list[int]  # per row: the passes it takes part in (1 for a single step)
+    num_passes: int
+    first: PassInputs | None = None
+    num_launched: int = 0
+
+    def active(self, k: int) -> list[int]:
+        """Rows pass k computes: those with more than k passes whose sequence has not stopped."""
+        return [i for i, (seq, n) in enumerate(zip(self.rows, self.passes)) if n > k and not seq.stopped]
+
+
+@dataclasses.dataclass
+class LaunchedPass:
+    window: Window
+    index: int  # pass index within the plan
+    draws: list[WorkerSeq]  # the sequence of each draw the result reports, in protocol order
+    computed: list[int | None]  # per reported draw: its index among the computed draws (None: skipped)
+    samples: DeviceSamples | None
+    copy: HostCopy | None
+    clock: PassClock
 
 
 class ModelRunner:
@@ -77,166 +119,290 @@ class ModelRunner:
         log.info("attention backend: %s", self.backend.description)
         self.attn = self.backend.attn
         self.model = load_model(config.model, self.device, self.backend)
+        self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.kv_caches: list[torch.Tensor] = []
-        self.num_blocks = 0
+        self.num_blocks = 0  # the scheduler's pool: ids [0, num_blocks); one more block is scratch
+        self.batch = PersistentBatch(config.scheduler.max_num_seqs, self.max_blocks_per_seq, self.device)
         self.seqs: dict[int, WorkerSeq] = {}
-        self._last_return: float | None = None  # perf_counter when execute last returned
+        self._pending: collections.deque[LaunchedPass] = collections.deque()  # launched, not collected
+        self._collected: list[StepResult] = []  # finished early (a pass had to wait for them)
+        self._last_clock: PassClock | None = None
 
     def num_available_blocks(self) -> int:
-        """KV blocks this device can hold next to the model (and, on CUDA, a full step's peak)."""
+        """KV blocks this device can hold next to the model (and, on CUDA, a full step's peak),
+        less the scratch block (a fixed --num-kv-blocks is the pool itself: the scratch block
+        comes on top)."""
         if self.device.type == "cuda" and self.config.cache.num_kv_blocks is None:
             self._profile_run()
-        return num_blocks_for_memory(self.attn.bytes_per_block(self.block_size), self.config.cache, self.device)
+        num_blocks = num_blocks_for_memory(self.attn.bytes_per_block(self.block_size), self.config.cache, self.device)
+        return num_blocks if self.config.cache.num_kv_blocks is not None else max(1, num_blocks - 1)
 
     def initialize_cache(self, num_blocks: int) -> None:
-        self.kv_caches = self.attn.allocate_kv_caches(num_blocks, self.block_size)
+        """The pool the scheduler allocates from, plus one scratch block (id num_blocks) that
+        no sequence owns: padded rows of a captured batch write their KV there."""
+        self.kv_caches = self.attn.allocate_kv_caches(num_blocks + 1, self.block_size)
         self.num_blocks = num_blocks
 
+    # --- running plans ------------------------------------------------------------------------
+
+    def execute(self, plan: StepPlan) -> list[StepResult]:
+        """Run the plan to its end: its StepResults, one per pass (none without rows)."""
+        results: list[StepResult] = []
+        for _ in self.launch(plan):
+            results += self.collect(keep=0)
+        return results + self.collect(keep=0)
+
+    def has_pending(self) -> bool:
+        return bool(self._pending or self._collected)
+
+    def collect(self, keep: int = 0) -> list[StepResult]:
+        """Results of launched passes, in launch order: every pass whose ids already reached the
+        host, then, waiting, older ones until at most `keep` passes remain in flight."""
+        results, self._collected = self._collected, []
+        with torch.inference_mode():
+            while self._pending and (len(self._pending) > keep or self._pending[0].copy is None or self._pending[0].copy.ready()):
+                results.append(self._finish(self._pending.popleft()))
+        return results
+
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        entered = time.perf_counter()
-        # The bubble: the step's wall time the device did not compute, from the end of the last
-        # step (or the plan's arrival, after an idle spell) to the end of this one.
-        idle_from = entered if plan.after_idle or self._last_return is None else self._last_return
+    def launch(self, plan: StepPlan) -> Iterator[None]:
+        """Apply the plan's diffs, then launch its passes, one per iteration. A bad plan raises
+        before anything changed."""
+        arrival = Mark(self.device.type == "cuda") if plan.after_idle or self._last_clock is None else None
+        window = self._apply(plan)
+        if window is None:
+            return
+        for k in range(window.num_passes):
+            if not self._launch_pass(window, k, arrival if k == 0 else None):
+                return
+            yield
+
+    def _apply(self, plan: StepPlan) -> Window | None:
+        """Check the plan, then register, drop, copy and update block tables; the plan's window."""
+        self._check(plan)
         for seq_id in plan.finished_seq_ids:
-            self.seqs.pop(seq_id, None)
+            if self.seqs.pop(seq_id, None) is not None:
+                self.batch.remove(seq_id)
         for new in plan.new_seqs:
             self.seqs[new.seq_id] = self._register(new)
+            self.batch.add(new.seq_id, [])
         self.attn.copy_blocks(self.kv_caches, plan.copy_blocks)
+        if not plan.scheduled:
+            return None
+        rows = [self.seqs[row.seq_id] for row in plan.scheduled]
+        for seq, row in zip(rows, plan.scheduled):
+            for pos, block in row.replaced_blocks:
+                seq.block_table[pos] = block
+                self.batch.set_blocks(row.seq_id, pos, [block])
+            self.batch.set_blocks(row.seq_id, len(seq.block_table), row.new_block_ids)
+            seq.block_table.extend(row.new_block_ids)
+        self.batch.sync()
+        if plan.num_steps == 1:
+            return Window(plan, rows, [1] * len(rows), 1)
+        passes = [row.num_tokens for row in plan.scheduled]
+        return Window(plan, rows, passes, max(passes))
 
-        samples = StepSamples([], [], [])
-        busy = 0.0
-        if plan.scheduled:
-            rows = [self.seqs[row.seq_id] for row in plan.scheduled]
-            _check_block_ids(plan.scheduled, self.num_blocks)
-            for seq, row in zip(rows, plan.scheduled):
-                _update_block_table(seq, row)
-            num_tokens = [row.num_tokens for row in plan.scheduled]
-            inputs = self._prepare(rows, num_tokens)
-            forks = self._check_forks(plan.scheduled, inputs.sampling_rows)
-            with DeviceTimer(self.device) as timer:
-                samples = self._run(rows, inputs, forks)
-            busy = timer.seconds
-            # Advance the state only after the step succeeded.
-            for seq, n in zip(rows, num_tokens):
-                seq.num_computed += n
-            self._append_sampled([rows[i] for i in inputs.sampling_rows], forks, samples.token_ids)
-        self._last_return = time.perf_counter()
-        return StepResult(
-            step=plan.step,
-            sampled_token_ids=samples.token_ids,
-            busy_time=busy,
-            idle_time=max(0.0, self._last_return - idle_from - busy),
-            sampled_logprobs=samples.logprobs,
-            top_logprobs=samples.top_logprobs,
-            failed_draws=samples.failed_draws,
-        )
+    def _check(self, plan: StepPlan) -> None:
+        """Raise ValueError for a plan the runner cannot run, before any state changes."""
+        vocab, max_len = self.config.model.vocab_size, self.config.model.max_model_len
+        for new in plan.new_seqs:
+            if new.token_ids and not 0 <= min(new.token_ids) <= max(new.token_ids) < vocab:
+                raise ValueError(f"seq {new.seq_id}: token id out of range [0, {vocab})")
+            if not 0 <= new.num_computed_tokens <= len(new.token_ids):
+                raise ValueError(f"seq {new.seq_id}: {new.num_computed_tokens} cached of {len(new.token_ids)} tokens")
+            if new.params.logit_bias and not all(0 <= t < vocab for t in new.params.logit_bias):
+                raise ValueError(f"seq {new.seq_id}: logit_bias token id out of range [0, {vocab})")
+        finished = set(plan.finished_seq_ids)
+        new_seqs = {new.seq_id: new for new in plan.new_seqs}
+        live = {s for s in self.seqs if s not in finished} | set(new_seqs)
+        multi = plan.num_steps > 1
+        if plan.num_steps < 1:
+            raise ValueError(f"a plan of {plan.num_steps} steps")
+        forks: list[int] = []
+        for row in plan.scheduled:
+            if row.seq_id not in live:
+                raise ValueError(f"seq {row.seq_id} is not live on this worker")
+            ids = [*row.new_block_ids, *(block for _, block in row.replaced_blocks)]
+            if ids and not 0 <= min(ids) <= max(ids) < self.num_blocks:
+                raise ValueError(f"seq {row.seq_id}: block ids {ids} outside the pool [0, {self.num_blocks})")
+            if row.seq_id in new_seqs:
+                new = new_seqs[row.seq_id]
+                table_len, num_tokens, computed = 0, len(new.token_ids), new.num_computed_tokens
+            else:
+                seq = self.seqs[row.seq_id]
+                table_len, num_tokens, computed = len(seq.block_table), seq.num_tokens, seq.num_computed
+            if any(not 0 <= pos < table_len for pos, _ in row.replaced_blocks):
+                raise ValueError(f"seq {row.seq_id}: replaced block position outside its {table_len} blocks")
+            end = computed + row.num_tokens
+            if row.num_tokens < 1 or end > max_len or (not multi and end > num_tokens):
+                raise ValueError(f"row computes tokens [{computed}, {end}) of a {num_tokens}-token sequence")
+            num_blocks = table_len + len(row.new_block_ids)
+            if num_blocks * self.block_size < end or num_blocks > self.max_blocks_per_seq:
+                raise ValueError(f"block table of {num_blocks} blocks cannot hold {end} tokens")
+            if multi and (row.forks or computed != num_tokens - 1 or row.num_tokens > plan.num_steps):
+                raise ValueError(f"seq {row.seq_id}: a multi-step row must decode, without forks, for at most num_steps passes")
+            if row.forks and end != num_tokens:
+                raise ValueError("a row that does not sample cannot fork")
+            forks += [f.seq_id for f in row.forks]
+        if len(set(forks)) != len(forks) or any(f in live for f in forks):
+            raise ValueError(f"fork seq_ids {forks} repeat or are already live")
 
     def _register(self, new: NewSeq) -> WorkerSeq:
-        vocab = self.config.model.vocab_size
-        if new.token_ids and not 0 <= min(new.token_ids) <= max(new.token_ids) < vocab:
-            raise ValueError(f"seq {new.seq_id}: token id out of range [0, {vocab})")
-        if not 0 <= new.num_computed_tokens <= len(new.token_ids):
-            raise ValueError(f"seq {new.seq_id}: {new.num_computed_tokens} cached of {len(new.token_ids)} tokens")
-        if new.params.logit_bias and not all(0 <= t < vocab for t in new.params.logit_bias):
-            raise ValueError(f"seq {new.seq_id}: logit_bias token id out of range [0, {vocab})")
         # A prefix-cache hit: the leading num_computed_tokens already have KV in the row's blocks.
         return WorkerSeq(list(new.token_ids), new.params, new.num_prompt_tokens, new.num_computed_tokens, index=new.index)
 
-    def _check_forks(self, scheduled: list[ScheduledSeq], sampling_rows: list[int]) -> list[list[Fork]]:
-        """The forks of each sampling row; raises if a non-sampling row forks or a fork's seq_id
-        is taken."""
-        sampling = set(sampling_rows)
-        new_ids = [f.seq_id for i, row in enumerate(scheduled) for f in row.forks if i in sampling]
-        if any(row.forks for i, row in enumerate(scheduled) if i not in sampling):
-            raise ValueError("a row that does not sample cannot fork")
-        if len(set(new_ids)) != len(new_ids) or any(i in self.seqs for i in new_ids):
-            raise ValueError(f"fork seq_ids {new_ids} repeat or are already live")
-        return [scheduled[i].forks for i in sampling_rows]
+    # --- one pass ---------------------------------------------------------------------------
 
-    def _append_sampled(self, sampling: list[WorkerSeq], forks: list[list[Fork]], sampled: list[int]) -> None:
-        """Each sampling row's token, then one new sequence per fork: the row's state after the
-        step (its own block table list) plus the fork's token. `sampled` is in draw order."""
-        tokens = iter(sampled)
-        for seq, row_forks in zip(sampling, forks, strict=True):
-            own = next(tokens)
-            for fork in row_forks:
-                self.seqs[fork.seq_id] = dataclasses.replace(
-                    seq, token_ids=[*seq.token_ids, next(tokens)], block_table=list(seq.block_table), index=fork.index
-                )
-            seq.token_ids.append(own)
-        assert next(tokens, None) is None, "more sampled ids than draws"
+    def _launch_pass(self, window: Window, k: int, arrival: Mark | None) -> bool:
+        """Launch pass k of the window; False when no row is left to run it."""
+        active = list(range(len(window.rows))) if k == 0 else window.active(k)
+        if self._must_wait(window, active, k):
+            self._collected += self.collect(keep=0)  # the host needs every id in flight first
+            active = active if k == 0 else window.active(k)
+        if not active:
+            return False
+        rows = [window.rows[i] for i in active]
+        plan = window.plan
+        clock = PassClock(self.device, arrival if arrival is not None else self._last_clock)
+        if k == 0:
+            specs = []
+            for seq, row in zip(rows, plan.scheduled):
+                end = seq.num_computed + (1 if plan.num_steps > 1 else row.num_tokens)  # a window's first pass decodes
+                specs.append(RowSpec(self.batch.slots[row.seq_id], seq.num_computed, end, seq.token_ids, end == seq.num_tokens))
+            inputs = first_pass_inputs(specs, self.batch, self.attn, self.block_size, self.config.model.sliding_window)
+            window.first = inputs
+            sampling = [i for i, spec in enumerate(specs) if spec.samples]
+            forks = [plan.scheduled[i].forks for i in sampling]
+            num_computed = [spec.end - spec.start for spec in specs]
+        else:
+            assert window.first is not None
+            everyone = len(active) == len(window.rows)
+            inputs = next_pass_inputs(window.first, k, None if everyone else active, self.batch, self.attn,
+                                      self.block_size, self.config.model.sliding_window)  # fmt: skip
+            sampling, forks, num_computed = list(range(len(rows))), [[] for _ in rows], [1] * len(rows)
 
-    def _prepare(self, rows: list[WorkerSeq], num_tokens: list[int]) -> StepInputs:
-        """Host lists -> device tensors, one pass per sequence."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        seq_lens: list[int] = []
-        logit_index: list[int] = []  # token index (in the step) of each sampling row's last token
-        sampling_rows: list[int] = []
-        max_len = self.config.model.max_model_len
-        for i, (seq, n) in enumerate(zip(rows, num_tokens)):
-            start, end = seq.num_computed, seq.num_computed + n
-            if n < 1 or end > len(seq.token_ids) or end > max_len:
-                raise ValueError(f"row computes tokens [{start}, {end}) of a {len(seq.token_ids)}-token sequence")
-            if len(seq.block_table) * self.block_size < end:
-                raise ValueError(f"block table of {len(seq.block_table)} blocks cannot hold {end} tokens")
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            seq_lens.append(end)
-            if end == len(seq.token_ids):
-                logit_index.append(len(input_ids) - 1)
-                sampling_rows.append(i)
-
-        # [B, max_blocks], padded with block 0 (attention masks the padding out).
-        needed = [-(-end // self.block_size) for end in seq_lens]
-        tables = np.zeros((len(rows), max(needed)), dtype=np.int32)
-        for i, (seq, n) in enumerate(zip(rows, needed)):
-            tables[i, :n] = seq.block_table[:n]
-
-        positions_t = self._to_device(torch.tensor(positions, dtype=torch.int64))
-        meta = self.attn.build_metadata(
-            num_tokens,
-            seq_lens,
-            self._to_device(torch.from_numpy(tables)),
-            positions_t,
-            self.block_size,
-            self.config.model.sliding_window,
-        )
-        return StepInputs(
-            input_ids=self._to_device(torch.tensor(input_ids, dtype=torch.int64)),
-            positions=positions_t,
-            meta=meta,
-            logit_index=self._to_device(torch.tensor(logit_index, dtype=torch.int64)),
-            sampling_rows=sampling_rows,
-        )
-
-    def _run(self, rows: list[WorkerSeq], inputs: StepInputs, forks: list[list[Fork]]) -> StepSamples:
-        """Forward and sampling -> one token id and logprob per draw (each sampling row, then its
-        forks in order), and top logprobs for the draws that asked."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)  # [T, H]
-        if not inputs.sampling_rows:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            return StepSamples([], [], [])
-        logits = self.model.compute_logits(hidden[inputs.logit_index])  # [S, V] float32
-        sampling = [
-            SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, [seq.index, *(f.index for f in row_forks)])
-            for seq, row_forks in zip((rows[i] for i in inputs.sampling_rows), forks, strict=True)
-        ]  # fmt: skip
-        return sample_step(logits, sampling, self.config.model.eos_token_ids)
+        samples = None
+        draw_seqs: list[WorkerSeq] = []
+        if sampling:
+            logits = self.model.compute_logits(hidden[inputs.logit_index])  # [S, V] float32
+            sampling_rows = [
+                SamplingRow(rows[i].params, rows[i].token_ids, rows[i].num_prompt_tokens,
+                            [rows[i].index, *(f.index for f in row_forks)], rows[i].num_output_tokens)
+                for i, row_forks in zip(sampling, forks)
+            ]  # fmt: skip
+            samples = draw_step(logits, sampling_rows, self.config.model.eos_token_ids)
+        for seq, n in zip(rows, num_computed):
+            seq.num_computed += n
+        for i in sampling:
+            rows[i].num_tokens += 1
+        if samples is not None:
+            draw_slots = []
+            for i, row_forks in zip(sampling, forks):
+                seq, seq_id = rows[i], plan.scheduled[active[i]].seq_id
+                draw_seqs.append(seq)
+                draw_slots.append(self.batch.slots[seq_id])
+                for fork in row_forks:  # a copy of the sequence after this pass, with its own draw
+                    child = dataclasses.replace(
+                        seq, token_ids=list(seq.token_ids), block_table=list(seq.block_table), index=fork.index, stopped=False
+                    )
+                    self.seqs[fork.seq_id] = child
+                    draw_seqs.append(child)
+                    draw_slots.append(self.batch.fork(seq_id, fork.seq_id))
+            self.batch.feed_back(_up(torch.tensor(draw_slots, dtype=torch.int64), self.device), samples.token_ids)
+        clock.stop()
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        # The draws the result reports: every row with more than k passes, in plan order; a
+        # row left out (its sequence stopped) is reported masked.
+        reported = sampling if k == 0 else [i for i, n in enumerate(window.passes) if n > k]
+        if k == 0:
+            computed: list[int | None] = list(range(len(draw_seqs)))
+            reported_seqs = draw_seqs
+        else:
+            position = {row: c for c, row in enumerate(active)}
+            reported_seqs = [window.rows[i] for i in reported]
+            computed = [position.get(i) for i in reported]
+        copy = HostCopy(samples.tensors()) if samples is not None else None
+        self._pending.append(LaunchedPass(window, k, reported_seqs, computed, samples, copy, clock))
+        window.num_launched = k + 1
+        self._last_clock = clock
+        return True
+
+    def _must_wait(self, window: Window, active: list[int], k: int) -> bool:
+        """Whether the host must see the ids in flight before launching: a row whose penalties
+        read its history, a forking row, or a row whose inputs it lacks beyond the newest."""
+        if not self._pending:
+            return False
+        for i in active:
+            seq = window.rows[i]
+            lag = seq.num_tokens - len(seq.token_ids)
+            if lag == 0:
+                continue
+            if penalises_repeats(seq.params) or (k == 0 and (window.plan.scheduled[i].forks or seq.num_computed < seq.num_tokens - 1)):
+                return True
+        return False
+
+    def _finish(self, launched: LaunchedPass) -> StepResult:
+        """A launched pass whose ids reached the host -> its StepResult; the host's copies of the
+        sequences take the ids, and a sequence that stops is masked from then on."""
+        window, k = launched.window, launched.index
+        host = launched.samples.on_host(launched.copy.wait()) if launched.samples is not None and launched.copy else None
+        ids: list[int] = []
+        logprobs: list[float] = []
+        tops: list[TopLogprobs] = []
+        failed: list[int] = []
+        masked: list[int] = []
+        top_iter = iter(host.top_logprobs if host else [])
+        failed_computed = set(host.failed_draws if host else [])
+        eos = self.config.model.eos_token_ids
+        for d, (seq, c) in enumerate(zip(launched.draws, launched.computed)):
+            wants_top = seq.params.logprobs is not None
+            top = next(top_iter) if wants_top and c is not None else None
+            if c is not None and host is not None:
+                # Every id the device holds joins the host's copy, even a masked one: the next
+                # plan may still name the sequence (planned before the scheduler saw it stop).
+                token = host.token_ids[c]
+                seq.token_ids.append(token)
+            if c is None or host is None or seq.stopped:
+                masked.append(d)
+                ids.append(0)
+                logprobs.append(0.0)
+                if wants_top:
+                    tops.append(TopLogprobs([], []))
+                continue
+            ids.append(token)
+            logprobs.append(host.logprobs[c])
+            if top is not None:
+                tops.append(top)
+            if c in failed_computed:  # its id is the placeholder 0, as on the device
+                failed.append(d)
+                seq.stopped = True
+            else:
+                seq.stopped = _stops(seq, token, eos)
+        # The plan's last result: its final pass, or the last launched one when no row is left.
+        last = k == window.num_passes - 1 or (window.num_launched == k + 1 and not window.active(k + 1))
+        clock = launched.clock
+        return StepResult(
+            step=window.plan.step,
+            sampled_token_ids=ids,
+            busy_time=clock.busy(),
+            idle_time=clock.idle(),
+            sampled_logprobs=logprobs,
+            top_logprobs=tops,
+            failed_draws=failed,
+            pass_index=k,
+            last_pass=last,
+            masked_draws=masked,
+        )
+
+    # --- KV sizing ----------------------------------------------------------------------------
 
     @torch.inference_mode()
     def _profile_run(self) -> None:
         """The worst steps the scheduler can plan (gpu/profile_steps.py: a fresh prefill at the
         full token budget, the budget as decode rows at the longest context, a chunk after a long
-        cached prefix), then sampling for the most rows, on a scratch cache, so the activations'
-        peak is held by torch's allocator when memory is measured."""
+        cached prefix), then sampling for the most rows, on a scratch cache and a scratch batch,
+        so the activations' peak is held by torch's allocator when memory is measured."""
         model_cfg, sched = self.config.model, self.config.scheduler
         steps = profile_steps(sched.max_num_batched_tokens, sched.max_num_seqs, model_cfg.max_model_len, self.block_size)
         # Every sampling feature at once, so that the peak covers their [S, V] temporaries.
@@ -244,21 +410,19 @@ class ModelRunner:
             temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.5,
             repetition_penalty=1.1, min_tokens=2, logit_bias={0: 1.0}, logprobs=MAX_LOGPROBS, max_tokens=None,
         )  # fmt: skip
-        saved = self.kv_caches, self.num_blocks
-        self.num_blocks = max(step.num_blocks for step in steps)
-        self.kv_caches = self.attn.allocate_kv_caches(self.num_blocks, self.block_size)
-        try:
-            for step in steps:
-                rows = [
-                    WorkerSeq([0] * n, params, n, num_computed=n - q, block_table=list(table))
-                    for q, n, table in zip(step.query_lens, step.seq_lens, step.block_tables)
-                ]
-                inputs = self._prepare(rows, step.query_lens)
-                hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)  # [T, H]
-                if step is steps[0]:  # the prefill: T is the whole budget, enough rows to sample
-                    self._profile_sampling(hidden, params)
-        finally:
-            self.kv_caches, self.num_blocks = saved
+        num_blocks = max(step.num_blocks for step in steps)
+        kv_caches = self.attn.allocate_kv_caches(num_blocks, self.block_size)
+        for step in steps:
+            batch = PersistentBatch(len(step.query_lens), self.max_blocks_per_seq, self.device)
+            specs = [
+                RowSpec(batch.add(i, list(table)), n - q, n, [0] * n, samples=True)
+                for i, (q, n, table) in enumerate(zip(step.query_lens, step.seq_lens, step.block_tables))
+            ]
+            batch.sync()
+            inputs = first_pass_inputs(specs, batch, self.attn, self.block_size, model_cfg.sliding_window)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, kv_caches)  # [T, H]
+            if step is steps[0]:  # the prefill: T is the whole budget, enough rows to sample
+                self._profile_sampling(hidden, params)
 
     def _profile_sampling(self, hidden: torch.Tensor, params: SamplingParams) -> None:
         model_cfg, sched = self.config.model, self.config.scheduler
@@ -269,49 +433,18 @@ class ModelRunner:
         sample_step(logits, [row] * num_rows, model_cfg.eos_token_ids)
 
 
-def _check_block_ids(scheduled: list[ScheduledSeq], num_blocks: int) -> None:
-    """Every block a plan names must exist: the CPU kernel writes through block tables without
-    bounds checks, so a bad id would corrupt memory instead of raising."""
-    for row in scheduled:
-        ids = [*row.new_block_ids, *(block for _, block in row.replaced_blocks)]
-        if ids and not 0 <= min(ids) <= max(ids) < num_blocks:
-            raise ValueError(f"seq {row.seq_id}: block ids {ids} outside the pool [0, {num_blocks})")
+def _stops(seq: WorkerSeq, token: int, eos_token_ids: tuple[int, ...]) -> bool:
+    """Whether the sequence ends on `token`, its newest id on the host: the scheduler's rule
+    (Sequence.stop_reason) for EOS and stop tokens, which only count from min_tokens outputs on.
+    Lengths need no check here: a plan never runs a row past them."""
+    params = seq.params
+    if len(seq.token_ids) - seq.num_prompt_tokens < params.min_tokens:
+        return False
+    return (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
 
 
-def _update_block_table(seq: WorkerSeq, row: ScheduledSeq) -> None:
-    """Copy-on-write replacements first (their blocks were filled by the plan's copy_blocks),
-    then the row's new blocks."""
-    for pos, block in row.replaced_blocks:
-        if not 0 <= pos < len(seq.block_table):
-            raise ValueError(f"seq {row.seq_id}: replaced block position {pos} outside its {len(seq.block_table)}")
-        seq.block_table[pos] = block
-    seq.block_table.extend(row.new_block_ids)
-
-
-class DeviceTimer:
-    """Device compute time of a region: CUDA events around it on a GPU (the host clock would
-    count launch overhead the device spends idle), the host clock on CPU. The region must end
-    in a device sync, as a step does when it copies the sampled ids back."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.seconds = 0.0
-
-    def __enter__(self) -> DeviceTimer:
-        if self.cuda:
-            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._started = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.cuda:
-            self._end.record()
-            self._end.synchronize()
-            self.seconds = self._start.elapsed_time(self._end) / 1000
-        else:
-            self.seconds = time.perf_counter() - self._started
+def _up(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 def _device(name: str, rank: int) -> torch.device:

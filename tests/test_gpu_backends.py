@@ -19,6 +19,7 @@ from conveyor.gpu.backends.cpu import CpuAttention, CpuOps
 from conveyor.gpu.backends.cpu.kernels import paged_attention_kernel
 from conveyor.gpu.backends.torch import TorchAttention, TorchOps
 from conveyor.gpu.profile_steps import profile_steps
+from conveyor.gpu import runner as runner_module
 from conveyor.gpu.runner import ModelRunner
 from tests.gpu_checkpoints import checkpoint, engine_config
 from tests.test_gpu_model import drive_greedy, random_prompts
@@ -110,13 +111,13 @@ def test_the_profile_run_executes_those_steps(monkeypatch):
     config = dataclasses.replace(config, scheduler=SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=12))
     runner = ModelRunner(config)
     seen = []
-    prepare = runner._prepare
+    build = runner_module.first_pass_inputs
 
-    def spy(rows, num_tokens):
-        seen.append((list(num_tokens), [len(seq.token_ids) for seq in rows]))
-        return prepare(rows, num_tokens)
+    def spy(rows, *args):
+        seen.append(([r.end - r.start for r in rows], [r.end for r in rows]))
+        return build(rows, *args)
 
-    monkeypatch.setattr(runner, "_prepare", spy)
+    monkeypatch.setattr(runner_module, "first_pass_inputs", spy)
     runner._profile_run()  # CUDA-only in the worker; the same steps run on a CPU here
     longest = config.model.max_model_len
     expected = profile_steps(96, 12, longest, config.cache.block_size)

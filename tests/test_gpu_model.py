@@ -46,7 +46,7 @@ def drive_greedy(runner, prompts, max_new, *, chunk=7, join_at=None, preempt=Non
     join_at[i]: the step at which prompt i arrives. preempt: {step: seq_id} to drop and resend.
     """
     block_size = runner.block_size
-    free = list(range(runner.kv_caches[0].shape[1]))
+    free = list(range(runner.num_blocks))
     random.Random(seed).shuffle(free)  # non-contiguous block tables
     join_at = join_at or [0] * len(prompts)
     preempt = preempt or {}
@@ -72,7 +72,7 @@ def drive_greedy(runner, prompts, max_new, *, chunk=7, join_at=None, preempt=Non
             blocks = [free.pop() for _ in range(need)]
             s.blocks += blocks
             rows.append(ScheduledSeq(sid, n, blocks))
-        result = runner.execute(StepPlan(step, new, rows, finished))
+        (result,) = runner.execute(StepPlan(step, new, rows, finished))
         assert result.step == step and result.busy_time >= 0 and result.idle_time >= 0
         finished = []
         sampled = iter(result.sampled_token_ids)
@@ -170,14 +170,14 @@ def test_runner_reports_times_and_drops_finished():
     assert runner.num_available_blocks() == 512  # cache.num_kv_blocks wins
     runner.initialize_cache(16)
     params = SamplingParams(temperature=0.0)
-    first = runner.execute(StepPlan(0, [NewSeq(7, [1, 2, 3], params, 3)], [ScheduledSeq(7, 2, [5])]))
+    (first,) = runner.execute(StepPlan(0, [NewSeq(7, [1, 2, 3], params, 3)], [ScheduledSeq(7, 2, [5])]))
     # The first step follows no other: only its own input preparation counts as idle.
     assert first.sampled_token_ids == [] and 0 <= first.idle_time < first.busy_time + 0.05
     time.sleep(0.05)  # the host keeps the device waiting for the next plan
-    second = runner.execute(StepPlan(1, [], [ScheduledSeq(7, 1, [])]))
+    (second,) = runner.execute(StepPlan(1, [], [ScheduledSeq(7, 1, [])]))
     assert len(second.sampled_token_ids) == 1 and second.idle_time >= 0.05
     time.sleep(0.05)  # ...but not when the engine had nothing to do
-    third = runner.execute(StepPlan(2, [], [ScheduledSeq(7, 1, [])], after_idle=True))
+    (third,) = runner.execute(StepPlan(2, [], [ScheduledSeq(7, 1, [])], after_idle=True))
     assert third.idle_time < 0.05
     assert runner.seqs[7].token_ids == [1, 2, 3, *second.sampled_token_ids, *third.sampled_token_ids]
     runner.execute(StepPlan(3, [], [], finished_seq_ids=[7]))

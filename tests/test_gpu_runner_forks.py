@@ -72,7 +72,7 @@ class ForkDriver:
                     table[pos] = block
             rows.append(ScheduledSeq(sid, n, added, replaced, (forks or {}).get(sid, [])))
             self.num_computed[sid] += n
-        result = self.runner.execute(StepPlan(self.step, new, rows, copy_blocks=copies))
+        (result,) = self.runner.execute(StepPlan(self.step, new, rows, copy_blocks=copies))
         self.step += 1
         assert len(result.sampled_logprobs) == len(result.sampled_token_ids)
         draws = iter(zip(result.sampled_token_ids, result.sampled_logprobs))
@@ -192,7 +192,7 @@ def test_prefix_cache_hit_starts_after_the_cached_tokens():
     # seq 1 shares the first two full blocks (8 tokens) and computes only its own tail
     second = first[:8] + prompt(3, seed=5)
     new = NewSeq(1, second, GREEDY, 11, num_computed_tokens=8)
-    result = runner.execute(StepPlan(1, [new], [ScheduledSeq(1, 3, [3, 9, 7])], finished_seq_ids=[0]))
+    (result,) = runner.execute(StepPlan(1, [new], [ScheduledSeq(1, 3, [3, 9, 7])], finished_seq_ids=[0]))
     assert result.sampled_token_ids == hf_greedy(hf, second, 1)
     assert runner.seqs[1].num_computed == 11
 
@@ -204,4 +204,5 @@ def test_a_plan_naming_a_block_outside_the_pool_is_refused_and_the_runner_goes_o
     with pytest.raises(ValueError, match="outside the pool"):
         runner.execute(bad)
     good = StepPlan(2, [NewSeq(1, tokens, GREEDY, len(tokens))], [ScheduledSeq(1, 6, [0, 1])])
-    assert len(runner.execute(good).sampled_token_ids) == 1
+    (result,) = runner.execute(good)
+    assert len(result.sampled_token_ids) == 1

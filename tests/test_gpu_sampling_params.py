@@ -230,7 +230,7 @@ def generate(runner, requests: list[tuple[list[int], SamplingParams]], num_steps
             tables[i] += added
             rows.append(ScheduledSeq(i, len(toks) - computed[i], added))
             computed[i] = len(toks)
-        result = runner.execute(StepPlan(step, new if step == 0 else [], rows))
+        (result,) = runner.execute(StepPlan(step, new if step == 0 else [], rows))
         new = []
         for toks, token in zip(tokens, result.sampled_token_ids, strict=True):
             toks.append(token)
@@ -289,7 +289,7 @@ def test_forks_get_one_top_logprobs_entry_each(checkpoint):
     runner = new_runner(checkpoint)
     params = SamplingParams(temperature=1.0, logprobs=2, n=3, frequency_penalty=1.0)
     plan = StepPlan(0, [NewSeq(0, [5, 6, 7], params, 3)], [ScheduledSeq(0, 3, [0], forks=[Fork(1, 1), Fork(2, 2)])])
-    result = runner.execute(plan)
+    (result,) = runner.execute(plan)
     assert len(result.sampled_token_ids) == 3 and len(result.top_logprobs) == 3
     assert result.top_logprobs[0] == result.top_logprobs[1] == result.top_logprobs[2]
     assert len(result.top_logprobs[0].token_ids) == 2
@@ -325,7 +325,10 @@ def test_runner_reports_a_failed_draw_and_goes_on(checkpoint):
     ok = [(prompt(5, 30, vocab), GREEDY)]
     requests = [ok[0], (prompt(6, 31, vocab), masked), (prompt(4, 32, vocab), SamplingParams(temperature=1e-46))]
     outputs, results = generate(runner, requests, 3)
-    assert all(r.failed_draws == [1] for r in results)  # every step: its logits stay masked
+    # Its first draw fails; the worker then masks it (the scheduler ends such a sequence), and
+    # the other rows go on.
+    assert results[0].failed_draws == [1] and results[0].masked_draws == []
+    assert all(r.failed_draws == [] and r.masked_draws == [1] for r in results[1:])
     assert all(0 <= t < vocab for out in outputs for t in out)
     alone, _ = generate(new_runner(checkpoint), ok + [(requests[2][0], GREEDY)], 3)
     assert [outputs[0], outputs[2]] == alone

@@ -3,9 +3,12 @@
 A sampling row (a sequence whose chunk reached the end of its known tokens) owns one logits row
 and one draw per choice: its own, then one per fork. Its draws share its params and token
 history, so penalties, bias and min_tokens edit its logits row once (penalties.py); each draw
-then reads its row (sampler.py). Logprobs, sampled and top, come from the raw logits. The ids and
-logprobs come back to the host behind a single synchronisation, with the draws that had nothing
-to draw from (non-finite logits: their id is a placeholder 0, their logprob meaningless).
+then reads its row (sampler.py). Logprobs, sampled and top, come from the raw logits.
+
+`draw_step` leaves everything on the device (DeviceSamples): the runner feeds the ids into the
+next step there and copies them to the host behind an event (gpu/pass_output.py). `sample_step`
+is the same followed by a wait, for callers that want host lists at once. Draws that had nothing
+to draw from (non-finite logits) get a placeholder id 0, and their logprob is meaningless.
 """
 
 from __future__ import annotations
@@ -24,13 +27,17 @@ from conveyor.wire.messages import SamplingParams, TopLogprobs
 @dataclasses.dataclass
 class SamplingRow:
     params: SamplingParams
-    token_ids: list[int]  # prompt, then every output so far (read, never changed)
+    # Prompt, then the outputs so far (read, never changed). Only penalties read the ids, and a
+    # caller may pass a history that lags the device (its newest ids not copied back yet) for a
+    # row without repetition penalties: num_output_tokens then says how many outputs exist.
+    token_ids: list[int]
     num_prompt_tokens: int
     choice_indices: list[int]  # one per draw: the sequence's own, then each fork's
+    num_output_tokens: int = -1  # -1: len(token_ids) - num_prompt_tokens
 
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+    def __post_init__(self) -> None:
+        if self.num_output_tokens < 0:
+            self.num_output_tokens = len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclasses.dataclass
@@ -41,8 +48,39 @@ class StepSamples:
     failed_draws: list[int] = dataclasses.field(default_factory=list)  # draws whose logits were not finite
 
 
+@dataclasses.dataclass
+class DeviceSamples:
+    """A step's draws, still on the device: what StepSamples holds once copied to the host."""
+
+    token_ids: torch.Tensor  # [N] int64, in draw order
+    logprobs: torch.Tensor  # [N] float32
+    valid: torch.Tensor  # [N] bool: False where the logits were not finite
+    top_values: torch.Tensor | None  # [R, k] float32 for the R rows that asked for logprobs
+    top_ids: torch.Tensor | None  # [R, k] int64
+    rows: list[SamplingRow]
+    wanted: list[int]  # the R rows (indices into rows) that asked for logprobs
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [self.token_ids, self.logprobs, self.valid, self.top_values, self.top_ids]
+
+    def on_host(self, host: list) -> StepSamples:
+        """StepSamples from the host copies of `tensors()` (same order)."""
+        token_ids, logprobs, valid, top_values, top_ids = host
+        failed = (~valid).nonzero().flatten().tolist()
+        tops = _tops(self.rows, self.wanted, top_values, top_ids)
+        return StepSamples(token_ids.tolist(), logprobs.tolist(), tops, failed)
+
+
 def sample_step(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tuple[int, ...]) -> StepSamples:
-    """logits [S, V] float32 as the model gave them, row i for rows[i] -> the step's draws."""
+    """logits [S, V] float32 as the model gave them, row i for rows[i] -> the step's draws on the
+    host (one synchronisation)."""
+    samples = draw_step(logits, rows, eos_token_ids)
+    return samples.on_host(to_host(*samples.tensors()))
+
+
+def draw_step(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tuple[int, ...]) -> DeviceSamples:
+    """logits [S, V] float32 as the model gave them, row i for rows[i] -> the draws, on the device
+    (no synchronisation)."""
     device = logits.device
     params, output_indices, choice_indices, logit_rows = [], [], [], []
     for r, row in enumerate(rows):
@@ -54,7 +92,8 @@ def sample_step(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tu
     # [N] draw -> logits row; None when no row forks (N = S, no gather of the logits).
     draw_rows = None if len(logit_rows) == len(rows) else to_device(logit_rows, torch.int64, device)
     row_params, num_prompt = [r.params for r in rows], [r.num_prompt_tokens for r in rows]
-    edited = apply_penalties(logits, row_params, [r.token_ids for r in rows], num_prompt, eos_token_ids)  # [S, V]
+    num_outputs = [r.num_output_tokens for r in rows]
+    edited = apply_penalties(logits, row_params, [r.token_ids for r in rows], num_prompt, eos_token_ids, num_outputs)
     token_ids, valid = sample(edited, params, output_indices, choice_indices, draw_rows)  # [N] int64, [N] bool
     logprobs = sampled_logprobs(logits, token_ids, draw_rows)  # [N] float32
 
@@ -64,9 +103,7 @@ def sample_step(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tu
     top_ids: torch.Tensor | None = None
     if k > 0:
         top_values, top_ids = top_logprobs(logits[to_device(wanted, torch.int64, device)], k)  # [R, k]
-    token_ids, logprobs, valid, top_values, top_ids = to_host(token_ids, logprobs, valid, top_values, top_ids)
-    failed = (~valid).nonzero().flatten().tolist()
-    return StepSamples(token_ids.tolist(), logprobs.tolist(), _tops(rows, wanted, top_values, top_ids), failed)
+    return DeviceSamples(token_ids, logprobs, valid, top_values, top_ids, rows, wanted)
 
 
 def _tops(rows: list[SamplingRow], wanted: list[int], values: torch.Tensor | None, ids: torch.Tensor | None):

@@ -32,25 +32,27 @@ def apply_penalties(
     token_ids: list[list[int]],
     num_prompt_tokens: list[int],
     eos_token_ids: tuple[int, ...] | list[int],
+    num_outputs: list[int] | None = None,
 ) -> torch.Tensor:
     """logits [S, V] float32; row i belongs to a sequence with params[i] whose tokens so far are
-    token_ids[i] (its first num_prompt_tokens[i] are the prompt). Returns logits [S, V]: the same
-    tensor when no row needs an edit, else an edited copy."""
+    token_ids[i] (its first num_prompt_tokens[i] are the prompt). num_outputs[i] (None: from the
+    histories) counts its outputs when its history may lag: only repetition penalties read the
+    ids themselves. Returns logits [S, V]: the same tensor when no row needs an edit, else an
+    edited copy."""
     vocab = logits.shape[-1]
-    picked = [
-        i for i, (p, ids, n) in enumerate(zip(params, token_ids, num_prompt_tokens, strict=True))
-        if _needs_edit(p, len(ids) - n, eos_token_ids)
-    ]  # fmt: skip
+    if num_outputs is None:
+        num_outputs = [len(ids) - n for ids, n in zip(token_ids, num_prompt_tokens, strict=True)]
+    picked = [i for i, (p, n) in enumerate(zip(params, num_outputs, strict=True)) if _needs_edit(p, n, eos_token_ids)]
     if not picked:
         return logits
     device = logits.device
     rows = to_device(picked, torch.int64, device)
     edited = logits[rows]  # [P, V], a copy
     picked_params = [params[i] for i in picked]
-    if any(_penalises_repeats(p) for p in picked_params):
+    if any(penalises_repeats(p) for p in picked_params):
         histories = [token_ids[i] for i in picked]
         edited = _penalise_repeats(edited, picked_params, histories, [num_prompt_tokens[i] for i in picked])
-    additions = [_additions(params[i], len(token_ids[i]) - num_prompt_tokens[i], eos_token_ids, vocab) for i in picked]
+    additions = [_additions(params[i], num_outputs[i], eos_token_ids, vocab) for i in picked]
     if any(additions):
         ids = _pad([list(a) for a in additions], np.int64, 0)  # [P, B]
         values = _pad([list(a.values()) for a in additions], np.float32, 0.0)
@@ -61,13 +63,13 @@ def apply_penalties(
 
 def _needs_edit(p: SamplingParams, num_output: int, eos_token_ids) -> bool:
     return (
-        _penalises_repeats(p)
+        penalises_repeats(p)
         or bool(p.logit_bias)
         or (num_output < p.min_tokens and bool(p.stop_token_ids or (eos_token_ids and not p.ignore_eos)))
     )
 
 
-def _penalises_repeats(p: SamplingParams) -> bool:
+def penalises_repeats(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
@@ -77,7 +79,7 @@ def _penalise_repeats(
     """Steps 1 and 2 on logits [P, V]. A row's history is the part of its tokens its penalties
     read: prompt and output with a repetition penalty, else the output alone, else nothing."""
     starts = [
-        0 if p.repetition_penalty != 1.0 else n if _penalises_repeats(p) else len(h)
+        0 if p.repetition_penalty != 1.0 else n if penalises_repeats(p) else len(h)
         for p, h, n in zip(params, histories, num_prompt)
     ]  # fmt: skip
     lengths = [len(h) - s for h, s in zip(histories, starts)]

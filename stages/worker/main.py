@@ -1,7 +1,13 @@
 """The worker stage process: one per device (tensor-parallel rank). Runs the model.
 
 Takes (WorkerInbound): InitializeCache once, then StepPlan per step, from the scheduler.
-Sends: WorkerReady (its KV capacity) and, from rank 0, one StepResult per step with rows.
+Sends: WorkerReady (its KV capacity) and, from rank 0, one StepResult per forward pass of a plan
+with rows (a multi-step plan has several), each as soon as its ids reach the host.
+
+The loop never lets the device wait for a result to be sent: it launches a plan's passes, then,
+if the next plan is already in the socket (asynchronous scheduling), launches that too before
+waiting for the earlier ids. While a multi-step window runs, each pass's result goes out as soon
+as it lands, one pass behind the device at most (on a CPU, at once: compute is synchronous).
 """
 
 from __future__ import annotations
@@ -37,23 +43,31 @@ def run(config: EngineConfig, rank: int) -> None:
         inbox = receiver(ctx, config, WORKER, rank)
         scheduler = sender(ctx, config, SCHEDULER)
         scheduler.send(WorkerReady(rank=rank, num_kv_blocks=runner.num_available_blocks()))
+
+        def send(results: list[StepResult]) -> None:
+            for result in results:
+                if rank == 0:
+                    scheduler.send(result)
+                    record_step(result)
+
         while True:
-            match inbox.recv():
+            # Passes in flight: look for the next plan without blocking, and collect if none.
+            match inbox.recv(timeout_ms=0 if runner.has_pending() else None):
                 case InitializeCache(num_kv_blocks=num_blocks):
                     runner.initialize_cache(num_blocks)
                     report_ready(ctx, config, WORKER, rank)
                     inbox.on_wait = Pulse(ctx, config, WORKER, rank).beat
                 case StepPlan() as plan:
                     started = time.time()
-                    result = runner.execute(plan)
+                    for _ in runner.launch(plan):
+                        send(runner.collect(keep=1))  # every landed pass; the one just launched may wait
                     if log.isEnabledFor(logging.DEBUG):  # a step timeline, next to the ingress's arrivals
                         log.debug(
-                            "step %d started=%.4f rows=%d tokens=%d new=%d busy_ms=%.1f wall_ms=%.1f",
+                            "step %d started=%.4f rows=%d tokens=%d new=%d passes=%d launch_ms=%.1f",
                             plan.step, started, len(plan.scheduled), sum(row.num_tokens for row in plan.scheduled),
-                            len(plan.new_seqs), 1000 * result.busy_time, 1000 * (time.time() - started),
+                            len(plan.new_seqs), plan.num_steps, 1000 * (time.time() - started),
                         )  # fmt: skip
-                    if rank == 0 and plan.scheduled:
-                        scheduler.send(result)
-                        record_step(result)
+                case None:  # nothing waiting: the passes in flight are all there is to do
+                    send(runner.collect(keep=0))
     finally:
         ctx.destroy(linger=0)

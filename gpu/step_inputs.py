@@ -1,0 +1,129 @@
+"""A forward pass's inputs, from the persistent batch and the host's per-sequence counts.
+
+Two builders:
+- `first_pass_inputs`: any step (decode rows and prompt chunks mixed). Token ids the host has
+  (prompts, outputs it has seen) go up in one pinned copy; a decode row's input that the device
+  sampled and the host has not seen yet is taken from `PersistentBatch.last_token` on the
+  device. Positions and per-row lengths are host counts, known without waiting on the device.
+- `next_pass_inputs`: pass k > 0 of a multi-step window, whose rows all decode. Everything
+  advances on the device: positions are the first pass's plus k, the input ids are the
+  last_token rows the pass before wrote, and the slot mapping follows from the block tables.
+
+Both gather the rows' block tables from the batch with one index_select of their slots, and
+hand the attention backend its metadata (the backend also reads host lengths, to size grids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from conveyor.gpu.backends import AttentionBackend, AttentionMetadata
+from conveyor.gpu.persistent_batch import PersistentBatch
+
+
+@dataclasses.dataclass
+class PassInputs:
+    input_ids: torch.Tensor  # [T] int64, on the device
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logit_index: torch.Tensor  # [S] int64: each sampling row's last token in the pass
+    slots: torch.Tensor  # [B] int64: each row's slot in the batch
+    block_tables: torch.Tensor  # [B, max_blocks] int32, the rows' tables gathered
+    num_rows: int
+    all_decode: bool  # every row computes one token (a CUDA graph may run it)
+
+
+@dataclasses.dataclass
+class RowSpec:
+    """What the first pass computes for one row: tokens [start, end) of the sequence, whose
+    host-known ids are `known` (the sequence's ids so far; a shorter list than `end` means the
+    token at end - 1 comes from the device), `slot` its batch row."""
+
+    slot: int
+    start: int
+    end: int
+    known: list[int]
+    samples: bool
+
+
+def first_pass_inputs(
+    rows: list[RowSpec], batch: PersistentBatch, attn: AttentionBackend, block_size: int, sliding_window: int | None
+) -> PassInputs:
+    device = batch.device
+    num_tokens = [r.end - r.start for r in rows]
+    total = sum(num_tokens)
+    input_ids = np.zeros(total, dtype=np.int64)
+    positions = np.empty(total, dtype=np.int64)
+    feedback_at: list[int] = []  # token index in the pass of each id taken from the device
+    feedback_slots: list[int] = []
+    logit_index: list[int] = []
+    offset = 0
+    for r, n in zip(rows, num_tokens):
+        known_end = min(r.end, len(r.known))
+        input_ids[offset : offset + known_end - r.start] = r.known[r.start : known_end]
+        if known_end < r.end:  # its newest token: sampled on the device, not seen here yet
+            assert known_end == r.end - 1, "only a row's last input may come from the device"
+            feedback_at.append(offset + n - 1)
+            feedback_slots.append(r.slot)
+        positions[offset : offset + n] = np.arange(r.start, r.end)
+        offset += n
+        if r.samples:
+            logit_index.append(offset - 1)
+
+    ids = _up(torch.from_numpy(input_ids), device)
+    if feedback_at:
+        at = _up(torch.tensor(feedback_at, dtype=torch.int64), device)
+        ids.index_copy_(0, at, batch.last_token.index_select(0, _up(torch.tensor(feedback_slots, dtype=torch.int64), device)))
+    slots = _up(torch.tensor([r.slot for r in rows], dtype=torch.int64), device)
+    seq_lens = [r.end for r in rows]
+    tables = batch.tables_for(slots, -(-max(seq_lens) // block_size))
+    positions_t = _up(torch.from_numpy(positions), device)
+    meta = attn.build_metadata(num_tokens, seq_lens, tables, positions_t, block_size, sliding_window)
+    return PassInputs(
+        input_ids=ids,
+        positions=positions_t,
+        meta=meta,
+        logit_index=_up(torch.tensor(logit_index, dtype=torch.int64), device),
+        slots=slots,
+        block_tables=tables,
+        num_rows=len(rows),
+        all_decode=max(num_tokens) == 1,
+    )
+
+
+def next_pass_inputs(
+    first: PassInputs,
+    k: int,
+    active: list[int] | None,
+    batch: PersistentBatch,
+    attn: AttentionBackend,
+    block_size: int,
+    sliding_window: int | None,
+) -> PassInputs:
+    """Pass k >= 1 of a window whose first pass is `first` (every row decoding one token), for
+    the rows `active` (indices into the first pass's rows, ascending; None: all of them)."""
+    device = batch.device
+    rows = range(first.num_rows) if active is None else active
+    seq_lens = [first.meta.host_seq_lens[i] + k for i in rows]  # host counts: no wait on the device
+    if active is None:
+        slots, positions, tables = first.slots, first.positions + k, first.block_tables
+    else:
+        index = _up(torch.tensor(active, dtype=torch.int64), device)
+        slots, positions = first.slots.index_select(0, index), first.positions.index_select(0, index) + k
+        tables = first.block_tables.index_select(0, index)
+    num_blocks = -(-max(seq_lens) // block_size)
+    if num_blocks > tables.shape[1]:  # the window crossed into blocks past the first pass's width
+        tables = batch.tables_for(slots, num_blocks)
+    ids = batch.last_token.index_select(0, slots)  # [B]: each row's newest draw, on the device
+    num_rows = len(seq_lens)
+    meta = attn.build_metadata([1] * num_rows, seq_lens, tables, positions, block_size, sliding_window)
+    logit_index = torch.arange(num_rows, device=device)
+    return PassInputs(ids, positions, meta, logit_index, slots, tables, num_rows, all_decode=True)
+
+
+def _up(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor -> the device, from pinned memory without blocking (as is, on a CPU)."""
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
