@@ -14,12 +14,12 @@ import torch
 
 from conveyor.config.engine import ParallelConfig, SchedulerConfig
 from conveyor.config.model import ModelConfig
+from conveyor.gpu import runner as runner_module
 from conveyor.gpu.backends import select
 from conveyor.gpu.backends.cpu import CpuAttention, CpuOps
 from conveyor.gpu.backends.cpu.kernels import paged_attention_kernel
 from conveyor.gpu.backends.torch import TorchAttention, TorchOps
 from conveyor.gpu.profile_steps import profile_steps
-from conveyor.gpu import runner as runner_module
 from conveyor.gpu.runner import ModelRunner
 from tests.gpu_checkpoints import checkpoint, engine_config
 from tests.test_gpu_model import drive_greedy, random_prompts
