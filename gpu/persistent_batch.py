@@ -25,17 +25,23 @@ import torch
 
 
 class PersistentBatch:
+    host_tables: torch.Tensor  # [R, M] int32, pinned on CUDA
+    host_tables_np: np.ndarray  # the same memory, for cheap row writes
+    block_tables: torch.Tensor  # [R, M] int32 on the device (the host tensor itself on a CPU)
+    last_token: torch.Tensor  # [R] int64 on the device
+
     def __init__(self, max_rows: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.device = device
         self.max_blocks = max_blocks_per_seq
         self.slots: dict[int, int] = {}  # seq_id -> row
         self._free: list[int] = []
         self._dirty: set[int] = set()  # rows whose host table changed since the last sync
+        self.num_rows = 0
         self._allocate(max(1, max_rows))
 
     def _allocate(self, num_rows: int) -> None:
         """(Re)size to `num_rows` rows, keeping what the existing rows hold."""
-        old_rows = getattr(self, "num_rows", 0)
+        old_rows = self.num_rows
         pin = self.device.type == "cuda"
         host = torch.zeros((num_rows, self.max_blocks), dtype=torch.int32, pin_memory=pin)
         last = torch.zeros(num_rows, dtype=torch.int64, device=self.device)
@@ -43,7 +49,7 @@ class PersistentBatch:
             host[:old_rows] = self.host_tables
             last[:old_rows] = self.last_token
         self.host_tables = host
-        self.host_tables_np: np.ndarray = host.numpy()  # the same memory, for cheap row writes
+        self.host_tables_np = host.numpy()
         self.block_tables = host if self.device.type == "cpu" else host.to(self.device)
         self.last_token = last
         self._free.extend(range(num_rows - 1, old_rows - 1, -1))  # lowest row first
