@@ -8,7 +8,7 @@ bad fork all change the outputs, which tests compare with `expected_tokens`.
 
 from __future__ import annotations
 
-from conveyor.wire.messages import StepPlan, StepResult
+from conveyor.wire.messages import ScheduledSeq, StepPlan, StepResult
 
 VOCAB = 1000
 
@@ -34,35 +34,24 @@ def expected_tokens(prompt: list[int], num: int, index: int = 0, stop: int | Non
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...] = ()):
         self.block_size = block_size
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.seqs: dict[int, dict] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
-        bs = self.block_size
-        for seq_id in plan.finished_seq_ids:
-            self.seqs.pop(seq_id, None)
-        for new in plan.new_seqs:
-            self.seqs[new.seq_id] = {"tokens": list(new.token_ids), "computed": new.num_computed_tokens, "blocks": [],
-                                     "index": new.index, "prompt": new.num_prompt_tokens}  # fmt: skip
-        for src, dst in plan.copy_blocks:
-            self.kv[dst] = list(self.kv[src])
+        """Run a single-pass plan."""
+        assert plan.num_steps == 1, "a window answers with one result per pass: execute_passes"
+        self._prepare(plan)
         sampled, logprobs = [], []
         for row in plan.scheduled:
             seq = self.seqs[row.seq_id]
-            for pos, block in row.replaced_blocks:
-                seq["blocks"][pos] = block
-            seq["blocks"] += row.new_block_ids
-            start, end = seq["computed"], seq["computed"] + row.num_tokens
-            assert row.num_tokens >= 1 and end <= len(seq["tokens"]), "computing unknown tokens"
-            assert len(seq["blocks"]) * bs >= end, "block table too short"
-            for p in range(start, end):
-                self.kv[seq["blocks"][p // bs]][p % bs] = seq["tokens"][p]
-            seq["computed"] = end
+            self._table(seq, row)
+            end = self._compute(seq, row.num_tokens)
             if end < len(seq["tokens"]):
                 continue
-            context = [self.kv[seq["blocks"][p // bs]][p % bs] for p in range(end)]
+            context = self._context(seq, end)
             # A sequence's first output is salted by its choice index, whether it is drawn as a
             # fork or by a sample that starts again after preemption.
             salt = seq["index"] if len(seq["tokens"]) == seq["prompt"] else 0
@@ -70,9 +59,97 @@ class FakeRunner:
             for fork, token in zip(row.forks, draws[1:]):
                 self.seqs[fork.seq_id] = {
                     "tokens": seq["tokens"] + [token], "computed": end, "blocks": list(seq["blocks"]),
-                    "index": fork.index, "prompt": seq["prompt"],
+                    "index": fork.index, "prompt": seq["prompt"], "params": seq["params"],
                 }  # fmt: skip
             seq["tokens"].append(draws[0])
             sampled += draws
             logprobs += [-(t % 7) / 7 for t in draws]
         return StepResult(step=plan.step, sampled_token_ids=sampled, sampled_logprobs=logprobs)
+
+    def execute_passes(self, plan: StepPlan, end_after: int | None = None) -> list[StepResult]:
+        """Run a plan, one result per pass. In a window, each pass decodes one token of every
+        row with passes left, its input the token the pass before drew; a row whose sequence
+        stopped in the window (EOS unless ignore_eos, a stop token id, once min_tokens outputs
+        exist) is masked from then on, and the window ends early once every row with passes left
+        stopped. `end_after` ends it after that pass regardless, as a worker may."""
+        if plan.num_steps == 1:
+            return [self.execute(plan)]
+        self._prepare(plan)
+        for row in plan.scheduled:
+            assert not row.forks, "a window never forks"
+            self._table(self.seqs[row.seq_id], row)
+        stopped: set[int] = set()
+        results = []
+        for k in range(plan.num_steps):
+            sampled: list[int] = []
+            logprobs: list[float] = []
+            masked: list[int] = []
+            for row in plan.scheduled:
+                if row.num_tokens <= k:
+                    continue
+                if row.seq_id in stopped:
+                    masked.append(len(sampled))
+                    sampled.append(0)
+                    logprobs.append(0.0)
+                    continue
+                seq = self.seqs[row.seq_id]
+                end = self._compute(seq, 1)
+                assert end == len(seq["tokens"]), "a window row decodes: one unknown token per pass"
+                salt = seq["index"] if len(seq["tokens"]) == seq["prompt"] else 0
+                token = next_token(self._context(seq, end), salt)
+                seq["tokens"].append(token)
+                sampled.append(token)
+                logprobs.append(-(token % 7) / 7)
+                if self._stops(seq, token):
+                    stopped.add(row.seq_id)
+            last = k == plan.num_steps - 1 or k == end_after
+            last = last or all(r.seq_id in stopped for r in plan.scheduled if r.num_tokens > k + 1)
+            results.append(StepResult(plan.step, sampled, sampled_logprobs=logprobs, pass_index=k, last_pass=last,
+                                      masked_draws=masked))  # fmt: skip
+            if last:
+                return results
+        raise AssertionError("unreachable: the final pass is last")
+
+    def _prepare(self, plan: StepPlan) -> None:
+        for seq_id in plan.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for new in plan.new_seqs:
+            self.seqs[new.seq_id] = {"tokens": list(new.token_ids), "computed": new.num_computed_tokens, "blocks": [],
+                                     "index": new.index, "prompt": new.num_prompt_tokens, "params": new.params}  # fmt: skip
+        for src, dst in plan.copy_blocks:
+            self.kv[dst] = list(self.kv[src])
+
+    @staticmethod
+    def _table(seq: dict, row: ScheduledSeq) -> None:
+        for pos, block in row.replaced_blocks:
+            seq["blocks"][pos] = block
+        seq["blocks"] += row.new_block_ids
+
+    def _compute(self, seq: dict, num_tokens: int) -> int:
+        """Write the KV of the sequence's next `num_tokens` known tokens; the new computed count."""
+        bs = self.block_size
+        start, end = seq["computed"], seq["computed"] + num_tokens
+        assert num_tokens >= 1 and end <= len(seq["tokens"]), "computing unknown tokens"
+        assert len(seq["blocks"]) * bs >= end, "block table too short"
+        for p in range(start, end):
+            self.kv[seq["blocks"][p // bs]][p % bs] = seq["tokens"][p]
+        seq["computed"] = end
+        return end
+
+    def _context(self, seq: dict, end: int) -> list[int]:
+        """The sequence's first `end` tokens, read back from the KV through its block table."""
+        bs = self.block_size
+        context = []
+        for p in range(end):
+            token = self.kv[seq["blocks"][p // bs]][p % bs]
+            assert token is not None, "reading a KV slot no pass wrote"
+            context.append(token)
+        return context
+
+    def _stops(self, seq: dict, token: int) -> bool:
+        """The worker's own stop check, the scheduler's rule: EOS or a stop token id, once
+        min_tokens outputs exist."""
+        params = seq["params"]
+        if len(seq["tokens"]) - seq["prompt"] < params.min_tokens:
+            return False
+        return (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids

@@ -16,6 +16,10 @@ Overlap, two kinds:
   The one exception is the first step after an idle spell, which runs alone: see `may_plan`.
 - Output processing: step n's tokens go to the detokenizers after the next plan is sent, so
   detokenization and streaming run while the worker computes.
+
+Multi-step windows (--num-scheduler-steps): a window plan answers with one StepResult per pass.
+It stays in flight until its last_pass result; each pass's tokens are applied and streamed as
+they come, so clients see the per-pass cadence. The next plan may go out while a window runs.
 """
 
 from __future__ import annotations
@@ -105,6 +109,11 @@ class SchedulerStage:
             while msg is not None:
                 self.stalled = False
                 updates += self.handle(msg)
+                if isinstance(msg, StepResult) and not msg.last_pass:
+                    # A window's inner pass leaves the steps in flight as they were: no plan to
+                    # send first, so its tokens stream now.
+                    self.emit(updates)
+                    updates = []
                 msg = self.inbox.recv_nowait()
             if self.may_plan():
                 self.plan_next()  # the next plan goes out before this step's tokens do
@@ -120,13 +129,19 @@ class SchedulerStage:
             case FinishSeqs():
                 self.scheduler.finish_seqs(msg.seq_ids)
             case StepResult():
-                step = self.in_flight.popleft() if self.in_flight else None
+                step = self.in_flight[0] if self.in_flight else None
                 if step is None or step.step != msg.step:
                     log.error("step result %d does not match the step in flight", msg.step)
+                    if msg.last_pass and step is not None:
+                        self.in_flight.popleft()
                     return []
-                self.record_step(step)
+                if msg.last_pass:  # a window stays in flight until its final pass
+                    self.in_flight.popleft()
+                    self.record_step(step)
                 self.stats.add(msg, step)
-                updates = self.scheduler.update(step, msg.sampled_token_ids, msg.sampled_logprobs, msg.top_logprobs, msg.failed_draws)
+                updates = self.scheduler.update(step, msg.sampled_token_ids, msg.sampled_logprobs, msg.top_logprobs,
+                                                msg.failed_draws, pass_index=msg.pass_index,
+                                                masked_draws=msg.masked_draws, last_pass=msg.last_pass)  # fmt: skip
                 metrics.generation_tokens.inc(sum(len(u.new_token_ids) for u in updates))
                 self.record_outputs(updates)
                 return updates

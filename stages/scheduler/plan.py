@@ -28,6 +28,7 @@ def step_plan(step: ScheduledStep) -> StepPlan:
         ],
         finished_seq_ids=step.finished_seq_ids,
         copy_blocks=step.copy_blocks,
+        num_steps=step.num_steps,
     )
 
 

@@ -1,19 +1,23 @@
 """What one scheduling decision produces (ScheduledStep) and what a step's result changes
-(SeqUpdate). stages/scheduler/plan.py turns these into wire messages."""
+(SeqUpdate). stages/scheduler/plan.py turns these into wire messages.
+
+A step is one forward pass, or a multi-step window of `num_steps` decode passes
+(stages/scheduler/windows.py): then a row's num_tokens is the passes it takes part in, and each
+pass's result carries the draws of the rows still in it."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
 
-from conveyor.stages.scheduler.sequence import Sequence
+from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
 from conveyor.wire.messages import FinishReason, TokenLogprob
 
 
 @dataclasses.dataclass(slots=True)
 class Row:
     seq: Sequence
-    num_tokens: int  # tokens of the sequence computed this step
+    num_tokens: int  # tokens of the sequence computed this step (in a window: its passes, one token each)
     new_block_ids: list[int]  # appended to the worker's block table
     replaced_blocks: list[tuple[int, int]]  # (table position, new block): copy-on-write
     samples: bool = False  # the chunk reaches the last known token: one token is drawn
@@ -31,21 +35,57 @@ class ScheduledStep:
     new_seqs_computed: list[int]  # per new sequence: tokens already in the cache (prefix hit)
     copy_blocks: list[tuple[int, int]]  # (src, dst) block copies before the forward
     finished_seq_ids: list[int]  # sequences the worker may forget
-    num_tokens: int
-    num_sampled: int  # ids the step's result must carry: one per sampling row, one per fork
+    num_tokens: int  # tokens of one forward pass: the budget it spent (a window's first pass)
+    num_sampled: int  # ids the step's results carry in all: per pass, one per sampling row and fork
+    num_steps: int = 1  # forward passes: > 1 is a window of decodes
+    num_passes_done: int = 0  # passes whose result the scheduler applied
 
-    def draws(self) -> Iterator[tuple[Row, Sequence]]:
-        """(row, sequence) of each draw, in the order the result carries their ids: each sampling
-        row's own sequence, then its forks."""
+    def draws(self, pass_index: int = 0) -> Iterator[tuple[Row, Sequence]]:
+        """(row, sequence) of each draw of a pass, in the order its result carries their ids:
+        each sampling row's own sequence, then its forks; in a window's pass k, the rows taking
+        part in it (num_tokens > k), which never fork."""
+        if self.num_steps > 1:
+            for row in self.rows:
+                if row.num_tokens > pass_index:
+                    yield row, row.seq
+            return
         for row in self.rows:
             if row.samples:  # else a prompt chunk short of the end
                 yield row, row.seq
                 for child in row.forks:
                     yield row, child
 
+    def take_pass(
+        self, pass_index: int, last_pass: bool, num_ids: int, failed: list[int] | None, masked: list[int] | None
+    ) -> list[tuple[Row, Sequence]]:
+        """The draws of the pass a result reports, once it is checked against the step: passes
+        come in order, the final one says last_pass, one id per draw, failed and masked draws
+        name draws of the pass, and a masked draw's sequence no longer runs (the worker skips
+        only a sequence that stopped earlier in the window, which its earlier result ended).
+        Raises ValueError on a mismatch; else the pass counts as done."""
+        where = f"step {self.step} pass {pass_index}"
+        if pass_index != self.num_passes_done or pass_index >= self.num_steps:
+            raise ValueError(f"{where}: expected pass {self.num_passes_done} of {self.num_steps}")
+        if pass_index == self.num_steps - 1 and not last_pass:
+            raise ValueError(f"{where}: the window's final pass does not say last_pass")
+        draws = list(self.draws(pass_index))
+        if num_ids != len(draws):
+            raise ValueError(f"{where}: {num_ids} ids for {len(draws)} draws")
+        for name, indices in (("failed", failed), ("masked", masked)):
+            if indices and not 0 <= min(indices) <= max(indices) < len(draws):
+                raise ValueError(f"{where}: {name} draws {sorted(indices)} outside its {len(draws)}")
+        for draw in masked or ():
+            row, seq = draws[draw]
+            if seq.status is SeqStatus.RUNNING and seq.num_preemptions == row.epoch:
+                raise ValueError(f"{where}: draw {draw} masked, but sequence {seq.seq_id} still runs")
+        self.num_passes_done += 1
+        return draws
+
     @property
     def num_prompt_tokens(self) -> int:
         """Tokens computed for prompts (and recomputation) rather than decodes."""
+        if self.num_steps > 1:
+            return 0
         return sum(r.num_tokens for r in self.rows if r.num_tokens > 1 or not r.samples)
 
 

@@ -22,7 +22,14 @@ Token counts are committed when a step is planned (`schedule`); sampled ids arri
 a sequence drawing in step n then decodes its pending token in step n+1, which the worker knows
 by then. Such a lookahead step can compute one token past an EOS or a stop string; its draw is
 dropped when it comes back. A sequence whose pending draws already reach max_tokens or the
-model's length is not scheduled again. Pure Python: no torch, no zmq.
+model's length is not scheduled again.
+
+Multi-step windows (num_scheduler_steps = K > 1, stages/scheduler/windows.py): a step that would
+only decode, with nothing waiting, becomes up to K decode passes in one plan; a waiting request
+gets a single step, so its time to first token does not wait for a window. A window's rows count
+all their passes as computed and pending when planned; each pass's result arrives on its own
+(`update(..., pass_index=k)`) and streams at once. A row the worker left out (it ended the
+window early) is rolled back and planned again. Pure Python: no torch, no zmq.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from conveyor.stages.scheduler.early_aborts import EarlyAborts
 from conveyor.stages.scheduler.scheduled_step import Row, ScheduledStep, SeqUpdate
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
 from conveyor.stages.scheduler.waiting_queue import WaitingQueue
+from conveyor.stages.scheduler.windows import extend_rows, may_extend
 from conveyor.wire.messages import FinishReason, ScheduleRequest, TokenLogprob, TopLogprobs
 
 
@@ -135,6 +143,8 @@ class Scheduler:
         scheduled: set[int] = set()
         preemptions_before = self.num_preemptions
         policy = self.config.policy
+        max_passes = self.config.num_scheduler_steps
+        may_window = max_passes > 1 and not self.waiting  # nothing to admit: admission is a no-op
 
         if policy == "prefill_first":
             budget = self._admit(budget, rows, chunk=False)
@@ -149,6 +159,10 @@ class Scheduler:
 
         if not rows and not self._finished_for_worker:
             return None
+        num_steps = 1
+        # Still nothing waiting: no row preempted another (a victim waits, and gets a single step).
+        if may_window and not self.waiting and may_extend(self.running, rows):
+            num_steps = extend_rows(rows, self.blocks, max_passes, self.max_model_len)
         new_seqs, new_seqs_computed, num_sampled = [], [], 0
         register_full_blocks = self.blocks.register_full_blocks
         for row in rows:
@@ -162,8 +176,13 @@ class Scheduler:
             seq.num_blocks_sent = len(seq.block_ids)
             seq.num_computed_tokens += row.num_tokens
             register_full_blocks(seq)
-            row.samples = seq.num_computed_tokens == seq.num_tokens
             row.epoch = seq.num_preemptions
+            if num_steps > 1:  # a window row: one draw per pass, its tokens pending like any draw
+                row.samples = True
+                seq.num_pending_tokens += row.num_tokens
+                num_sampled += row.num_tokens
+                continue
+            row.samples = seq.num_computed_tokens == seq.num_tokens
             if row.samples:
                 if seq.num_pending_forks:
                     row.forks = self._fork(seq)
@@ -182,6 +201,7 @@ class Scheduler:
             finished_seq_ids=finished,
             num_tokens=self.config.max_num_batched_tokens - budget,
             num_sampled=num_sampled,
+            num_steps=num_steps,
         )
 
     def update(
@@ -191,24 +211,26 @@ class Scheduler:
         sampled_logprobs: list[float] | None = None,
         top_logprobs: list[TopLogprobs] | None = None,
         failed_draws: list[int] | None = None,
+        *,
+        pass_index: int = 0,
+        masked_draws: list[int] | None = None,
+        last_pass: bool = True,
     ) -> list[SeqUpdate]:
-        """Apply a step's sampled ids: one per sampling row, then one per fork of that row.
-        `top_logprobs` has one entry per draw of a sequence that asked for logprobs. A draw in
-        `failed_draws` (indices into the ids: its logits were not finite) ends its sequence with
-        FinishReason.ERROR and its blocks are freed; the others go on."""
-        if len(sampled_token_ids) != step.num_sampled:
-            raise ValueError(f"step {step.step}: {len(sampled_token_ids)} ids for {step.num_sampled} draws")
+        """Apply one pass's sampled ids: one per sampling row, then one per fork of that row (in
+        a window's pass k, one per row with num_tokens > k). `top_logprobs` has one entry per draw
+        of a sequence that asked for logprobs. A draw in `failed_draws` (indices into the ids: its
+        logits were not finite) ends its sequence with FinishReason.ERROR and its blocks are
+        freed; the others go on. A window's passes come in order; a draw in `masked_draws` (the
+        worker skipped it: its sequence stopped earlier in the window) must be stale. On
+        `last_pass` before the window's end, rows still running with passes left roll back."""
+        draws = step.take_pass(pass_index, last_pass, len(sampled_token_ids), failed_draws, masked_draws)
         failed = set(failed_draws or ())
-        if failed and not 0 <= min(failed) <= max(failed) < step.num_sampled:
-            raise ValueError(f"step {step.step}: failed draws {sorted(failed)} outside its {step.num_sampled}")
         updates, self._unsampled_updates = self._unsampled_updates, []
         logprobs = iter(sampled_logprobs) if sampled_logprobs else None
-        sampled = iter(sampled_token_ids)
         tops = iter(top_logprobs or ())
         eos, max_model_len = self.eos_token_ids, self.max_model_len
         register_full_blocks, block_size = self.blocks.register_full_blocks, self.blocks.block_size
-        for draw, (row, seq) in enumerate(step.draws()):
-            token = next(sampled)
+        for draw, ((row, seq), token) in enumerate(zip(draws, sampled_token_ids)):
             logprob = next(logprobs) if logprobs is not None else 0.0
             top = next(tops) if seq.params.logprobs is not None else None
             if seq.status is not SeqStatus.RUNNING or seq.num_preemptions != row.epoch:
@@ -217,6 +239,13 @@ class Scheduler:
                 self._finish(seq, FinishReason.ERROR, report=False)
                 updates.append(self._introduced(SeqUpdate(seq, [], FinishReason.ERROR)))
                 continue
+            if last_pass and step.num_steps > 1 and row.num_tokens > pass_index + 1:
+                # The worker ended the window before this row's last passes: their tokens were
+                # neither computed nor drawn. The row keeps its blocks (the worker's table holds
+                # them too) and is planned again from here. Rolled back before any registration.
+                missing = row.num_tokens - pass_index - 1
+                seq.num_computed_tokens -= missing
+                seq.num_pending_tokens -= missing
             seq.token_ids.append(token)
             seq.num_pending_tokens -= 1
             seq.cumulative_logprob += logprob
@@ -224,7 +253,14 @@ class Scheduler:
             if reason is not None:
                 self._finish(seq, reason, report=False)
             elif seq.num_registered_blocks < seq.num_computed_tokens // block_size:  # spares most draws the call
-                register_full_blocks(seq)  # a block whose last id was pending
+                # Registration covers the known ids (min(computed, known)), so the newest id's KV
+                # may still be unwritten: a later pass, or the next plan, computes it. Both run
+                # before any plan that could hit the block, as the worker runs plans and passes in
+                # order: a pass that is not last promises the next, which computes this row unless
+                # its sequence stopped (then the scheduler finished it on that stop, first), and a
+                # last pass rolled its row back above. So every registered block's KV is written
+                # by a pass the worker really runs for this sequence.
+                register_full_blocks(seq)
             update = SeqUpdate(seq, [token], reason)
             if not seq.known_by_detokenizer:
                 self._introduced(update)

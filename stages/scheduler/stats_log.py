@@ -23,7 +23,7 @@ class StatsLog:
         self.busy = self.idle = 0.0
 
     def add(self, result: StepResult, step: ScheduledStep) -> None:
-        self.generated += len(result.sampled_token_ids)
+        self.generated += len(result.sampled_token_ids) - len(result.masked_draws)  # per pass of a window
         self.prompt_tokens += step.num_prompt_tokens
         self.busy += result.busy_time
         self.idle += result.idle_time
