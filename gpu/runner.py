@@ -257,7 +257,7 @@ class ModelRunner:
         """Launch pass k of the window; False when no row is left to run it."""
         active = list(range(len(window.rows))) if k == 0 else window.active(k)
         if self._must_wait(window, active, k):
-            self._collected += self.collect(keep=0)  # the host needs every id in flight first
+            self._collected = self.collect(keep=0)  # the host needs every id in flight first (kept for the caller)
             active = active if k == 0 else window.active(k)
         if not active:
             return False
@@ -338,8 +338,13 @@ class ModelRunner:
             lag = seq.num_tokens - len(seq.token_ids)
             if lag == 0:
                 continue
-            if penalises_repeats(seq.params) or (k == 0 and (window.plan.scheduled[i].forks or seq.num_computed < seq.num_tokens - 1)):
+            if penalises_repeats(seq.params):
                 return True
+            if k == 0:
+                row = window.plan.scheduled[i]
+                end = seq.num_computed + (1 if window.plan.num_steps > 1 else row.num_tokens)
+                if row.forks or max(seq.num_computed, len(seq.token_ids)) < end - 1:
+                    return True
         return False
 
     def _finish(self, launched: LaunchedPass) -> StepResult:

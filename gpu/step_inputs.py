@@ -62,7 +62,7 @@ def first_pass_inputs(
     logit_index: list[int] = []
     offset = 0
     for r, n in zip(rows, num_tokens):
-        known_end = min(r.end, len(r.known))
+        known_end = max(r.start, min(r.end, len(r.known)))  # the host may lag by whole windows
         input_ids[offset : offset + known_end - r.start] = r.known[r.start : known_end]
         if known_end < r.end:  # its newest token: sampled on the device, not seen here yet
             assert known_end == r.end - 1, "only a row's last input may come from the device"
