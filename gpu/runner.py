@@ -38,6 +38,7 @@ import torch
 
 from conveyor.config.engine import EngineConfig
 from conveyor.gpu.backends import Backend, select
+from conveyor.gpu.cuda_graphs import DecodeGraphs, can_capture
 from conveyor.gpu.host_memory import keep_freed_memory
 from conveyor.gpu.kv_cache import num_blocks_for_memory
 from conveyor.gpu.loader import load_model
@@ -127,11 +128,19 @@ class ModelRunner:
         self._pending: collections.deque[LaunchedPass] = collections.deque()  # launched, not collected
         self._collected: list[StepResult] = []  # finished early (a pass had to wait for them)
         self._last_clock: PassClock | None = None
+        # CUDA graphs of decode steps (gpu/cuda_graphs.py), captured once the pool exists; the
+        # probe holds the largest one's memory while the pool is sized, so the pool leaves it.
+        self.graphs: DecodeGraphs | None = None
+        self._graph_probe: DecodeGraphs | None = None
 
     def num_available_blocks(self) -> int:
         """KV blocks this device can hold next to the model (and, on CUDA, a full step's peak),
         less the scratch block (a fixed --num-kv-blocks is the pool itself: the scratch block
         comes on top)."""
+        if can_capture(self.config, self.attn, self.device):
+            self._graph_probe = DecodeGraphs.memory_probe(self.config, self.model, self.attn, self.device)
+            seconds, graph_bytes = self._graph_probe.capture_all()
+            log.info("CUDA graphs: the largest bucket takes %.1f MiB (probe captured in %.2f s)", graph_bytes / 2**20, seconds)
         if self.device.type == "cuda" and self.config.cache.num_kv_blocks is None:
             self._profile_run()
         num_blocks = num_blocks_for_memory(self.attn.bytes_per_block(self.block_size), self.config.cache, self.device)
@@ -142,6 +151,13 @@ class ModelRunner:
         no sequence owns: padded rows of a captured batch write their KV there."""
         self.kv_caches = self.attn.allocate_kv_caches(num_blocks + 1, self.block_size)
         self.num_blocks = num_blocks
+        if can_capture(self.config, self.attn, self.device):
+            pool = self._graph_probe.pool if self._graph_probe is not None else None
+            self.graphs = DecodeGraphs.from_config(
+                self.config, self.model, self.attn, self.kv_caches, scratch_block=num_blocks, device=self.device, pool=pool
+            )
+            self.graphs.capture_all()  # logs each bucket's time and memory
+            self._graph_probe = None
 
     # --- running plans ------------------------------------------------------------------------
 
@@ -269,7 +285,8 @@ class ModelRunner:
             for seq, row in zip(rows, plan.scheduled):
                 end = seq.num_computed + (1 if plan.num_steps > 1 else row.num_tokens)  # a window's first pass decodes
                 specs.append(RowSpec(self.batch.slots[row.seq_id], seq.num_computed, end, seq.token_ids, end == seq.num_tokens))
-            inputs = first_pass_inputs(specs, self.batch, self.attn, self.block_size, self.config.model.sliding_window)
+            graphed = self._graphed(len(specs), all(spec.end - spec.start == 1 for spec in specs))
+            inputs = first_pass_inputs(specs, self.batch, self.attn, self.block_size, self.config.model.sliding_window, not graphed)
             window.first = inputs
             sampling = [i for i, spec in enumerate(specs) if spec.samples]
             forks = [plan.scheduled[i].forks for i in sampling]
@@ -278,10 +295,11 @@ class ModelRunner:
             assert window.first is not None
             everyone = len(active) == len(window.rows)
             inputs = next_pass_inputs(window.first, k, None if everyone else active, self.batch, self.attn,
-                                      self.block_size, self.config.model.sliding_window)  # fmt: skip
+                                      self.block_size, self.config.model.sliding_window,
+                                      not self._graphed(len(active), True))  # fmt: skip
             sampling, forks, num_computed = list(range(len(rows))), [[] for _ in rows], [1] * len(rows)
 
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)  # [T, H]
+        hidden = self._forward(inputs)  # [T, H]
         samples = None
         draw_seqs: list[WorkerSeq] = []
         if sampling:
@@ -327,6 +345,19 @@ class ModelRunner:
         window.num_launched = k + 1
         self._last_clock = clock
         return True
+
+    def _forward(self, inputs: PassInputs) -> torch.Tensor:
+        """The model over a pass: a captured graph's replay when every row decodes and a bucket
+        holds them (its output stays valid until the next replay: the logits are computed from
+        it before then), else eagerly."""
+        if inputs.meta is None:
+            assert self.graphs is not None
+            seq_lens = (inputs.positions + 1).to(torch.int32)  # [B]: each row's context, its new token included
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.block_tables, seq_lens)
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
+
+    def _graphed(self, num_rows: int, all_decode: bool) -> bool:
+        return self.graphs is not None and all_decode and self.graphs.bucket_for(num_rows) is not None
 
     def _must_wait(self, window: Window, active: list[int], k: int) -> bool:
         """Whether the host must see the ids in flight before launching: a row whose penalties

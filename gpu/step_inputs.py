@@ -28,12 +28,13 @@ from conveyor.gpu.persistent_batch import PersistentBatch
 class PassInputs:
     input_ids: torch.Tensor  # [T] int64, on the device
     positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
+    meta: AttentionMetadata | None  # None: a CUDA graph runs the pass over its own static metadata
     logit_index: torch.Tensor  # [S] int64: each sampling row's last token in the pass
     slots: torch.Tensor  # [B] int64: each row's slot in the batch
     block_tables: torch.Tensor  # [B, max_blocks] int32, the rows' tables gathered
     num_rows: int
     all_decode: bool  # every row computes one token (a CUDA graph may run it)
+    seq_lens: list[int]  # [B] host copy: each row's context after the pass
 
 
 @dataclasses.dataclass
@@ -50,7 +51,12 @@ class RowSpec:
 
 
 def first_pass_inputs(
-    rows: list[RowSpec], batch: PersistentBatch, attn: AttentionBackend, block_size: int, sliding_window: int | None
+    rows: list[RowSpec],
+    batch: PersistentBatch,
+    attn: AttentionBackend,
+    block_size: int,
+    sliding_window: int | None,
+    with_metadata: bool = True,
 ) -> PassInputs:
     device = batch.device
     num_tokens = [r.end - r.start for r in rows]
@@ -81,7 +87,7 @@ def first_pass_inputs(
     seq_lens = [r.end for r in rows]
     tables = batch.tables_for(slots, -(-max(seq_lens) // block_size))
     positions_t = _up(torch.from_numpy(positions), device)
-    meta = attn.build_metadata(num_tokens, seq_lens, tables, positions_t, block_size, sliding_window)
+    meta = attn.build_metadata(num_tokens, seq_lens, tables, positions_t, block_size, sliding_window) if with_metadata else None
     return PassInputs(
         input_ids=ids,
         positions=positions_t,
@@ -91,6 +97,7 @@ def first_pass_inputs(
         block_tables=tables,
         num_rows=len(rows),
         all_decode=max(num_tokens) == 1,
+        seq_lens=seq_lens,
     )
 
 
@@ -102,12 +109,13 @@ def next_pass_inputs(
     attn: AttentionBackend,
     block_size: int,
     sliding_window: int | None,
+    with_metadata: bool = True,
 ) -> PassInputs:
     """Pass k >= 1 of a window whose first pass is `first` (every row decoding one token), for
     the rows `active` (indices into the first pass's rows, ascending; None: all of them)."""
     device = batch.device
     rows = range(first.num_rows) if active is None else active
-    seq_lens = [first.meta.host_seq_lens[i] + k for i in rows]  # host counts: no wait on the device
+    seq_lens = [first.seq_lens[i] + k for i in rows]  # host counts: no wait on the device
     if active is None:
         slots, positions, tables = first.slots, first.positions + k, first.block_tables
     else:
@@ -119,9 +127,9 @@ def next_pass_inputs(
         tables = batch.tables_for(slots, num_blocks)
     ids = batch.last_token.index_select(0, slots)  # [B]: each row's newest draw, on the device
     num_rows = len(seq_lens)
-    meta = attn.build_metadata([1] * num_rows, seq_lens, tables, positions, block_size, sliding_window)
+    meta = attn.build_metadata([1] * num_rows, seq_lens, tables, positions, block_size, sliding_window) if with_metadata else None
     logit_index = torch.arange(num_rows, device=device)
-    return PassInputs(ids, positions, meta, logit_index, slots, tables, num_rows, all_decode=True)
+    return PassInputs(ids, positions, meta, logit_index, slots, tables, num_rows, True, seq_lens)
 
 
 def _up(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -54,12 +54,21 @@ def prompts() -> list[list[int]]:
     return [torch.randint(10, 4000, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-@pytest.mark.parametrize("backend", ["triton", "auto"])
-def test_daemon_on_cuda_agrees_with_transformers_in_bf16(backend, daemon_factory, bf16_checkpoint, hf_bf16):
+@pytest.mark.parametrize(
+    "backend, extra",
+    [
+        ("triton", ("--enforce-eager",)),
+        ("auto", ()),  # decode steps replay CUDA graphs
+        ("auto", ("--num-scheduler-steps", "8")),  # graphs inside multi-step windows
+    ],
+)
+def test_daemon_on_cuda_agrees_with_transformers_in_bf16(backend, extra, daemon_factory, bf16_checkpoint, hf_bf16):
     daemon = daemon_factory(
-        "--model", str(bf16_checkpoint), "--device", "cuda", "--attention-backend", backend, "--max-num-batched-tokens", "64"
-    )
+        "--model", str(bf16_checkpoint), "--device", "cuda", "--attention-backend", backend, "--max-num-batched-tokens", "64",
+        *extra,
+    )  # fmt: skip
     assert "attention backend: triton (" in daemon.output()  # auto is triton on CUDA
+    assert ("CUDA graphs:" in daemon.output()) == ("--enforce-eager" not in extra)
     body = {"max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True, "logprobs": 0}
     exact = total = 0
     for prompt in prompts():

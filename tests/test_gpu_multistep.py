@@ -219,3 +219,33 @@ def test_a_bad_window_is_refused_before_anything_changes():
         with pytest.raises(ValueError):
             list(runner.launch(plan))
     assert (list(seq.token_ids), seq.num_computed, list(seq.block_table)) == before
+
+
+def test_decode_passes_replay_through_the_graph_buffers():
+    """The runner's CUDA-graph path on a CPU: DecodeGraphs without capture runs the model over the
+    same static buffers and padding a replay would (the triton backend, under the interpreter).
+    Decode passes of 3 rows go through bucket 4 and must give the eager path's tokens."""
+    from conveyor.gpu.backends import select
+    from conveyor.gpu.cuda_graphs import DecodeGraphs
+
+    def runner(graphs: bool) -> ModelRunner:
+        config = engine_config("llama", block_size=BLOCK_SIZE, num_blocks=16)
+        r = ModelRunner(config, backend=select("triton", torch.device("cpu"), config.model))
+        r.initialize_cache(16)
+        if graphs:
+            r.graphs = DecodeGraphs(
+                r.model, r.attn, r.kv_caches, buckets=[1, 2, 4], max_blocks_per_seq=r.max_blocks_per_seq,
+                block_size=BLOCK_SIZE, sliding_window=None, scratch_block=16, device=r.device, capture=False,
+            )  # fmt: skip
+        return r
+
+    requests = [(p, GREEDY, 5) for p in prompts(3, seed=19)]
+    graphed = runner(graphs=True)
+    replays = []
+    run = graphed.graphs.run
+    graphed.graphs.run = lambda *args: replays.append(len(args[0])) or run(*args)
+    drivers = [WindowDriver(graphed, 4), WindowDriver(runner(graphs=False), 4)]
+    assert drivers[0].run(requests) == drivers[1].run(requests)
+    assert replays == [3] * 4  # every decode pass (4 of them after the prefill), none of the prefill
+    logprobs = [torch.tensor([r.sampled_logprobs for r in d.results]) for d in drivers]
+    torch.testing.assert_close(logprobs[0], logprobs[1], atol=1e-5, rtol=1e-5)
