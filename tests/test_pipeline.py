@@ -62,9 +62,21 @@ def test_http_greedy_matches_transformers(arch, checkpoints, reference, daemon_f
     assert r.json()["choices"][0]["token_ids"] == ref.greedy(chat_ids, NUM_TOKENS)
 
 
-@pytest.fixture(scope="module", params=["--async-scheduling", "--no-async-scheduling"])
+@pytest.fixture(scope="module", params=["--async-scheduling", "--no-async-scheduling", "--num-scheduler-steps=4"])
 def default_daemon(daemon_factory, request):
     return daemon_factory("--max-num-batched-tokens", "64", "--num-kv-blocks", "512", request.param)
+
+
+def test_multi_step_windows_stream_every_pass(daemon_factory):
+    """With --num-scheduler-steps 8 a lone request decodes in windows of 8 passes, yet its stream
+    gets its tokens pass by pass (a window's worth at once would be 3 events for 24 tokens)."""
+    daemon = daemon_factory("--num-kv-blocks", "512", "--num-scheduler-steps", "8")
+    body = {"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    r = daemon.post("/v1/completions", {**body, "stream": True}, stream=True)
+    chunks = [e for e in stream_events(r)[:-1] if e["choices"] and e["choices"][0].get("token_ids")]
+    ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert ids == daemon.post("/v1/completions", body).json()["choices"][0]["token_ids"] and len(ids) == 24
+    assert len(chunks) >= 12, [len(c["choices"][0]["token_ids"]) for c in chunks]
 
 
 def test_concurrent_streams_equal_sequential(default_daemon):
