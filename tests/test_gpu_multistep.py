@@ -249,3 +249,25 @@ def test_decode_passes_replay_through_the_graph_buffers():
     assert replays == [3] * 4  # every decode pass (4 of them after the prefill), none of the prefill
     logprobs = [torch.tensor([r.sampled_logprobs for r in d.results]) for d in drivers]
     torch.testing.assert_close(logprobs[0], logprobs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_the_python_api_gives_the_same_outputs_for_any_number_of_steps(default_model):
+    """Through LLM.generate (scheduler, runner and detokenizer in one process): stop strings,
+    several samples, seeds and logprobs, with windows of 1, 4 and 8 passes."""
+    from conveyor.llm import LLM
+
+    prompts_ = ["The sea", "Once upon a time, a fox", "Numbers: one two three"]
+    asks = [
+        SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0.9, seed=3, n=2, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, stop=[" the"], ignore_eos=True),
+    ]
+    outputs = {}
+    for k in (1, 4, 8):
+        llm = LLM(str(default_model), device="cpu", num_kv_blocks=128, num_scheduler_steps=k)
+        outputs[k] = [
+            [(c.token_ids, c.text, c.finish_reason, [lp.logprob for lp in c.logprobs]) for c in out.outputs]
+            for out in llm.generate(prompts_, asks)
+        ]
+    assert outputs[1] == outputs[4] == outputs[8]
+    assert [len(c[0]) for c in outputs[1][0]] == [13] and [len(c[0]) for c in outputs[1][1]] == [9, 9]
