@@ -11,6 +11,8 @@ names:
 - `last_token` [R] int64: each slot's newest token id. The sampler writes it on the device
   (`feed_back`), and the next step reads a decode row's input from it, so a sampled id never
   has to visit the host before the step that consumes it.
+- `params` (gpu/sampling/params_table.py): each slot's temperature, top_k, top_p and min_p,
+  written once when the sequence gets its slot; a step's draws gather theirs on the device.
 
 Slots are recycled through a free list: adding, removing or forking a sequence is a handful of
 indexed copies, never a rebuild. When more sequences are live than rows exist (forks can take a
@@ -22,6 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from conveyor.gpu.sampling.params_table import ParamsTable
+from conveyor.wire.messages import SamplingParams
 
 
 class PersistentBatch:
@@ -37,6 +42,7 @@ class PersistentBatch:
         self._free: list[int] = []
         self._dirty: set[int] = set()  # rows whose host table changed since the last sync
         self.num_rows = 0
+        self.params = ParamsTable(0, device)
         self._allocate(max(1, max_rows))
 
     def _allocate(self, num_rows: int) -> None:
@@ -52,14 +58,15 @@ class PersistentBatch:
         self.host_tables_np = host.numpy()
         self.block_tables = host if self.device.type == "cpu" else host.to(self.device)
         self.last_token = last
+        self.params.resize(num_rows)
         self._free.extend(range(num_rows - 1, old_rows - 1, -1))  # lowest row first
         self.num_rows = num_rows
 
     # --- rows -----------------------------------------------------------------------------
 
-    def add(self, seq_id: int, block_table: list[int]) -> int:
+    def add(self, seq_id: int, block_table: list[int], params: SamplingParams | None = None) -> int:
         """A row for `seq_id` (a known id is replaced: a resume after preemption) holding
-        `block_table`; returns its slot."""
+        `block_table` and `params` (None: a fork, which copies its parent's); returns its slot."""
         if seq_id in self.slots:
             self.remove(seq_id)
         if len(block_table) > self.max_blocks:
@@ -72,6 +79,8 @@ class PersistentBatch:
         row[:] = 0
         row[: len(block_table)] = block_table
         self._dirty.add(slot)
+        if params is not None:
+            self.params.set(slot, params)
         return slot
 
     def remove(self, seq_id: int) -> None:
@@ -86,6 +95,7 @@ class PersistentBatch:
         parent_slot = self.slots[parent]
         slot = self.add(child, [])
         self.host_tables_np[slot] = self.host_tables_np[parent_slot]
+        self.params.copy_row(parent_slot, slot)
         return slot
 
     def set_blocks(self, seq_id: int, start: int, block_ids: list[int]) -> None:

@@ -201,7 +201,7 @@ class ModelRunner:
                 self.batch.remove(seq_id)
         for new in plan.new_seqs:
             self.seqs[new.seq_id] = self._register(new)
-            self.batch.add(new.seq_id, [])
+            self.batch.add(new.seq_id, [], new.params)
         self.attn.copy_blocks(self.kv_caches, plan.copy_blocks)
         if not plan.scheduled:
             return None
@@ -309,7 +309,12 @@ class ModelRunner:
                             [rows[i].index, *(f.index for f in row_forks)], rows[i].num_output_tokens)
                 for i, row_forks in zip(sampling, forks)
             ]  # fmt: skip
-            samples = draw_step(logits, sampling_rows, self.config.model.eos_token_ids)
+            # Each draw's parameters, from its row's slot (a fork draws with its parent's).
+            param_slots = [
+                self.batch.slots[plan.scheduled[active[i]].seq_id] for i, f in zip(sampling, forks) for _ in range(1 + len(f))
+            ]
+            draw_params = self.batch.params.gather(_up(torch.tensor(param_slots, dtype=torch.int64), self.device))
+            samples = draw_step(logits, sampling_rows, self.config.model.eos_token_ids, draw_params)
         for seq, n in zip(rows, num_computed):
             seq.num_computed += n
         for i in sampling:
@@ -451,7 +456,7 @@ class ModelRunner:
         for step in steps:
             batch = PersistentBatch(len(step.query_lens), self.max_blocks_per_seq, self.device)
             specs = [
-                RowSpec(batch.add(i, list(table)), n - q, n, [0] * n, samples=True)
+                RowSpec(batch.add(i, list(table), params), n - q, n, [0] * n, samples=True)
                 for i, (q, n, table) in enumerate(zip(step.query_lens, step.seq_lens, step.block_tables))
             ]
             batch.sync()

@@ -271,3 +271,31 @@ def test_the_python_api_gives_the_same_outputs_for_any_number_of_steps(default_m
         ]
     assert outputs[1] == outputs[4] == outputs[8]
     assert [len(c[0]) for c in outputs[1][0]] == [13] and [len(c[0]) for c in outputs[1][1]] == [9, 9]
+
+
+def test_draws_read_their_parameters_from_the_batch():
+    """The sampler reading temperature, top_k, top_p and min_p from the persistent batch's table
+    draws what it draws from the host's SamplingParams (same uniforms: every draw seeded)."""
+    from conveyor.gpu.sampling import sample
+
+    asks = [
+        SamplingParams(temperature=0.7, top_k=5, seed=1),
+        SamplingParams(temperature=0.0, seed=2),
+        SamplingParams(temperature=1.3, top_p=0.8, min_p=0.05, seed=3),
+        SamplingParams(temperature=1.0, top_k=10_000, seed=4),  # past the vocabulary: no limit
+        SamplingParams(temperature=0.5, top_k=3, top_p=0.5, seed=5),
+    ]
+    batch = PersistentBatch(2, 4, torch.device("cpu"))  # grows past its 2 rows
+    slots = [batch.add(i, [], p) for i, p in enumerate(asks)]
+    forked = batch.fork(4, 9)  # a fork draws with its parent's parameters
+    assert batch.params.top_k[forked] == 3 and batch.params.temperature[forked] == 0.5
+    logits = torch.randn(len(asks), 64, generator=torch.Generator().manual_seed(0)) * 3
+    table = batch.params.gather(torch.tensor(slots))
+    for step in range(3):
+        expected, valid = sample(logits, asks, [step] * 5)
+        got, got_valid = sample(logits, asks, [step] * 5, draw_params=table)
+        assert torch.equal(got, expected) and torch.equal(got_valid, valid)
+    wrong = batch.params.gather(torch.tensor(slots[::-1]))  # the parameters do matter
+    assert not all(
+        torch.equal(sample(logits, asks, [s] * 5, draw_params=wrong)[0], sample(logits, asks, [s] * 5)[0]) for s in range(3)
+    )

@@ -18,6 +18,7 @@ import dataclasses
 import torch
 
 from conveyor.gpu.sampling.model_logprobs import sampled_logprobs, top_logprobs
+from conveyor.gpu.sampling.params_table import DrawParams
 from conveyor.gpu.sampling.penalties import apply_penalties
 from conveyor.gpu.sampling.sampler import sample
 from conveyor.gpu.sampling.transfer import to_device, to_host
@@ -78,9 +79,11 @@ def sample_step(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tu
     return samples.on_host(to_host(*samples.tensors()))
 
 
-def draw_step(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tuple[int, ...]) -> DeviceSamples:
+def draw_step(
+    logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tuple[int, ...], draw_params: DrawParams | None = None
+) -> DeviceSamples:
     """logits [S, V] float32 as the model gave them, row i for rows[i] -> the draws, on the device
-    (no synchronisation)."""
+    (no synchronisation). draw_params: each draw's parameters already on the device, in draw order."""
     device = logits.device
     params, output_indices, choice_indices, logit_rows = [], [], [], []
     for r, row in enumerate(rows):
@@ -94,7 +97,7 @@ def draw_step(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tupl
     row_params, num_prompt = [r.params for r in rows], [r.num_prompt_tokens for r in rows]
     num_outputs = [r.num_output_tokens for r in rows]
     edited = apply_penalties(logits, row_params, [r.token_ids for r in rows], num_prompt, eos_token_ids, num_outputs)
-    token_ids, valid = sample(edited, params, output_indices, choice_indices, draw_rows)  # [N] int64, [N] bool
+    token_ids, valid = sample(edited, params, output_indices, choice_indices, draw_rows, draw_params)  # [N] int64, [N] bool
     logprobs = sampled_logprobs(logits, token_ids, draw_rows)  # [N] float32
 
     wanted = [r for r, row in enumerate(rows) if row.params.logprobs is not None]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from conveyor.gpu.sampling.filters import filter_min_p, filter_top_k_top_p
+from conveyor.gpu.sampling.params_table import DrawParams
 from conveyor.gpu.sampling.transfer import to_device
 from conveyor.wire.messages import SamplingParams
 
@@ -39,10 +40,13 @@ def sample(
     output_indices: list[int],
     choice_indices: list[int] | None = None,
     logit_rows: torch.Tensor | None = None,
+    draw_params: DrawParams | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [S, V] float32. Draw i reads logits row logit_rows[i] ([N] int64 on the logits'
     device; None: row i, N = S) with params[i]; output_indices[i] is which output token it draws
-    (0 = first), choice_indices[i] its choice index in the request (None: all 0).
+    (0 = first), choice_indices[i] its choice index in the request (None: all 0). draw_params:
+    the same parameters already on the device (the persistent batch's ParamsTable), so nothing
+    of them goes up this step; None: copied up from `params`.
 
     Returns (ids [N] int64, valid [N] bool) on the logits' device; an invalid draw's id is 0.
     """
@@ -55,15 +59,18 @@ def sample(
     choice_indices = choice_indices or [0] * len(params)
     device = logits.device
     # Greedy rows run through the sampling math with temperature 1 and are replaced at the end.
-    temps = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)[:, None]
+    if draw_params is not None:
+        temps = draw_params.temperature[:, None]
+    else:
+        temps = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)[:, None]
     # [N, V]: a fresh tensor either way, so everything below may work in place (the caller's logits
     # still give the logprobs); each [N, V] temporary costs a pass over memory at 128k vocabularies.
     logits = logits / temps if logit_rows is None else logits[logit_rows].div_(temps)
-    logits = filter_top_k_top_p(logits, params)
+    logits = filter_top_k_top_p(logits, params, draw_params)
     greedy_ids = logits.argmax(dim=-1) if any(greedy) else None  # before exp, which can tie near the max
     # Unnormalised probabilities exp(x - row max): the draw compares the running sum with u times the
     # total, so softmax's division is not needed, and NaN, +inf or a row of -inf still give NaN.
-    probs = filter_min_p(logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_(), params)  # filtered entries are 0
+    probs = filter_min_p(logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_(), params, draw_params)  # filtered entries are 0
     cdf = probs.cumsum_(dim=-1)  # [N, V], non-decreasing (sums of non-negative floats)
     total = cdf[:, -1:]  # [N, 1]; at least the row max's own 1 (every filter keeps it); NaN: nothing to draw
     valid = (total > 0).squeeze(1)  # [N]; False for NaN
