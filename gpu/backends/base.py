@@ -11,9 +11,12 @@ Who calls what, per step (gpu/runner.py, then the model):
    `attn.bytes_per_block(block_size)`), and `ops.prepare(model)` after the weights are loaded;
 2. runner, per plan: `attn.copy_blocks(kv_caches, pairs)` (copy-on-write), then
    `meta = attn.build_metadata(query_lens, seq_lens, block_tables, positions, block_size, sliding_window)`;
-3. each layer: `attn.forward(q, k, v, kv_caches[layer], meta, scale)`, which writes the step's
-   new k/v (`write_kv`) and attends (`attend`) over a mixed step: decode rows (one query) and
-   prompt chunks (several, possibly after cached context) in one call.
+3. each layer: `attn.forward(q, k, v, kv_caches[layer], attn.for_window(meta, window), scale)`,
+   which writes the step's new k/v (`write_kv`) and attends (`attend`) over a mixed step: decode
+   rows (one query) and prompt chunks (several, possibly after cached context) in one call.
+   `for_window` is `meta` itself for a layer whose window is the step's; a model whose layers
+   differ (Gemma 2/3, Qwen2 with max_window_layers) gets the metadata of each other window built
+   once per step, on its first layer's call, and kept on `meta` (`by_window`) for the others.
 A decode step replayed from a CUDA graph (gpu/cuda_graphs.py) skips 2's build_metadata: its
 metadata is built once per graph with `attn.build_graph_metadata(...)` over static buffers, and
 only where `attn.supports_cuda_graphs` (the triton backend).
@@ -21,7 +24,9 @@ only where `attn.supports_cuda_graphs` (the triton backend).
 Tokens are flattened across rows ("varlen"): a step of B rows has T = sum(query_lens) tokens;
 row r owns tokens [query_start_loc[r], query_start_loc[r + 1]); its query j sits at position
 seq_lens[r] - query_lens[r] + j, attends causally to positions <= its own, and with a sliding
-window W sees only the W positions ending at its own (itself included).
+window W sees only the W positions ending at its own (itself included). A backend reads the
+model's attention logit soft-cap (`softcap`, Gemma 2: scores -> cap * tanh(scores / cap) after the
+scale, before the mask and softmax) from the config it was built with.
 
 The KV cache is one tensor per layer whose dim 0 is keys/values and dim 1 is blocks
 ([2, num_blocks, ...]): the layout inside a block is the backend's own (`kv_layout`), and only
@@ -61,6 +66,9 @@ class AttentionMetadata:
     max_seq_len: int
     host_query_lens: list[int]  # the same as query_lens, on the host
     host_seq_lens: list[int]
+    # The same step's metadata for the other windows its layers use, filled by
+    # AttentionBackend.for_window on first use; a CUDA graph's static metadata keeps its own.
+    by_window: dict[int | None, AttentionMetadata] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def build_common(
@@ -113,6 +121,7 @@ class AttentionBackend(abc.ABC):
         self.num_kv_heads = model.num_kv_heads
         self.head_dim = model.head_dim
         self.dtype: torch.dtype = getattr(torch, model.dtype)
+        self.softcap: float | None = model.attn_logit_softcap
 
     kv_layout: str = "[2, num_blocks, block_size, Hkv, D]"  # for docs and logs; the backend's own
 
@@ -183,6 +192,21 @@ class AttentionBackend(abc.ABC):
         [B, max_blocks] int32 and positions [T] int64 on the device. Override to add fields."""
         return AttentionMetadata.build_common(query_lens, seq_lens, block_tables, positions, block_size, sliding_window)
 
+    def for_window(self, meta: AttentionMetadata, window: int | None) -> AttentionMetadata:
+        """`meta` for a layer with sliding window `window` (None: full attention): `meta` itself
+        when the windows agree, else its variant, built on the step's first call and kept."""
+        if window == meta.sliding_window:
+            return meta
+        if window not in meta.by_window:
+            meta.by_window[window] = self.with_window(meta, window)
+        return meta.by_window[window]
+
+    def with_window(self, meta: AttentionMetadata, window: int | None) -> AttentionMetadata:
+        """The step of `meta` with another window. Here only the field changes (the kernels read
+        the window as an argument; views of the same tensors, so a graph's static buffers stay
+        shared); override where the metadata holds masks."""
+        return dataclasses.replace(meta, sliding_window=window, by_window={})
+
     @abc.abstractmethod
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """k, v [T, Hkv, D] (rotated, model dtype) -> this layer's cache at meta.slot_mapping."""
@@ -249,6 +273,23 @@ class Ops(abc.ABC):
     @abc.abstractmethod
     def linear(self, x: torch.Tensor, layer: LinearLayer) -> torch.Tensor:
         """x [T, in] -> x @ layer.weight.T + layer.bias, [T, out]."""
+
+    def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate, up [T, I] -> gelu(gate, tanh approximation) * up [T, I] (Gemma's GeGLU, HF's
+        gelu_pytorch_tanh); may overwrite gate. The default is torch's, on any device."""
+        return torch.nn.functional.gelu(gate, approximate="tanh").mul_(up)
+
+    def moe_experts(
+        self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts of a mixture-of-experts block (gpu/models/moe.py): x [T, H], gate_up
+        [E, 2I, H] (each expert's gate rows, then its up rows), down [E, H, I], topk_ids [T, K],
+        topk_weights [T, K] -> [T, H] in x's dtype: for each token, the sum over its K experts e of
+        weight * down[e] @ (silu(gate[e] @ x) * (up[e] @ x)). The default is torch's, tokens
+        grouped by expert (gpu/backends/torch/moe.py)."""
+        from conveyor.gpu.backends.torch.moe import grouped_moe  # here, not at the top: that package imports this module
+
+        return grouped_moe(x, gate_up, down, topk_weights, topk_ids)
 
 
 class BackendUnavailable(RuntimeError):
