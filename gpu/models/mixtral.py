@@ -1,0 +1,117 @@
+"""The mixture-of-experts decoder, and MixtralForCausalLM on it.
+
+A decoder layer is Llama's (gpu/models/llama.py: pre-norm attention, then pre-norm feed-forward,
+the residual add folded into the next norm) whose feed-forward is a SparseMoeBlock
+(gpu/models/moe.py) on its sparse layers and a dense MLP elsewhere. Families differ in their
+attention class (Qwen3-MoE's normalises q and k per head: gpu/models/qwen3_moe.py) and in
+MoeConfig (routing, shared experts, which layers are sparse, the block's name).
+
+Mixtral is Mistral's attention (GQA, an optional sliding window, no biases) with a
+`block_sparse_moe` block in every layer: 8 experts, top 2, renormalised.
+
+The model takes the dense fields from ModelConfig and the MoE fields as a MoeConfig; without
+one it reads them from the checkpoint's config.json (`ModelConfig.path`), so the model registry
+can build it with the same (config, rope_device, backend) call as every other family.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from conveyor.config.errors import ConfigError
+from conveyor.config.model import ModelConfig
+from conveyor.gpu.backends.base import AttentionMetadata, Backend
+from conveyor.gpu.models.llama import MLP, Attention, Linear, RMSNorm
+from conveyor.gpu.models.moe import MoeConfig, SparseMoeBlock, moe_fields
+from conveyor.gpu.rope import RotaryEmbedding
+
+
+class MoeDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, moe: MoeConfig, index: int, backend: Backend, attention: type[Attention]) -> None:
+        super().__init__()
+        self.self_attn = attention(config, backend.ops, backend.attn)
+        # The checkpoint's module name: Mixtral's block is `block_sparse_moe`, a Qwen dense layer's `mlp`.
+        self.feed_forward_name = moe.block_name if index in moe.sparse_layers else "mlp"
+        block = SparseMoeBlock(config, moe, backend.ops) if index in moe.sparse_layers else MLP(config, backend.ops)
+        self.add_module(self.feed_forward_name, block)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
+
+    def forward(self, x, residual, positions, rope, meta, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """As llama.DecoderLayer: (the last sublayer's output [T, H], the stream before it, None in
+        the first layer) -> (this layer's feed-forward output, the stream before it)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rope, meta, kv_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return getattr(self, self.feed_forward_name)(h), residual
+
+
+class MoeDecoderModel(nn.Module):
+    """The `model.` prefix of the checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig, moe: MoeConfig, backend: Backend, attention: type[Attention]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(MoeDecoderLayer(config, moe, i, backend, attention) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
+
+
+class MoeForCausalLM(nn.Module):
+    """The interface of llama.LlamaForCausalLM (forward, compute_logits; model, lm_head, rope,
+    backend, config) over MoE layers. Subclasses name their attention class."""
+
+    attention: type[Attention] = Attention
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        rope_device: torch.device | str = "cpu",
+        backend: Backend | None = None,
+        moe: MoeConfig | None = None,
+    ) -> None:
+        super().__init__()
+        if backend is None:
+            from conveyor.gpu.backends import torch_backend
+
+            backend = torch_backend(config, rope_device)
+        self.config, self.backend = config, backend
+        self.moe = moe or read_moe_config(config)
+        self.model = MoeDecoderModel(config, self.moe, backend, self.attention)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, backend.ops)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = RotaryEmbedding.from_config(config, rope_device)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
+    ) -> torch.Tensor:
+        """input_ids, positions [T] int64; kv_caches one per layer -> [T, H]."""
+        x, residual = self.model.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, self.rope, meta, kv_cache)
+        return self.model.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32 (the matmul runs in the model dtype, as HF)."""
+        return self.lm_head(hidden).float()
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    attention = Attention
+
+
+def read_moe_config(config: ModelConfig) -> MoeConfig:
+    """The MoeConfig of the checkpoint at config.path (its config.json)."""
+    path = Path(config.path) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    return moe_fields(hf)

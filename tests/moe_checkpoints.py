@@ -1,0 +1,103 @@
+"""Tiny random mixture-of-experts checkpoints, built and saved with transformers itself.
+
+Variants (the dense fields of tests/gpu_checkpoints.py; intermediate_size 128 is Mixtral's expert
+size and the Qwen dense layers'): Mixtral (8 experts, top 2, renormalised); Qwen3-MoE with norm_topk_prob off and on
+(4 and 8 experts; the norm-on one makes layer 0 dense through mlp_only_layers); Qwen2-MoE (a
+shared expert, dense and sparse layers by decoder_sparse_step 2). Every parameter is drawn again
+after construction: biases and norms too (HF initialises them to 0 and 1), and routers at a larger
+scale so the top-k choices have clear margins (a near tie could flip between two correct
+implementations).
+
+ModelConfig.from_pretrained refuses these architectures until they are registered (config table
+and model registry), so `model_config` reads the dense fields through a twin config.json naming a
+dense architecture whose fields mean the same, then puts the real path and architecture back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from conveyor.config import ModelConfig
+from tests.gpu_checkpoints import COMMON_FIELDS, INITIALIZER_RANGE
+
+_ROOT = tempfile.TemporaryDirectory(prefix="conveyor-moe-ckpt-")
+
+
+def _configs() -> dict[str, transformers.PretrainedConfig]:
+    return {
+        "mixtral": transformers.MixtralConfig(**COMMON_FIELDS, num_local_experts=8, num_experts_per_tok=2),
+        "qwen3_moe": transformers.Qwen3MoeConfig(
+            **COMMON_FIELDS, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False
+        ),
+        "qwen3_moe_norm": transformers.Qwen3MoeConfig(
+            **COMMON_FIELDS,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+        "qwen2_moe": transformers.Qwen2MoeConfig(
+            **COMMON_FIELDS,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=2,
+        ),
+    }
+
+
+MOE_ARCHS = tuple(_configs())
+_MODEL_CLASSES: dict[str, type[transformers.PreTrainedModel]] = {
+    "mixtral": transformers.MixtralForCausalLM,
+    "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+    "qwen3_moe_norm": transformers.Qwen3MoeForCausalLM,
+    "qwen2_moe": transformers.Qwen2MoeForCausalLM,
+}
+# The dense architecture whose config.json fields ModelConfig reads as the MoE one means them.
+_DENSE_TWIN = {"mixtral": "MistralForCausalLM", "qwen3_moe": "LlamaForCausalLM", "qwen2_moe": "Qwen2ForCausalLM"}
+
+
+@functools.cache
+def checkpoint(name: str) -> Path:
+    """Path of the saved checkpoint `name` (one of MOE_ARCHS)."""
+    torch.manual_seed(4321)
+    model = _MODEL_CLASSES[name](_configs()[name])
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if "norm" in pname:
+                param.uniform_(0.5, 1.5)
+            elif pname.endswith("gate.weight"):  # routers (and Qwen2-MoE's shared-expert gate)
+                param.normal_(0.0, 0.5)
+            else:
+                param.normal_(0.0, INITIALIZER_RANGE)
+    path = Path(_ROOT.name) / name
+    model.save_pretrained(path)
+    return path
+
+
+def hf_model(name: str) -> transformers.PreTrainedModel:
+    return _MODEL_CLASSES[name].from_pretrained(checkpoint(name), dtype=torch.float32).eval()
+
+
+def model_config(name: str) -> ModelConfig:
+    path = checkpoint(name)
+    hf = json.loads((path / "config.json").read_text())
+    twin = Path(_ROOT.name) / f"{name}-dense-twin"
+    twin.mkdir(exist_ok=True)
+    (twin / "config.json").write_text(json.dumps({**hf, "architectures": [_DENSE_TWIN[name.removesuffix("_norm")]]}))
+    return dataclasses.replace(ModelConfig.from_pretrained(twin), path=str(path), architecture=hf["architectures"][0])
+
+
+def checkpoint_tensors(name: str) -> list[tuple[str, torch.Tensor]]:
+    return list(load_file(checkpoint(name) / "model.safetensors").items())
