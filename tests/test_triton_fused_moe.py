@@ -19,6 +19,7 @@ from tests.triton_compile import compile_for_sm90
 pytest.importorskip("triton")
 
 from conveyor.gpu.backends.torch import TorchOps  # noqa: E402
+from conveyor.gpu.backends.triton.backend import TritonAttention, TritonOps  # noqa: E402
 from conveyor.gpu.backends.triton.fused_moe import fused_moe, sort_by_expert  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -88,15 +89,23 @@ def test_rejects_mismatched_inputs():
         fused_moe(x.t(), gate_up, down, weights, ids)
 
 
-class _FusedMoeOps(TorchOps):
-    """The torch ops with the Triton experts: the model's forward through the kernel."""
-
+class _TorchOpsWithFusedMoe(TorchOps):
     def moe_experts(self, x, gate_up, down, topk_weights, topk_ids):
         return fused_moe(x, gate_up, down, topk_weights, topk_ids)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
-def test_model_logits_through_the_kernel_match_hf(name):
+class _TritonOpsWithFusedMoe(TritonOps):
+    def moe_experts(self, x, gate_up, down, topk_weights, topk_ids):
+        return fused_moe(x, gate_up, down, topk_weights, topk_ids)
+
+
+@pytest.mark.parametrize(
+    ("name", "backend_name"), [("mixtral", "torch"), ("qwen2_moe", "torch"), ("qwen3_moe_norm", "triton"), ("mixtral", "triton")]
+)
+def test_model_logits_through_the_kernel_match_hf(name, backend_name):
+    """The models' forward with the experts in the kernel: on the torch backend otherwise, and on
+    the whole Triton backend (paged attention, norms incl. Qwen3's per-head q/k norms, rotary,
+    SiLU x up), as TritonOps would run them once it routes moe_experts to the kernel."""
     from conveyor.gpu.backends import Backend
     from conveyor.gpu.backends.torch import TorchAttention
     from tests.moe_checkpoints import hf_model, model_config
@@ -104,7 +113,11 @@ def test_model_logits_through_the_kernel_match_hf(name):
     from tests.test_moe import build
 
     config = model_config(name)
-    backend = Backend("torch", TorchAttention(config, torch.device("cpu")), _FusedMoeOps(), "torch with the Triton experts")
+    cpu = torch.device("cpu")
+    if backend_name == "torch":
+        backend = Backend("torch", TorchAttention(config, cpu), _TorchOpsWithFusedMoe(), "torch with the Triton experts")
+    else:
+        backend = Backend("triton", TritonAttention(config, cpu), _TritonOpsWithFusedMoe(), "triton with the Triton experts")
     model = build(name, backend)
     lengths = [9, 1, 14]
     ours = forward_prompts(model, config, random_prompts(lengths, seed=4))

@@ -35,6 +35,11 @@ from conveyor.gpu.backends.base import Ops
 from conveyor.gpu.models.llama import MLP, Linear
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+# transformers' config defaults, which save_pretrained leaves out of config.json.
+_QWEN_DEFAULTS = {
+    "Qwen3MoeForCausalLM": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
+    "Qwen2MoeForCausalLM": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +57,7 @@ class MoeConfig:
 
 def moe_fields(hf: dict[str, Any]) -> MoeConfig:
     """The MoE part of a checkpoint's config.json (the rest is ModelConfig's). Missing keys take
-    transformers' defaults for the family, since save_pretrained leaves defaults out."""
+    transformers' defaults for the family (Mixtral: 8 experts, top 2)."""
     arch = next((a for a in hf.get("architectures") or [] if a in MOE_ARCHITECTURES), None)
     if arch is None:
         raise ConfigError(
@@ -75,17 +80,18 @@ def moe_fields(hf: dict[str, Any]) -> MoeConfig:
                 expert_projections=("w1", "w3", "w2"),
             )
         else:
+            defaults = _QWEN_DEFAULTS[arch]
+            # Only Qwen2-MoE has a shared expert (transformers' default size: 5632).
+            shared = int(hf.get("shared_expert_intermediate_size", 5632)) if arch == "Qwen2MoeForCausalLM" else 0
             step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or ())
-            num_experts = _num_experts(hf, 128 if arch == "Qwen3MoeForCausalLM" else 60)
+            num_experts = _num_experts(hf, defaults["num_experts"])
             cfg = MoeConfig(
                 num_experts=num_experts,
-                top_k=int(hf.get("num_experts_per_tok", 8 if arch == "Qwen3MoeForCausalLM" else 4)),
-                moe_intermediate_size=int(hf.get("moe_intermediate_size", 768 if arch == "Qwen3MoeForCausalLM" else 1408)),
+                top_k=int(hf.get("num_experts_per_tok", defaults["num_experts_per_tok"])),
+                moe_intermediate_size=int(hf.get("moe_intermediate_size", defaults["moe_intermediate_size"])),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                 float32_weights=False,
-                shared_expert_intermediate_size=0
-                if arch == "Qwen3MoeForCausalLM"
-                else int(hf.get("shared_expert_intermediate_size", 5632)),
+                shared_expert_intermediate_size=shared,
                 sparse_layers=tuple(i for i in range(num_layers) if num_experts > 0 and (i + 1) % step == 0 and i not in dense),
                 block_name="mlp",
                 expert_projections=("gate_proj", "up_proj", "down_proj"),
