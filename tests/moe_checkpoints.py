@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -26,6 +27,8 @@ import transformers
 from safetensors.torch import load_file
 
 from conveyor.config import ModelConfig
+from conveyor.tiny.checkpoint import make_checkpoint
+from conveyor.tiny.tokenizer import VOCAB_SIZE
 from tests.gpu_checkpoints import COMMON_FIELDS, INITIALIZER_RANGE
 
 _ROOT = tempfile.TemporaryDirectory(prefix="conveyor-moe-ckpt-")
@@ -58,6 +61,7 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
 
 
 MOE_ARCHS = tuple(_configs())
+_CONFIGS_WITH_TOKENIZER = {"mixtral_tokenizer": "mixtral"}  # vocab 4096: conveyor.tiny's tokenizer fits it
 _MODEL_CLASSES: dict[str, type[transformers.PreTrainedModel]] = {
     "mixtral": transformers.MixtralForCausalLM,
     "qwen3_moe": transformers.Qwen3MoeForCausalLM,
@@ -70,9 +74,14 @@ _DENSE_TWIN = {"mixtral": "MistralForCausalLM", "qwen3_moe": "LlamaForCausalLM",
 
 @functools.cache
 def checkpoint(name: str) -> Path:
-    """Path of the saved checkpoint `name` (one of MOE_ARCHS)."""
+    """Path of the saved checkpoint `name`: one of MOE_ARCHS, or "mixtral_tokenizer" (Mixtral with
+    a 4096-token vocabulary and conveyor.tiny's tokenizer files, for the Python API)."""
+    base = _CONFIGS_WITH_TOKENIZER.get(name, name)
+    config = _configs()[base]
+    if name in _CONFIGS_WITH_TOKENIZER:
+        config.vocab_size = VOCAB_SIZE
     torch.manual_seed(4321)
-    model = _MODEL_CLASSES[name](_configs()[name])
+    model = _MODEL_CLASSES[base](config)
     with torch.no_grad():
         for pname, param in model.named_parameters():
             if "norm" in pname:
@@ -83,11 +92,15 @@ def checkpoint(name: str) -> Path:
                 param.normal_(0.0, INITIALIZER_RANGE)
     path = Path(_ROOT.name) / name
     model.save_pretrained(path)
+    if name in _CONFIGS_WITH_TOKENIZER:
+        tiny = make_checkpoint(Path(_ROOT.name) / "tiny-tokenizer", hidden_size=32, intermediate_size=32, num_hidden_layers=1)
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tiny / file, path / file)
     return path
 
 
 def hf_model(name: str) -> transformers.PreTrainedModel:
-    return _MODEL_CLASSES[name].from_pretrained(checkpoint(name), dtype=torch.float32).eval()
+    return _MODEL_CLASSES[_CONFIGS_WITH_TOKENIZER.get(name, name)].from_pretrained(checkpoint(name), dtype=torch.float32).eval()
 
 
 def model_config(name: str) -> ModelConfig:
@@ -95,7 +108,8 @@ def model_config(name: str) -> ModelConfig:
     hf = json.loads((path / "config.json").read_text())
     twin = Path(_ROOT.name) / f"{name}-dense-twin"
     twin.mkdir(exist_ok=True)
-    (twin / "config.json").write_text(json.dumps({**hf, "architectures": [_DENSE_TWIN[name.removesuffix("_norm")]]}))
+    dense = _DENSE_TWIN[_CONFIGS_WITH_TOKENIZER.get(name, name).removesuffix("_norm")]
+    (twin / "config.json").write_text(json.dumps({**hf, "architectures": [dense]}))
     return dataclasses.replace(ModelConfig.from_pretrained(twin), path=str(path), architecture=hf["architectures"][0])
 
 
