@@ -33,7 +33,7 @@ OUR_CLASSES: dict[str, type[MoeForCausalLM]] = {
 def build(name: str, backend=None) -> MoeForCausalLM:
     config = model_config(name)
     model = OUR_CLASSES[config.architecture](config, "cpu", backend)
-    load_moe_weights(model, checkpoint_tensors(name), model.moe)
+    model.load_checkpoint_tensors(checkpoint_tensors(name))
     return model.eval().requires_grad_(False)
 
 
@@ -175,7 +175,7 @@ def test_greedy_through_the_runner_matches_hf(name, monkeypatch):
     config = model_config(name)
     arch = config.architecture
     monkeypatch.setitem(gpu_models.MODEL_CLASSES, arch, OUR_CLASSES[arch])
-    monkeypatch.setattr(loader, "load_weights", lambda model, path: load_moe_weights(model, checkpoint_tensors(name), model.moe))
+    monkeypatch.setattr(loader, "load_weights", lambda model, path: model.load_checkpoint_tensors(checkpoint_tensors(name)))
     engine = EngineConfig(model=config, cache=CacheConfig(block_size=4, num_kv_blocks=256), parallel=ParallelConfig(device="cpu"))
     runner = ModelRunner(engine)
     runner.initialize_cache(runner.num_available_blocks())
@@ -201,7 +201,7 @@ def test_python_api_greedy_matches_hf(monkeypatch):
     config = model_config(name)
     monkeypatch.setattr(ModelConfig, "from_pretrained", classmethod(lambda cls, path, **kw: config))
     monkeypatch.setitem(gpu_models.MODEL_CLASSES, config.architecture, MixtralForCausalLM)
-    monkeypatch.setattr(loader, "load_weights", lambda model, path: load_moe_weights(model, checkpoint_tensors(name), model.moe))
+    monkeypatch.setattr(loader, "load_weights", lambda model, path: model.load_checkpoint_tensors(checkpoint_tensors(name)))
     llm = LLM(config.path, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64)
     prompts = ["Hello", "The quick brown fox jumps over the lazy dog, and then it runs back home again.", "Dear team"]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))

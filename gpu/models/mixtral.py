@@ -11,12 +11,15 @@ Mixtral is Mistral's attention (GQA, an optional sliding window, no biases) with
 
 The model takes the dense fields from ModelConfig and the MoE fields as a MoeConfig; without
 one it reads them from the checkpoint's config.json (`ModelConfig.path`), so the model registry
-can build it with the same (config, rope_device, backend) call as every other family.
+can build it with the same (config, rope_device, backend) call as every other family. Its
+parameter names are not all the checkpoint's (the experts are stacked), so it loads through
+`load_checkpoint_tensors` rather than a name lookup.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -26,7 +29,7 @@ from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends.base import AttentionMetadata, Backend
 from conveyor.gpu.models.llama import MLP, Attention, Linear, RMSNorm
-from conveyor.gpu.models.moe import MoeConfig, SparseMoeBlock, moe_fields
+from conveyor.gpu.models.moe import MoeConfig, SparseMoeBlock, load_moe_weights, moe_fields
 from conveyor.gpu.rope import RotaryEmbedding
 
 
@@ -101,6 +104,11 @@ class MoeForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32 (the matmul runs in the model dtype, as HF)."""
         return self.lm_head(hidden).float()
+
+    def load_checkpoint_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Every parameter from the checkpoint's (name, tensor) pairs, which may stream: the
+        experts' one tensor each into their stacked rows, the rest by name (moe.load_moe_weights)."""
+        load_moe_weights(self, tensors, self.moe)
 
 
 class MixtralForCausalLM(MoeForCausalLM):
