@@ -2,8 +2,10 @@
 
 The model is built on the meta device (no random init), materialised empty on the target device
 in ModelConfig.dtype, then every parameter is filled from the checkpoint by name: our parameter
-names are the safetensors names. Either `model.safetensors` or a sharded checkpoint described by
-`model.safetensors.index.json` is read. Problems a user can cause (no weight files, a tensor
+names are the safetensors names (fused projections too: Phi-3's qkv_proj and gate_up_proj are
+fused in our model as in the checkpoint), then the family's `after_load` adjusts them once.
+Either `model.safetensors` or a sharded checkpoint described by `model.safetensors.index.json`
+is read. Problems a user can cause (no weight files, a tensor
 missing or of the wrong shape) raise ConfigError with one clear line.
 """
 
@@ -38,6 +40,8 @@ def load_model(config: ModelConfig, device: torch.device | str, backend: Backend
     if config.tie_word_embeddings:  # to_empty gives each parameter its own storage: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, config.path)
+    if hasattr(model, "after_load"):  # a family's one-time transform of its weights (Gemma's norm offset)
+        model.after_load()
     model = model.eval().requires_grad_(False)
     backend.ops.prepare(model)
     return model

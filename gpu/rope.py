@@ -1,5 +1,5 @@
 """Rotary position embeddings (RoPE) for the decoder: rope types "default", "linear", "dynamic",
-"yarn" and "llama3".
+"yarn", "llama3" and "longrope" (Phi-3).
 
 The inverse frequencies follow Hugging Face's `modeling_rope_utils` formulas so that logits match
 HF numerically. cos/sin are precomputed once for every position up to `max_positions` in float32,
@@ -18,17 +18,29 @@ rows inside the original context are exactly the default table. Two other choice
   depend on how the prompt was chunked and batched; ours do not.
 - vLLM fixes the base at the longest length (max_position_embeddings * factor) for every position,
   so it changes even the positions inside the original context; ours keep them exact.
+LongRoPE (Phi-3) is dynamic the same way: HF divides the frequencies by `short_factor` while the
+sequence fits the original context and by `long_factor` once it does not, so row p of the table
+uses long_factor where p + 1 exceeds original_max_position_embeddings (what HF's forward computes
+when called token by token), and every row is scaled by the attention factor. HF's `generate` for
+Phi-3 goes further: when a sequence first passes the original context it drops the KV cache and
+recomputes every earlier key with the long factors, so past that point its tokens can differ from
+ours (as from vLLM's, which does not recompute either). Prompts longer than the original context
+differ as under dynamic NTK.
+
+Gemma 3 rotates its windowed layers with a second, default-type table on its own base
+(`local_rope_theta`): `layer_tables` gives each layer its table, shared between layers.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from conveyor.config.model import ModelConfig
 
-RopeScaling = dict[str, float | str]
+RopeScaling = dict[str, Any]  # values: numbers, the rope_type, longrope's factor tuples
 
 
 def inverse_frequencies(head_dim: int, rope_theta: float, rope_scaling: RopeScaling) -> torch.Tensor:
@@ -45,11 +57,21 @@ def inverse_frequencies(head_dim: int, rope_theta: float, rope_scaling: RopeScal
         return _llama3_frequencies(inv_freq, rope_scaling)
     if rope_type == "yarn":
         return _yarn_frequencies(head_dim, rope_theta, rope_scaling)
+    if rope_type == "longrope":
+        return _longrope_frequencies(head_dim, rope_theta, rope_scaling["short_factor"])
     raise ValueError(f"unsupported rope_type {rope_type!r}")
 
 
-def attention_factor(rope_scaling: RopeScaling) -> float:
-    """The factor HF multiplies cos and sin by: YaRN's, from `attention_factor` or the mscales; else 1."""
+def attention_factor(rope_scaling: RopeScaling, max_positions: int | None = None) -> float:
+    """The factor HF multiplies cos and sin by: YaRN's, from `attention_factor` or the mscales;
+    LongRoPE's, from `attention_factor` or the context growth (`factor`, else
+    max_positions / original: the checkpoint's max_position_embeddings); else 1."""
+    if rope_scaling.get("rope_type") == "longrope":
+        if "attention_factor" in rope_scaling:
+            return float(rope_scaling["attention_factor"])
+        original = float(rope_scaling["original_max_position_embeddings"])
+        factor = float(rope_scaling.get("factor") or (max_positions or original) / original)
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     if rope_scaling.get("rope_type") != "yarn":
         return 1.0
     if "attention_factor" in rope_scaling:
@@ -88,6 +110,12 @@ def _llama3_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.T
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _longrope_frequencies(head_dim: int, rope_theta: float, factors: tuple[float, ...]) -> torch.Tensor:
+    """inv_freq [D/2] with each frequency divided by its own factor (in HF's order of operations)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * rope_theta**exponents)
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -130,6 +158,7 @@ class RotaryEmbedding:
         rope_scaling: RopeScaling,
         max_positions: int,
         device: torch.device | str = "cpu",
+        max_position_embeddings: int | None = None,
     ) -> None:
         # Computed on the CPU (explicitly, so a surrounding `torch.device("meta")` is ignored).
         positions = torch.arange(max_positions, dtype=torch.int64, device="cpu")
@@ -139,8 +168,12 @@ class RotaryEmbedding:
             if max_positions > original:  # rows past the original context: [P, D/2]
                 longer = dynamic_ntk_frequencies(head_dim, rope_theta, rope_scaling, positions + 1)
                 inv_freq = torch.where((positions >= original)[:, None], longer, inv_freq)
+        if rope_scaling.get("rope_type") == "longrope":
+            original = int(rope_scaling["original_max_position_embeddings"])
+            long = _longrope_frequencies(head_dim, rope_theta, rope_scaling["long_factor"])
+            inv_freq = torch.where((positions >= original)[:, None], long[None, :], inv_freq)  # [P, D/2]
         freqs = positions.float()[:, None] * inv_freq  # [P, D/2], as HF: float32 product
-        scale = attention_factor(rope_scaling)
+        scale = attention_factor(rope_scaling, max_position_embeddings)
         # [P, D]: cos in the first half, sin in the second, so one index_select serves both.
         self.cos_sin = torch.cat((freqs.cos() * scale, freqs.sin() * scale), dim=-1).to(device)
         self.head_dim = head_dim
@@ -154,4 +187,14 @@ class RotaryEmbedding:
             dict(config.rope_scaling),
             max(config.max_model_len, 1),
             device,
+            config.max_position_embeddings,
         )
+
+
+def layer_tables(config: ModelConfig, table: RotaryEmbedding, device: torch.device | str = "cpu") -> list[RotaryEmbedding]:
+    """Each layer's table: the model's `table`, except Gemma 3's windowed layers, which share one
+    on `local_rope_theta` with no scaling."""
+    if config.local_rope_theta is None:
+        return [table] * config.num_layers
+    local = RotaryEmbedding(config.head_dim, config.local_rope_theta, {"rope_type": "default"}, max(config.max_model_len, 1), device)
+    return [local if config.window_of(i) is not None else table for i in range(config.num_layers)]

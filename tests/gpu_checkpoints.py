@@ -55,6 +55,9 @@ COMMON_FIELDS = _Common(
     pad_token_id=0,
 )
 
+THREE_LAYERS = COMMON_FIELDS.copy()  # Gemma: windowed, global, windowed
+THREE_LAYERS["num_hidden_layers"] = 3
+
 
 def _configs() -> dict[str, transformers.PretrainedConfig]:
     return {
@@ -81,6 +84,60 @@ def _configs() -> dict[str, transformers.PretrainedConfig]:
             tie_word_embeddings=True,
             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
         ),
+        # a window of 16 on the layers from max_window_layers (1) on: the first layer is global.
+        "qwen2_swa": transformers.Qwen2Config(**COMMON_FIELDS, use_sliding_window=True, sliding_window=16, max_window_layers=1),
+        # q/k RMSNorm per head, biases on q/k/v/o, head_dim 32 != hidden / heads.
+        "qwen3": transformers.Qwen3Config(**COMMON_FIELDS, head_dim=32, attention_bias=True),
+        # windowed (8), global, windowed layers; GeGLU; small soft-caps so that they bind;
+        # query_pre_attn_scalar != head_dim.
+        "gemma2": transformers.Gemma2Config(
+            **THREE_LAYERS,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            attn_logit_softcapping=1.5,
+            final_logit_softcapping=4.0,
+        ),
+        # q/k norms, local (base 100) and global (base 10000, linear x2) rope, no soft-caps.
+        "gemma3": transformers.Gemma3TextConfig(
+            **THREE_LAYERS,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        ),
+        # fused qkv_proj / gate_up_proj; longrope whose original context is the whole table, so
+        # only short_factor applies (the prompt-logit tests run 488-token prompts: see phi3_long).
+        "phi3": transformers.Phi3Config(
+            **COMMON_FIELDS,
+            original_max_position_embeddings=512,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, **LONGROPE_FACTORS},
+        ),
+    }
+
+
+# Phi-3's LongRoPE factors for head_dim 16: one per rotated pair.
+LONGROPE_FACTORS = {
+    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+    "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0],
+}
+
+
+def _long_context_configs() -> dict[str, transformers.PretrainedConfig]:
+    """Variants whose behaviour changes past a short original context, so HF's whole-prompt
+    choice differs from ours on prompts longer than it: tests keep prompts inside it and
+    generate past it."""
+    return {
+        # original context 32 of 512: factor 16, long factors and attention factor past 32 tokens.
+        "phi3_long": transformers.Phi3Config(
+            **COMMON_FIELDS,
+            original_max_position_embeddings=32,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, **LONGROPE_FACTORS},
+        ),
     }
 
 
@@ -90,20 +147,26 @@ _MODEL_CLASSES: dict[str, type[transformers.PreTrainedModel]] = {
     "mistral": transformers.MistralForCausalLM,
     "mistral_swa": transformers.MistralForCausalLM,
     "qwen2": transformers.Qwen2ForCausalLM,
+    "qwen2_swa": transformers.Qwen2ForCausalLM,
+    "qwen3": transformers.Qwen3ForCausalLM,
+    "gemma2": transformers.Gemma2ForCausalLM,
+    "gemma3": transformers.Gemma3ForCausalLM,
+    "phi3": transformers.Phi3ForCausalLM,
+    "phi3_long": transformers.Phi3ForCausalLM,
 }
 
 
 @functools.cache
 def checkpoint(name: str) -> Path:
-    """Path of the saved checkpoint `name` (one of ARCHS)."""
+    """Path of the saved checkpoint `name` (one of ARCHS, or of _long_context_configs)."""
     torch.manual_seed(1234)
-    model = _MODEL_CLASSES[name](_configs()[name])
+    model = _MODEL_CLASSES[name]({**_configs(), **_long_context_configs()}[name])
     with torch.no_grad():
         for pname, param in model.named_parameters():
             if pname.endswith("bias"):
                 param.normal_(0.0, INITIALIZER_RANGE)
-            elif "norm" in pname:
-                param.uniform_(0.5, 1.5)
+            elif "norm" in pname:  # Gemma's norms scale by 1 + weight: centred on 0 there
+                param.uniform_(-0.5, 0.5) if name.startswith("gemma") else param.uniform_(0.5, 1.5)
     path = Path(_ROOT.name) / name
     model.save_pretrained(path)
     return path

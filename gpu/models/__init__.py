@@ -1,21 +1,34 @@
 """Model implementations, chosen by the checkpoint's architecture name.
 
-All supported architectures share one decoder; ModelConfig carries their differences.
+One file per family (config/model.py ARCHITECTURE_FAMILIES names them): llama.py (Llama,
+Mistral, Qwen2, Qwen3), gemma.py (Gemma 2, Gemma 3 text), phi3.py (Phi-3). ModelConfig carries
+the differences inside a family. A new family registers its class in MODEL_CLASSES; every class
+has LlamaForCausalLM's interface: (config, rope_device, backend) to build, `forward`,
+`compute_logits`, `after_load`, and the `model.embed_tokens` / `lm_head` the loader ties.
 """
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
+from torch import nn
 
 from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends.base import Backend
+from conveyor.gpu.models.gemma import GemmaForCausalLM
 from conveyor.gpu.models.llama import LlamaForCausalLM
+from conveyor.gpu.models.phi3 import Phi3ForCausalLM
 
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 
@@ -26,7 +39,7 @@ def build_model(config: ModelConfig, rope_device: torch.device | str = "cpu", ba
         cls = MODEL_CLASSES[config.architecture]
     except KeyError:
         raise ConfigError(f"no implementation for architecture {config.architecture!r}") from None
-    return cls(config, rope_device, backend)
+    return cast(LlamaForCausalLM, cls(config, rope_device, backend))  # LlamaForCausalLM's interface, if not its subclass
 
 
-__all__ = ["MODEL_CLASSES", "LlamaForCausalLM", "build_model"]
+__all__ = ["MODEL_CLASSES", "GemmaForCausalLM", "LlamaForCausalLM", "Phi3ForCausalLM", "build_model"]

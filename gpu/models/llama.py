@@ -1,12 +1,16 @@
-"""The decoder shared by LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM.
+"""The decoder shared by LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM,
+and the pieces the other families (gemma.py, phi3.py, mixtral.py) build on.
 
-The three differ only in what ModelConfig already says: biases on q/k/v (Qwen2) or on every
-projection (Llama attention_bias / mlp_bias), tied embeddings, a sliding window (Mistral), the
-head_dim, GQA and the rope type. Tokens are flattened across sequences ("varlen"): activations
+The four differ only in what ModelConfig already says: biases on q/k/v (Qwen2) or on every
+projection (Llama attention_bias / mlp_bias), tied embeddings, sliding windows (Mistral: every
+layer; Qwen2/3: the layers from max_window_layers on), an RMSNorm over each q and k head before
+rotary (Qwen3: `qk_norm`), the head_dim, GQA and the rope type. Tokens are flattened across sequences ("varlen"): activations
 are [T, H] and attention finds each token's sequence through AttentionMetadata.
 
 No device or backend branches: every layer calls the backend's `ops.*` (norms, rotary, SiLU x
 up, linear) and `attn.forward(...)` (gpu/backends/base.py); the backend is chosen once, outside.
+Each attention layer asks the backend for the step's metadata of its own window
+(`attn.for_window`), and rotates with its own rope table (gpu/rope.py `layer_tables`).
 
 Parameter names equal the Hugging Face safetensors names (model.layers.0.self_attn.q_proj.weight,
 ...), so loading is a name lookup. Projections are kept unfused for that reason.
@@ -19,7 +23,7 @@ from torch import nn
 
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Backend, Ops
-from conveyor.gpu.rope import RotaryEmbedding
+from conveyor.gpu.rope import RotaryEmbedding, layer_tables
 
 
 class Linear(nn.Linear):
@@ -53,18 +57,32 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, ops: Ops, attn: AttentionBackend) -> None:
+    """Layer `layer_index`'s attention: its window is config.window_of(layer_index)."""
+
+    def __init__(self, config: ModelConfig, ops: Ops, attn: AttentionBackend, layer_index: int = 0) -> None:
         super().__init__()
         self.ops, self.attn = ops, attn
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
+        self.window = config.window_of(layer_index)
+        self.make_projections(config, ops)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:  # one norm over each head's D, weights [D] shared by the heads
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops)
+
+    def make_projections(self, config: ModelConfig, ops: Ops) -> None:
         h, d = config.hidden_size, config.head_dim
         self.q_proj = Linear(h, self.num_heads * d, config.qkv_bias, ops)
         self.k_proj = Linear(h, self.num_kv_heads * d, config.qkv_bias, ops)
         self.v_proj = Linear(h, self.num_kv_heads * d, config.qkv_bias, ops)
         self.o_proj = Linear(self.num_heads * d, h, config.o_bias, ops)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, H] -> q [T, Hq * D], k, v [T, Hkv * D]."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(
         self,
@@ -74,16 +92,21 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        num_tokens, d = x.shape[0], self.head_dim
+        q, k, v = self.project(x)
+        if self.qk_norm:  # each head's [D] is one row of the norm: [T, Hq * D] -> [T * Hq, D]
+            q, k = self.q_norm(q.reshape(-1, d)), self.k_norm(k.reshape(-1, d))
+        q = q.view(num_tokens, self.num_heads, d)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, d)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, d)
         q, k = self.ops.rotary(positions, q, k, rope.cos_sin)
-        out = self.attn.forward(q, k, v, kv_cache, meta, self.scale)  # [T, Hq, D]
+        out = self.attn.forward(q, k, v, kv_cache, self.attn.for_window(meta, self.window), self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)), act SiLU or Gemma's tanh-approximated GELU."""
+
     def __init__(self, config: ModelConfig, ops: Ops) -> None:
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
@@ -91,16 +114,23 @@ class MLP(nn.Module):
         self.up_proj = Linear(h, i, bias, ops)
         self.down_proj = Linear(i, h, bias, ops)
         self.ops = ops
+        self.gelu = getattr(config, "hidden_act", "silu") == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))  # [T, I] -> [T, H]
+        act_mul = self.ops.gelu_tanh_mul if self.gelu else self.ops.silu_mul
+        return self.down_proj(act_mul(self.gate_proj(x), self.up_proj(x)))  # [T, I] -> [T, H]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+    """Pre-norm attention, then pre-norm MLP. A family with other projections names its classes."""
+
+    attention_class: type[Attention] = Attention
+    mlp_class: type[nn.Module] = MLP
+
+    def __init__(self, config: ModelConfig, backend: Backend, layer_index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend.ops, backend.attn)
-        self.mlp = MLP(config, backend.ops)
+        self.self_attn = self.attention_class(config, backend.ops, backend.attn, layer_index)
+        self.mlp = self.mlp_class(config, backend.ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
 
@@ -119,20 +149,24 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """The `model.` prefix of the checkpoint: embeddings, layers, final norm."""
 
-    def __init__(self, config: ModelConfig, backend: Backend) -> None:
+    def __init__(self, config: ModelConfig, backend: Backend, layer_class: type[nn.Module] = DecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(layer_class(config, backend, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Also serves MistralForCausalLM and Qwen2ForCausalLM (see models/__init__.py).
+    """Also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM (see models/__init__.py),
+    and is the base of the Gemma and Phi-3 families, which name their `layer_class` and override
+    the hooks `embed`, `compute_logits` and `after_load`.
 
     `backend` (gpu/backends) does the layers' ops and attention; None: the torch backend on
     `rope_device`. `rope_device` is explicit so the model can be built on the meta device (no
     init cost) while the rope table, which is computed rather than loaded, lands on the real one.
     """
+
+    layer_class: type[nn.Module] = DecoderLayer
 
     def __init__(self, config: ModelConfig, rope_device: torch.device | str = "cpu", backend: Backend | None = None) -> None:
         super().__init__()
@@ -142,11 +176,12 @@ class LlamaForCausalLM(nn.Module):
             backend = torch_backend(config, rope_device)
         self.config = config
         self.backend = backend
-        self.model = DecoderModel(config, backend)
+        self.model = DecoderModel(config, backend, self.layer_class)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, backend.ops)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding.from_config(config, rope_device)
+        self.layer_ropes = layer_tables(config, self.rope, rope_device)  # one per layer, shared
 
     def forward(
         self,
@@ -156,10 +191,18 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         """input_ids, positions [T] int64; kv_caches one per layer, [2, N, ...] in the attention backend's layout -> [T, H]."""
-        x, residual = self.model.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, self.rope, meta, kv_cache)
+        x, residual = self.embed(input_ids), None
+        for layer, rope, kv_cache in zip(self.model.layers, self.layer_ropes, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, rope, meta, kv_cache)
         return self.model.norm(x, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the first layer's input [T, H]."""
+        return self.model.embed_tokens(input_ids)
+
+    def after_load(self) -> None:
+        """Once, after the checkpoint's weights are copied in (gpu/loader.py): a family's
+        one-time transform of them. Llama's weights serve as loaded."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32 (the matmul runs in the model dtype, as HF)."""

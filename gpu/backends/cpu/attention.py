@@ -1,5 +1,6 @@
 """The cpu attention backend: the C++ paged attention of gpu/backends/cpu/kernels/paged_attention.cpp
-(float32, CPU), reading the cache in place through the block tables, no gathers, no masks.
+(float32, CPU), reading the cache in place through the block tables, no gathers, no masks; sliding windows
+and the logit soft-cap are the kernel's arguments.
 
 Cache layout: one tensor per layer, [2, num_blocks, Hkv, block_size * D] float32, the order the
 kernel reads and writes (head-major, keys transposed, values not):
@@ -32,4 +33,6 @@ class CpuAttention(AttentionBackend):
         self.kernel.write_kv(kv_cache, k, v, meta.slot_mapping)
 
     def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self.kernel(q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.sliding_window, scale)
+        return self.kernel(
+            q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.sliding_window, scale, self.softcap
+        )

@@ -8,7 +8,10 @@ attend to its whole context read back through its block table.
 Rows with one query (decodes, or a prompt's last chunk of one token) are batched by context
 length, each bucket one padded gather and one scaled_dot_product_attention call; longer rows
 (prompt chunks) run one call each. TorchMetadata is built once per step and holds the masks
-every layer shares.
+every layer shares; a model with layers of another window gets that window's masks built once
+more (`with_window`). With a logit soft-cap (Gemma 2), which scaled_dot_product_attention cannot
+apply, the same calls run as explicit products with the cap between them (`_sdpa`), in HF's
+eager order: scores in the model dtype, softmax in float32.
 """
 
 from __future__ import annotations
@@ -63,30 +66,41 @@ class TorchAttention(AttentionBackend):
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
 
     def build_metadata(self, query_lens, seq_lens, block_tables, positions, block_size, sliding_window) -> TorchMetadata:
-        num_rows = len(query_lens)
-        starts = [0] * (num_rows + 1)
-        for i, q_len in enumerate(query_lens):
-            starts[i + 1] = starts[i] + q_len
-        decode_rows = [i for i, q_len in enumerate(query_lens) if q_len == 1]
-        decodes = [
-            _decode_batch(rows, starts, seq_lens, block_tables, block_size, sliding_window)
-            for rows in _length_buckets(decode_rows, seq_lens, num_rows)
-        ]
-        prefills = [
-            _prefill_chunk(i, starts, seq_lens[i], block_tables, block_size, sliding_window)
-            for i, q_len in enumerate(query_lens)
-            if q_len > 1
-        ]
+        decodes, prefills = _plan(query_lens, seq_lens, block_tables, block_size, sliding_window)
         return TorchMetadata.build_common(
             query_lens, seq_lens, block_tables, positions, block_size, sliding_window, decodes=decodes, prefills=prefills
         )
+
+    def with_window(self, meta: AttentionMetadata, window: int | None) -> TorchMetadata:
+        assert isinstance(meta, TorchMetadata), "metadata from another backend"
+        decodes, prefills = _plan(meta.host_query_lens, meta.host_seq_lens, meta.block_tables, meta.block_size, window)
+        return dataclasses.replace(meta, sliding_window=window, decodes=decodes, prefills=prefills, by_window={})
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         write_kv(kv_cache, k, v, meta.slot_mapping)
 
     def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         assert isinstance(meta, TorchMetadata), "metadata from another backend"
-        return attend(q, k, v, kv_cache, meta, scale)
+        return attend(q, k, v, kv_cache, meta, scale, self.softcap)
+
+
+def _plan(query_lens, seq_lens, block_tables, block_size, sliding_window) -> tuple[list[DecodeBatch], list[PrefillChunk]]:
+    """The step's decode buckets and prompt chunks, with their masks for `sliding_window`."""
+    num_rows = len(query_lens)
+    starts = [0] * (num_rows + 1)
+    for i, q_len in enumerate(query_lens):
+        starts[i + 1] = starts[i] + q_len
+    decode_rows = [i for i, q_len in enumerate(query_lens) if q_len == 1]
+    decodes = [
+        _decode_batch(rows, starts, seq_lens, block_tables, block_size, sliding_window)
+        for rows in _length_buckets(decode_rows, seq_lens, num_rows)
+    ]
+    prefills = [
+        _prefill_chunk(i, starts, seq_lens[i], block_tables, block_size, sliding_window)
+        for i, q_len in enumerate(query_lens)
+        if q_len > 1
+    ]
+    return decodes, prefills
 
 
 def _length_buckets(rows: list[int], seq_lens: list[int], num_rows: int) -> list[list[int]]:
@@ -149,17 +163,17 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slot_mapping, v)
 
 
-def attend(q, k, v, kv_cache: torch.Tensor, meta: TorchMetadata, scale: float) -> torch.Tensor:
+def attend(q, k, v, kv_cache: torch.Tensor, meta: TorchMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] (rotated, already written) -> attention output [T, Hq, D]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     decodes = meta.decodes
     if len(decodes) == 1 and decodes[0].token_index is None:  # every row decodes, one bucket
-        return _attend_decodes(q, kv_cache, decodes[0], num_kv_heads, group, scale)
+        return _attend_decodes(q, kv_cache, decodes[0], num_kv_heads, group, scale, softcap)
     out = torch.empty_like(q)
     for decode in decodes:
-        out[decode.token_index] = _attend_decodes(q[decode.token_index], kv_cache, decode, num_kv_heads, group, scale)
+        out[decode.token_index] = _attend_decodes(q[decode.token_index], kv_cache, decode, num_kv_heads, group, scale, softcap)
     for chunk in meta.prefills:
         qc = q[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
         if chunk.is_fresh:  # the new k/v are the whole context: skip the gather
@@ -167,26 +181,42 @@ def attend(q, k, v, kv_cache: torch.Tensor, meta: TorchMetadata, scale: float) -
         else:  # [nb, bs, Hkv, D] -> [seq_len, Hkv, D]
             kv = kv_cache[:, chunk.block_ids].view(2, -1, num_kv_heads, head_dim)[:, : chunk.seq_len]
             kc, vc = kv[0], kv[1]
-        o = F.scaled_dot_product_attention(
-            qc,
-            kc.transpose(0, 1)[None],  # [1, Hkv, seq_len, D]
-            vc.transpose(0, 1)[None],
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            scale=scale,
-            enable_gqa=group > 1,
-        )
+        kc, vc = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]  # [1, Hkv, seq_len, D]
+        if softcap is None:
+            o = F.scaled_dot_product_attention(
+                qc, kc, vc, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=group > 1
+            )
+        else:
+            mask = (
+                chunk.mask
+                if chunk.mask is not None
+                else torch.ones(qc.shape[2], kc.shape[2], dtype=torch.bool, device=q.device).tril()
+            )
+            kc, vc = kc.repeat_interleave(group, dim=1), vc.repeat_interleave(group, dim=1)  # [1, Hq, seq_len, D]
+            o = _capped_attention(qc, kc, vc, mask, scale, softcap)
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
     return out
 
 
-def _attend_decodes(q, kv_cache, decode: DecodeBatch, num_kv_heads, group, scale) -> torch.Tensor:
+def _attend_decodes(q, kv_cache, decode: DecodeBatch, num_kv_heads, group, scale, softcap=None) -> torch.Tensor:
     """q [Bd, Hq, D] -> [Bd, Hq, D]. The `group` query heads sharing a kv head are laid out as
     that head's query rows, [Bd, Hkv, group, D], so GQA needs no repeated keys."""
     num_rows, num_heads, head_dim = q.shape
     kv = kv_cache[:, decode.block_tables]  # [2, Bd, nb, bs, Hkv, D]
     kv = kv.view(2, num_rows, -1, num_kv_heads, head_dim).transpose(2, 3)  # [2, Bd, Hkv, L, D]
-    o = F.scaled_dot_product_attention(
-        q.view(num_rows, num_kv_heads, group, head_dim), kv[0], kv[1], attn_mask=decode.mask, scale=scale
-    )
+    qg = q.view(num_rows, num_kv_heads, group, head_dim)
+    if softcap is None:
+        o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=decode.mask, scale=scale)
+    else:
+        o = _capped_attention(qg, kv[0], kv[1], decode.mask, scale, softcap)
     return o.reshape(num_rows, num_heads, head_dim)
+
+
+def _capped_attention(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """q [..., Q, D], k/v [..., L, D], mask broadcasting to [..., Q, L] (True: visible) -> [..., Q, D],
+    with scores -> softcap * tanh(scores / softcap) before the mask (Gemma 2; HF's eager order)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)

@@ -52,7 +52,14 @@ class TritonAttention(AttentionBackend):
     ) -> torch.Tensor:
         # k, v are in the cache already (write_kv ran first): the kernel reads every key from there.
         return paged_attention(
-            q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale, sliding_window=meta.sliding_window
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            sliding_window=meta.sliding_window,
+            softcap=self.softcap,
         )
 
 

@@ -6,9 +6,10 @@ this step's K/V already written (kv_write.py); block_tables [B, max_blocks] int3
 seq_lens [B] int32, each row's context after this step. Query j of a row with q_len queries sits
 at position seq_len - q_len + j, sees positions <= its own (so a chunk is causal within itself
 and sees all of its row's cached blocks), and with a sliding window W only the W positions
-ending at its own. Keys and values are read in place through the block table, one key's block
-at a time: no gather copy. Unit stride along D is required; other strides are free (q may be a
-view into a fused qkv buffer).
+ending at its own. With a soft-cap C, a score s (scaled) becomes C * tanh(s / C) first. Keys
+and values are read in place through the block table, one key's block at a time: no gather copy.
+Unit stride along D is required; other strides are free (q may be a view into a fused qkv
+buffer).
 
 Grid: (T // BLOCK_Q + B, Hkv). A program owns one tile (paged_attention_tile.py): BLOCK_Q tokens
 of one row times the Hq / Hkv query heads of one kv head, and runs the online softmax over the
@@ -53,6 +54,7 @@ def _paged_attention_kernel(
     scale_log2,
     num_rows,
     window,
+    softcap_log2,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -70,6 +72,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -92,6 +95,7 @@ def _paged_attention_kernel(
         kv_lo,
         kv_hi,
         window,
+        softcap_log2,
         scale_log2,
         stride_kv,
         stride_kb,
@@ -102,6 +106,7 @@ def _paged_attention_kernel(
         BLOCK_D,
         BLOCK_SIZE,
         HAS_WINDOW,
+        HAS_SOFTCAP,
         UPCAST,
         PRECISION,
     )
@@ -122,15 +127,17 @@ def paged_attention(
     out: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D] (written into `out` when given). num_splits: None lets
-    `choose_num_splits` decide; 1 forces this kernel, more forces split-K with that many splits."""
+    `choose_num_splits` decide; 1 forces this kernel, more forces split-K with that many splits.
+    softcap: scores -> softcap * tanh(scores / softcap) after the scale (Gemma 2); None: none."""
     check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window, out)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return out
-    tiling = Tiling.of(q, kv_cache, block_tables, sliding_window)
+    tiling = Tiling.of(q, kv_cache, block_tables, sliding_window, softcap)
     if num_splits is None:
         num_splits = choose_num_splits(q, kv_cache, block_tables)
     if num_splits > 1:
@@ -145,6 +152,7 @@ def paged_attention(
         scale * math.log2(math.e),
         tiling.num_rows,
         tiling.window,
+        tiling.softcap * math.log2(math.e),
         q.stride(0),
         q.stride(1),
         out.stride(0),

@@ -17,6 +17,7 @@ def reference_paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D], kv_cache [2, N, bs, Hkv, D] -> [T, Hq, D] in q's dtype."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
@@ -31,6 +32,8 @@ def reference_paged_attention(
         kv = kv_cache[:, blocks].reshape(2, -1, num_kv_heads, head_dim)[:, :seq_len].float()  # [2, L, Hkv, D]
         k, v = kv[0].repeat_interleave(group, 1), kv[1].repeat_interleave(group, 1)  # [L, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale  # [Hq, q_len, L]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         query_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]  # [q_len, 1]
         key_pos = torch.arange(seq_len)[None, :]  # [1, L]
         visible = key_pos <= query_pos

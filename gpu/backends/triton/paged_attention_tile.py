@@ -88,6 +88,7 @@ def attend_keys(
     kv_lo,
     kv_hi,
     window,
+    softcap_log2,  # softcap * log2(e): scores are in base 2 here
     scale_log2,
     stride_kv,
     stride_kb,
@@ -98,6 +99,7 @@ def attend_keys(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -121,6 +123,8 @@ def attend_keys(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:  # C * tanh(s / C) in base 2, tanh(y) as 1 - 2 / (e^2y + 1): saturates, no NaN
+            s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap_log2) + 1.0))
         visible = key_valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
@@ -149,12 +153,20 @@ class Tiling:
     block_n: int  # keys per loop step
     num_tiles: int  # an upper bound: T // block_q + B
     window: int  # 0 without a sliding window
+    softcap: float  # 0.0 without a logit soft-cap
     upcast: bool  # compute in float32 after loading
     precision: str | None  # tl.dot's input_precision; None: Triton's default
     num_warps: int
 
     @classmethod
-    def of(cls, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, sliding_window: int | None) -> Tiling:
+    def of(
+        cls,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        sliding_window: int | None,
+        softcap: float | None = None,
+    ) -> Tiling:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
         num_rows = block_tables.shape[0]
@@ -174,6 +186,7 @@ class Tiling:
             block_n=max(16, min(block_size, 64)),
             num_tiles=num_tokens // block_q + num_rows,
             window=sliding_window or 0,
+            softcap=float(softcap or 0.0),
             # On CPU tensors the kernels run under the interpreter, whose bf16 arithmetic is wrong.
             upcast=q.dtype == torch.bfloat16 and q.device.type != "cuda",
             # float32 caches get exact float32 products, not TF32: they are the reference precision.
@@ -191,6 +204,7 @@ class Tiling:
             BLOCK_Q=self.block_q,
             BLOCK_N=self.block_n,
             HAS_WINDOW=self.window > 0,
+            HAS_SOFTCAP=self.softcap > 0,
             UPCAST=self.upcast,
             PRECISION=self.precision,
             num_warps=self.num_warps,

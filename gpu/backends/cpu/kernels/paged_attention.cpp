@@ -20,7 +20,8 @@
 // Rows: tokens of a step are flattened ("varlen"): q and out are [T, Hq, D]; row r owns tokens
 // [query_start[r], query_start[r + 1]) and, after this step, seq_lens[r] tokens of context, so
 // its query j sits at position seq_len - q_len + j and sees positions
-// [max(0, pos + 1 - window), pos] (window 0: no sliding window).
+// [max(0, pos + 1 - window), pos] (window 0: no sliding window). With softcap > 0 (Gemma 2)
+// each scaled score s becomes softcap * tanh(s / softcap) before the mask and softmax.
 //
 // The `group` = Hq / Hkv query heads sharing a kv head read its tile one after the other, so the
 // tile comes from memory once per group and from L1 after that. Work items are decode tokens
@@ -98,6 +99,14 @@ inline v16 exp16(v16 x) {
   return x < lo ? zero : p * scale;
 }
 
+// softcap * tanh(x / softcap) for 16 lanes, as softcap * (1 - 2 / (exp(2x / softcap) + 1)):
+// exp16 saturates where tanh is +-1 to float precision, and its error near 0 is about one ulp
+// of 1, times softcap.
+inline v16 softcap16(v16 x, float softcap) {
+  const v16 e = exp16(x * (2.f / softcap));
+  return (1.f - 2.f / (e + 1.f)) * softcap;
+}
+
 // p[i] = exp(p[i] - m) for i < n, returning their sum: the softmax's unnormalised weights.
 // Masked scores (kNegBig) give exactly 0.
 inline float exp_and_sum(float* __restrict p, int64_t n, float m) {
@@ -134,7 +143,7 @@ template <int BS, int D>
 inline void attend_tile(const float* __restrict qh, const float* __restrict kt,
                         const float* __restrict vt, int i0, int i1, float* __restrict a,
                         float* __restrict m, float* __restrict l, float* __restrict p,
-                        const float* pk, const float* pv) {
+                        const float* pk, const float* pv, float softcap) {
   constexpr int NB = BS / kLanes, ND = D / kLanes;
   constexpr int kLines = BS * D / kLanes;  // 64-byte lines in a K (or V) tile
   v16 s[NB][4];
@@ -154,7 +163,7 @@ inline void attend_tile(const float* __restrict qh, const float* __restrict kt,
   float block_max = kNegBig;
   for (int nb = 0; nb < NB; ++nb) {
     v16 sv = (s[nb][0] + s[nb][1]) + (s[nb][2] + s[nb][3]);
-    store16(p + nb * kLanes, sv);
+    store16(p + nb * kLanes, softcap > 0.f ? softcap16(sv, softcap) : sv);
   }
   if (!full) {
     for (int i = 0; i < BS; ++i)
@@ -190,7 +199,7 @@ void attend_token(const float* __restrict q, const float* __restrict k_cache,
                   int64_t hi, int bs_rt, int d_rt, int num_kv_heads, int group,
                   float* __restrict out, float* __restrict acc /* [Hq, D] */,
                   float* __restrict s /* [Hq, kMaxBlock] */, float* __restrict m,
-                  float* __restrict l /* [Hq] each */) {
+                  float* __restrict l /* [Hq] each */, float softcap) {
   const int bs = BS > 0 ? BS : bs_rt;
   const int d = D > 0 ? D : d_rt;
   const int num_heads = num_kv_heads * group;
@@ -218,7 +227,7 @@ void attend_token(const float* __restrict q, const float* __restrict k_cache,
         for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
           const bool first_head = h == kvh * group;
           attend_tile<BS, D>(q + h * d, kt, vt, i0, i1, acc + h * d, m + h, l + h, s + h * kMaxBlock,
-                             first_head ? pk : nullptr, first_head ? pv : nullptr);
+                             first_head ? pk : nullptr, first_head ? pv : nullptr, softcap);
         }
         continue;
       }
@@ -238,6 +247,9 @@ void attend_token(const float* __restrict q, const float* __restrict k_cache,
           const float* krow = kt + e * bs;
 #pragma omp simd
           for (int i = 0; i < bs; ++i) sh[i] += qe * krow[i];
+        }
+        if (softcap > 0.f) {
+          for (int i = 0; i < bs; ++i) sh[i] = softcap * std::tanh(sh[i] / softcap);
         }
         float block_max = kNegBig;
         for (int i = i0; i < i1; ++i) block_max = std::max(block_max, sh[i]);
@@ -309,7 +321,7 @@ template <int BS, int D, int NQ>
 void attend_queries(const QueryState* qs, const float* __restrict k_cache,
                     const float* __restrict v_cache, const int32_t* __restrict table,
                     int64_t block_stride, int64_t kv_offset, int64_t lo, int64_t hi,
-                    float* __restrict p) {
+                    float* __restrict p, float softcap) {
   constexpr int NB = BS / kLanes, ND = D / kLanes;
   const int64_t first0 = lo - lo % BS;
   const int64_t span = (hi - first0 + BS - 1) / BS * BS;  // scratch row length, whole blocks
@@ -330,7 +342,8 @@ void attend_queries(const QueryState* qs, const float* __restrict k_cache,
     }
     for (int j = 0; j < NQ; ++j) {
       float* pj = p + j * span + (first - first0);
-      for (int nb = 0; nb < NB; ++nb) store16(pj + nb * kLanes, s[j][nb]);
+      for (int nb = 0; nb < NB; ++nb)
+        store16(pj + nb * kLanes, softcap > 0.f ? softcap16(s[j][nb], softcap) : s[j][nb]);
       if (qs[j].lo > first || qs[j].hi < first + BS) {  // partly outside: mask by lane
         for (int i = 0; i < BS; ++i)
           if (first + i < qs[j].lo || first + i >= qs[j].hi) pj[i] = kNegBig;
@@ -376,7 +389,7 @@ void attend_token_tile(const float* q, int64_t t0, int n, int64_t pos0, int64_t 
                        float scale, const float* k_cache, const float* v_cache,
                        const int32_t* table, int num_kv_heads, int group, float* out,
                        std::vector<float>& qbuf, std::vector<QueryState>& states,
-                       std::vector<float>& pbuf) {
+                       std::vector<float>& pbuf, float softcap) {
   const int num_heads = num_kv_heads * group;
   const int64_t width = static_cast<int64_t>(num_heads) * D;
   const int64_t tile = static_cast<int64_t>(BS) * D;
@@ -407,7 +420,8 @@ void attend_token_tile(const float* q, int64_t t0, int n, int64_t pos0, int64_t 
 #define CONVEYOR_QUERIES(NQ)                                                                     \
   case NQ:                                                                                       \
     if constexpr (NQ <= kTileQueries)                                                            \
-      attend_queries<BS, D, NQ>(chunk, k_cache, v_cache, table, stride, offset, lo, hi, pb);   \
+      attend_queries<BS, D, NQ>(chunk, k_cache, v_cache, table, stride, offset, lo, hi, pb,    \
+                                softcap);                                                        \
     break;
         CONVEYOR_QUERIES(8) CONVEYOR_QUERIES(7) CONVEYOR_QUERIES(6) CONVEYOR_QUERIES(5)
         CONVEYOR_QUERIES(4) CONVEYOR_QUERIES(3) CONVEYOR_QUERIES(2) CONVEYOR_QUERIES(1)
@@ -421,7 +435,7 @@ template <int BS, int D>
 void run(const float* q, const float* k_cache, const float* v_cache, const int32_t* block_tables,
          const int32_t* query_start, const int32_t* seq_lens, float* out, int64_t num_rows,
          int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-         int64_t block_size, int64_t window, float scale) {
+         int64_t block_size, int64_t window, float scale, float softcap) {
   const int group = static_cast<int>(num_heads / num_kv_heads);
   const int64_t width = num_heads * head_dim;
   // Work items: a decode token alone; a prompt chunk's tokens a query tile at a time where the
@@ -461,7 +475,7 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int32
         if (item.n > 1 || q_len > 1) {
           attend_token_tile<BS, D>(q, t, item.n, pos, window, scale, k_cache, v_cache,
                                    block_tables + r * max_blocks, static_cast<int>(num_kv_heads),
-                                   group, out, qbuf, states, pbuf);
+                                   group, out, qbuf, states, pbuf, softcap);
           continue;
         }
       }
@@ -472,7 +486,7 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int32
       attend_token<BS, D>(qs.data(), k_cache, v_cache, block_tables + r * max_blocks, lo, hi,
                           static_cast<int>(block_size), static_cast<int>(head_dim),
                           static_cast<int>(num_kv_heads), group, out + t * width, acc.data(),
-                          s.data(), m.data(), l.data());
+                          s.data(), m.data(), l.data(), softcap);
     }
   }
 }
@@ -481,20 +495,20 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int32
 
 extern "C" {
 
-// Attention for a step whose k/v are already written. Returns 0, or -1 when the shape is
+// Attention for a step whose k/v are already written (softcap 0: no soft-capping). Returns 0, or -1 when the shape is
 // outside what this kernel handles (the caller raises).
 int conveyor_paged_attention_f32(const float* q, const float* k_cache, const float* v_cache,
                                  const int32_t* block_tables, const int32_t* query_start,
                                  const int32_t* seq_lens, float* out, int64_t num_rows,
                                  int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
                                  int64_t head_dim, int64_t block_size, int64_t window,
-                                 float scale) {
+                                 float scale, float softcap) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads ||
       block_size <= 0 || block_size > kMaxBlock)
     return -1;
 #define CONVEYOR_RUN(BS, DIM)                                                                \
   run<BS, DIM>(q, k_cache, v_cache, block_tables, query_start, seq_lens, out, num_rows,     \
-               max_blocks, num_heads, num_kv_heads, head_dim, block_size, window, scale)
+               max_blocks, num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap)
   if (block_size == 16 && head_dim == 32) CONVEYOR_RUN(16, 32);
   else if (block_size == 16 && head_dim == 64) CONVEYOR_RUN(16, 64);
   else if (block_size == 16 && head_dim == 128) CONVEYOR_RUN(16, 128);

@@ -29,7 +29,7 @@ class PagedAttentionKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.conveyor_paged_attention_f32
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [_ptr] * 7 + [_i64] * 7 + [_f32]
+        self._fn.argtypes = [_ptr] * 7 + [_i64] * 7 + [_f32, _f32]
         self._write = lib.conveyor_write_kv_f32
         self._write.restype = None
         self._write.argtypes = [_ptr] * 5 + [_i64] * 4
@@ -61,10 +61,12 @@ class PagedAttentionKernel:
         seq_lens: torch.Tensor,
         sliding_window: int | None,
         scale: float,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """q [T, Hq, D] float32; kv_cache [2, N, Hkv, bs * D] float32 (this step's k/v already
         written); block_tables [B, max_blocks], query_start_loc [B + 1], seq_lens [B], all int32
-        and contiguous -> out [T, Hq, D]."""
+        and contiguous -> out [T, Hq, D]. softcap: scores -> softcap * tanh(scores / softcap)
+        after the scale (Gemma 2); None: none."""
         q = q.contiguous()
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads, block_size = _cache_shape(kv_cache, head_dim)
@@ -80,7 +82,7 @@ class PagedAttentionKernel:
         status = self._fn(
             q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
             query_start_loc.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-            num_rows, max_blocks, num_heads, num_kv_heads, head_dim, block_size, sliding_window or 0, scale,
+            num_rows, max_blocks, num_heads, num_kv_heads, head_dim, block_size, sliding_window or 0, scale, softcap or 0.0,
         )  # fmt: skip
         if status != 0:
             raise ValueError(

@@ -1,0 +1,76 @@
+"""Gemma2ForCausalLM and Gemma3ForCausalLM (text only): Llama's decoder with Gemma's differences.
+
+What differs from llama.py, and where it is handled:
+- RMSNorm scales by (1 + weight), every norm (q/k norms included): `after_load` adds the 1 to
+  the loaded weights once, so the norms are llama.py's and the ops' fused kernels serve them.
+  HF computes (1 + w) in float32 per call; in float32 the two agree bit for bit, in bf16 ours
+  rounds 1 + w to bf16 (one rounding more).
+- Four norms per layer: the attention and MLP outputs are normalised before the residual add
+  (post_attention_layernorm, post_feedforward_layernorm), and the MLP input by
+  pre_feedforward_layernorm.
+- Embeddings scaled by sqrt(hidden_size), the factor rounded to the model dtype first (as HF).
+- GeGLU: the MLP's activation is GELU with the tanh approximation (config.hidden_act).
+- Attention scale query_pre_attn_scalar^-1/2 (config.attention_scale), attention logit
+  soft-capping (Gemma 2: the backend reads config.attn_logit_softcap) and final logit soft-capping
+  (`compute_logits`).
+- Sliding-window and global layers interleaved (config.layer_windows; each Attention asks the
+  backend for its window's metadata), and Gemma 3's windowed layers rotate on their own rope base
+  (config.local_rope_theta, gpu/rope.py `layer_tables`). Gemma 3's q/k norms are config.qk_norm.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from conveyor.config.model import ModelConfig
+from conveyor.gpu.backends.base import Backend
+from conveyor.gpu.models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, backend: Backend, layer_index: int = 0) -> None:
+        super().__init__()
+        ops, h, eps = backend.ops, config.hidden_size, config.rms_norm_eps
+        self.self_attn = Attention(config, ops, backend.attn, layer_index)
+        self.mlp = MLP(config, ops)
+        self.input_layernorm = RMSNorm(h, eps, ops)
+        self.post_attention_layernorm = RMSNorm(h, eps, ops)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps, ops)
+        self.post_feedforward_layernorm = RMSNorm(h, eps, ops)
+
+    def forward(self, x, residual, positions, rope, meta, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """As llama.DecoderLayer: (the last sublayer's normalised output [T, H], the stream
+        before it, None in the first layer) -> (this layer's, the stream before it)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, positions, rope, meta, kv_cache))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Serves Gemma2ForCausalLM and Gemma3ForCausalLM (models/__init__.py)."""
+
+    layer_class = GemmaDecoderLayer
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        return x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
+
+    def after_load(self) -> None:
+        with torch.no_grad():
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight.add_(1.0)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)  # [N, V] in the model dtype; capped there too, as HF
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
