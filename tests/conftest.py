@@ -116,12 +116,15 @@ def free_port() -> int:
 
 
 class Daemon:
-    """`conveyor serve` in a subprocess; stopped with SIGTERM like an operator would."""
+    """`conveyor serve` in a subprocess; stopped with SIGTERM like an operator would. Without a
+    --model among `args` it serves the generated tiny model (`--model tiny`), not conveyor's
+    default, which is fetched from the package index."""
 
     def __init__(self, *args: str, timeout: float = 120.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "conveyor", "serve", "--port", str(self.port), "--device", "cpu", *args]
+        model = () if "--model" in args else ("--model", "tiny")
+        cmd = [sys.executable, "-m", "conveyor", "serve", "--port", str(self.port), "--device", "cpu", *model, *args]
         # A file, not a pipe: nobody reads a pipe until stop(), and once its 64 KiB buffer is full
         # (a few hundred "request finished" lines) every stage blocks on its next log line.
         self.log = tempfile.TemporaryFile()

@@ -8,8 +8,10 @@ import sys
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:
+    """The tiny model unless `args` name one: the default is fetched from the package index."""
+    model = () if "--model" in args else ("--model", "tiny")
     return subprocess.run(
-        [sys.executable, "-m", "conveyor", "serve", "--device", "cpu", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "conveyor", "serve", "--device", "cpu", *model, *args], capture_output=True, text=True, timeout=60
     )
 
 

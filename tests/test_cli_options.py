@@ -78,7 +78,7 @@ def test_help_shows_defaults(capsys):
         cli.main(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     for shown in ("sequences running at once (default: 256)", "(default: splitfuse)", "(default: from free memory)",
-                  "(0: no bound) (default: 1024)", "(default: the embedded tiny Llama)", "--api-key-file"):  # fmt: skip
+                  "(0: no bound) (default: 1024)", "(default: smollm2: SmolLM2-135M-Instruct", "--api-key-file"):  # fmt: skip
         assert shown in text
 
 
@@ -94,7 +94,7 @@ def test_serve_passes_every_flag_through(monkeypatch):
 
     monkeypatch.setattr("conveyor.stages.launcher.Launcher", Launcher)
     monkeypatch.delenv("CONVEYOR_API_KEY", raising=False)
-    assert cli.main(["serve", "--device", "cpu", "--max-num-seqs", "8", "--scheduling-policy", "orca",
+    assert cli.main(["serve", "--model", "tiny", "--device", "cpu", "--max-num-seqs", "8", "--scheduling-policy", "orca",
                      "--no-async-scheduling", "--max-queued-tokens", "0", "--kv-cache-gib", "0.25",
                      "--http-header-timeout", "3", "--chat-content-special-tokens", "--ingress-workers", "2",
                      "--allowed-origins", "*", "--api-key", "k"]) == 0  # fmt: skip
@@ -117,17 +117,17 @@ def test_build_takes_the_flag_names_and_checks_them():
         ({"tensor_parallel_size": 2}, "tensor parallelism is not implemented"),
     ):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
-            build_engine_config(**options)
+            build_engine_config("tiny", **options)
 
 
 def test_build_leaves_unset_options_at_the_field_defaults():
-    config = build_engine_config(device="cpu", max_num_seqs=None, max_queued_requests=0, scheduling_policy="orca")
+    config = build_engine_config("tiny", device="cpu", max_num_seqs=None, max_queued_requests=0, scheduling_policy="orca")
     assert config.scheduler == SchedulerConfig(max_queued_requests=None, policy=SchedulingPolicy.ORCA)
     assert config.server == ServerConfig()
 
 
 def test_the_policy_enum_round_trips_and_compares_as_its_name():
-    config = build_engine_config(device="cpu", scheduling_policy="prefill_first")
+    config = build_engine_config("tiny", device="cpu", scheduling_policy="prefill_first")
     assert b'"policy":"prefill_first"' in config_to_json(config)
     back = config_from_json(config_to_json(config))
     assert isinstance(back, EngineConfig) and back == config

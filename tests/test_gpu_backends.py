@@ -63,7 +63,7 @@ def test_the_cpu_path_never_imports_the_triton_backend():
         "import sys\n"
         "from conveyor.config.build import build_engine_config\n"
         "from conveyor.gpu.runner import ModelRunner\n"
-        "ModelRunner(build_engine_config(None, device='cpu', num_kv_blocks=8)).initialize_cache(8)\n"
+        "ModelRunner(build_engine_config('tiny', device='cpu', num_kv_blocks=8)).initialize_cache(8)\n"
         "print('conveyor.gpu.backends.triton' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

@@ -277,7 +277,7 @@ def test_measure_times_the_real_runner():
     from conveyor.sim.measure import default_grid, measure
 
     grid = [[(0, 8)], [(0, 64)], [(32, 1)] * 3, [(16, 1)] * 2 + [(0, 30)]]
-    samples = measure(grid, repeats=1)
+    samples = measure(grid, repeats=1, model="tiny")
     assert [(m.num_tokens, m.num_seqs, m.context_tokens) for m in samples] == [
         (8, 1, 8), (64, 1, 64), (3, 3, 99), (32, 3, 64)
     ]  # fmt: skip

@@ -3,8 +3,8 @@
 A checkpoint directory here is what the Hub would hand out for a Llama, Mistral or Qwen2 model:
 config.json, generation_config.json, model.safetensors (HF tensor names and shapes),
 tokenizer.json, tokenizer_config.json and chat_template.jinja. transformers loads it as is, so
-tests compare the worker against transformers on it, and `conveyor` serves the default one when
-no model is named, with nothing to download.
+tests compare the worker against transformers on it, and `conveyor serve --model tiny` serves
+the default one (`ensure_default_model`), with nothing to download.
 
 Weights are random but deterministic (torch.Generator(seed)) and scaled so the model is
 decisive, not HF's near-uniform std 0.02: see the gains above `_weights`.
@@ -119,7 +119,7 @@ def make_checkpoint(path: str | Path, architecture: str = "LlamaForCausalLM", *,
 
 
 def ensure_default_model() -> Path:
-    """The embedded default model, generated into the cache on first use."""
+    """The generated tiny model (`--model tiny`), generated into the cache on first use."""
     target = cache_dir() / "models" / f"tiny-llama-{TINY_MODEL_VERSION}"
     if target.is_dir():
         return target

@@ -1,0 +1,72 @@
+"""ensure_checkpoint: a GGUF file converted once into a checkpoint directory in the cache.
+
+The directory is `<cache>/gguf/<file stem>-<dtype>-<key>`, the key a hash of the file's path,
+size and modification time and of CONVERTER_VERSION: a changed file or converter gets a new
+directory, an unchanged one is read as it is, with no GGUF parsing. The directory is built beside
+its final place and renamed into it, so a reader sees no checkpoint or a whole one, whichever of
+two processes converting at once wins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from conveyor.config.env import cache_dir
+from conveyor.config.errors import ConfigError
+
+# Bump when the conversion's output changes: older directories are then simply not used.
+CONVERTER_VERSION = "v1"
+
+log = logging.getLogger(__name__)
+
+
+def ensure_checkpoint(gguf_file: str | Path, dtype: str) -> Path:
+    """The checkpoint directory for `gguf_file` with weights in `dtype` ("float32", "bfloat16", ...)."""
+    source = Path(gguf_file).expanduser()
+    if not source.is_file():
+        raise ConfigError(f"GGUF file {str(gguf_file)!r} does not exist")
+    source = source.resolve()
+    stat = source.stat()
+    key = hashlib.sha256(f"{source}\0{stat.st_size}\0{stat.st_mtime_ns}\0{dtype}\0{CONVERTER_VERSION}".encode()).hexdigest()
+    target = cache_dir() / "gguf" / f"{source.stem}-{dtype}-{key[:12]}"
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write_checkpoint(source, scratch, dtype)
+        os.rename(scratch, target)
+    except OSError:
+        if not target.is_dir():  # not a lost race with another process: a real failure
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def write_checkpoint(source: Path, out_dir: Path, dtype: str) -> None:
+    """config.json, generation_config.json, model.safetensors and the tokenizer files, in `out_dir`."""
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+
+    from conveyor.gpu.gguf.config import generation_config, hf_config
+    from conveyor.gpu.gguf.tokenizer import write_tokenizer
+    from conveyor.gpu.gguf.weights import read_weights
+
+    try:
+        reader = GGUFReader(source)
+    except (ValueError, OSError) as e:  # not a GGUF file, or a truncated one
+        raise ConfigError(f"cannot read GGUF file {str(source)!r}: {e}") from None
+    config = hf_config(reader, dtype)  # first: an architecture we cannot serve is refused before any work
+    log.info("converting %s (%s) to a %s checkpoint in %s, once", source.name, config["architectures"][0], dtype, out_dir.parent)
+    tensors = read_weights(reader, config)
+    write_tokenizer(source, out_dir)
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    for name, obj in (("config.json", config), ("generation_config.json", generation_config(config, reader))):
+        (out_dir / name).write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
