@@ -140,14 +140,17 @@ def test_graph_metadata_variants_share_the_static_buffers():
         assert getattr(full, name) is getattr(meta, name)
 
 
-def test_triton_backend_runs_gemma2_per_layer_windows():
-    """The triton backend on gemma2: windowed and global layers, the soft-cap, GeGLU."""
+@pytest.mark.parametrize("arch", FAMILIES[1:])
+def test_triton_backend_matches_hf(arch):
+    """The triton backend's prompt logits: windowed and global layers (qwen2_swa, gemma), the
+    soft-cap (gemma2), q/k norms (qwen3, gemma3), rotary and SiLU in place on views of Phi-3's
+    fused projections."""
     pytest.importorskip("triton")
-    config = ModelConfig.from_pretrained(checkpoint("gemma2"))
+    config = ModelConfig.from_pretrained(checkpoint(arch))
     model = load_model(config, "cpu", select("triton", "cpu", config))
     prompts = random_prompts([14, 3], seed=7)
     ours = forward_prompts(model, config, prompts, block_size=16)
-    hf = hf_model("gemma2")
+    hf = hf_model(arch)
     start = 0
     for prompt in prompts:
         with torch.no_grad():
