@@ -342,19 +342,15 @@ def test_offline_reports_both_engines(tmp_path, capsys):
     assert "conveyor / transformers:" in capsys.readouterr().out
 
 
-def test_step_times_input_preparation(monkeypatch):
+def test_step_times_input_preparation():
     from conveyor.bench import scheduler_cost
-
-    monkeypatch.setattr("conveyor.default_model.DEFAULT", "tiny")  # the bench loads the default model
 
     r = scheduler_cost.measure_prepare(scheduler_cost.prepare_runner("cpu"), 8, repeats=10)
     assert r["running"] == 8 and 0 < r["median_ms"] <= r["p90_ms"]
 
 
-def test_forward_times_each_variant_on_each_shape(capsys, monkeypatch):
+def test_forward_times_each_variant_on_each_shape(capsys):
     from conveyor.bench import forward
-
-    monkeypatch.setattr("conveyor.default_model.DEFAULT", "tiny")  # the bench loads the default model
 
     if not forward_kernels_available():
         pytest.skip("no C++ compiler for the CPU kernels")

@@ -46,7 +46,7 @@ class StepDriver:
         from conveyor.config.build import build_engine_config
         from conveyor.gpu.runner import ModelRunner
 
-        config = build_engine_config(None, device="cpu", num_kv_blocks=num_blocks)
+        config = build_engine_config("tiny", device="cpu", num_kv_blocks=num_blocks)
         self.runner = ModelRunner(config, backend=variant_backend(variant, config.model))
         self.runner.initialize_cache(num_blocks)
         self.block_size = self.runner.block_size

@@ -6,7 +6,7 @@ ids (plus the TokenBatch for the detokenizer). The worker is replaced by a stub 
 id per sampling row, so only scheduler-side time is measured. Reported: the median over many
 steps, in steady state (every sequence decoding, blocks allocated as they fill).
 
-With `--prepare`, a second table: one input preparation alone (`ModelRunner._prepare`, host
+With `--prepare`, a second table: one input preparation alone (`first_pass_inputs`, host
 lists to device tensors: token ids, positions, block tables, attention metadata) on the tiny
 model for N running decodes of a 200-token context, the worker's share of the per-step CPU
 cost. Host time only: on CUDA the copies it queues are waited for outside the timing.
@@ -62,29 +62,33 @@ def measure(num_running: int, *, steps: int = 200, prompt_len: int = 200, block_
 
 
 def measure_prepare(runner, num_running: int, *, repeats: int = 200, context_len: int = 200) -> dict:
-    """One `_prepare` for `num_running` decodes (each computing its last token), timed `repeats`
-    times on a built ModelRunner (see `prepare_runner`)."""
-    from conveyor.gpu.runner import WorkerSeq
+    """One pass's input preparation (gpu/step_inputs.py `first_pass_inputs`) for `num_running`
+    decodes (each computing its last token) out of the persistent batch, timed `repeats` times on
+    a built ModelRunner (see `prepare_runner`)."""
+    from conveyor.gpu.persistent_batch import PersistentBatch
+    from conveyor.gpu.step_inputs import RowSpec, first_pass_inputs
 
     block_size, vocab = runner.block_size, runner.config.model.vocab_size - 16
     blocks_per_seq = -(-context_len // block_size)
     params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    batch = PersistentBatch(num_running, runner.max_blocks_per_seq, runner.device)
     rows = [
-        WorkerSeq([(i * 31 + j) % vocab for j in range(context_len)], params, context_len - 1, context_len - 1,
-                 list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)))
+        RowSpec(batch.add(i, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), params), context_len - 1, context_len,
+                [(i * 31 + j) % vocab for j in range(context_len)], samples=True)
         for i in range(num_running)
     ]  # fmt: skip
-    num_tokens = [1] * num_running
+    batch.sync()
+    window = runner.config.model.sliding_window
     timings = []
     for _ in range(repeats + 5):  # the first few warm the allocator
         start = time.perf_counter()
-        inputs = runner._prepare(rows, num_tokens)
+        inputs = first_pass_inputs(rows, batch, runner.attn, block_size, window)
         timings.append(time.perf_counter() - start)
         if runner.device.type == "cuda":
             import torch
 
             torch.cuda.synchronize(runner.device)
-        assert len(inputs.sampling_rows) == num_running
+        assert inputs.num_rows == num_running and len(inputs.logit_index) == num_running
     timings = timings[5:]
     return {
         "running": num_running,
@@ -104,7 +108,7 @@ def prepare_runner(device: str = "cpu"):
 
     if device == "cpu":
         torch.set_num_threads(1)
-    return ModelRunner(build_engine_config(None, device=device, num_kv_blocks=16))
+    return ModelRunner(build_engine_config("tiny", device=device, num_kv_blocks=16))
 
 
 def main(sizes: list[int], *, prepare: bool = False, device: str = "cpu") -> int:
@@ -115,7 +119,7 @@ def main(sizes: list[int], *, prepare: bool = False, device: str = "cpu") -> int
         print(f"{r['running']:>8} {r['median_ms']:>10.3f} {r['p90_ms']:>8.3f}")
     if prepare:
         runner = prepare_runner(device)
-        print(f"\ninput preparation alone (ModelRunner._prepare, tiny model, {device})")
+        print(f"\ninput preparation alone (first_pass_inputs, tiny model, {device})")
         print(f"{'running':>8} {'median ms':>10} {'p90 ms':>8}")
         for n in sizes:
             r = measure_prepare(runner, n)

@@ -39,7 +39,7 @@ def default_grid(max_model_len: int = 2048) -> list[list[tuple[int, int]]]:
     return [rows for rows in grid if all(s + n <= max_model_len for s, n in rows)]
 
 
-def measure(grid: list[list[tuple[int, int]]], *, repeats: int = 5, threads: int = 1, model: str | None = None) -> list[Measurement]:
+def measure(grid: list[list[tuple[int, int]]], *, repeats: int = 5, threads: int = 1, model: str = "tiny") -> list[Measurement]:
     """Time each grid point on the CPU with the real runner (loads torch and the model).
 
     Repeats go round the whole grid, so a burst of load from another process spoils one repeat
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: the embedded tiny model)")
+    parser.add_argument("--model", default="tiny", help="checkpoint directory or model name (default: the generated tiny model)")
     parser.add_argument("--json", default=None, help="write the measurements and the fit here")
     args = parser.parse_args(argv)
     samples = measure(default_grid(), repeats=args.repeats, threads=args.threads, model=args.model)
