@@ -1,6 +1,6 @@
 """Model implementations, chosen by the checkpoint's architecture name.
 
-One file per family (config/model.py ARCHITECTURE_FAMILIES names them): llama.py (Llama,
+One file per family (ModelConfig's ARCHITECTURE_FAMILIES table names them): llama.py (Llama,
 Mistral, Qwen2, Qwen3), gemma.py (Gemma 2, Gemma 3 text), phi3.py (Phi-3). ModelConfig carries
 the differences inside a family. A new family registers its class in MODEL_CLASSES; every class
 has LlamaForCausalLM's interface: (config, rope_device, backend) to build, `forward`,
