@@ -135,7 +135,7 @@ phase "start conveyor on $conveyor_url (--drain-timeout $drain_timeout)"
     || fail "podman run $image failed"
 done_phase
 
-phase "wait for /health 200 (first start: the model is generated, the CPU kernels compiled)"
+phase "wait for /health 200 (first start: the model is converted, the CPU kernels compiled)"
 for ((i = 0; ; i++)); do
     code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 2 "$conveyor_url/health" || true)
     [[ $code == 200 ]] && break

@@ -1,4 +1,4 @@
-"""conveyor/tiny: the embedded default model, generated locally so nothing is downloaded.
+"""conveyor/tiny: the generated test model (`--model tiny`), made locally so nothing is downloaded.
 
 tokenizer.py trains a Llama 3-style byte-level BPE (4096 ids) from corpus.txt; checkpoint.py
 writes random-weight Llama / Mistral / Qwen2 checkpoints in Hugging Face format, and caches the
