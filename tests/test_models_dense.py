@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -61,6 +62,33 @@ def hf_incremental_greedy(model, prompt: list[int], max_new: int) -> list[int]:
             position = torch.tensor([[len(prompt) + len(out) - 1]])
             logits = model(torch.tensor([[out[-1]]]), past_key_values=cache, use_cache=True, position_ids=position).logits
     return out
+
+
+def with_word_tokenizer(arch: str, root) -> str:
+    """A copy of checkpoint `arch` with a tokenizer.json the Python API can load: one word per id
+    (token-id prompts need no more)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = root / arch
+    shutil.copytree(checkpoint(arch), path)
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return str(path)
+
+
+@pytest.mark.parametrize("arch", FAMILIES[1:])
+def test_python_api_with_a_small_budget_and_pool(arch, tmp_path):
+    """The real scheduler: an 8-token budget chunks every prompt beside decodes, and 16 blocks of
+    4 cannot hold the sequences it admitted once they grow, so some are preempted and recomputed."""
+    from conveyor import LLM, SamplingParams
+
+    llm = LLM(with_word_tokenizer(arch, tmp_path), device="cpu", max_num_batched_tokens=8, num_kv_blocks=16, block_size=4)
+    prompts = random_prompts([5, 19, 33, 12], seed=5)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    hf = hf_model(arch)
+    assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, prompt, 24) for prompt in prompts]
+    assert llm.scheduler.num_preemptions > 0 and llm.scheduler.blocks.num_used == 0
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
