@@ -28,8 +28,14 @@ ARCHITECTURE_FAMILIES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma",
     "Gemma3ForCausalLM": "gemma",
     "Phi3ForCausalLM": "phi3",
+    # Mixture of experts (gpu/models/mixtral.py, qwen3_moe.py; routing in gpu/models/moe.py).
+    "MixtralForCausalLM": "moe",
+    "Qwen2MoeForCausalLM": "moe",
+    "Qwen3MoeForCausalLM": "moe",
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURE_FAMILIES)
+# Qwen2's bias on q/k/v whatever attention_bias says, and none on o_proj.
+QKV_BIAS_ONLY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 # MLP activations the ops implement (hidden_act / hidden_activation in config.json).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # Each rope type with the rope_scaling fields it needs (gpu/rope.py builds the tables); a
@@ -150,8 +156,8 @@ class ModelConfig:
                 max_position_embeddings=max_pos,
                 max_model_len=min(max_model_len or limit, limit),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                qkv_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-                o_bias=arch != "Qwen2ForCausalLM" and bool(hf.get("attention_bias", False)),
+                qkv_bias=arch in QKV_BIAS_ONLY or bool(hf.get("attention_bias", False)),
+                o_bias=arch not in QKV_BIAS_ONLY and bool(hf.get("attention_bias", False)),
                 mlp_bias=bool(hf.get("mlp_bias", False)),
                 sliding_window=window,
                 dtype=_dtype(dtype or hf.get("dtype") or hf.get("torch_dtype") or "float32"),
@@ -160,7 +166,7 @@ class ModelConfig:
                 served_name=served_name or root.resolve().name,
                 layer_windows=windows if len(set(windows)) > 1 else (),
                 hidden_act=str(hf.get("hidden_activation") or hf.get("hidden_act") or "silu"),
-                qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+                qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
                 query_pre_attn_scalar=_number(hf.get("query_pre_attn_scalar")) if arch.startswith("Gemma") else None,
                 attn_logit_softcap=_number(hf.get("attn_logit_softcapping")),
                 final_logit_softcap=_number(hf.get("final_logit_softcapping")),
@@ -268,7 +274,7 @@ def _layer_windows(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[int 
                 f"unsupported layer_types {sorted(unknown) or kinds!r}: one of full_attention, sliding_attention per layer"
             )
         return tuple(window if kind == "sliding_attention" else None for kind in kinds)
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and "max_window_layers" in hf:
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM") and "max_window_layers" in hf:
         first = int(hf["max_window_layers"])
         return tuple(window if i >= first else None for i in range(num_layers))
     if arch == "Gemma2ForCausalLM":

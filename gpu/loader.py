@@ -12,6 +12,7 @@ missing or of the wrong shape) raise ConfigError with one clear line.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -39,7 +40,10 @@ def load_model(config: ModelConfig, device: torch.device | str, backend: Backend
     model = model.to(dtype=dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives each parameter its own storage: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
-    load_weights(model, config.path)
+    if hasattr(model, "load_checkpoint_tensors"):  # stacked experts are not a name lookup (gpu/models/moe.py)
+        model.load_checkpoint_tensors(checkpoint_tensors(config.path))
+    else:
+        load_weights(model, config.path)
     if hasattr(model, "after_load"):  # a family's one-time transform of its weights (Gemma's norm offset)
         model.after_load()
     model = model.eval().requires_grad_(False)
@@ -73,6 +77,19 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     if missing:
         shown = ", ".join(sorted(missing)[:3]) + (" ..." if len(missing) > 3 else "")
         raise ConfigError(f"checkpoint {path} lacks {len(missing)} weight(s): {shown}")
+
+
+def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (name, tensor) of the checkpoint's safetensors files, read one at a time."""
+    for file in weight_files(Path(path)):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except (OSError, SafetensorError) as e:
+            raise ConfigError(f"cannot read weight file {file}: {e}") from None
+        with handle as f:
+            for name in f.keys():
+                if not name.endswith(SKIPPED_SUFFIXES):
+                    yield name, f.get_tensor(name)
 
 
 def weight_files(root: Path) -> list[Path]:

@@ -15,9 +15,7 @@ dense architecture whose fields mean the same, then puts the real path and archi
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -68,8 +66,6 @@ _MODEL_CLASSES: dict[str, type[transformers.PreTrainedModel]] = {
     "qwen3_moe_norm": transformers.Qwen3MoeForCausalLM,
     "qwen2_moe": transformers.Qwen2MoeForCausalLM,
 }
-# The dense architecture whose config.json fields ModelConfig reads as the MoE one means them.
-_DENSE_TWIN = {"mixtral": "MistralForCausalLM", "qwen3_moe": "LlamaForCausalLM", "qwen2_moe": "Qwen2ForCausalLM"}
 
 
 @functools.cache
@@ -104,13 +100,7 @@ def hf_model(name: str) -> transformers.PreTrainedModel:
 
 
 def model_config(name: str) -> ModelConfig:
-    path = checkpoint(name)
-    hf = json.loads((path / "config.json").read_text())
-    twin = Path(_ROOT.name) / f"{name}-dense-twin"
-    twin.mkdir(exist_ok=True)
-    dense = _DENSE_TWIN[_CONFIGS_WITH_TOKENIZER.get(name, name).removesuffix("_norm")]
-    (twin / "config.json").write_text(json.dumps({**hf, "architectures": [dense]}))
-    return dataclasses.replace(ModelConfig.from_pretrained(twin), path=str(path), architecture=hf["architectures"][0])
+    return ModelConfig.from_pretrained(checkpoint(name))
 
 
 def checkpoint_tensors(name: str) -> list[tuple[str, torch.Tensor]]:

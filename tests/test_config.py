@@ -30,8 +30,9 @@ def test_transformers_4_and_5_spellings_agree(tmp_path):
 def test_qwen2_biases_and_windows(tmp_path):
     qwen = load(tmp_path, architectures=["Qwen2ForCausalLM"], sliding_window=64, use_sliding_window=False)
     assert (qwen.qkv_bias, qwen.o_bias, qwen.sliding_window) == (True, False, None)
-    with pytest.raises(ConfigError, match="only some layers"):
-        load(tmp_path, sliding_window=64, use_sliding_window=True, max_window_layers=1)
+    # Windows on the layers from max_window_layers on, full attention below (issue 17).
+    mixed = load(tmp_path, architectures=["Qwen2ForCausalLM"], sliding_window=64, use_sliding_window=True, max_window_layers=1)
+    assert mixed.layer_windows == (None, 64) and [mixed.window_of(i) for i in range(2)] == [None, 64]
 
 
 def test_max_model_len_is_capped_by_the_model(tmp_path):
@@ -45,7 +46,8 @@ def test_max_model_len_is_capped_by_the_model(tmp_path):
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architecture"),
         ({"dtype": "int8"}, "unsupported dtype"),
-        ({"rope_parameters": {"rope_type": "longrope"}}, "unsupported rope_type"),
+        ({"rope_parameters": {"rope_type": "su-2"}}, "unsupported rope_type"),
+        ({"rope_parameters": {"rope_type": "longrope"}}, "needs a number for short_factor"),
         ({"rope_parameters": {"rope_type": "yarn"}}, "needs a number for factor"),
         ({"hidden_size": None}, "malformed config.json"),
     ],

@@ -2,10 +2,8 @@
 checkpoints, and the pieces they are made of: config fields, routing, the grouped expert path,
 checkpoint name mapping.
 
-The runner-level and Python-API tests monkeypatch the model registry and the loader (the API
-test the config table too), where the MoE families are not registered yet: gpu/models/__init__.py,
-config/model.py and gpu/loader.py belong to the dense-architecture work. Once they are, these
-tests need no patches.
+The runner-level and Python-API tests go through the registered families: config/model.py's
+table, gpu/models' registry and the loader's stacked-expert branch.
 """
 
 from __future__ import annotations
@@ -163,19 +161,13 @@ def test_prompt_logits_match_hf(name):
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe_norm"])
-def test_greedy_through_the_runner_matches_hf(name, monkeypatch):
+def test_greedy_through_the_runner_matches_hf(name):
     """ModelRunner, chunked prefill (7 tokens a step), sequences joining late and one preempted and
-    resumed, against transformers' generate. The model registry and the loader are patched here
-    (see the docstring); the config comes from moe_checkpoints.model_config."""
+    resumed, against transformers' generate."""
     from conveyor.config import CacheConfig, EngineConfig, ParallelConfig
-    from conveyor.gpu import loader
-    from conveyor.gpu import models as gpu_models
     from conveyor.gpu.runner import ModelRunner
 
     config = model_config(name)
-    arch = config.architecture
-    monkeypatch.setitem(gpu_models.MODEL_CLASSES, arch, OUR_CLASSES[arch])
-    monkeypatch.setattr(loader, "load_weights", lambda model, path: model.load_checkpoint_tensors(checkpoint_tensors(name)))
     engine = EngineConfig(model=config, cache=CacheConfig(block_size=4, num_kv_blocks=256), parallel=ParallelConfig(device="cpu"))
     runner = ModelRunner(engine)
     runner.initialize_cache(runner.num_available_blocks())
@@ -186,22 +178,15 @@ def test_greedy_through_the_runner_matches_hf(name, monkeypatch):
         assert got == hf_greedy(hf, prompt, 8), (name, len(prompt))
 
 
-def test_python_api_greedy_matches_hf(monkeypatch):
+def test_python_api_greedy_matches_hf():
     """LLM(...).generate end to end (tokenizer, scheduler with a 16-token budget that chunks the
     long prompt beside the others' decodes, runner on the default backend, detokenizer) on Mixtral,
-    against transformers' generate on the same prompt ids. The config table, the model registry
-    and the loader are patched here (see the docstring)."""
-    from conveyor.config.model import ModelConfig
-    from conveyor.gpu import loader
-    from conveyor.gpu import models as gpu_models
+    against transformers' generate on the same prompt ids."""
     from conveyor.llm import LLM
     from conveyor.wire.messages import SamplingParams
 
     name = "mixtral_tokenizer"
     config = model_config(name)
-    monkeypatch.setattr(ModelConfig, "from_pretrained", classmethod(lambda cls, path, **kw: config))
-    monkeypatch.setitem(gpu_models.MODEL_CLASSES, config.architecture, MixtralForCausalLM)
-    monkeypatch.setattr(loader, "load_weights", lambda model, path: model.load_checkpoint_tensors(checkpoint_tensors(name)))
     llm = LLM(config.path, device="cpu", max_num_batched_tokens=16, num_kv_blocks=64)
     prompts = ["Hello", "The quick brown fox jumps over the lazy dog, and then it runs back home again.", "Dear team"]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))

@@ -117,8 +117,8 @@ def test_config_accepts_dynamic_and_yarn_and_names_missing_fields(tmp_path):
         ModelConfig.from_pretrained(_write_config(tmp_path / "m", {"rope_type": "yarn"}))
     with pytest.raises(ConfigError, match="'llama3'.*low_freq_factor, high_freq_factor"):
         ModelConfig.from_pretrained(_write_config(tmp_path / "l", {"rope_type": "llama3", "factor": 8.0}))
-    with pytest.raises(ConfigError, match="unsupported rope_type 'longrope'"):
-        ModelConfig.from_pretrained(_write_config(tmp_path / "u", {"rope_type": "longrope", "factor": 8.0}))
+    with pytest.raises(ConfigError, match="unsupported rope_type 'ntk-by-parts'"):
+        ModelConfig.from_pretrained(_write_config(tmp_path / "u", {"rope_type": "ntk-by-parts", "factor": 8.0}))
 
 
 def _tiny_llama(path: Path, rope_parameters: dict, max_position_embeddings: int) -> transformers.LlamaForCausalLM:

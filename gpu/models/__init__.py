@@ -1,7 +1,8 @@
 """Model implementations, chosen by the checkpoint's architecture name.
 
 One file per family (ModelConfig's ARCHITECTURE_FAMILIES table names them): llama.py (Llama,
-Mistral, Qwen2, Qwen3), gemma.py (Gemma 2, Gemma 3 text), phi3.py (Phi-3). ModelConfig carries
+Mistral, Qwen2, Qwen3), gemma.py (Gemma 2, Gemma 3 text), phi3.py (Phi-3), mixtral.py and
+qwen3_moe.py (Mixtral, Qwen2-MoE, Qwen3-MoE: the experts in moe.py). ModelConfig carries
 the differences inside a family. A new family registers its class in MODEL_CLASSES; every class
 has LlamaForCausalLM's interface: (config, rope_device, backend) to build, `forward`,
 `compute_logits`, `after_load`, and the `model.embed_tokens` / `lm_head` the loader ties.
@@ -19,7 +20,9 @@ from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends.base import Backend
 from conveyor.gpu.models.gemma import GemmaForCausalLM
 from conveyor.gpu.models.llama import LlamaForCausalLM
+from conveyor.gpu.models.mixtral import MixtralForCausalLM
 from conveyor.gpu.models.phi3 import Phi3ForCausalLM
+from conveyor.gpu.models.qwen3_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -29,6 +32,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
@@ -42,4 +48,13 @@ def build_model(config: ModelConfig, rope_device: torch.device | str = "cpu", ba
     return cast(LlamaForCausalLM, cls(config, rope_device, backend))  # LlamaForCausalLM's interface, if not its subclass
 
 
-__all__ = ["MODEL_CLASSES", "GemmaForCausalLM", "LlamaForCausalLM", "Phi3ForCausalLM", "build_model"]
+__all__ = [
+    "MODEL_CLASSES",
+    "GemmaForCausalLM",
+    "LlamaForCausalLM",
+    "MixtralForCausalLM",
+    "Phi3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "build_model",
+]

@@ -36,7 +36,7 @@ from conveyor.gpu.rope import RotaryEmbedding
 class MoeDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, moe: MoeConfig, index: int, backend: Backend, attention: type[Attention]) -> None:
         super().__init__()
-        self.self_attn = attention(config, backend.ops, backend.attn)
+        self.self_attn = attention(config, backend.ops, backend.attn, index)  # its window: config.window_of(index)
         # The checkpoint's module name: Mixtral's block is `block_sparse_moe`, a Qwen dense layer's `mlp`.
         self.feed_forward_name = moe.block_name if index in moe.sparse_layers else "mlp"
         block = SparseMoeBlock(config, moe, backend.ops) if index in moe.sparse_layers else MLP(config, backend.ops)

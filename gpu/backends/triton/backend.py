@@ -66,6 +66,15 @@ class TritonAttention(AttentionBackend):
 class TritonOps(Ops):
     name = "triton"
 
+    def moe_experts(
+        self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The fused-MoE kernel (gpu/backends/triton/fused_moe.py): a grouped GEMM over
+        expert-sorted tokens, no host sync."""
+        from conveyor.gpu.backends.triton.fused_moe import fused_moe
+
+        return fused_moe(x, gate_up, down, topk_weights, topk_ids)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
