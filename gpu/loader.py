@@ -40,8 +40,9 @@ def load_model(config: ModelConfig, device: torch.device | str, backend: Backend
     model = model.to(dtype=dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives each parameter its own storage: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
-    if hasattr(model, "load_checkpoint_tensors"):  # stacked experts are not a name lookup (gpu/models/moe.py)
-        model.load_checkpoint_tensors(checkpoint_tensors(config.path))
+    load_stacked = getattr(model, "load_checkpoint_tensors", None)  # MoE: stacked experts are not a name lookup
+    if callable(load_stacked):
+        load_stacked(checkpoint_tensors(config.path))
     else:
         load_weights(model, config.path)
     if hasattr(model, "after_load"):  # a family's one-time transform of its weights (Gemma's norm offset)

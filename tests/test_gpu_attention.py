@@ -36,7 +36,7 @@ def dense_reference(q, k, v, window):
 
 def attention_backend(num_kv_heads, head_dim, kernel=None):
     """The torch backend, or with `kernel` the cpu backend's attention, for one float32 layer."""
-    model = types.SimpleNamespace(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype="float32")
+    model = types.SimpleNamespace(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype="float32", attn_logit_softcap=None)
     cpu = torch.device("cpu")
     return TorchAttention(model, cpu) if kernel is None else CpuAttention(model, cpu, kernel)
 
