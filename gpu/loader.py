@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -56,25 +57,19 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     """Copy every parameter of `model` from the safetensors files in `path`, casting dtype."""
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
     missing = set(params)
-    for file in weight_files(Path(path)):
-        try:
-            handle = safe_open(str(file), framework="pt", device="cpu")
-        except (OSError, SafetensorError) as e:
-            raise ConfigError(f"cannot read weight file {file}: {e}") from None
-        with handle as f:
-            for name in f.keys():
-                if name.endswith(SKIPPED_SUFFIXES) or name not in params:
-                    continue  # unknown extras (e.g. a tied lm_head shipped anyway) are ignored
-                tensor = f.get_tensor(name)
-                param = params[name]
-                if tensor.shape != param.shape:
-                    raise ConfigError(
-                        f"weight {name} in {file.name} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(param.shape)}: checkpoint and config.json disagree"
-                    )
-                with torch.no_grad():
-                    param.copy_(tensor)
-                missing.discard(name)
+    for file, name, f in _entries(path):
+        if name not in params:
+            continue  # unknown extras (e.g. a tied lm_head shipped anyway) are ignored, unread
+        tensor = f.get_tensor(name)
+        param = params[name]
+        if tensor.shape != param.shape:
+            raise ConfigError(
+                f"weight {name} in {file.name} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(param.shape)}: checkpoint and config.json disagree"
+            )
+        with torch.no_grad():
+            param.copy_(tensor)
+        missing.discard(name)
     if missing:
         shown = ", ".join(sorted(missing)[:3]) + (" ..." if len(missing) > 3 else "")
         raise ConfigError(f"checkpoint {path} lacks {len(missing)} weight(s): {shown}")
@@ -82,6 +77,12 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
 
 def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every (name, tensor) of the checkpoint's safetensors files, read one at a time."""
+    for _, name, f in _entries(path):
+        yield name, f.get_tensor(name)
+
+
+def _entries(path: str | Path) -> Iterator[tuple[Path, str, Any]]:
+    """(file, tensor name, open safetensors handle) of every tensor we may load, file by file."""
     for file in weight_files(Path(path)):
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
@@ -90,7 +91,7 @@ def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
         with handle as f:
             for name in f.keys():
                 if not name.endswith(SKIPPED_SUFFIXES):
-                    yield name, f.get_tensor(name)
+                    yield file, name, f
 
 
 def weight_files(root: Path) -> list[Path]:

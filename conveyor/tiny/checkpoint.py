@@ -15,9 +15,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 
+from conveyor.config.cached_dir import build_cached
 from conveyor.config.env import cache_dir
 from conveyor.tiny.tokenizer import (
     BOS_TOKEN,
@@ -119,23 +117,9 @@ def make_checkpoint(path: str | Path, architecture: str = "LlamaForCausalLM", *,
 
 
 def ensure_default_model() -> Path:
-    """The generated tiny model (`--model tiny`), generated into the cache on first use."""
-    target = cache_dir() / "models" / f"tiny-llama-{TINY_MODEL_VERSION}"
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside the target and renamed into place: a rename is atomic, so a reader sees no
-    # checkpoint or a whole one, whatever crashes or runs at the same time.
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        make_checkpoint(scratch)
-        os.rename(scratch, target)
-    except OSError:
-        if not target.is_dir():  # not a lost race with another process: a real failure
-            raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
+    """The generated tiny model (`--model tiny`), generated into the cache on first use (built
+    beside its place and renamed into it: config/cached_dir.py)."""
+    return build_cached(cache_dir() / "models" / f"tiny-llama-{TINY_MODEL_VERSION}", make_checkpoint)
 
 
 def _config(architecture: str, overrides: dict[str, Any]) -> dict[str, Any]:

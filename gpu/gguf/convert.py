@@ -12,11 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from conveyor.config.cached_dir import build_cached
 from conveyor.config.env import cache_dir
 from conveyor.config.errors import ConfigError
 
@@ -35,19 +33,7 @@ def ensure_checkpoint(gguf_file: str | Path, dtype: str) -> Path:
     stat = source.stat()
     key = hashlib.sha256(f"{source}\0{stat.st_size}\0{stat.st_mtime_ns}\0{dtype}\0{CONVERTER_VERSION}".encode()).hexdigest()
     target = cache_dir() / "gguf" / f"{source.stem}-{dtype}-{key[:12]}"
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        write_checkpoint(source, scratch, dtype)
-        os.rename(scratch, target)
-    except OSError:
-        if not target.is_dir():  # not a lost race with another process: a real failure
-            raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
+    return build_cached(target, lambda scratch: write_checkpoint(source, scratch, dtype))
 
 
 def write_checkpoint(source: Path, out_dir: Path, dtype: str) -> None:

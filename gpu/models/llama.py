@@ -143,7 +143,11 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, rope, meta, kv_cache)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.feed_forward(h), residual
+
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, H]: the MLP here; a mixture-of-experts layer routes to its experts."""
+        return self.mlp(h)
 
 
 class DecoderModel(nn.Module):

@@ -28,14 +28,17 @@ from torch import nn
 from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends.base import AttentionMetadata, Backend
-from conveyor.gpu.models.llama import MLP, Attention, Linear, RMSNorm
+from conveyor.gpu.models.llama import MLP, Attention, DecoderLayer, Linear, RMSNorm
 from conveyor.gpu.models.moe import MoeConfig, SparseMoeBlock, load_moe_weights, moe_fields
 from conveyor.gpu.rope import RotaryEmbedding
 
 
-class MoeDecoderLayer(nn.Module):
+class MoeDecoderLayer(DecoderLayer):
+    """DecoderLayer's pre-norm layout (its forward) with a sparse MoE block as the feed-forward
+    (a plain MLP in a Qwen layer that mlp_only_layers / decoder_sparse_step keep dense)."""
+
     def __init__(self, config: ModelConfig, moe: MoeConfig, index: int, backend: Backend, attention: type[Attention]) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # its own sublayers, not DecoderLayer's
         self.self_attn = attention(config, backend.ops, backend.attn, index)  # its window: config.window_of(index)
         # The checkpoint's module name: Mixtral's block is `block_sparse_moe`, a Qwen dense layer's `mlp`.
         self.feed_forward_name = moe.block_name if index in moe.sparse_layers else "mlp"
@@ -44,16 +47,8 @@ class MoeDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
 
-    def forward(self, x, residual, positions, rope, meta, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """As llama.DecoderLayer: (the last sublayer's output [T, H], the stream before it, None in
-        the first layer) -> (this layer's feed-forward output, the stream before it)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rope, meta, kv_cache)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return getattr(self, self.feed_forward_name)(h), residual
+    def feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.feed_forward_name)(h)
 
 
 class MoeDecoderModel(nn.Module):
