@@ -1,6 +1,6 @@
 """ModelRunner: runs StepPlans on the device, keeping the step state there between steps.
 
-Per plan: drop finished sequences, register new ones (a known seq_id is replaced: a resume after
+Per plan: check it (gpu/plan_checks.py), drop finished sequences, register new ones (a known seq_id is replaced: a resume after
 preemption, computed again from 0 or from its prefix-cache hit), copy the plan's KV blocks
 (copy-on-write), rewrite then extend each row's block table, then run the plan's passes. A row
 whose computed count reaches its known tokens samples one more, and one per fork from the same
@@ -21,6 +21,8 @@ its draws there are reported in masked_draws. When no row is left the window end
 
 Penalties read token histories on the host: a pass with such a row waits for the ids still in
 flight first (correct, and only that row's requests pay for it).
+
+A plan's passes and the StepResults they become are gpu/passes.py's.
 
 Use: `execute(plan)` runs a plan to the end and returns its StepResults (one per pass). The
 worker stage overlaps instead: it iterates `launch(plan)` (each step of the iteration launches
@@ -43,63 +45,18 @@ from conveyor.gpu.host_memory import keep_freed_memory
 from conveyor.gpu.kv_cache import num_blocks_for_memory
 from conveyor.gpu.loader import load_model
 from conveyor.gpu.pass_clock import Mark, PassClock
+from conveyor.gpu.passes import LaunchedPass, Window, WorkerSeq, pass_result
 from conveyor.gpu.persistent_batch import PersistentBatch
+from conveyor.gpu.plan_checks import check_plan
 from conveyor.gpu.profile_steps import profile_steps
 from conveyor.gpu.sampling import SamplingRow, sample_step
-from conveyor.gpu.sampling.draws import DeviceSamples, draw_step
+from conveyor.gpu.sampling.draws import draw_step
 from conveyor.gpu.sampling.penalties import penalises_repeats
-from conveyor.gpu.sampling.transfer import HostCopy
+from conveyor.gpu.sampling.transfer import HostCopy, to_device
 from conveyor.gpu.step_inputs import PassInputs, RowSpec, first_pass_inputs, next_pass_inputs
-from conveyor.wire.messages import MAX_LOGPROBS, NewSeq, SamplingParams, StepPlan, StepResult, TopLogprobs
+from conveyor.wire.messages import MAX_LOGPROBS, NewSeq, SamplingParams, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class WorkerSeq:
-    token_ids: list[int]  # prompt, then the outputs the host has seen (the device may be ahead)
-    params: SamplingParams
-    num_prompt_tokens: int
-    num_computed: int = 0  # tokens whose KV is in the cache (or is being written by a launched pass)
-    block_table: list[int] = dataclasses.field(default_factory=list)
-    index: int = 0  # choice index within the request: seeded draws mix it in
-    num_tokens: int = -1  # tokens known, on the host or only on the device yet (-1: len(token_ids))
-    stopped: bool = False  # the host saw it draw EOS / a stop token, or fail: later draws are masked
-
-    def __post_init__(self) -> None:
-        if self.num_tokens < 0:
-            self.num_tokens = len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return self.num_tokens - self.num_prompt_tokens
-
-
-@dataclasses.dataclass
-class Window:
-    """One plan's passes: a single step, or a multi-step window of decode passes."""
-
-    plan: StepPlan
-    rows: list[WorkerSeq]
-    passes: list[int]  # per row: the passes it takes part in (1 for a single step)
-    num_passes: int
-    first: PassInputs | None = None
-    num_launched: int = 0
-
-    def active(self, k: int) -> list[int]:
-        """Rows pass k computes: those with more than k passes whose sequence has not stopped."""
-        return [i for i, (seq, n) in enumerate(zip(self.rows, self.passes)) if n > k and not seq.stopped]
-
-
-@dataclasses.dataclass
-class LaunchedPass:
-    window: Window
-    index: int  # pass index within the plan
-    draws: list[WorkerSeq]  # the sequence of each draw the result reports, in protocol order
-    computed: list[int | None]  # per reported draw: its index among the computed draws (None: skipped)
-    samples: DeviceSamples | None
-    copy: HostCopy | None
-    clock: PassClock
 
 
 class ModelRunner:
@@ -195,7 +152,7 @@ class ModelRunner:
 
     def _apply(self, plan: StepPlan) -> Window | None:
         """Check the plan, then register, drop, copy and update block tables; the plan's window."""
-        self._check(plan)
+        check_plan(plan, self.seqs, self.config.model, self.num_blocks, self.block_size, self.max_blocks_per_seq)
         for seq_id in plan.finished_seq_ids:
             if self.seqs.pop(seq_id, None) is not None:
                 self.batch.remove(seq_id)
@@ -217,51 +174,6 @@ class ModelRunner:
             return Window(plan, rows, [1] * len(rows), 1)
         passes = [row.num_tokens for row in plan.scheduled]
         return Window(plan, rows, passes, max(passes))
-
-    def _check(self, plan: StepPlan) -> None:
-        """Raise ValueError for a plan the runner cannot run, before any state changes."""
-        vocab, max_len = self.config.model.vocab_size, self.config.model.max_model_len
-        for new in plan.new_seqs:
-            if new.token_ids and not 0 <= min(new.token_ids) <= max(new.token_ids) < vocab:
-                raise ValueError(f"seq {new.seq_id}: token id out of range [0, {vocab})")
-            if not 0 <= new.num_computed_tokens <= len(new.token_ids):
-                raise ValueError(f"seq {new.seq_id}: {new.num_computed_tokens} cached of {len(new.token_ids)} tokens")
-            if new.params.logit_bias and not all(0 <= t < vocab for t in new.params.logit_bias):
-                raise ValueError(f"seq {new.seq_id}: logit_bias token id out of range [0, {vocab})")
-        finished = set(plan.finished_seq_ids)
-        new_seqs = {new.seq_id: new for new in plan.new_seqs}
-        live = {s for s in self.seqs if s not in finished} | set(new_seqs)
-        multi = plan.num_steps > 1
-        if plan.num_steps < 1:
-            raise ValueError(f"a plan of {plan.num_steps} steps")
-        forks: list[int] = []
-        for row in plan.scheduled:
-            if row.seq_id not in live:
-                raise ValueError(f"seq {row.seq_id} is not live on this worker")
-            ids = [*row.new_block_ids, *(block for _, block in row.replaced_blocks)]
-            if ids and not 0 <= min(ids) <= max(ids) < self.num_blocks:
-                raise ValueError(f"seq {row.seq_id}: block ids {ids} outside the pool [0, {self.num_blocks})")
-            if row.seq_id in new_seqs:
-                new = new_seqs[row.seq_id]
-                table_len, num_tokens, computed = 0, len(new.token_ids), new.num_computed_tokens
-            else:
-                seq = self.seqs[row.seq_id]
-                table_len, num_tokens, computed = len(seq.block_table), seq.num_tokens, seq.num_computed
-            if any(not 0 <= pos < table_len for pos, _ in row.replaced_blocks):
-                raise ValueError(f"seq {row.seq_id}: replaced block position outside its {table_len} blocks")
-            end = computed + row.num_tokens
-            if row.num_tokens < 1 or end > max_len or (not multi and end > num_tokens):
-                raise ValueError(f"row computes tokens [{computed}, {end}) of a {num_tokens}-token sequence")
-            num_blocks = table_len + len(row.new_block_ids)
-            if num_blocks * self.block_size < end or num_blocks > self.max_blocks_per_seq:
-                raise ValueError(f"block table of {num_blocks} blocks cannot hold {end} tokens")
-            if multi and (row.forks or computed != num_tokens - 1 or row.num_tokens > plan.num_steps):
-                raise ValueError(f"seq {row.seq_id}: a multi-step row must decode, without forks, for at most num_steps passes")
-            if row.forks and end != num_tokens:
-                raise ValueError("a row that does not sample cannot fork")
-            forks += [f.seq_id for f in row.forks]
-        if len(set(forks)) != len(forks) or any(f in live for f in forks):
-            raise ValueError(f"fork seq_ids {forks} repeat or are already live")
 
     def _register(self, new: NewSeq) -> WorkerSeq:
         # A prefix-cache hit: the leading num_computed_tokens already have KV in the row's blocks.
@@ -313,7 +225,7 @@ class ModelRunner:
             param_slots = [
                 self.batch.slots[plan.scheduled[active[i]].seq_id] for i, f in zip(sampling, forks) for _ in range(1 + len(f))
             ]
-            draw_params = self.batch.params.gather(_up(torch.tensor(param_slots, dtype=torch.int64), self.device))
+            draw_params = self.batch.params.gather(to_device(param_slots, torch.int64, self.device))
             samples = draw_step(logits, sampling_rows, self.config.model.eos_token_ids, draw_params)
         for seq, n in zip(rows, num_computed):
             seq.num_computed += n
@@ -332,19 +244,17 @@ class ModelRunner:
                     self.seqs[fork.seq_id] = child
                     draw_seqs.append(child)
                     draw_slots.append(self.batch.fork(seq_id, fork.seq_id))
-            self.batch.feed_back(_up(torch.tensor(draw_slots, dtype=torch.int64), self.device), samples.token_ids)
+            self.batch.feed_back(to_device(draw_slots, torch.int64, self.device), samples.token_ids)
         clock.stop()
 
-        # The draws the result reports: every row with more than k passes, in plan order; a
-        # row left out (its sequence stopped) is reported masked.
-        reported = sampling if k == 0 else [i for i, n in enumerate(window.passes) if n > k]
+        # The draws the result reports: the first pass's are the ones it drew; pass k's every row
+        # with more than k passes, in plan order, a row left out (its sequence stopped) masked.
         if k == 0:
-            computed: list[int | None] = list(range(len(draw_seqs)))
-            reported_seqs = draw_seqs
+            reported_seqs, computed = draw_seqs, list[int | None](range(len(draw_seqs)))
         else:
             position = {row: c for c, row in enumerate(active)}
-            reported_seqs = [window.rows[i] for i in reported]
-            computed = [position.get(i) for i in reported]
+            reported = [i for i, n in enumerate(window.passes) if n > k]
+            reported_seqs, computed = [window.rows[i] for i in reported], [position.get(i) for i in reported]
         copy = HostCopy(samples.tensors()) if samples is not None else None
         self._pending.append(LaunchedPass(window, k, reported_seqs, computed, samples, copy, clock))
         window.num_launched = k + 1
@@ -384,57 +294,7 @@ class ModelRunner:
         return False
 
     def _finish(self, launched: LaunchedPass) -> StepResult:
-        """A launched pass whose ids reached the host -> its StepResult; the host's copies of the
-        sequences take the ids, and a sequence that stops is masked from then on."""
-        window, k = launched.window, launched.index
-        host = launched.samples.on_host(launched.copy.wait()) if launched.samples is not None and launched.copy else None
-        ids: list[int] = []
-        logprobs: list[float] = []
-        tops: list[TopLogprobs] = []
-        failed: list[int] = []
-        masked: list[int] = []
-        top_iter = iter(host.top_logprobs if host else [])
-        failed_computed = set(host.failed_draws if host else [])
-        eos = self.config.model.eos_token_ids
-        for d, (seq, c) in enumerate(zip(launched.draws, launched.computed)):
-            wants_top = seq.params.logprobs is not None
-            top = next(top_iter) if wants_top and c is not None else None
-            if c is not None and host is not None:
-                # Every id the device holds joins the host's copy, even a masked one: the next
-                # plan may still name the sequence (planned before the scheduler saw it stop).
-                token = host.token_ids[c]
-                seq.token_ids.append(token)
-            if c is None or host is None or seq.stopped:
-                masked.append(d)
-                ids.append(0)
-                logprobs.append(0.0)
-                if wants_top:
-                    tops.append(TopLogprobs([], []))
-                continue
-            ids.append(token)
-            logprobs.append(host.logprobs[c])
-            if top is not None:
-                tops.append(top)
-            if c in failed_computed:  # its id is the placeholder 0, as on the device
-                failed.append(d)
-                seq.stopped = True
-            else:
-                seq.stopped = _stops(seq, token, eos)
-        # The plan's last result: its final pass, or the last launched one when no row is left.
-        last = k == window.num_passes - 1 or (window.num_launched == k + 1 and not window.active(k + 1))
-        clock = launched.clock
-        return StepResult(
-            step=window.plan.step,
-            sampled_token_ids=ids,
-            busy_time=clock.busy(),
-            idle_time=clock.idle(),
-            sampled_logprobs=logprobs,
-            top_logprobs=tops,
-            failed_draws=failed,
-            pass_index=k,
-            last_pass=last,
-            masked_draws=masked,
-        )
+        return pass_result(launched, self.config.model.eos_token_ids)
 
     # --- KV sizing ----------------------------------------------------------------------------
 
@@ -472,20 +332,6 @@ class ModelRunner:
         history = [0] * min(model_cfg.max_model_len, sched.max_num_batched_tokens)  # one output: min_tokens still bans EOS
         row = SamplingRow(params, history, len(history) - 1, [0])
         sample_step(logits, [row] * num_rows, model_cfg.eos_token_ids)
-
-
-def _stops(seq: WorkerSeq, token: int, eos_token_ids: tuple[int, ...]) -> bool:
-    """Whether the sequence ends on `token`, its newest id on the host: the scheduler's rule
-    (Sequence.stop_reason) for EOS and stop tokens, which only count from min_tokens outputs on.
-    Lengths need no check here: a plan never runs a row past them."""
-    params = seq.params
-    if len(seq.token_ids) - seq.num_prompt_tokens < params.min_tokens:
-        return False
-    return (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
-
-
-def _up(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 def _device(name: str, rank: int) -> torch.device:

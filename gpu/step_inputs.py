@@ -22,6 +22,7 @@ import torch
 
 from conveyor.gpu.backends import AttentionBackend, AttentionMetadata
 from conveyor.gpu.persistent_batch import PersistentBatch
+from conveyor.gpu.sampling.transfer import to_device
 
 
 @dataclasses.dataclass
@@ -79,20 +80,20 @@ def first_pass_inputs(
         if r.samples:
             logit_index.append(offset - 1)
 
-    ids = _up(torch.from_numpy(input_ids), device)
+    ids = to_device(input_ids, torch.int64, device)
     if feedback_at:
-        at = _up(torch.tensor(feedback_at, dtype=torch.int64), device)
-        ids.index_copy_(0, at, batch.last_token.index_select(0, _up(torch.tensor(feedback_slots, dtype=torch.int64), device)))
-    slots = _up(torch.tensor([r.slot for r in rows], dtype=torch.int64), device)
+        at = to_device(feedback_at, torch.int64, device)
+        ids.index_copy_(0, at, batch.last_token.index_select(0, to_device(feedback_slots, torch.int64, device)))
+    slots = to_device([r.slot for r in rows], torch.int64, device)
     seq_lens = [r.end for r in rows]
     tables = batch.tables_for(slots, -(-max(seq_lens) // block_size))
-    positions_t = _up(torch.from_numpy(positions), device)
+    positions_t = to_device(positions, torch.int64, device)
     meta = attn.build_metadata(num_tokens, seq_lens, tables, positions_t, block_size, sliding_window) if with_metadata else None
     return PassInputs(
         input_ids=ids,
         positions=positions_t,
         meta=meta,
-        logit_index=_up(torch.tensor(logit_index, dtype=torch.int64), device),
+        logit_index=to_device(logit_index, torch.int64, device),
         slots=slots,
         block_tables=tables,
         num_rows=len(rows),
@@ -119,7 +120,7 @@ def next_pass_inputs(
     if active is None:
         slots, positions, tables = first.slots, first.positions + k, first.block_tables
     else:
-        index = _up(torch.tensor(active, dtype=torch.int64), device)
+        index = to_device(active, torch.int64, device)
         slots, positions = first.slots.index_select(0, index), first.positions.index_select(0, index) + k
         tables = first.block_tables.index_select(0, index)
     num_blocks = -(-max(seq_lens) // block_size)
@@ -130,8 +131,3 @@ def next_pass_inputs(
     meta = attn.build_metadata([1] * num_rows, seq_lens, tables, positions, block_size, sliding_window) if with_metadata else None
     logit_index = torch.arange(num_rows, device=device)
     return PassInputs(ids, positions, meta, logit_index, slots, tables, num_rows, True, seq_lens)
-
-
-def _up(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor -> the device, from pinned memory without blocking (as is, on a CPU)."""
-    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)

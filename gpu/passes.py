@@ -1,0 +1,125 @@
+"""A plan's passes on the worker: the per-sequence state the host keeps (WorkerSeq), a plan's
+window of passes (Window), a pass launched on the device (LaunchedPass), and the StepResult a
+launched pass becomes once its ids reach the host (`pass_result`). gpu/runner.py launches them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from conveyor.gpu.pass_clock import PassClock
+from conveyor.gpu.sampling.draws import DeviceSamples
+from conveyor.gpu.sampling.transfer import HostCopy
+from conveyor.gpu.step_inputs import PassInputs
+from conveyor.wire.messages import SamplingParams, StepPlan, StepResult, TopLogprobs
+
+
+@dataclasses.dataclass
+class WorkerSeq:
+    token_ids: list[int]  # prompt, then the outputs the host has seen (the device may be ahead)
+    params: SamplingParams
+    num_prompt_tokens: int
+    num_computed: int = 0  # tokens whose KV is in the cache (or is being written by a launched pass)
+    block_table: list[int] = dataclasses.field(default_factory=list)
+    index: int = 0  # choice index within the request: seeded draws mix it in
+    num_tokens: int = -1  # tokens known, on the host or only on the device yet (-1: len(token_ids))
+    stopped: bool = False  # the host saw it draw EOS / a stop token, or fail: later draws are masked
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            self.num_tokens = len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+
+@dataclasses.dataclass
+class Window:
+    """One plan's passes: a single step, or a multi-step window of decode passes."""
+
+    plan: StepPlan
+    rows: list[WorkerSeq]
+    passes: list[int]  # per row: the passes it takes part in (1 for a single step)
+    num_passes: int
+    first: PassInputs | None = None
+    num_launched: int = 0
+
+    def active(self, k: int) -> list[int]:
+        """Rows pass k computes: those with more than k passes whose sequence has not stopped."""
+        return [i for i, (seq, n) in enumerate(zip(self.rows, self.passes)) if n > k and not seq.stopped]
+
+
+@dataclasses.dataclass
+class LaunchedPass:
+    window: Window
+    index: int  # pass index within the plan
+    draws: list[WorkerSeq]  # the sequence of each draw the result reports, in protocol order
+    computed: list[int | None]  # per reported draw: its index among the computed draws (None: skipped)
+    samples: DeviceSamples | None
+    copy: HostCopy | None
+    clock: PassClock
+
+
+def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
+    """A launched pass whose ids reached the host -> its StepResult; the host's copies of the
+    sequences take the ids, and a sequence that stops (EOS `eos`, a stop id, a failed draw) is
+    masked from then on."""
+    window, k = launched.window, launched.index
+    host = launched.samples.on_host(launched.copy.wait()) if launched.samples is not None and launched.copy else None
+    ids: list[int] = []
+    logprobs: list[float] = []
+    tops: list[TopLogprobs] = []
+    failed: list[int] = []
+    masked: list[int] = []
+    top_iter = iter(host.top_logprobs if host else [])
+    failed_computed = set(host.failed_draws if host else [])
+    for d, (seq, c) in enumerate(zip(launched.draws, launched.computed)):
+        wants_top = seq.params.logprobs is not None
+        top = next(top_iter) if wants_top and c is not None else None
+        if c is not None and host is not None:
+            # Every id the device holds joins the host's copy, even a masked one: the next
+            # plan may still name the sequence (planned before the scheduler saw it stop).
+            token = host.token_ids[c]
+            seq.token_ids.append(token)
+        if c is None or host is None or seq.stopped:
+            masked.append(d)
+            ids.append(0)
+            logprobs.append(0.0)
+            if wants_top:
+                tops.append(TopLogprobs([], []))
+            continue
+        ids.append(token)
+        logprobs.append(host.logprobs[c])
+        if top is not None:
+            tops.append(top)
+        if c in failed_computed:  # its id is the placeholder 0, as on the device
+            failed.append(d)
+            seq.stopped = True
+        else:
+            seq.stopped = _stops(seq, token, eos)
+    # The plan's last result: its final pass, or the last launched one when no row is left.
+    last = k == window.num_passes - 1 or (window.num_launched == k + 1 and not window.active(k + 1))
+    clock = launched.clock
+    return StepResult(
+        step=window.plan.step,
+        sampled_token_ids=ids,
+        busy_time=clock.busy(),
+        idle_time=clock.idle(),
+        sampled_logprobs=logprobs,
+        top_logprobs=tops,
+        failed_draws=failed,
+        pass_index=k,
+        last_pass=last,
+        masked_draws=masked,
+    )
+
+
+def _stops(seq: WorkerSeq, token: int, eos_token_ids: tuple[int, ...]) -> bool:
+    """Whether the sequence ends on `token`, its newest id on the host: the scheduler's rule
+    (Sequence.stop_reason) for EOS and stop tokens, which only count from min_tokens outputs on.
+    Lengths need no check here: a plan never runs a row past them."""
+    params = seq.params
+    if len(seq.token_ids) - seq.num_prompt_tokens < params.min_tokens:
+        return False
+    return (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
