@@ -110,6 +110,14 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = option((), "CORS origins allowed to call the API ('*' for any)", none="none")
     # Jinja text overriding the checkpoint's chat template; the option takes a file or the text.
     chat_template: str | None = option(None, "Jinja file (or text) overriding the checkpoint's chat template", none="the checkpoint's")
+    # Tool calls and reasoning in chat answers (stages/ingress/): which text format the served
+    # model writes them in. None: guessed from the model's chat template.
+    tool_call_parser: str | None = option(
+        None, "how the model writes tool calls: hermes, llama3_json or mistral", none="from the model"
+    )
+    reasoning_parser: str | None = option(
+        None, "split <think>...</think> into reasoning_content: qwen3 or deepseek_r1", none="none"
+    )
     # Sequences one HTTP request may start (prompts x max(n, best_of)): past it, a 400.
     max_seqs_per_request: int = option(256, "sequences one request may start (prompts x n)", positive=True)
     # HTTP hardening, per ingress process: a client slower than these is disconnected.

@@ -22,6 +22,7 @@ from conveyor.wire.sampling_params import (  # noqa: F401 - every stage imports 
     MIN_SAMPLING_TEMPERATURE,
     REPETITION_PENALTY_RANGE,
     SamplingParams,
+    StructuredOutput,
 )
 from conveyor.wire.struct import Struct
 
@@ -42,9 +43,20 @@ class FinishReason(enum.IntEnum):
 # --- received by a tokenizer ----------------------------------------------------------------
 
 
+class ToolCall(Struct):
+    """A function call an assistant made, as a later turn carries it back to the chat template."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
 class ChatMessage(Struct):
-    role: str
+    role: str  # system, user, assistant or tool
     content: str
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None  # a tool turn: the function's name, where the client gave it
 
 
 class TokenizeRequest(Struct, tag=1):
@@ -58,6 +70,7 @@ class TokenizeRequest(Struct, tag=1):
     add_generation_prompt: bool = True
     priority: int = 0  # lower runs first; equal priorities are first come first served
     sent_time: float = 0.0  # time.time() when the ingress sent it (per-stage latency)
+    tools: str | None = None  # chat: the request's `tools` as JSON text, passed to the chat template
 
 
 TokenizerInbound = TokenizeRequest

@@ -6,6 +6,7 @@ and the HTTP bodies (stages/ingress/bodies.py) publish the same ones.
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 from conveyor.wire.struct import Struct
 
@@ -21,6 +22,19 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 # repetition_penalty divides or multiplies logits; outside this range it only overflows or
 # flattens them (HF suggests about 1.2; vLLM takes any positive value).
 REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+
+StructuredKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
+
+
+class StructuredOutput(Struct, frozen=True):
+    """A constraint on the output, enforced by the grammar engine (gpu/structured/) masking the
+    logits at every draw. `spec` by kind: json_object: "" (any JSON object); json_schema: the
+    schema as JSON text; regex: the pattern; choice: a JSON array of the allowed strings;
+    grammar: EBNF (GBNF) text. Frozen and hashable: compiled grammars are cached by it."""
+
+    kind: StructuredKind
+    spec: str = ""
 
 
 class SamplingParams(Struct):
@@ -52,6 +66,7 @@ class SamplingParams(Struct):
     logprobs: int | None = None  # return the sampled token's logprob and this many top alternatives
     stop: list[str] = []  # stop strings, matched by the detokenizer across token boundaries
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
 
     def __post_init__(self) -> None:
         """Raise ValueError naming the field first ("top_p must ..."): the ingress maps it to
