@@ -48,6 +48,14 @@ class Generation:
     model: str | None = None
     add_generation_prompt: bool = True
     priority: int = 0
+    # Chat tool calling: the request's `tools` (OpenAI function tools, as sent), and `tool_choice`
+    # as a mode: "none", "auto", "required" or "named" (then tool_name). For "required" and
+    # "named" the output is constrained (params.structured) to JSON: the named function's
+    # arguments object, or for "required" an array of {"name", "parameters"} objects.
+    tools: list[dict[str, Any]] | None = None
+    tool_mode: str = "none"
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
 
 
 def parse_completion(data: bytes, vocab_size: int) -> Generation:
