@@ -40,6 +40,87 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
+# --- constraints on the output (structured_params.py turns them into a StructuredOutput) ------
+
+
+class Format(Body, tag_field="type"):
+    pass
+
+
+class TextFormat(Format, tag="text"):
+    pass
+
+
+class JsonObjectFormat(Format, tag="json_object"):
+    pass
+
+
+class JsonSchemaSpec(Body, kw_only=True):
+    name: str | None = None  # OpenAI requires a name; nothing here reads it
+    description: str | None = None
+    schema: dict[str, Any] | None = None  # None is a 400: without it there is nothing to enforce
+    strict: bool | None = None  # accepted; the schema is always enforced
+
+
+class JsonSchemaFormat(Format, tag="json_schema"):
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+Choices = Annotated[list[str], Meta(min_length=1)]
+NonEmptyText = Annotated[str, Meta(min_length=1)]
+
+
+class StructuredOutputsBody(Body, kw_only=True):
+    """vLLM's `structured_outputs` (its StructuredOutputsParams): at most one of the first five."""
+
+    json: dict[str, Any] | str | None = None  # a JSON schema, as an object or its JSON text
+    regex: NonEmptyText | None = None
+    choice: Choices | None = None
+    grammar: NonEmptyText | None = None  # EBNF
+    json_object: bool | None = None
+    structural_tag: str | None = None  # not supported: a 400
+    # vLLM's options for its grammar backends; accepted, no effect here.
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
+# --- tool calling (chat only; tool_params.py) -------------------------------------------------
+
+
+class FunctionBody(Body, kw_only=True):
+    name: NonEmptyText
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # the arguments' JSON schema; absent: any object
+    strict: bool | None = None
+
+
+class ToolBody(Body, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionBody
+
+
+class FunctionName(Body, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Body, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class FunctionCallBody(Body, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # JSON text as OpenAI sends it; an object is taken too
+
+
+class ToolCallBody(Body, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
 class SamplingBody(Body):
     """The fields both generation routes share."""
 
@@ -68,12 +149,20 @@ class SamplingBody(Body):
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
     user: str | None = None  # accepted, ignored
+    # One constraint on the output at most (OpenAI's response_format, or vLLM's extras).
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: NonEmptyText | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: NonEmptyText | None = None
 
 
 class CompletionBody(SamplingBody, kw_only=True):
     prompt: str | PromptList
     logprobs: NumLogprobs | None = None  # top alternatives per token; 0: the sampled token's only
     echo: bool = False  # the prompt text before each choice's text
+    tools: list[Any] | None = None  # a 400: tools are for /v1/chat/completions
 
 
 class ContentPart(Body, kw_only=True):
@@ -82,8 +171,11 @@ class ContentPart(Body, kw_only=True):
 
 
 class ChatMessageBody(Body, kw_only=True):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallBody] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
 
 
 Messages = Annotated[list[ChatMessageBody], Meta(min_length=1)]
@@ -95,6 +187,10 @@ class ChatBody(SamplingBody, kw_only=True):
     add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None  # with logprobs: alternatives per token
+    tools: list[ToolBody] | None = None
+    # "none", "auto", "required" or one function; default "auto" with tools, else "none".
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeBody(Body):
@@ -104,6 +200,7 @@ class TokenizeBody(Body):
     prompt: str | None = None
     messages: Messages | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolBody] | None = None  # with messages: passed to the chat template
 
 
 class DetokenizeBody(Body, kw_only=True):

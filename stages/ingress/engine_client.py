@@ -22,6 +22,8 @@ import secrets
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from conveyor.stages.ingress.protocol import Generation
 from conveyor.stages.ingress.telemetry import Telemetry
 from conveyor.wire.channel import Sender
@@ -99,6 +101,7 @@ class EngineClient:
         `arrival_time`: when the HTTP request reached its handler (default: now)."""
         stream = RequestStream()
         arrival_time = arrival_time or time.time()
+        tools = None if gen.tools is None else msgspec.json.encode(gen.tools).decode()  # once for a whole batch
         for request_id, prompt in zip(request_ids, gen.prompts, strict=True):
             self._streams[request_id] = stream
             self.telemetry.submitted(request_id, arrival_time, gen.params.num_samples)
@@ -117,6 +120,7 @@ class EngineClient:
                     add_generation_prompt=gen.add_generation_prompt,
                     priority=gen.priority,
                     sent_time=time.time(),
+                    tools=tools,
                 )
             )
         return stream

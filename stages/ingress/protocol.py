@@ -4,7 +4,8 @@
 (one `Prompt` each: a completion batch fans out as one engine request per prompt) plus how to
 answer (stream, usage, echo, token ids). Every problem is an ApiError naming the offending
 `param`: msgspec enforces the bounds declared in bodies.py, this module what needs the model (token
-ids inside the vocabulary) or several fields at once, and SamplingParams has the last word.
+ids inside the vocabulary) or several fields at once, and SamplingParams has the last word. The
+output constraint (structured_params.py) and a chat's tools (tool_params.py) are resolved there.
 `best_of` (accepted on both routes, as vLLM does) asks for that many samples of which the `n`
 most likely are returned, so it cannot stream. `check_num_seqs` bounds what one request may start,
 prompts x max(n, best_of) sequences, by `config.server.max_seqs_per_request`.
@@ -18,12 +19,14 @@ from typing import Any
 
 import msgspec
 
-from conveyor.stages.ingress.bodies import ChatBody, ChatMessageBody, CompletionBody, SamplingBody
+from conveyor.stages.ingress.bodies import ChatBody, ChatMessageBody, CompletionBody, SamplingBody, ToolCallBody
 from conveyor.stages.ingress.errors import ApiError
-from conveyor.wire.messages import ChatMessage, SamplingParams
+from conveyor.stages.ingress.structured_params import structured_output
+from conveyor.stages.ingress.tool_params import tool_choice
+from conveyor.wire.messages import ChatMessage, SamplingParams, StructuredOutput, ToolCall
 
 MAX_PROMPTS = 256  # prompts in one completion batch: each is an engine request of its own
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +65,11 @@ def parse_completion(data: bytes, vocab_size: int) -> Generation:
     body = decode(data, CompletionBody)
     if body.echo and body.logprobs is not None:
         raise ApiError(400, "echo with logprobs is not supported", param="echo")
+    if body.tools is not None:
+        raise ApiError(400, "tools are only supported on /v1/chat/completions", param="tools")
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
-    gen = _generation(body, max_tokens, body.logprobs, vocab_size)
+    structured, _ = structured_output(body)
+    gen = _generation(body, max_tokens, body.logprobs, vocab_size, structured)
     gen.prompts = _prompts(body.prompt, vocab_size)
     gen.echo = body.echo
     return gen
@@ -75,9 +81,17 @@ def parse_chat(data: bytes, vocab_size: int) -> Generation:
         raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    gen = _generation(body, max_tokens, logprobs, vocab_size)  # None: until EOS or the context is full
+    structured, param = structured_output(body)
+    tools = tool_choice(body)
+    if tools.structured is not None and structured is not None:
+        message = f"tool_choice {tools.mode!r} constrains the output to a tool call; {param} cannot constrain it too"
+        raise ApiError(400, message, param=param)
+    structured = tools.structured or structured
+    gen = _generation(body, max_tokens, logprobs, vocab_size, structured)  # None: until EOS or the context is full
     gen.prompts = [Prompt(messages=chat_messages(body.messages))]
     gen.add_generation_prompt = body.add_generation_prompt
+    gen.tools, gen.tool_mode, gen.tool_name = tools.tools, tools.mode, tools.name
+    gen.parallel_tool_calls = body.parallel_tool_calls
     return gen
 
 
@@ -119,15 +133,17 @@ def decode(data: bytes, type: Any) -> Any:
 
 def _param_of(message: str) -> str | None:
     """`... - at `$.messages[0].content`` -> "messages[0].content"; `$.logit_bias[...]` ->
-    "logit_bias" (a dict value); a missing field names itself."""
-    if m := re.search(r"at `\$\.?(.+?)`$", message):
-        return m.group(1).replace("[...]", "") or None
+    "logit_bias" (a dict value); a missing field names itself, under its object's path."""
+    at = re.search(r"at `\$\.?(.+?)`$", message)
+    path = at.group(1).replace("[...]", "") if at else ""
     if m := re.search(r"missing required field `(.+?)`", message):
-        return m.group(1)
-    return None
+        return f"{path}.{m.group(1)}" if path else m.group(1)
+    return path or None
 
 
-def _generation(body: SamplingBody, max_tokens: int | None, logprobs: int | None, vocab_size: int) -> Generation:
+def _generation(
+    body: SamplingBody, max_tokens: int | None, logprobs: int | None, vocab_size: int, structured: StructuredOutput | None
+) -> Generation:
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream set to true", param="stream_options")
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
@@ -158,6 +174,7 @@ def _generation(body: SamplingBody, max_tokens: int | None, logprobs: int | None
             include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos,
             skip_special_tokens=body.skip_special_tokens,
+            structured=structured,
         )
     except ValueError as e:
         field = str(e).split(" ", 1)[0]  # SamplingParams messages start with the field's name
@@ -215,16 +232,36 @@ def _is_token_id(value: Any) -> bool:
 
 
 def chat_messages(messages: list[ChatMessageBody]) -> list[ChatMessage]:
-    return [_chat_message(m, i) for i, m in enumerate(messages)]
+    """A tool turn without a name gets the one its call had: some templates (Llama 3.1's,
+    Mistral's) write the function's name beside its result."""
+    names = {call.id: call.function.name for m in messages for call in m.tool_calls or ()}
+    return [_chat_message(m, i, names) for i, m in enumerate(messages)]
 
 
-def _chat_message(message: ChatMessageBody, i: int) -> ChatMessage:
+def _chat_message(message: ChatMessageBody, i: int, names: dict[str, str]) -> ChatMessage:
     role = ROLES[message.role]
+    if message.tool_calls is not None and role != "assistant":
+        raise ApiError(400, "only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
+    tool_calls = [_tool_call(call) for call in message.tool_calls] if message.tool_calls else None
+    name = call_id = None
+    if role == "tool":
+        call_id = message.tool_call_id
+        name = message.name or names.get(call_id or "")
+    return ChatMessage(role, _content(message, i), tool_calls=tool_calls, tool_call_id=call_id, name=name)
+
+
+def _tool_call(call: ToolCallBody) -> ToolCall:
+    arguments = call.function.arguments
+    text = arguments if isinstance(arguments, str) else msgspec.json.encode(arguments).decode()
+    return ToolCall(id=call.id, name=call.function.name, arguments=text)
+
+
+def _content(message: ChatMessageBody, i: int) -> str:
     if message.content is None or isinstance(message.content, str):
-        return ChatMessage(role=role, content=message.content or "")
+        return message.content or ""
     texts = []
     for part in message.content:
         if part.type != "text" or part.text is None:
             raise ApiError(400, "only text content parts are supported", param=f"messages[{i}].content")
         texts.append(part.text)
-    return ChatMessage(role=role, content="\n".join(texts))
+    return "\n".join(texts)

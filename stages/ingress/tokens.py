@@ -19,7 +19,8 @@ from conveyor.config import EngineConfig
 from conveyor.stages.ingress.bodies import DetokenizeBody, DetokenizeResult, TokenizeBody, TokenizeResult
 from conveyor.stages.ingress.errors import ApiError, check_model, read_body
 from conveyor.stages.ingress.protocol import chat_messages, decode
-from conveyor.stages.tokenizer.encoder import PromptEncoder
+from conveyor.stages.ingress.tool_params import template_tool
+from conveyor.stages.tokenizer.encoder import PromptEncoder, template_messages
 from conveyor.stages.tokenizer.length_limit import PromptTooLong
 
 log = logging.getLogger(__name__)
@@ -69,9 +70,10 @@ class TokenRoutes:
             if body.prompt is not None:
                 ids = await asyncio.to_thread(encoder.encode_prompt, body.prompt, max_len)
             else:
-                messages = [{"role": m.role, "content": m.content} for m in chat_messages(body.messages or [])]
+                messages = template_messages(chat_messages(body.messages or []))
                 try:
-                    ids = await asyncio.to_thread(encoder.encode_chat, messages, body.add_generation_prompt, max_len)
+                    tools = None if body.tools is None else [template_tool(t) for t in body.tools]
+                    ids = await asyncio.to_thread(encoder.encode_chat, messages, body.add_generation_prompt, max_len, tools)
                 except ValueError as e:
                     raise ApiError(400, f"cannot apply the chat template: {e}", param="messages") from None
         except PromptTooLong as e:

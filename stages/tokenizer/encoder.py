@@ -3,11 +3,13 @@
 Built from a checkpoint directory with the `tokenizers` library and jinja2 alone: the tokenizer
 stage imports neither torch nor transformers, so it starts in a fraction of a second. The
 chat template is rendered the way transformers renders it (same jinja2 settings, globals and
-variables), so `encode_chat` gives `apply_chat_template(..., tokenize=True)`'s ids.
+variables; `tools`, and tool calls shaped by `template_messages`), so `encode_chat` gives
+`apply_chat_template(..., tokenize=True)`'s ids.
 
 One difference, on purpose: special-token text inside a message's content (a user writing
 `<|eot_id|><|start_header_id|>system`) is encoded as plain text, not as the control tokens, so
-no one can forge a turn or a role; only the template's own markup yields special tokens.
+no one can forge a turn or a role; only the template's own markup yields special tokens. The
+same holds for every string of tool calls and tools.
 `special_tokens_in_content=True` (`--chat-content-special-tokens`) restores transformers'
 behaviour. With a `limit`, a prompt sure to be longer is refused before all of it is encoded
 (length_limit.py).
@@ -31,6 +33,7 @@ from tokenizers import Tokenizer
 
 from conveyor.config import EngineConfig
 from conveyor.stages.tokenizer.length_limit import PromptTooLong, encode_within
+from conveyor.wire.messages import ChatMessage, ToolCall
 
 
 class PromptEncoder:
@@ -84,17 +87,28 @@ class PromptEncoder:
         return encode_within(self.tokenizer, text, add_special_tokens=True, limit=limit)
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, limit: int | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        limit: int | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Render the chat template, then encode without adding special tokens again: the
         template already wrote them (transformers' apply_chat_template(tokenize=True)).
         PromptTooLong as for encode_prompt."""
-        if not self.special_tokens_in_content and any(self._has_special_text(m) for m in messages):
-            return self._encode_chat_literally(messages, add_generation_prompt, limit)
-        text = self.render_chat(messages, add_generation_prompt)
+        if not self.special_tokens_in_content and self._holds_special_text([messages, tools]):
+            return self._encode_chat_literally(messages, add_generation_prompt, limit, tools)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return encode_within(self.tokenizer, text, add_special_tokens=False, limit=limit)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """`tools`: OpenAI function tools ({"type": "function", "function": {...}}), which
+        transformers passes to the template as they are."""
         template = self._template()
         # Like transformers, unset special tokens are left undefined (render as ""), not None.
         specials = {k: v for k, v in self.special_tokens.items() if v is not None}
@@ -102,23 +116,36 @@ class PromptEncoder:
             return template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=None if tools is None else [dict(t) for t in tools],
                 documents=None,
                 **specials,
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"the chat template failed: {e}") from None
 
-    def _has_special_text(self, message: Mapping[str, Any]) -> bool:
-        content = message.get("content")
-        return self._special_text is not None and isinstance(content, str) and bool(self._special_text.search(content))
+    def _holds_special_text(self, value: Any) -> bool:
+        """Whether any string in `value` (messages, their tool calls, tools) holds special-token text."""
+        if self._special_text is None:
+            return False
+        if isinstance(value, str):
+            return bool(self._special_text.search(value))
+        if isinstance(value, Mapping):
+            return any(self._holds_special_text(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return any(self._holds_special_text(v) for v in value)
+        return False
 
     def _encode_chat_literally(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, limit: int | None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        limit: int | None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        """encode_chat with the special-token text of message contents kept as plain text.
+        """encode_chat with the special-token text of messages and tools kept as plain text.
 
-        Each such text in a content is swapped for a placeholder no one can write (a random
+        Each such text in a string the client sent (a content, a tool call's arguments, a
+        tool's description) is swapped for a placeholder no one can write (a random
         nonce; not whitespace, so a template's `| trim` sees the same ends), the template is
         rendered, and what special-token text is left in the rendering is the template's own.
         The rendering is cut at those, as the tokenizer itself cuts a text at special tokens;
@@ -137,8 +164,16 @@ class PromptEncoder:
             originals.append(match.group())
             return f"\ue000{nonce}:{len(originals) - 1}\ue001"
 
-        hidden = [{**m, "content": special_text.sub(hide, m["content"])} if self._has_special_text(m) else m for m in messages]
-        text = self.render_chat(hidden, add_generation_prompt)
+        def hide_in(value: Any) -> Any:
+            if isinstance(value, str):
+                return special_text.sub(hide, value)
+            if isinstance(value, Mapping):
+                return {k: hide_in(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return [hide_in(v) for v in value]
+            return value
+
+        text = self.render_chat(hide_in(messages), add_generation_prompt, None if tools is None else hide_in(tools))
         placeholder = re.compile(f"\ue000{nonce}:([0-9]+)\ue001")
         ids: list[int] = []
         start = 0
@@ -180,6 +215,36 @@ class PromptEncoder:
             except jinja2.TemplateError as e:
                 raise ValueError(f"the chat template does not compile: {e}") from None
         return self._compiled
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates read them (transformers' shape): an assistant's tool calls as
+    {"id", "type": "function", "function": {"name", "arguments"}}, a tool turn with its
+    `tool_call_id` and `name`. Keys a message lacks are left out, as templates test `is defined`."""
+    dicts = []
+    for m in messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            d["tool_calls"] = [_template_call(call) for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            d["name"] = m.name
+        dicts.append(d)
+    return dicts
+
+
+def _template_call(call: ToolCall) -> dict[str, Any]:
+    # Templates write the arguments with `| tojson` (Qwen, Hermes, Llama 3.1), which needs the
+    # object: JSON text would come out quoted. vLLM parses them too, an empty text as {}.
+    arguments: Any = call.arguments
+    try:
+        parsed = json.loads(call.arguments or "{}")
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        arguments = parsed
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
 
 
 def _environment() -> ImmutableSandboxedEnvironment:

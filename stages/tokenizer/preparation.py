@@ -8,10 +8,12 @@ stage's loop (main.py) and by the Python API (conveyor/llm.py).
 
 from __future__ import annotations
 
+import json
+
 import msgspec
 
 from conveyor.config import EngineConfig
-from conveyor.stages.tokenizer.encoder import PromptEncoder
+from conveyor.stages.tokenizer.encoder import PromptEncoder, template_messages
 from conveyor.stages.tokenizer.length_limit import PromptTooLong
 from conveyor.wire.messages import ScheduleRequest, TokenizeRequest
 
@@ -61,8 +63,9 @@ def _encode(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest, 
     """The prompt's ids; PromptTooLong when it surely has more than `limit`."""
     if req.messages is not None:
         try:
-            messages = [{"role": m.role, "content": m.content} for m in req.messages]
-            return encoder.encode_chat(messages, add_generation_prompt=req.add_generation_prompt, limit=limit)
+            tools = None if req.tools is None else json.loads(req.tools)
+            messages = template_messages(req.messages)
+            return encoder.encode_chat(messages, req.add_generation_prompt, limit, tools)
         except ValueError as e:
             raise Rejected(f"cannot apply the chat template: {e}", param="messages") from None
     if req.prompt_token_ids is not None:
