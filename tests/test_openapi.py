@@ -49,9 +49,9 @@ def test_lists_every_route(server, document):
     documented = {(method, path) for path, operations in document["paths"].items() for method in operations}
     assert served == documented == ROUTES
     for path, fields in (
-        ("/v1/completions", {"prompt", "temperature", "logprobs", "echo", "stop"}),
-        ("/v1/chat/completions", {"messages", "top_logprobs", "logit_bias"}),
-        ("/tokenize", {"prompt", "messages"}),
+        ("/v1/completions", {"prompt", "temperature", "logprobs", "echo", "stop", "response_format", "guided_json"}),
+        ("/v1/chat/completions", {"messages", "top_logprobs", "logit_bias", "tools", "tool_choice", "structured_outputs"}),
+        ("/tokenize", {"prompt", "messages", "tools"}),
         ("/detokenize", {"tokens"}),
     ):
         ref = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
