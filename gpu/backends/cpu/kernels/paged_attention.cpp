@@ -56,10 +56,17 @@ constexpr int64_t kSerialWork = 8192;  // key positions x kv heads below which o
 // walks its context as one stream of whole blocks. BS and D are compile-time where specialised
 // (0: read the runtime value).
 
-// 16 float lanes as one value: a zmm register with AVX-512, two ymm with AVX2, four NEON q
-// registers; GCC and Clang lower the arithmetic to whatever the target has.
-typedef float v16 __attribute__((vector_size(64)));
-constexpr int kLanes = 16;  // also the floats in a 64-byte cache line
+// One vector of float lanes, as wide as the target's registers: 16 with AVX-512 (a zmm), else 8
+// (a ymm with AVX2, two NEON q registers). GCC and Clang lower the arithmetic to the target, but
+// a 64-byte vector on AVX2 was lowered through the stack: every partial sum spilled, and decode
+// attention ran at 6 GB/s on a 34 GB/s machine (200 rows x 192 context, SmolLM2's heads).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float v16 __attribute__((vector_size(kLanes * 4)));
+constexpr int kLineFloats = 16;  // floats in a 64-byte cache line: the prefetch stride
 
 inline v16 load16(const float* p) {
   v16 r;
@@ -68,7 +75,7 @@ inline v16 load16(const float* p) {
 }
 inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
 
-typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(kLanes * 4)));
 
 // exp of 16 lanes, inline: 2^n * e^r with n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by
 // Cephes' degree-6 polynomial for expf, 2^n written into the exponent bits. Against exp in
@@ -145,14 +152,14 @@ inline void attend_tile(const float* __restrict qh, const float* __restrict kt,
                         float* __restrict m, float* __restrict l, float* __restrict p,
                         const float* pk, const float* pv, float softcap) {
   constexpr int NB = BS / kLanes, ND = D / kLanes;
-  constexpr int kLines = BS * D / kLanes;  // 64-byte lines in a K (or V) tile
+  constexpr int kLines = BS * D / kLineFloats;  // 64-byte lines in a K (or V) tile
   v16 s[NB][4];
   for (int nb = 0; nb < NB; ++nb)
     for (int u = 0; u < 4; ++u) s[nb][u] = v16{};
   for (int e = 0; e < D; e += 4) {
     if (pk) {  // kLines / D * 4 lines of the later K tile per step of 4 dimensions
       for (int c = e * kLines / D; c < (e + 4) * kLines / D; ++c)
-        __builtin_prefetch(pk + c * kLanes, 0, 1);
+        __builtin_prefetch(pk + c * kLineFloats, 0, 1);
     }
     for (int u = 0; u < 4; ++u) {
       const float qe = qh[e + u];
@@ -175,22 +182,25 @@ inline void attend_tile(const float* __restrict qh, const float* __restrict kt,
   const float correction = std::exp(*m - new_m);
   *l = *l * correction + exp_and_sum(p, BS, new_m);
   *m = new_m;
-  v16 acc[ND][2];
+  // Independent chains for the value update: two per lane group when there are few groups (D /
+  // kLanes < 4), one otherwise (eight ymm chains are already enough, and sixteen would spill).
+  constexpr int NS = ND >= 4 ? 1 : 2;
+  v16 acc[ND][NS];
   for (int dv = 0; dv < ND; ++dv) {
     acc[dv][0] = load16(a + dv * kLanes) * correction;
-    acc[dv][1] = v16{};
+    if constexpr (NS == 2) acc[dv][NS - 1] = v16{};
   }
   if (pv) {
-    for (int c = 0; c < kLines; ++c) __builtin_prefetch(pv + c * kLanes, 0, 1);
+    for (int c = 0; c < kLines; ++c) __builtin_prefetch(pv + c * kLineFloats, 0, 1);
   }
   if (full) {
     for (int i = 0; i < BS; ++i)
-      for (int dv = 0; dv < ND; ++dv) acc[dv][i & 1] += p[i] * load16(vt + i * D + dv * kLanes);
+      for (int dv = 0; dv < ND; ++dv) acc[dv][i % NS] += p[i] * load16(vt + i * D + dv * kLanes);
   } else {
     for (int i = i0; i < i1; ++i)
-      for (int dv = 0; dv < ND; ++dv) acc[dv][i & 1] += p[i] * load16(vt + i * D + dv * kLanes);
+      for (int dv = 0; dv < ND; ++dv) acc[dv][i % NS] += p[i] * load16(vt + i * D + dv * kLanes);
   }
-  for (int dv = 0; dv < ND; ++dv) store16(a + dv * kLanes, acc[dv][0] + acc[dv][1]);
+  for (int dv = 0; dv < ND; ++dv) store16(a + dv * kLanes, NS == 2 ? acc[dv][0] + acc[dv][NS - 1] : acc[dv][0]);
 }
 
 template <int BS, int D>
@@ -232,7 +242,7 @@ void attend_token(const float* __restrict q, const float* __restrict k_cache,
         continue;
       }
       if (ahead >= 0) {  // other shapes: the later tile in one burst
-        for (int64_t c = 0; c < tile; c += kLanes) {
+        for (int64_t c = 0; c < tile; c += kLineFloats) {
           __builtin_prefetch(k_cache + ahead + kvh * tile + c, 0, 1);
           __builtin_prefetch(v_cache + ahead + kvh * tile + c, 0, 1);
         }
@@ -303,7 +313,8 @@ void attend_token(const float* __restrict q, const float* __restrict k_cache,
 // The scratch is kTileQueries x context floats (8 x 200 tokens: 6 KB). Decode tokens keep the
 // one-pass streaming path above: a single query has nothing to share.
 // Query vectors (token, head) sharing one pass over the tiles: as many as keep their score and
-// accumulator vectors in registers (NQ * (1 + D / 16) of AVX-512's 32).
+// accumulator vectors in registers (NQ * (1 + D / 16) of AVX-512's 32). On AVX2 (8 lanes, 16
+// registers) the same counts measured best too (D = 64: 4 beat 2 and 3, SmolLM2's prompt chunks).
 template <int D>
 constexpr int tile_queries() {
   return D <= 32 ? 8 : D <= 64 ? 4 : 2;
