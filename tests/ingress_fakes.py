@@ -340,11 +340,12 @@ def wait_for(predicate, timeout: float = 5.0, interval: float = 0.01) -> bool:
 
 
 @contextlib.contextmanager
-def running_server(root: Path, **server):
-    """A FakeEngine and the ingress, the engine reported ready: yields (url, engine, config)."""
+def running_server(root: Path, engine_class: type[FakeEngine] = FakeEngine, **server):
+    """A FakeEngine (or a subclass answering otherwise) and the ingress, the engine reported
+    ready: yields (url, engine, config)."""
     run_dir = make_run_dir()
     config = make_config(root, run_dir, **server)
-    engine = FakeEngine(run_dir)
+    engine = engine_class(run_dir)
     engine.start()
     thread = ServerThread(config)
     thread.start()

@@ -27,6 +27,9 @@ from conveyor.stages.ingress.errors import ApiError, check_model, draining, not_
 from conveyor.stages.ingress.protocol import Generation, check_num_seqs, parse_chat, parse_completion
 from conveyor.stages.ingress.responses import DONE, SSE_HEADERS, ResponseBuilder
 from conveyor.stages.ingress.tokens import LazyEncoder
+from conveyor.stages.ingress.tools.answer import chat_answer
+from conveyor.stages.ingress.tools.reasoning import ReasoningParser
+from conveyor.stages.ingress.tools.template import tool_format
 from conveyor.wire.messages import FinishReason, RequestAccepted, RequestRejected, TextDelta
 
 log = logging.getLogger(__name__)
@@ -78,6 +81,11 @@ class GenerateRoutes:
         self.engine = engine
         self.encoder = encoder
         self.system_fingerprint = system_fingerprint
+        # Chat answers' formats, found once at start: a bad flag fails the ingress, not a request.
+        self.tool_format = tool_format(config)
+        self.reasoning_format = config.server.reasoning_parser
+        if self.reasoning_format is not None:
+            ReasoningParser(self.reasoning_format)  # raises ValueError for an unknown name
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
@@ -111,6 +119,7 @@ class GenerateRoutes:
             return_token_ids=gen.return_token_ids,
             echo=await self._echo(gen) if gen.echo else None,
             num_prompts=num_prompts,
+            answer=chat_answer(gen.tool_mode, gen.tool_name, self.tool_format, self.reasoning_format) if chat else None,
         )
         fanout = Fanout(request_ids, builder)
         stream = self.engine.submit(request_ids, gen, arrival_time)

@@ -11,6 +11,11 @@ Each prompt generates `params.num_samples` choices; the answer's choice p * n + 
 i-th. With best_of > n (never streamed) the answer holds each prompt's n choices with the
 highest cumulative logprob, best first; usage counts every generated token and sums the prompts.
 With echo, each choice's text starts with its prompt's text.
+
+A chat request whose answer has a shape (tools/answer.py: tool calls, reasoning) parses each
+choice's text on its own: the message's content, reasoning_content and tool_calls, or in a
+stream the same as delta fields; finish_reason "stop" becomes "tool_calls" when the choice
+called tools. Without one, chat answers are plain text, exactly as before.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any
 import msgspec
 
 from conveyor.stages.ingress.openai_logprobs import chat_logprobs, completion_logprobs
+from conveyor.stages.ingress.tools.answer import ChatAnswer, ChoiceStream
 from conveyor.wire.messages import FinishReason, SamplingParams, TextDelta, TextLogprob
 
 DONE = b"data: [DONE]\n\n"
@@ -41,6 +47,8 @@ class Choice:
         self.num_chunks_sent = 0
         self.num_chars_sent = 0  # text characters streamed so far: where the next token starts
         self.cumulative_logprob = 0.0
+        self.stream: ChoiceStream | None = None  # a shaped chat answer's parse, when streamed
+        self.made_calls = False
 
     @property
     def finished(self) -> bool:
@@ -61,6 +69,7 @@ class ResponseBuilder:
         return_token_ids: bool = False,
         echo: list[str] | None = None,
         num_prompts: int = 1,
+        answer: ChatAnswer | None = None,
     ):
         self.request_id = request_id
         self.model = model
@@ -77,6 +86,10 @@ class ResponseBuilder:
         self.num_cached_tokens = [0] * num_prompts
         prefixes = echo or [""] * num_prompts
         self.choices = [Choice(prefixes[p]) for p in range(num_prompts) for _ in range(self.num_samples)]
+        self.answer = answer if chat else None
+        if self.answer is not None and stream:
+            for c in self.choices:
+                c.stream = self.answer.stream()
 
     @property
     def finished(self) -> bool:
@@ -174,6 +187,8 @@ class ResponseBuilder:
         choice: dict[str, Any] = {"index": index}
         if not self.chat:
             choice["text"] = text
+        elif self.answer is not None:
+            self._shaped(choice, c, text, reason)
         elif not self.stream:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -188,10 +203,25 @@ class ResponseBuilder:
         else:
             choice["logprobs"] = completion_logprobs(logprobs, first_offset)
         choice["finish_reason"] = None if reason is None else reason.openai
+        if reason is FinishReason.STOP and c.made_calls:
+            choice["finish_reason"] = "tool_calls"
         choice["stop_reason"] = c.stop_reason if reason is not None else None
         if self.return_token_ids:
             choice["token_ids"] = token_ids
         return choice
+
+    def _shaped(self, choice: dict[str, Any], c: Choice, text: str, reason: FinishReason | None) -> None:
+        """A shaped chat answer's message, or its chunk's delta for `text`."""
+        assert self.answer is not None
+        if c.stream is None:
+            choice["message"], c.made_calls = self.answer.message(text)
+            return
+        delta: dict[str, Any] = {"role": "assistant"} if c.num_chunks_sent == 0 else {}
+        delta |= c.stream.feed(text, final=reason is not None)
+        if len(delta) == 1 and c.num_chunks_sent == 0:  # the first chunk says content, as unshaped ones do
+            delta["content"] = ""
+        c.made_calls = c.stream.made_calls
+        choice["delta"] = delta
 
     def _head(self, object: str) -> dict[str, Any]:
         return {
