@@ -4,6 +4,7 @@ building the parser imports neither aiohttp nor torch."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 
 from conveyor.config.build import option_settings
@@ -52,6 +53,8 @@ def add_serve(p: argparse.ArgumentParser) -> None:
         help="ask for each chunk's token ids, to count tokens per chunk exactly",
     )
     s.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")  # fmt: skip
+    s.add_argument("--extra-body", type=_json_object, default=None,
+                   help='JSON object merged into every request body, e.g. \'{"response_format": {"type": "json_object"}}\'')  # fmt: skip
     add_dataset(p, num_prompts=None, num_prompts_help="requests per run (default 500) or per sweep point (default 512)")
     load = p.add_argument_group("load")
     load.add_argument(
@@ -122,3 +125,13 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError("client counts must be positive")
     return values
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value

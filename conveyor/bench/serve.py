@@ -49,6 +49,7 @@ class ServeBenchConfig:
     sweep_clients: tuple[int, ...] = ()  # closed loop, one point per count
     request_timeout: float = 1800.0
     progress: bool = True
+    extra_body: dict | None = None  # merged into every request body (a constraint, say)
 
     @property
     def chat(self) -> bool:
@@ -63,7 +64,7 @@ class ServeBenchConfig:
             tokenizer=args.tokenizer, dataset=_dataset(args, num), ignore_eos=args.ignore_eos,
             return_token_ids=args.return_token_ids, request_rate=args.request_rate,
             max_concurrency=args.max_concurrency, sweep_clients=sweep, request_timeout=args.request_timeout,
-            progress=not args.disable_tqdm,
+            progress=not args.disable_tqdm, extra_body=args.extra_body,
         )  # fmt: skip
 
 
@@ -98,6 +99,7 @@ async def run(config: ServeBenchConfig) -> ServeReport:
         async def send(request: BenchRequest) -> client.RequestResult:
             body = client.payload(request, model, chat=config.chat, ignore_eos=ignore_eos,
                                   return_token_ids=config.return_token_ids)  # fmt: skip
+            body.update(config.extra_body or {})
             return await client.send(session, url, request, body)
 
         points = []
