@@ -321,6 +321,19 @@ def test_sweep_writes_json_and_figures(server, tmp_path, capsys):
     assert "| 1 client" in table and "2 clients |" in table and "effective req/s (gen 4 tok/s)" in table
 
 
+def test_extra_body_reaches_every_request(server, capsys):
+    extra = {"response_format": {"type": "json_object"}, "temperature": 0.5}
+    rc = cli.main([
+        "bench", "serve", "--base-url", server.url, "--dataset", "random", "--input-len", "8",
+        "--output-len", "2", "--num-prompts", "3", "--disable-tqdm", "--extra-body", json.dumps(extra),
+    ])  # fmt: skip
+    assert rc == 0 and len(server.bodies) == 1 + 3
+    assert all(body["response_format"] == {"type": "json_object"} and body["temperature"] == 0.5 for body in server.bodies)
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "serve", "--extra-body", "[1]"])
+    assert "must be a JSON object" in capsys.readouterr().err
+
+
 def test_serve_reports_an_unreachable_server(capsys):
     rc = cli.main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--num-prompts", "2", "--disable-tqdm"])
     assert rc == 1 and "error" in capsys.readouterr().err
