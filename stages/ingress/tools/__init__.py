@@ -5,7 +5,7 @@ A tool-call format (base.ToolParser) splits an output into content and calls, wh
 name `--tool-call-parser` takes: `hermes` (Hermes, Qwen), `llama3_json` (Llama 3.x), `mistral`;
 without the flag one is guessed from the chat template (template.py). reasoning.py splits
 `<think>...</think>` off first (`--reasoning-parser`), and answer.py puts the two together
-per choice for responses.py.
+per choice for the ingress answer (the parent package's responses module).
 """
 
 from __future__ import annotations
