@@ -1,17 +1,22 @@
 """A plan's passes on the worker: the per-sequence state the host keeps (WorkerSeq), a plan's
 window of passes (Window), a pass launched on the device (LaunchedPass), and the StepResult a
-launched pass becomes once its ids reach the host (`pass_result`). gpu/runner.py launches them.
+launched pass becomes once its ids reach the host (`pass_result`), where a constrained
+sequence's matcher takes each id it drew, in order. gpu/runner.py launches them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from conveyor.gpu.pass_clock import PassClock
 from conveyor.gpu.sampling.draws import DeviceSamples
 from conveyor.gpu.sampling.transfer import HostCopy
 from conveyor.gpu.step_inputs import PassInputs
 from conveyor.wire.messages import SamplingParams, StepPlan, StepResult, TopLogprobs
+
+if TYPE_CHECKING:  # xgrammar loads with the first constrained sequence
+    from conveyor.gpu.structured import Matcher
 
 
 @dataclasses.dataclass
@@ -24,6 +29,7 @@ class WorkerSeq:
     index: int = 0  # choice index within the request: seeded draws mix it in
     num_tokens: int = -1  # tokens known, on the host or only on the device yet (-1: len(token_ids))
     stopped: bool = False  # the host saw it draw EOS / a stop token, or fail: later draws are masked
+    matcher: Matcher | None = None  # its grammar (params.structured): has taken every id in token_ids' outputs
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:
@@ -97,6 +103,8 @@ def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
             failed.append(d)
             seq.stopped = True
         else:
+            if seq.matcher is not None:
+                seq.matcher.accept(token)
             seq.stopped = _stops(seq, token, eos)
     # The plan's last result: its final pass, or the last launched one when no row is left.
     last = k == window.num_passes - 1 or (window.num_launched == k + 1 and not window.active(k + 1))

@@ -22,6 +22,11 @@ its draws there are reported in masked_draws. When no row is left the window end
 Penalties read token histories on the host: a pass with such a row waits for the ids still in
 flight first (correct, and only that row's requests pay for it).
 
+Constrained decoding (params.structured, gpu/structured/): each such sequence owns a matcher that
+takes its ids as they reach the host (gpu/passes.py). A pass with a constrained sampling row
+launches its forward first, then waits for that row's ids in flight, fills the row's bitmask
+while the device computes, and masks its logits before drawing; passes without one pay nothing.
+
 A plan's passes and the StepResults they become are gpu/passes.py's.
 
 Use: `execute(plan)` runs a plan to the end and returns its StepResults (one per pass). The
@@ -54,6 +59,7 @@ from conveyor.gpu.sampling.draws import draw_step
 from conveyor.gpu.sampling.penalties import penalises_repeats
 from conveyor.gpu.sampling.transfer import HostCopy, to_device
 from conveyor.gpu.step_inputs import PassInputs, RowSpec, first_pass_inputs, next_pass_inputs
+from conveyor.gpu.structured import Matcher, TokenMask, grammars_for, token_mask
 from conveyor.wire.messages import MAX_LOGPROBS, NewSeq, SamplingParams, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -177,7 +183,15 @@ class ModelRunner:
 
     def _register(self, new: NewSeq) -> WorkerSeq:
         # A prefix-cache hit: the leading num_computed_tokens already have KV in the row's blocks.
-        return WorkerSeq(list(new.token_ids), new.params, new.num_prompt_tokens, new.num_computed_tokens, index=new.index)
+        seq = WorkerSeq(list(new.token_ids), new.params, new.num_prompt_tokens, new.num_computed_tokens, index=new.index)
+        seq.matcher = self._matcher(seq)  # a resumed sequence's outputs replayed into it
+        return seq
+
+    def _matcher(self, seq: WorkerSeq) -> Matcher | None:
+        """A fresh matcher for a constrained sequence, fed the outputs the host has seen."""
+        if seq.params.structured is None:
+            return None
+        return grammars_for(self.config.model).matcher(seq.params.structured, seq.token_ids[seq.num_prompt_tokens :])
 
     # --- one pass ---------------------------------------------------------------------------
 
@@ -213,9 +227,14 @@ class ModelRunner:
 
         hidden = self._forward(inputs)  # [T, H]
         samples = None
+        mask: TokenMask | None = None
         draw_seqs: list[WorkerSeq] = []
         if sampling:
             logits = self.model.compute_logits(hidden[inputs.logit_index])  # [S, V] float32
+            if any(rows[i].matcher is not None for i in sampling):
+                mask = self._grammar_mask([rows[i] for i in sampling])  # the host works while the device computes
+                if k > 0 and not window.active(k):  # every row stopped in the pass before: this one is void
+                    return False
             sampling_rows = [
                 SamplingRow(rows[i].params, rows[i].token_ids, rows[i].num_prompt_tokens,
                             [rows[i].index, *(f.index for f in row_forks)], rows[i].num_output_tokens)
@@ -226,7 +245,7 @@ class ModelRunner:
                 self.batch.slots[plan.scheduled[active[i]].seq_id] for i, f in zip(sampling, forks) for _ in range(1 + len(f))
             ]
             draw_params = self.batch.params.gather(to_device(param_slots, torch.int64, self.device))
-            samples = draw_step(logits, sampling_rows, self.config.model.eos_token_ids, draw_params)
+            samples = draw_step(logits, sampling_rows, self.config.model.eos_token_ids, draw_params, mask)
         for seq, n in zip(rows, num_computed):
             seq.num_computed += n
         for i in sampling:
@@ -241,6 +260,7 @@ class ModelRunner:
                     child = dataclasses.replace(
                         seq, token_ids=list(seq.token_ids), block_table=list(seq.block_table), index=fork.index, stopped=False
                     )
+                    child.matcher = self._matcher(child)  # its own, where the parent's was for this draw
                     self.seqs[fork.seq_id] = child
                     draw_seqs.append(child)
                     draw_slots.append(self.batch.fork(seq_id, fork.seq_id))
@@ -292,6 +312,16 @@ class ModelRunner:
                 if row.forks or max(seq.num_computed, len(seq.token_ids)) < end - 1:
                     return True
         return False
+
+    def _grammar_mask(self, rows: list[WorkerSeq]) -> TokenMask | None:
+        """The mask of a pass whose sampling rows are `rows` (one logits row each), called once
+        its forward is launched: the constrained rows' ids in flight are collected first (their
+        matchers must have taken every earlier draw), then their matchers fill the bitmask. A row
+        whose sequence stopped meanwhile draws unmasked: that draw is dropped anyway."""
+        if self._pending and any(seq.matcher is not None and seq.num_tokens > len(seq.token_ids) for seq in rows):
+            self._collected = self.collect(keep=0)  # kept for the caller, as in _launch_pass
+        matchers = [None if seq.stopped else seq.matcher for seq in rows]
+        return token_mask(matchers, self.config.model.vocab_size, self.device)
 
     def _finish(self, launched: LaunchedPass) -> StepResult:
         return pass_result(launched, self.config.model.eos_token_ids)

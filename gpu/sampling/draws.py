@@ -2,8 +2,9 @@
 
 A sampling row (a sequence whose chunk reached the end of its known tokens) owns one logits row
 and one draw per choice: its own, then one per fork. Its draws share its params and token
-history, so penalties, bias and min_tokens edit its logits row once (penalties.py); each draw
-then reads its row (sampler.py). Logprobs, sampled and top, come from the raw logits.
+history, so penalties, bias and min_tokens edit its logits row once (penalties.py), and so does
+a grammar's mask (gpu/structured/mask.py); each draw then reads its row (sampler.py). Logprobs,
+sampled and top, come from the raw logits.
 
 `draw_step` leaves everything on the device (DeviceSamples): the runner feeds the ids into the
 next step there and copies them to the host behind an event (gpu/pass_output.py). `sample_step`
@@ -14,6 +15,7 @@ to draw from (non-finite logits) get a placeholder id 0, and their logprob is me
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +25,9 @@ from conveyor.gpu.sampling.penalties import apply_penalties
 from conveyor.gpu.sampling.sampler import sample
 from conveyor.gpu.sampling.transfer import to_device, to_host
 from conveyor.wire.messages import SamplingParams, TopLogprobs
+
+if TYPE_CHECKING:
+    from conveyor.gpu.structured import TokenMask
 
 
 @dataclasses.dataclass
@@ -80,10 +85,15 @@ def sample_step(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tu
 
 
 def draw_step(
-    logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tuple[int, ...], draw_params: DrawParams | None = None
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    eos_token_ids: tuple[int, ...],
+    draw_params: DrawParams | None = None,
+    mask: TokenMask | None = None,
 ) -> DeviceSamples:
     """logits [S, V] float32 as the model gave them, row i for rows[i] -> the draws, on the device
-    (no synchronisation). draw_params: each draw's parameters already on the device, in draw order."""
+    (no synchronisation). draw_params: each draw's parameters already on the device, in draw order.
+    mask: the grammar's, applied after the penalties (the raw logits still give the logprobs)."""
     device = logits.device
     params, output_indices, choice_indices, logit_rows = [], [], [], []
     for r, row in enumerate(rows):
@@ -97,6 +107,9 @@ def draw_step(
     row_params, num_prompt = [r.params for r in rows], [r.num_prompt_tokens for r in rows]
     num_outputs = [r.num_output_tokens for r in rows]
     edited = apply_penalties(logits, row_params, [r.token_ids for r in rows], num_prompt, eos_token_ids, num_outputs)
+    if mask is not None:
+        edited = edited.clone() if edited is logits else edited
+        mask.apply_(edited)
     token_ids, valid = sample(edited, params, output_indices, choice_indices, draw_rows, draw_params)  # [N] int64, [N] bool
     logprobs = sampled_logprobs(logits, token_ids, draw_rows)  # [N] float32
 
