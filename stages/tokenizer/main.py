@@ -3,7 +3,8 @@
 Takes (TokenizerInbound): TokenizeRequest from any ingress (zmq round-robins the pool).
 Sends: ScheduleRequest to the scheduler (which answers the ingress with RequestAccepted, or a
 429 RequestRejected when its queue is full); RequestRejected to the owning ingress for a prompt
-that cannot be encoded or cannot fit, so it is a 400 before any byte of a stream is written.
+that cannot be encoded or cannot fit, or an output constraint that does not compile
+(structured_check.py), so it is a 400 before any byte of a stream is written.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
 from conveyor.stages.tokenizer.encoder import PromptEncoder
 from conveyor.stages.tokenizer.preparation import Rejected, prepare
+from conveyor.stages.tokenizer.structured_check import check_structured
 from conveyor.wire.messages import RequestRejected
 from conveyor.wire.topology import INGRESS, SCHEDULER, TOKENIZER, receiver, sender, senders
 
@@ -44,6 +46,7 @@ def run(config: EngineConfig, index: int) -> None:
             reply_to = ingresses[req.ingress]
             try:
                 request = prepare(encoder, config, req)
+                check_structured(request.params, config.model)
             except Rejected as e:
                 reply_to.send(RequestRejected(req.request_id, 400, str(e), param=e.param, code=e.code))
                 continue

@@ -1,0 +1,124 @@
+"""gpu/structured/ on its own: specs compile once (or fail with a message naming the problem and
+the request field), matchers follow a sequence's ids and allow only EOS once the grammar is
+complete, and a pass's mask touches only its constrained rows. No model runs here."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from conveyor.config.build import build_engine_config
+from conveyor.gpu.structured import check, compiler, grammars_for, token_mask
+from conveyor.stages.tokenizer.preparation import Rejected
+from conveyor.stages.tokenizer.structured_check import check_structured
+from conveyor.wire.sampling_params import SamplingParams, StructuredOutput
+
+
+@pytest.fixture(scope="module")
+def model(default_model):
+    return build_engine_config(str(default_model), device="cpu").model
+
+
+@pytest.fixture(scope="module")
+def encode(default_model):
+    tokenizer = Tokenizer.from_file(str(default_model / "tokenizer.json"))
+    return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def allowed(matcher, vocab_size: int) -> list[int]:
+    mask = token_mask([matcher], vocab_size, torch.device("cpu"))
+    assert mask is not None
+    logits = torch.zeros(1, vocab_size)
+    mask.apply_(logits)
+    return logits[0].isfinite().nonzero().flatten().tolist()
+
+
+def test_a_matcher_follows_its_ids_and_then_allows_only_eos(model, encode):
+    grammars = grammars_for(model)
+    matcher = grammars.matcher(StructuredOutput("choice", '["yes", "no"]'))
+    assert len(allowed(matcher, model.vocab_size)) > len(model.eos_token_ids)
+    assert all(matcher.accept(t) for t in encode("yes"))
+    assert allowed(matcher, model.vocab_size) == sorted(model.eos_token_ids)
+    assert matcher.accept(model.eos_token_ids[0]) and matcher.is_terminated
+    # ignore_eos, or a stale draw: a terminated matcher takes nothing and still allows only EOS
+    assert not matcher.accept(model.eos_token_ids[0])
+    assert allowed(matcher, model.vocab_size) == sorted(model.eos_token_ids)
+
+
+def test_replayed_outputs_resume_where_they_left_off(model, encode):
+    spec = StructuredOutput("regex", "ab[0-9]+")
+    grammars = grammars_for(model)
+    fed = grammars.matcher(spec)
+    for t in encode("ab12"):
+        fed.accept(t)
+    assert allowed(grammars.matcher(spec, encode("ab12")), model.vocab_size) == allowed(fed, model.vocab_size)
+    assert not grammars.matcher(spec).accept(encode("x")[0])  # outside the grammar: refused
+
+
+def test_an_eos_id_in_the_sign_bit_of_a_bitmask_word(model, encode):
+    """A terminated matcher sets its EOS bits by hand: bit 31 of an int32 word is its sign."""
+    last = dataclasses.replace(model, eos_token_ids=(model.vocab_size - 1,))
+    matcher = grammars_for(last).matcher(StructuredOutput("choice", '["no"]'), [*encode("no"), last.vocab_size - 1])
+    assert matcher.is_terminated
+    assert allowed(matcher, last.vocab_size) == [last.vocab_size - 1]
+
+
+def test_a_mask_touches_only_constrained_rows(model):
+    matcher = grammars_for(model).matcher(StructuredOutput("choice", '["yes", "no"]'))
+    assert token_mask([None, None], model.vocab_size, torch.device("cpu")) is None
+    logits = torch.randn(3, model.vocab_size)
+    masked = logits.clone()
+    mask = token_mask([None, matcher, None], model.vocab_size, torch.device("cpu"))
+    assert mask is not None
+    mask.apply_(masked)
+    assert torch.equal(masked[[0, 2]], logits[[0, 2]])
+    assert 0 < masked[1].isfinite().sum() < 10
+
+
+def test_specs_compile_once_per_distinct_spec(model, monkeypatch):
+    grammars = grammars_for(model)
+    monkeypatch.setattr(compiler, "MAX_CACHED", 2)
+    specs = [StructuredOutput("regex", f"[a-z]{{{n}}}") for n in (1, 2, 3)]
+    first = grammars.compile(specs[0])
+    assert grammars.compile(StructuredOutput("regex", "[a-z]{1}")) is first
+    grammars.compile(specs[1])
+    grammars.compile(specs[2])  # the least recently used, specs[0], leaves the cache
+    assert grammars.compile(specs[2]) is grammars.compile(specs[2])
+    assert grammars.compile(specs[0]) is not first
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "param", "problem"),
+    [
+        ("json_schema", '{"type": "object", "properties": {"a": {"type": "colour"}}}', "response_format", "invalid JSON schema"),
+        ("json_schema", "[1, 2]", "response_format", "Schema should be an object"),
+        ("regex", "(a", "guided_regex", "invalid regex"),
+        ("grammar", "not ebnf", "guided_grammar", "invalid grammar"),
+        ("choice", '"yes"', "guided_choice", "non-empty JSON array of strings"),
+        ("choice", "yes", "guided_choice", "invalid choice: not JSON"),
+    ],
+)
+def test_the_tokenizer_stage_refuses_a_bad_spec_naming_its_field(model, kind, spec, param, problem):
+    with pytest.raises(ValueError, match=problem):
+        check(StructuredOutput(kind, spec), model)
+    with pytest.raises(Rejected, match=problem) as e:
+        check_structured(SamplingParams(structured=StructuredOutput(kind, spec)), model)
+    assert e.value.param == param
+
+
+def test_good_specs_pass(model):
+    for kind, spec in [("json_object", ""), ("json_schema", '{"type": "integer"}'), ("choice", '["", "é\\n\\"x"]'),
+                       ("grammar", 'root ::= "a"+'), ("regex", "\\d{3}")]:  # fmt: skip
+        check_structured(SamplingParams(structured=StructuredOutput(kind, spec)), model)
+    check_structured(SamplingParams(), model)
+
+
+def test_the_tokenizer_stage_starts_without_the_grammar_engine():
+    code = "import sys, conveyor.stages.tokenizer.main; print(sorted({'xgrammar', 'torch', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
