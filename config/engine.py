@@ -115,9 +115,7 @@ class ServerConfig:
     tool_call_parser: str | None = option(
         None, "how the model writes tool calls: hermes, llama3_json or mistral", none="from the model"
     )
-    reasoning_parser: str | None = option(
-        None, "split <think>...</think> into reasoning_content: qwen3 or deepseek_r1", none="none"
-    )
+    reasoning_parser: str | None = option(None, "split <think>...</think> into reasoning_content: qwen3 or deepseek_r1", none="none")
     # Sequences one HTTP request may start (prompts x max(n, best_of)): past it, a 400.
     max_seqs_per_request: int = option(256, "sequences one request may start (prompts x n)", positive=True)
     # HTTP hardening, per ingress process: a client slower than these is disconnected.

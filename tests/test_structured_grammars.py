@@ -109,6 +109,10 @@ def test_the_tokenizer_stage_refuses_a_bad_spec_naming_its_field(model, kind, sp
     with pytest.raises(Rejected, match=problem) as e:
         check_structured(SamplingParams(structured=StructuredOutput(kind, spec)), model)
     assert e.value.param == param
+    # The ingress says which field a spec came from (guided_json, a tool's parameters...): that wins.
+    with pytest.raises(Rejected) as e:
+        check_structured(SamplingParams(structured=StructuredOutput(kind, spec, param="structured_outputs")), model)
+    assert e.value.param == "structured_outputs"
 
 
 def test_good_specs_pass(model):

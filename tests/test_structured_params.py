@@ -64,7 +64,10 @@ CONSTRAINTS = [  # (body fields, the StructuredOutput they ask for)
 @pytest.mark.parametrize("parse", [chat, completion])
 @pytest.mark.parametrize("fields, expected", CONSTRAINTS)
 def test_each_constraint_becomes_one_structured_output(parse, fields, expected):
-    assert parse(**fields).params.structured == expected
+    got = parse(**fields).params.structured
+    assert (got and (got.kind, got.spec)) == (expected and (expected.kind, expected.spec))
+    if got is not None:  # it names the param it came from, for a 400 if it cannot compile
+        assert got.param.split(".")[0] in fields and (got.kind != "regex" or got.param != "response_format")
 
 
 def test_equal_schemas_share_one_spec():
@@ -135,10 +138,10 @@ def test_tools_default_to_auto_and_reach_the_generation_as_the_template_takes_th
 def test_a_named_function_constrains_the_output_to_its_arguments():
     gen = chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})
     assert (gen.tool_mode, gen.tool_name) == ("named", "add")
-    assert gen.params.structured == StructuredOutput("json_schema", json.dumps(ADD["parameters"], sort_keys=True))
+    assert gen.params.structured == StructuredOutput("json_schema", json.dumps(ADD["parameters"], sort_keys=True), param="tools")
     # Without a parameters schema the arguments are any object.
     gen = chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "now"}})
-    assert gen.params.structured == StructuredOutput("json_schema", '{"type": "object"}')
+    assert gen.params.structured == StructuredOutput("json_schema", '{"type": "object"}', param="tools")
 
 
 @pytest.mark.parametrize("parallel", [True, False])
@@ -183,7 +186,7 @@ def test_tool_misuse_is_a_400_naming_the_param(fields, param):
 
 def test_auto_tools_leave_room_for_a_response_format():
     gen = chat(tools=TOOLS, response_format={"type": "json_object"})
-    assert gen.tool_mode == "auto" and gen.params.structured == StructuredOutput("json_object", "")
+    assert gen.tool_mode == "auto" and gen.params.structured == StructuredOutput("json_object", "", param="response_format")
 
 
 def test_tools_on_completions_are_a_400():

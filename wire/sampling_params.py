@@ -27,14 +27,15 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)
 StructuredKind = Literal["json_object", "json_schema", "regex", "choice", "grammar"]
 
 
-class StructuredOutput(Struct, frozen=True):
+class StructuredOutput(Struct):
     """A constraint on the output, enforced by the grammar engine (gpu/structured/) masking the
     logits at every draw. `spec` by kind: json_object: "" (any JSON object); json_schema: the
     schema as JSON text; regex: the pattern; choice: a JSON array of the allowed strings;
-    grammar: EBNF (GBNF) text. Frozen and hashable: compiled grammars are cached by it."""
+    grammar: EBNF (GBNF) text. Compiled grammars are cached by (kind, spec)."""
 
     kind: StructuredKind
     spec: str = ""
+    param: str = ""  # the request field it came from, which a 400 for a spec that cannot compile names
 
 
 class SamplingParams(Struct):

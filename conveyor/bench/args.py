@@ -54,7 +54,7 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     )
     s.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")  # fmt: skip
     s.add_argument("--extra-body", type=_json_object, default=None,
-                   help='JSON object merged into every request body, e.g. \'{"response_format": {"type": "json_object"}}\'')  # fmt: skip
+                   help="JSON object merged into every request body, e.g. a response_format")  # fmt: skip
     add_dataset(p, num_prompts=None, num_prompts_help="requests per run (default 500) or per sweep point (default 512)")
     load = p.add_argument_group("load")
     load.add_argument(

@@ -2,7 +2,7 @@
 
 Compiling walks the whole vocabulary against the grammar (milliseconds for a small schema at a
 4k vocabulary, more at 150k), so each process keeps the most recently used MAX_CACHED grammars,
-keyed by the StructuredOutput itself (frozen, hashable). The tokenizer stage compiles to
+keyed by the StructuredOutput's (kind, spec). The tokenizer stage compiles to
 validate (`check`), the worker to decode: each process compiles its own.
 
 Specs by kind (wire/sampling_params.py): json_object is any JSON object; json_schema a schema
@@ -52,17 +52,19 @@ class Grammars:
         self.compiler = xgr.GrammarCompiler(
             tokenizer_info(model), max_threads=min(8, os.cpu_count() or 1), cache_enabled=False
         )  # our LRU is the cache, keyed by the spec
-        self._cache: collections.OrderedDict[StructuredOutput, xgr.CompiledGrammar] = collections.OrderedDict()
+        # Keyed by (kind, spec): equal specs from different requests share one compiled grammar.
+        self._cache: collections.OrderedDict[tuple[str, str], xgr.CompiledGrammar] = collections.OrderedDict()
 
     def compile(self, structured: StructuredOutput) -> xgr.CompiledGrammar:
         """The spec's compiled grammar; ValueError naming the problem when it has none."""
-        grammar = self._cache.get(structured)
+        key = (structured.kind, structured.spec)
+        grammar = self._cache.get(key)
         if grammar is None:
             grammar = self._compile(structured)
-            self._cache[structured] = grammar
+            self._cache[key] = grammar
             if len(self._cache) > MAX_CACHED:
                 self._cache.popitem(last=False)
-        self._cache.move_to_end(structured)
+        self._cache.move_to_end(key)
         return grammar
 
     def matcher(self, structured: StructuredOutput, outputs: Sequence[int] = ()) -> Matcher:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
+
 from conveyor.stages.ingress.bodies import JsonObjectFormat, JsonSchemaFormat, SamplingBody, StructuredOutputsBody
 from conveyor.stages.ingress.errors import ApiError
 from conveyor.wire.sampling_params import StructuredOutput
@@ -38,11 +40,13 @@ def json_schema_output(schema: Any, param: str) -> StructuredOutput:
             raise ApiError(400, f"{param} is not valid JSON: {e}", param=param) from None
     if not isinstance(schema, dict):
         raise ApiError(400, f"{param} must be a JSON schema object", param=param)
-    return StructuredOutput("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False))
+    return StructuredOutput("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False), param=param)
 
 
 def _constraints(body: SamplingBody) -> list[tuple[str, StructuredOutput | None]]:
-    return [
+    """Each constraint param with what it asks for, which carries the param's name (a spec the
+    tokenizer stage cannot compile is a 400 naming it)."""
+    given = [
         ("response_format", _response_format(body)),
         ("structured_outputs", _structured_outputs(body.structured_outputs)),
         ("guided_json", None if body.guided_json is None else json_schema_output(body.guided_json, "guided_json")),
@@ -50,6 +54,7 @@ def _constraints(body: SamplingBody) -> list[tuple[str, StructuredOutput | None]
         ("guided_choice", None if body.guided_choice is None else _choice(body.guided_choice)),
         ("guided_grammar", None if body.guided_grammar is None else StructuredOutput("grammar", body.guided_grammar)),
     ]
+    return [(name, msgspec.structs.replace(out, param=name) if out is not None and not out.param else out) for name, out in given]
 
 
 def _response_format(body: SamplingBody) -> StructuredOutput | None:

@@ -51,7 +51,7 @@ def tool_choice(body: ChatBody) -> ToolChoice:
     if name not in functions:
         raise ApiError(400, f"tool_choice names {name!r}, which is not one of the tools", param="tool_choice")
     schema = functions[name].function.parameters or ANY_OBJECT
-    return ToolChoice(as_sent, "named", name, json_schema_output(schema, "tool_choice"))
+    return ToolChoice(as_sent, "named", name, json_schema_output(schema, "tools"))  # a bad schema: the tool's
 
 
 def _any_calls(tools: list[ToolBody], body: ChatBody) -> dict[str, Any]:

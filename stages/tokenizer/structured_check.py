@@ -32,4 +32,4 @@ def check_structured(params: SamplingParams, model: ModelConfig) -> None:
     try:
         check(params.structured, model)
     except ValueError as e:
-        raise Rejected(str(e), param=REQUEST_PARAMS[params.structured.kind]) from None
+        raise Rejected(str(e), param=params.structured.param or REQUEST_PARAMS[params.structured.kind]) from None
