@@ -55,7 +55,7 @@ def test_linear_moves_its_weight_and_back_without_changing_results():
     ops.prepare(layer)
     assert isinstance(layer.prepared, SmallLinearWeight) and not layer.weight.is_contiguous()  # a view of [in, out] storage
     assert layer.weight.t().is_contiguous() and torch.equal(layer.weight, storage)
-    assert (layer.prepared.packed is not None) == packed_linear_available()
+    assert (layer.prepared.packed is not None) == (packed_linear_available() and small.packs)
     assert torch.allclose(layer(x), want, rtol=1e-5, atol=1e-5)
     for rows in (PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 2047, small.max_rows + 1):  # each side of each switch
         tall = torch.randn(rows, 64)
@@ -118,7 +118,7 @@ def test_a_layer_routes_by_rows(monkeypatch):
     layer = cpu_linear(64, 96, bias=False)
     assert isinstance(layer.prepared, SmallLinearWeight)
     if layer.prepared.packed is None:
-        pytest.skip("no oneDNN packed weights in this torch")
+        pytest.skip("no oneDNN packed weights on this CPU (or in this torch)")
     calls = []
     import conveyor.gpu.backends.cpu.kernels.packed_linear as packed
 
@@ -135,3 +135,24 @@ def test_a_layer_routes_by_rows(monkeypatch):
     for rows in (1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 2047, 2048):
         layer(torch.randn(rows, 64))
     assert calls == [("small", 1), ("small", 511), ("packed", 512), ("small", 2047), ("packed", 2048)]
+
+
+def test_without_packed_weights_rows_past_the_limit_go_to_sgemm(monkeypatch):
+    """AVX2: the kernel takes steps up to small.max_rows rows, torch's sgemm the rest."""
+    layer = cpu_linear(64, 96, bias=False)
+    if layer.prepared.packed is not None:
+        pytest.skip("packed weights serve the many-row steps on this CPU")
+    calls = []
+
+    class SmallSpy:
+        max_rows = small.max_rows
+
+        def __call__(self, x, w, b):
+            calls.append(len(x))
+            return small(x, w, b)
+
+    monkeypatch.setattr(layer.ops, "small_linear", SmallSpy())
+    for rows in (1, small.max_rows, small.max_rows + 1):
+        x = torch.randn(rows, 64)
+        assert torch.allclose(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
+    assert calls == [1, small.max_rows]

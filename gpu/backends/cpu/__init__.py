@@ -2,7 +2,8 @@
 
 `cpu_backend(model, device)` puts together what this machine can run: the paged attention
 kernel (cpu/attention.py), the fused elementwise ops and, where it pays on this CPU
-(`pays_on_this_cpu`: AVX-512), the narrow-linear kernel with oneDNN's packed weights
+(`pays_on_this_cpu`: AVX-512, or AVX2 for steps of up to 128 rows), the narrow-linear kernel with
+oneDNN's packed weights where they pay (AVX-512)
 (cpu/ops.py). A piece whose library cannot be built is replaced by torch's; with none of them,
 or on another device or dtype, it raises BackendUnavailable with the reason, and `select` falls
 back to the torch backend with a warning.
@@ -16,7 +17,7 @@ from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends.base import AttentionBackend, Backend, BackendUnavailable
 from conveyor.gpu.backends.cpu.attention import CpuAttention
 from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
-from conveyor.gpu.backends.cpu.kernels.small_linear import pays_on_this_cpu
+from conveyor.gpu.backends.cpu.kernels.small_linear import CpuSmallLinear, pays_on_this_cpu
 from conveyor.gpu.backends.cpu.ops import CpuOps
 from conveyor.gpu.backends.torch import TorchAttention
 
@@ -35,9 +36,15 @@ def cpu_backend(model: ModelConfig, device: torch.device) -> Backend:
     parts = [
         "C++ paged attention" if kernel is not None else "torch attention",
         "fused ops" if fused is not None else "torch elementwise ops",
-        "small_linear + oneDNN packed linears" if small_linear is not None else "torch linears (small_linear does not pay here)",
+        _linears(small_linear),
     ]
     return Backend(name="cpu", attn=attn, ops=CpuOps(fused, small_linear), description=f"cpu ({', '.join(parts)})")
+
+
+def _linears(small: CpuSmallLinear | None) -> str:
+    if small is None:
+        return "torch linears (small_linear does not pay here)"
+    return f"small_linear up to {small.max_rows} rows" + (" + oneDNN packed linears" if small.packs else ", sgemm beyond")
 
 
 __all__ = ["CpuAttention", "CpuOps", "cpu_backend"]

@@ -53,7 +53,7 @@ class CpuOps(TorchOps):
             weight_t = layer.weight.data.t().contiguous()  # no copy when already moved
             if small is not None and small.supports_weight(weight_t):
                 layer.weight.data = weight_t.t()  # [out, in] view of [in, out] storage
-                pack = packed.pack_linear_weight(layer.weight.data) if packed.packed_linear_available() else None
+                pack = packed.pack_linear_weight(layer.weight.data) if small.packs and packed.packed_linear_available() else None
                 layer.prepared = SmallLinearWeight(pack)
             else:
                 layer.weight.data = layer.weight.data.contiguous()

@@ -18,9 +18,16 @@
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
+// Vectors as wide as the target's registers: a 64-byte vector on AVX2 was lowered through the
+// stack (every accumulator spilled), which is why this kernel once lost to sgemm there.
+#if defined(__AVX512F__)
 constexpr int kLanes = 16;
-constexpr int kMaxRows = 8;  // rows per pass: 8 x 2 accumulators + 2 weight vectors in registers
+constexpr int kMaxRows = 8;  // rows per pass: 8 x 2 accumulators + 2 weight vectors of 32 zmm
+#else
+constexpr int kLanes = 8;
+constexpr int kMaxRows = 6;  // 6 x 2 accumulators + 2 weight vectors + a broadcast of 16 ymm
+#endif
+typedef float v16 __attribute__((vector_size(kLanes * 4)));
 
 inline v16 load16(const float* p) {
   v16 r;
@@ -64,7 +71,7 @@ void rows(const float* x, const float* wt, const float* bias, float* y, int64_t 
 extern "C" {
 
 // x [M, K], wt [K, N], bias [N] or null -> y [M, N]. N must be a multiple of 16 (the caller
-// checks). Column blocks of 32 are spread over threads when the weights are worth it.
+// checks). Column blocks of two vectors are spread over threads when the weights are worth it.
 void conveyor_small_linear_f32(const float* x, const float* wt, const float* bias, float* y,
                                int64_t M, int64_t K, int64_t N) {
   const int64_t num_blocks = (N + 2 * kLanes - 1) / (2 * kLanes);
@@ -80,9 +87,13 @@ void conveyor_small_linear_f32(const float* x, const float* wt, const float* bia
         case 3: rows<3>(xm, wt, bias, ym, K, N, n0); break;
         case 4: rows<4>(xm, wt, bias, ym, K, N, n0); break;
         case 5: rows<5>(xm, wt, bias, ym, K, N, n0); break;
+#if defined(__AVX512F__)
         case 6: rows<6>(xm, wt, bias, ym, K, N, n0); break;
         case 7: rows<7>(xm, wt, bias, ym, K, N, n0); break;
         default: rows<8>(xm, wt, bias, ym, K, N, n0); break;
+#else
+        default: rows<6>(xm, wt, bias, ym, K, N, n0); break;
+#endif
       }
     }
   }

@@ -25,14 +25,25 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # without a packed panel layout that stride costs too much when K is large.
 MAX_IN_FEATURES = 1024
 MAX_ROWS = 4096
+# On an AVX2-only Zen 3 (2 cores), once the kernel's vectors matched the registers (8 lanes),
+# against sgemm for one SmolLM2 layer's six narrow projections (median of 15 calls): 1 row 0.28
+# against 0.28 ms, 8 rows 0.46 against 1.18, 32 rows 1.27 against 2.07, 128 rows 4.58 against
+# 4.73, 160 rows 5.66 against 5.62: it takes steps up to 128 rows there, sgemm the rest; and
+# oneDNN's packed weights lost to sgemm on 2048-row steps (7.9 against 7.2 ms for 576 x 576), so
+# AVX2 keeps no packed copy.
+AVX2_MAX_ROWS = 128
 
 
 class CpuSmallLinear:
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    """`max_rows`: steps of more rows go to torch's sgemm; `packs`: whether oneDNN's packed
+    weights serve the steps they suit (measured to pay only with AVX-512)."""
+
+    def __init__(self, lib: ctypes.CDLL, max_rows: int = MAX_ROWS, packs: bool = True) -> None:
         self._fn = lib.conveyor_small_linear_f32
         self._fn.restype = None
         self._fn.argtypes = [_ptr] * 4 + [_i64] * 3
-        self.max_rows = MAX_ROWS
+        self.max_rows = max_rows
+        self.packs = packs
 
     @staticmethod
     def supports_weight(weight_t: torch.Tensor) -> bool:
@@ -61,14 +72,22 @@ class CpuSmallLinear:
 
 
 def pays_on_this_cpu() -> bool:
-    """Whether the model should route linears here. The measurements above were taken on an
-    AVX-512 CPU; on an AVX2-only Zen 3 (2 cores) the same kernel made a 200-row decode step of the
-    tiny model 3.4x slower than torch's sgemm (553 against 163 ms, `conveyor bench forward
-    --decode 200x300`), so there it stays unused."""
-    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    """Whether the model should route linears here: with AVX-512 (measured above) or AVX2 (up to
+    AVX2_MAX_ROWS rows). Before its vectors followed the target's width, the kernel made a 200-row
+    decode step of the tiny model 3.4x slower than sgemm on AVX2 and was kept off there."""
+    return _capability() in ("avx512", "avx2")
+
+
+def _capability() -> str:
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    return "avx512" if capability.startswith("avx512") else capability
 
 
 @functools.cache
 def cpu_small_linear() -> CpuSmallLinear | None:
     lib = load_library("small_linear")
-    return None if lib is None else CpuSmallLinear(lib)
+    if lib is None:
+        return None
+    if _capability() == "avx512":
+        return CpuSmallLinear(lib)
+    return CpuSmallLinear(lib, max_rows=AVX2_MAX_ROWS, packs=False)
