@@ -315,7 +315,7 @@ BAD_INPUTS = [
     (COMPLETE, {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "invalid_request_error", "stream_options", None),
     (COMPLETE, {"prompt": "hi", "echo": True, "logprobs": 0}, 400, "invalid_request_error", "echo", None),
     (CHAT, {"messages": []}, 400, "invalid_request_error", "messages", None),
-    (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "invalid_request_error", "messages[0].role", None),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "invalid_request_error", "messages[0].role", None),
     (CHAT, {"messages": MESSAGES, "model": "gpt-4o"}, 404, "not_found_error", "model", "model_not_found"),
     (COMPLETE, {"prompt": "x" * MAX_BODY_BYTES}, 413, "invalid_request_error", None, "request_too_large"),
     (

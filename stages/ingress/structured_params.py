@@ -54,7 +54,7 @@ def _constraints(body: SamplingBody) -> list[tuple[str, StructuredOutput | None]
         ("guided_choice", None if body.guided_choice is None else _choice(body.guided_choice)),
         ("guided_grammar", None if body.guided_grammar is None else StructuredOutput("grammar", body.guided_grammar)),
     ]
-    return [(name, msgspec.structs.replace(out, param=name) if out is not None and not out.param else out) for name, out in given]
+    return [(name, None if out is None else msgspec.structs.replace(out, param=name)) for name, out in given]
 
 
 def _response_format(body: SamplingBody) -> StructuredOutput | None:
