@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import secrets
 import string
+from collections.abc import Callable
 
-from conveyor.stages.ingress.tools.json_scan import PartialCall, is_json_object
+from conveyor.stages.ingress.tools.json_scan import PartialCall, is_json_object, skip_space
 
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
@@ -52,6 +53,31 @@ def held_prefix(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+def scan_marked_calls(
+    text: str, final: bool, marker: str, opener: str, read: Callable[[int], tuple[list[PartialCall], int | None]]
+) -> Scan:
+    """The scan of a format whose calls each follow `marker`, then `opener` ("{" or "["):
+    `read(j)` parses the calls starting at text[j] and gives the position after them (None: not
+    there yet). The text around them is content; a tail that could still become the marker is
+    held back until the text is final."""
+    content: list[str] = []
+    calls: list[PartialCall] = []
+    pos = 0
+    while (start := text.find(marker, pos)) >= 0:
+        content.append(text[pos:start])
+        j = skip_space(text, start + len(marker))
+        if j >= len(text) or text[j] != opener:
+            return Scan("".join(content), calls, malformed=final or j < len(text))
+        found, end = read(j)
+        calls += found
+        if end is None:
+            return Scan("".join(content), calls, malformed=final)
+        pos = end
+    tail = text[pos:]
+    content.append(tail if final else tail[: len(tail) - held_prefix(tail, marker)])
+    return Scan("".join(content), calls)
 
 
 class ToolParser:

@@ -3,8 +3,8 @@ as many as the model writes; the text outside the tags is content."""
 
 from __future__ import annotations
 
-from conveyor.stages.ingress.tools.base import Scan, ToolParser, held_prefix
-from conveyor.stages.ingress.tools.json_scan import PartialCall, scan_call_object, skip_space
+from conveyor.stages.ingress.tools.base import Scan, ToolParser, scan_marked_calls
+from conveyor.stages.ingress.tools.json_scan import PartialCall, scan_call_object
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -13,20 +13,9 @@ class HermesParser(ToolParser):
     name = "hermes"
 
     def scan(self, text: str, final: bool) -> Scan:
-        content: list[str] = []
-        calls: list[PartialCall] = []
-        pos = 0
-        while (start := text.find(START, pos)) >= 0:
-            content.append(text[pos:start])
-            j = skip_space(text, start + len(START))
-            if j >= len(text) or text[j] != "{":
-                return Scan("".join(content), calls, malformed=final or j < len(text))
+        def read(j: int) -> tuple[list[PartialCall], int | None]:
             call, end = scan_call_object(text, j, ("arguments",), final)
-            calls.append(call)
-            close = text.find(END, end) if end is not None else -1
-            if close < 0:  # the text up to </tool_call> belongs to the call
-                return Scan("".join(content), calls, malformed=final)
-            pos = close + len(END)
-        tail = text[pos:]
-        content.append(tail if final else tail[: len(tail) - held_prefix(tail, START)])
-        return Scan("".join(content), calls)
+            close = text.find(END, end) if end is not None else -1  # the text up to </tool_call> is the call's
+            return [call], close + len(END) if close >= 0 else None
+
+        return scan_marked_calls(text, final, START, "{", read)

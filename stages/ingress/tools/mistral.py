@@ -6,8 +6,8 @@ request decodes with skip_special_tokens false."""
 
 from __future__ import annotations
 
-from conveyor.stages.ingress.tools.base import Scan, ToolParser, held_prefix, random_id
-from conveyor.stages.ingress.tools.json_scan import PartialCall, scan_call_array, skip_space
+from conveyor.stages.ingress.tools.base import Scan, ToolParser, random_id, scan_marked_calls
+from conveyor.stages.ingress.tools.json_scan import scan_call_array
 
 START = "[TOOL_CALLS]"
 
@@ -19,19 +19,4 @@ class MistralParser(ToolParser):
         return random_id(9)
 
     def scan(self, text: str, final: bool) -> Scan:
-        content: list[str] = []
-        calls: list[PartialCall] = []
-        pos = 0
-        while (start := text.find(START, pos)) >= 0:
-            content.append(text[pos:start])
-            j = skip_space(text, start + len(START))
-            if j >= len(text) or text[j] != "[":
-                return Scan("".join(content), calls, malformed=final or j < len(text))
-            found, end = scan_call_array(text, j, ("arguments",), final)
-            calls += found
-            if end is None:
-                return Scan("".join(content), calls, malformed=final)
-            pos = end
-        tail = text[pos:]
-        content.append(tail if final else tail[: len(tail) - held_prefix(tail, START)])
-        return Scan("".join(content), calls)
+        return scan_marked_calls(text, final, START, "[", lambda j: scan_call_array(text, j, ("arguments",), final))
