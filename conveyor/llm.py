@@ -23,7 +23,6 @@ from conveyor.stages.scheduler.plan import step_plan, token_batches
 from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.stages.tokenizer.encoder import PromptEncoder
 from conveyor.stages.tokenizer.preparation import Rejected, prepare
-from conveyor.stages.tokenizer.structured_check import check_structured
 from conveyor.wire.messages import ChatMessage, SamplingParams, TextDelta, TextLogprob, TokenizeRequest
 
 
@@ -120,7 +119,6 @@ class LLM:
         for req, params in zip(requests, sampling_params):
             try:
                 prepared.append(prepare(self.encoder, self.config, msgspec.structs.replace(req, params=params)))
-                check_structured(params, self.config.model)
             except Rejected as e:
                 raise ValueError(str(e)) from None
         for request in prepared:

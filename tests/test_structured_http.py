@@ -21,8 +21,6 @@ import pytest
 
 from tests.conftest import Daemon, stream_events
 
-pytest.importorskip("conveyor.gpu.structured")  # the engine side (grammar masking); skipped until it is in
-
 MAX_TOKENS = 300  # well past the longest answer any schema here admits, blanks included
 # Strings bounded by a pattern, not maxLength: xgrammar 0.2.8's maxLength rule admits raw control
 # characters, which JSON forbids (the engine side's to work around).

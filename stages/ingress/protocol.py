@@ -68,7 +68,7 @@ def parse_completion(data: bytes, vocab_size: int) -> Generation:
     if body.tools is not None:
         raise ApiError(400, "tools are only supported on /v1/chat/completions", param="tools")
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
-    structured, _ = structured_output(body)
+    structured = structured_output(body)
     gen = _generation(body, max_tokens, body.logprobs, vocab_size, structured)
     gen.prompts = _prompts(body.prompt, vocab_size)
     gen.echo = body.echo
@@ -81,11 +81,11 @@ def parse_chat(data: bytes, vocab_size: int) -> Generation:
         raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    structured, param = structured_output(body)
+    structured = structured_output(body)
     tools = tool_choice(body)
     if tools.structured is not None and structured is not None:
-        message = f"tool_choice {tools.mode!r} constrains the output to a tool call; {param} cannot constrain it too"
-        raise ApiError(400, message, param=param)
+        message = f"tool_choice {tools.mode!r} constrains the output to a tool call; {structured.param} cannot constrain it too"
+        raise ApiError(400, message, param=structured.param)
     structured = tools.structured or structured
     gen = _generation(body, max_tokens, logprobs, vocab_size, structured)  # None: until EOS or the context is full
     gen.prompts = [Prompt(messages=chat_messages(body.messages))]

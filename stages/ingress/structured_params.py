@@ -18,16 +18,13 @@ from conveyor.stages.ingress.errors import ApiError
 from conveyor.wire.sampling_params import StructuredOutput
 
 
-def structured_output(body: SamplingBody) -> tuple[StructuredOutput | None, str | None]:
-    """The request's constraint and the param that gave it; (None, None) without one."""
-    found = [(param, output) for param, output in _constraints(body) if output is not None]
+def structured_output(body: SamplingBody) -> StructuredOutput | None:
+    """The request's constraint, naming the param that gave it (`param`); None without one."""
+    found = [output for output in _constraints(body) if output is not None]
     if len(found) > 1:
-        first, second = found[0][0], found[1][0]
+        first, second = found[0].param, found[1].param
         raise ApiError(400, f"{second} and {first} both constrain the output; give one of them", param=second)
-    if not found:
-        return None, None
-    param, output = found[0]
-    return output, param
+    return found[0] if found else None
 
 
 def json_schema_output(schema: Any, param: str) -> StructuredOutput:
@@ -43,9 +40,9 @@ def json_schema_output(schema: Any, param: str) -> StructuredOutput:
     return StructuredOutput("json_schema", json.dumps(schema, sort_keys=True, ensure_ascii=False), param=param)
 
 
-def _constraints(body: SamplingBody) -> list[tuple[str, StructuredOutput | None]]:
-    """Each constraint param with what it asks for, which carries the param's name (a spec the
-    tokenizer stage cannot compile is a 400 naming it)."""
+def _constraints(body: SamplingBody) -> list[StructuredOutput | None]:
+    """What each constraint param asks for, carrying the param's name (a spec the tokenizer stage
+    cannot compile is a 400 naming it)."""
     given = [
         ("response_format", _response_format(body)),
         ("structured_outputs", _structured_outputs(body.structured_outputs)),
@@ -54,7 +51,7 @@ def _constraints(body: SamplingBody) -> list[tuple[str, StructuredOutput | None]
         ("guided_choice", None if body.guided_choice is None else _choice(body.guided_choice)),
         ("guided_grammar", None if body.guided_grammar is None else StructuredOutput("grammar", body.guided_grammar)),
     ]
-    return [(name, None if out is None else msgspec.structs.replace(out, param=name)) for name, out in given]
+    return [None if out is None else msgspec.structs.replace(out, param=name) for name, out in given]
 
 
 def _response_format(body: SamplingBody) -> StructuredOutput | None:

@@ -21,7 +21,6 @@ from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
 from conveyor.stages.tokenizer.encoder import PromptEncoder
 from conveyor.stages.tokenizer.preparation import Rejected, prepare
-from conveyor.stages.tokenizer.structured_check import check_structured
 from conveyor.wire.messages import RequestRejected
 from conveyor.wire.topology import INGRESS, SCHEDULER, TOKENIZER, receiver, sender, senders
 
@@ -46,7 +45,6 @@ def run(config: EngineConfig, index: int) -> None:
             reply_to = ingresses[req.ingress]
             try:
                 request = prepare(encoder, config, req)
-                check_structured(request.params, config.model)
             except Rejected as e:
                 reply_to.send(RequestRejected(req.request_id, 400, str(e), param=e.param, code=e.code))
                 continue

@@ -2,7 +2,8 @@
 
 Applies the chat template or encodes the prompt (encoder.py), checks the token ids against the
 vocabulary and the prompt plus max_tokens against the context length (length_limit.py stops the
-encoding early), and fills in max_tokens when the request left it open. Used by the tokenizer
+encoding early), fills in max_tokens when the request left it open, and compiles an output
+constraint to refuse one that cannot be (structured_check.py). Used by the tokenizer
 stage's loop (main.py) and by the Python API (conveyor/llm.py).
 """
 
@@ -56,6 +57,10 @@ def prepare(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest) 
         )
     if params.max_tokens is None:
         params = msgspec.structs.replace(params, max_tokens=budget)
+    if params.structured is not None:  # a constraint that cannot compile is refused here, not in the worker
+        from conveyor.stages.tokenizer.structured_check import check_structured  # it imports Rejected from here
+
+        check_structured(params, config.model)
     return ScheduleRequest(req.request_id, req.ingress, list(ids), params, req.arrival_time, priority=req.priority)
 
 
