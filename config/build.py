@@ -75,8 +75,6 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
     text itself. Unknown names and values out of bounds are a ConfigError."""
     fields = collect(tuple(OPTION_CLASSES.values()), {"model": model, **options})
     load = ModelOptions(**fields[ModelOptions])
-    if fields[ParallelConfig].get("tensor_parallel_size", 1) != 1:
-        raise ConfigError("tensor parallelism is not implemented yet; use --tensor-parallel-size 1")
     device = resolve_device(load.device)
     path, served_name = resolve_model(load.model, device, load.dtype)
     model_config = ModelConfig.from_pretrained(

@@ -69,12 +69,26 @@ class SchedulerConfig:
 
 # gpu/backends: auto is triton on CUDA and cpu (the C++ kernels) on a CPU.
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+# The router's policies (stages/router/): see docs/architecture.md.
+ROUTING_POLICIES = ("cache_aware", "round_robin", "least_loaded")
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     device: str = "cpu"  # "cpu" or "cuda": resolved from the --device option at build time
-    tensor_parallel_size: int = option(1, "GPUs one model is split over (only 1 is implemented)")
+    # Worker ranks one engine's model is split over (gpu/parallel/): one process per rank, a
+    # torch.distributed group (gloo on a CPU, NCCL on CUDA).
+    tensor_parallel_size: int = option(1, "worker ranks (devices) one engine's model is split over", minimum=1)
+    # Engines (a scheduler, its worker ranks, its own KV pool) behind one ingress, tokenizer and
+    # detokenizer pool; with more than one, the router stage picks each request's engine.
+    data_parallel_size: int = option(1, "engines serving behind one endpoint (each a scheduler and its ranks)", minimum=1)
+    routing_policy: str = option(
+        "cache_aware", "how the router picks an engine: cache_aware (prefix affinity, then load), round_robin, "
+        "least_loaded", choices=ROUTING_POLICIES,
+    )  # fmt: skip
+    # An existing Ray cluster to place engines on ("auto": the one this machine belongs to);
+    # None: every process runs on this machine.
+    ray_address: str | None = option(None, "place engine ranks on this Ray cluster ('auto': the local one's)", none="this machine")
     attention_backend: str = option(
         "auto", "attention backend and ops: auto (triton on CUDA, cpu on a CPU), torch (reference), cpu (C++ kernels), "
         "triton (Triton kernels; on a CPU only under TRITON_INTERPRET=1)", choices=ATTENTION_BACKENDS,

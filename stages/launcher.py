@@ -41,6 +41,7 @@ from prometheus_client import multiprocess
 
 from conveyor.config import EngineConfig, config_to_json
 from conveyor.config.env import API_KEY_VARIABLE
+from conveyor.stages.processes import ProcessHandle, processes_for
 from conveyor.wire.addresses import make_run_dir, sweep_stale_run_dirs
 from conveyor.wire.messages import Drained, EngineStatus, Heartbeat, IngressInbound, LauncherInbound, StageFailed, StageReady
 from conveyor.wire.topology import INGRESS, LAUNCHER, SCHEDULER, Stage, receiver, sender, senders, start_plan
@@ -56,7 +57,7 @@ MAX_BACKOFF_S = 30.0
 class Child:
     stage: Stage[Any]
     index: int
-    process: subprocess.Popen | None  # None: stopped, waiting for an engine restart
+    process: ProcessHandle | None  # None: stopped, waiting for an engine restart
     restarts: int = 0  # times this slot was started before this process
     ready: bool = False
     last_beat: float = 0.0  # time.monotonic() of the last Heartbeat (or of StageReady)
@@ -80,6 +81,7 @@ class Launcher:
         self.drain_deadline: float | None = None
         self.drained: set[int] = set()
         self.ctx = zmq.Context()
+        self.processes = processes_for(self.config)  # where stage processes run (stages/processes.py)
 
     def serve(self) -> int:
         """Run until a signal, or until the engine failed too often; the exit status for the CLI."""
@@ -125,7 +127,7 @@ class Launcher:
         env = self.env
         if stage is INGRESS and self.server.api_key is not None:
             env = dict(env, **{API_KEY_VARIABLE: self.server.api_key})  # never on disk, never in ps
-        child = Child(stage, index, subprocess.Popen(cmd, env=env), restarts)
+        child = Child(stage, index, self.processes.start(stage, index, cmd, env), restarts)
         self.children[child.name] = child
 
     def _kill(self, children: list[Child]) -> None:
@@ -301,6 +303,7 @@ class Launcher:
             self._tell_ingresses(EngineStatus(ready=False))
             time.sleep(0.05)  # let the ingresses end open streams with an error event first
         self._kill(list(self.children.values()))
+        self.processes.close()
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.run_dir, ignore_errors=True)
         log.info("stopped")

@@ -29,7 +29,7 @@ no-enable-prefix-caching async-scheduling no-async-scheduling max-queued-request
 tensor-parallel-size api-key api-key-file chat-content-special-tokens max-seqs-per-request http-header-timeout
 http-body-timeout http-keepalive-timeout http-max-keepalive-requests max-connections stage-timeout drain-timeout
 max-engine-restarts restart-window allowed-origins chat-template ingress-workers tokenizer-workers
-detokenizer-workers""".split()
+detokenizer-workers data-parallel-size routing-policy ray-address""".split()
 
 
 def serve_parser() -> argparse.ArgumentParser:
@@ -114,7 +114,8 @@ def test_build_takes_the_flag_names_and_checks_them():
         ({"stage_timeout": 0.0}, "--stage-timeout must be positive"),
         ({"scheduling_policy": "fifo"}, "--scheduling-policy must be one of splitfuse, prefill_first, orca"),
         ({"device": "tpu"}, "--device must be one of auto, cpu, cuda"),
-        ({"tensor_parallel_size": 2}, "tensor parallelism is not implemented"),
+        ({"data_parallel_size": 0}, "--data-parallel-size must be at least 1, got 0"),
+        ({"routing_policy": "random"}, "--routing-policy must be one of cache_aware, round_robin, least_loaded"),
     ):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             build_engine_config("tiny", **options)

@@ -275,6 +275,7 @@ class RequestAccepted(Struct, tag=20):
 
     request_id: str
     num_prompt_tokens: int
+    engine: int = 0  # the engine (data-parallel index) that admitted it: its failure fails the request
 
 
 class RequestRejected(Struct, tag=21):
@@ -325,6 +326,9 @@ class EngineStatus(Struct, tag=23):
 
     ready: bool
     draining: bool = False
+    # None: the whole daemon (every engine). An index: that engine alone (data parallelism): its
+    # requests in flight fail; the ingress stays ready while another engine is.
+    engine: int | None = None
 
 
 IngressInbound = RequestAccepted | RequestRejected | DeltaBatch | EngineStatus | StageFailed

@@ -48,10 +48,14 @@ class Stage(Generic[T]):
     restarts_with_engine: bool = False
 
 
-SCHEDULER: Stage[SchedulerInbound] = Stage("scheduler", SchedulerInbound, fails_engine=True, restarts_with_engine=True)
-WORKER: Stage[WorkerInbound] = Stage(
-    "worker", WorkerInbound, lambda c: c.parallel.tensor_parallel_size, fails_engine=True, restarts_with_engine=True
+# One scheduler per engine (index = engine); its worker ranks are workers engine * tp .. + tp - 1.
+SCHEDULER: Stage[SchedulerInbound] = Stage(
+    "scheduler", SchedulerInbound, lambda c: c.parallel.data_parallel_size, fails_engine=True, restarts_with_engine=True
 )
+WORKER: Stage[WorkerInbound] = Stage(
+    "worker", WorkerInbound, lambda c: c.parallel.data_parallel_size * c.parallel.tensor_parallel_size,
+    fails_engine=True, restarts_with_engine=True,
+)  # fmt: skip
 TOKENIZER: Stage[TokenizerInbound] = Stage("tokenizer", TokenizerInbound, lambda c: c.stages.num_tokenizers)
 # Its sequence state belongs to the scheduler that died (sequence ids start again from 0).
 DETOKENIZER: Stage[DetokenizerInbound] = Stage(
@@ -71,6 +75,17 @@ def start_plan(config: EngineConfig) -> list[tuple[Stage[Any], int]]:
     return [(stage, i) for stage in STAGES for i in range(stage.num_processes(config))]
 
 
+def engine_and_rank(config: EngineConfig, worker_index: int) -> tuple[int, int]:
+    """Worker process `worker_index` is tensor-parallel rank `rank` of engine `engine`."""
+    return divmod(worker_index, config.parallel.tensor_parallel_size)
+
+
+def worker_indices(config: EngineConfig, engine: int) -> range:
+    """The worker processes of engine `engine`, rank 0 first."""
+    tp = config.parallel.tensor_parallel_size
+    return range(engine * tp, (engine + 1) * tp)
+
+
 def address_of(config: EngineConfig, stage: Stage[Any], index: int = 0) -> str:
     return address(config.server.run_dir, stage.name, index)
 
@@ -87,6 +102,11 @@ def async_receiver(ctx: zmq.asyncio.Context, config: EngineConfig, stage: Stage[
 def sender(ctx: zmq.Context, config: EngineConfig, stage: Stage[T], index: int = 0) -> Sender[T]:
     """A sender to process `index` of `stage` (the scheduler, the launcher: index 0)."""
     return Sender(ctx, address_of(config, stage, index))
+
+
+def engine_workers(ctx: zmq.Context, config: EngineConfig, engine: int) -> list[Sender[WorkerInbound]]:
+    """One sender per worker rank of engine `engine`, by rank: every rank gets every plan."""
+    return [sender(ctx, config, WORKER, i) for i in worker_indices(config, engine)]
 
 
 def senders(ctx: zmq.Context, config: EngineConfig, stage: Stage[T]) -> list[Sender[T]]:

@@ -52,16 +52,17 @@ from conveyor.wire.messages import (
     StepResult,
     WorkerReady,
 )
-from conveyor.wire.topology import DETOKENIZER, INGRESS, SCHEDULER, WORKER, receiver, senders
+from conveyor.wire.topology import DETOKENIZER, INGRESS, SCHEDULER, engine_workers, receiver, senders
 
 log = logging.getLogger(__name__)
 
 
 class SchedulerStage:
-    def __init__(self, config: EngineConfig, ctx: zmq.Context):
+    def __init__(self, config: EngineConfig, ctx: zmq.Context, engine: int = 0):
         self.config = config
-        self.inbox = receiver(ctx, config, SCHEDULER)
-        self.workers = senders(ctx, config, WORKER)
+        self.engine = engine  # this scheduler's engine (data-parallel index): its workers are that engine's ranks
+        self.inbox = receiver(ctx, config, SCHEDULER, engine)
+        self.workers = engine_workers(ctx, config, engine)
         self.detokenizers = senders(ctx, config, DETOKENIZER)
         self.ingresses = senders(ctx, config, INGRESS)
         # Built by start(), once every worker rank has reported how many KV blocks it holds;
@@ -265,7 +266,7 @@ class SchedulerStage:
 
 def run(config: EngineConfig, index: int) -> None:
     ctx = zmq.Context()
-    stage = SchedulerStage(config, ctx)
+    stage = SchedulerStage(config, ctx, engine=index)
     try:
         stage.start()
         report_ready(ctx, config, SCHEDULER, index)

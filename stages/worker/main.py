@@ -23,7 +23,7 @@ from conveyor.stages import metrics
 from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
 from conveyor.wire.messages import InitializeCache, StepPlan, StepResult, WorkerReady
-from conveyor.wire.topology import SCHEDULER, WORKER, receiver, sender
+from conveyor.wire.topology import SCHEDULER, WORKER, engine_and_rank, receiver, sender
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,14 @@ def record_step(result: StepResult) -> None:
     metrics.worker_step_idle.observe(result.idle_time)
 
 
-def run(config: EngineConfig, rank: int) -> None:
+def run(config: EngineConfig, index: int) -> None:
+    """Worker process `index`: rank `rank` of engine `engine` (wire/topology.py)."""
+    engine, rank = engine_and_rank(config, index)
     runner = ModelRunner(config, rank)
     ctx = zmq.Context()
     try:
-        inbox = receiver(ctx, config, WORKER, rank)
-        scheduler = sender(ctx, config, SCHEDULER)
+        inbox = receiver(ctx, config, WORKER, index)
+        scheduler = sender(ctx, config, SCHEDULER, engine)
         scheduler.send(WorkerReady(rank=rank, num_kv_blocks=runner.num_available_blocks()))
 
         def send(results: list[StepResult]) -> None:
@@ -55,8 +57,8 @@ def run(config: EngineConfig, rank: int) -> None:
             match inbox.recv(timeout_ms=0 if runner.has_pending() else None):
                 case InitializeCache(num_kv_blocks=num_blocks):
                     runner.initialize_cache(num_blocks)
-                    report_ready(ctx, config, WORKER, rank)
-                    inbox.on_wait = Pulse(ctx, config, WORKER, rank).beat
+                    report_ready(ctx, config, WORKER, index)
+                    inbox.on_wait = Pulse(ctx, config, WORKER, index).beat
                 case StepPlan() as plan:
                     started = time.time()
                     for _ in runner.launch(plan):
