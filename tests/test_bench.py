@@ -27,14 +27,20 @@ SHAREGPT = "/work/shared/workloads/sharegpt_sample.json"
 class FakeServer:
     """An OpenAI-compatible server on its own thread and event loop. Its tokenizer counts words
     plus a BOS; a completion waits TTFT_S, then streams one token per chunk GAP_S apart (with
-    token_ids), then a usage chunk and [DONE]. A prompt containing FAIL gets a 500."""
+    token_ids), then a usage chunk and [DONE]. A prompt containing FAIL gets a 500. Its prefix
+    cache holds blocks of BLOCK_WORDS words of a completion's prompt (all of a chat's messages),
+    each keyed by the words up to its end, and /metrics counts lookups and hits as conveyor's
+    counters, split over two engine labels by arrival."""
 
     TTFT_S = 0.05
     GAP_S = 0.01
+    BLOCK_WORDS = 8
 
     def __init__(self):
         self.bodies: list[dict] = []
         self.in_flight = self.max_in_flight = 0
+        self.cached: set[tuple[str, ...]] = set()
+        self.cache_counts = {"queries": [0, 0], "hits": [0, 0]}  # per engine label
         self.loop = asyncio.new_event_loop()
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -44,6 +50,7 @@ class FakeServer:
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/metrics", self.metrics)
         self.runner = web.AppRunner(app)
         started = threading.Event()
         self.thread = threading.Thread(target=self._serve, args=(started,), daemon=True)
@@ -65,6 +72,7 @@ class FakeServer:
     def reset(self) -> None:
         self.bodies.clear()
         self.max_in_flight = 0
+        self.cached.clear()
 
     @staticmethod
     def count(text: str) -> int:
@@ -77,11 +85,26 @@ class FakeServer:
         n = self.count((await request.json())["prompt"])
         return web.json_response({"tokens": list(range(n)), "count": n, "max_model_len": 4096})
 
+    def look_up(self, text: str, engine: int) -> None:
+        words = tuple(text.split())
+        for end in range(self.BLOCK_WORDS, len(words) + 1, self.BLOCK_WORDS):
+            self.cache_counts["queries"][engine] += 1
+            self.cache_counts["hits"][engine] += words[:end] in self.cached
+            self.cached.add(words[:end])
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        lines = []
+        for name, counts in self.cache_counts.items():
+            lines.append(f"# TYPE conveyor_prefix_cache_{name} counter")
+            lines += [f'conveyor_prefix_cache_{name}_total{{engine="{e}"}} {n}.0' for e, n in enumerate(counts)]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
         chat = "messages" in body
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        self.look_up(" ".join(m["content"] for m in body["messages"]) if chat else prompt, len(self.bodies) % 2)
         if "FAIL" in prompt:
             return web.json_response({"error": {"message": "boom"}}, status=500)
         self.in_flight += 1

@@ -56,6 +56,11 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     s.add_argument("--extra-body", type=_json_object, default=None,
                    help="JSON object merged into every request body, e.g. a response_format")  # fmt: skip
     add_dataset(p, num_prompts=None, num_prompts_help="requests per run (default 500) or per sweep point (default 512)")
+    shared = p.add_argument_group("shared system prompts (any dataset)")
+    shared.add_argument("--num-system-prompts", type=_count(0), default=0,
+                        help="K: open every request with one of K shared system prompts, picked by --seed (0: none)")  # fmt: skip
+    shared.add_argument("--system-prompt-len", type=_count(1), default=256,
+                        help="tokens of each system prompt (random words; the prompt length counts them too)")  # fmt: skip
     load = p.add_argument_group("load")
     load.add_argument(
         "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default inf: every request at once)"
@@ -125,6 +130,19 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError("client counts must be positive")
     return values
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}")
+        return value
+
+    return parse
 
 
 def _json_object(text: str) -> dict:

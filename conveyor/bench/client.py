@@ -69,7 +69,8 @@ class RequestResult:
 
 
 def payload(request: BenchRequest, model: str, *, chat: bool, ignore_eos: bool, return_token_ids: bool) -> dict:
-    """The JSON body: greedy, max_tokens = the wanted output length, streamed with usage."""
+    """The JSON body: greedy, max_tokens = the wanted output length, streamed with usage. A shared
+    system prompt is a system message in a chat, and opens the prompt of a completion."""
     body: dict = {
         "model": model,
         "max_tokens": request.output_len,
@@ -78,9 +79,10 @@ def payload(request: BenchRequest, model: str, *, chat: bool, ignore_eos: bool, 
         "stream_options": {"include_usage": True},
     }
     if chat:
-        body["messages"] = [{"role": "user", "content": request.prompt}]
+        system = [{"role": "system", "content": request.system_prompt}] if request.system_prompt else []
+        body["messages"] = [*system, {"role": "user", "content": request.prompt}]
     else:
-        body["prompt"] = request.prompt
+        body["prompt"] = request.text  # the system prompt, if any, then the prompt
     if ignore_eos:
         body["ignore_eos"] = True  # vLLM's extension, which conveyor and SGLang share
     if return_token_ids:

@@ -9,7 +9,9 @@ Datasets (`DatasetConfig.name`):
   fastgen-P-O     FastGen's normal workloads: mean prompt P, mean output O, 30% spread
   fixed, normal   as in the simulator
 Lengths are drawn exactly as the simulator draws them for the same seed; synthetic prompts are
-written to those lengths by a PromptMaker. Asynchronous because counting may ask the server.
+written to those lengths by a PromptMaker. With `num_system_prompts` K > 0, every request of any
+dataset also opens with one of K shared system prompts (system_prompts.py), which its prompt
+length then counts. Asynchronous because counting may ask the server.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import dataclasses
 import numpy as np
 
 from conveyor.bench.prompts import PromptMaker, TokenCounter, special_tokens
+from conveyor.bench.system_prompts import add_system_prompts
 from conveyor.sim.workloads import WorkloadConfig, keeps_exchange, sharegpt_exchanges, synthetic_lengths
 
 DATASETS = ("sharegpt", "random", "prefill-heavy", "decode-heavy", "fastgen-P-O", "fixed", "normal")
@@ -29,6 +32,13 @@ class BenchRequest:
     prompt: str
     prompt_len: int  # tokens, as the counter counted the prompt (special tokens included)
     output_len: int  # max_tokens asked for
+    system_prompt: str = ""  # shared by other requests (system_prompts.py); "" for none
+
+    @property
+    def text(self) -> str:
+        """The prompt as one completion prompt: the system prompt, a blank line, the prompt.
+        A chat request sends the two as a system and a user message instead."""
+        return f"{self.system_prompt}\n\n{self.prompt}" if self.system_prompt else self.prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +50,8 @@ class DatasetConfig:
     output_len: int = 128
     range_ratio: float = 1.0  # random: lower bound / upper bound of each length
     seed: int = 0
+    num_system_prompts: int = 0  # K shared system prompts, one opening each request (0: none)
+    system_prompt_len: int = 256  # tokens of each
 
     @property
     def synthetic(self) -> bool:
@@ -54,7 +66,13 @@ class DatasetConfig:
 
 async def make_dataset(config: DatasetConfig, counter: TokenCounter) -> list[BenchRequest]:
     """`config.num_prompts` requests (fewer only if a ShareGPT file runs out)."""
-    rng = np.random.default_rng(config.seed)
+    requests = await _requests(config, counter, np.random.default_rng(config.seed))
+    if config.num_system_prompts:
+        requests = await add_system_prompts(requests, config, counter)
+    return requests
+
+
+async def _requests(config: DatasetConfig, counter: TokenCounter, rng: np.random.Generator) -> list[BenchRequest]:
     if not config.synthetic:
         return await _sharegpt(config, counter, rng)
     lengths = synthetic_lengths(config.workload(), rng)

@@ -8,6 +8,8 @@ The definitions are the simulator's (conveyor.sim.run_metrics), measured on the 
                   FastGen's per-token generation latency when every chunk holds one token)
   TPOT            per request, (last chunk - first chunk) / (output tokens - 1)
   E2E             end of stream - send
+  prefix cache    the server's hit rate over the run, from its /metrics (server_metrics.py);
+  hit rate        blank when it exports no prefix cache counters
   effective       FastGen's SLA (conveyor.sim.run_metrics.meets_sla): TTFT <= prompt tokens / 512
   throughput      tokens/s and the EMA of the per-token gaps under 1/N s, N = 2, 4, 6 tokens/s;
                   requests meeting it, per second
@@ -49,6 +51,7 @@ class ServeMetrics:
     e2e: dict[str, float]
     effective_throughput: dict[float, float]  # generation SLA (tokens/s) -> requests / s
     errors: dict[str, int]  # the failures' messages, with how often each happened
+    prefix_cache_hit_rate: float | None = None  # the server's, over the run (server_metrics.py)
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -58,7 +61,7 @@ class ServeMetrics:
 
 def compute(
     results: list[RequestResult], duration: float, *, label: str, num_clients: int | None = None,
-    request_rate: float | None = None,
+    request_rate: float | None = None, prefix_cache_hit_rate: float | None = None,
 ) -> ServeMetrics:  # fmt: skip
     done = [r for r in results if r.success]
     failed = [r for r in results if not r.success]
@@ -89,6 +92,7 @@ def compute(
         e2e=summary([r.e2e for r in done], PERCENTILES),
         effective_throughput={n: sum(meets_sla(rec, gen_tokens_per_s=n) for rec in records) / duration for n in SLA_GEN_TOKENS_PER_S},
         errors=dict(Counter(r.error or "" for r in failed)),  # a failed request has an error
+        prefix_cache_hit_rate=prefix_cache_hit_rate,
     )
 
 
@@ -108,6 +112,7 @@ ROWS = [
     ("output tokens/s", lambda m: m.output_throughput, "{:.0f}"),
     ("total tokens/s", lambda m: m.total_throughput, "{:.0f}"),
     ("mean input / output tokens", lambda m: f"{m.mean_input_len:.0f} / {m.mean_output_len:.0f}", "{}"),
+    ("prefix cache hit rate (server)", lambda m: "" if m.prefix_cache_hit_rate is None else f"{m.prefix_cache_hit_rate:.1%}", "{}"),
     *_latency_rows("TTFT", "ttft", "ms", 1e3, "{:.1f}"),
     *_latency_rows("TPOT", "tpot", "ms", 1e3, "{:.2f}"),
     *_latency_rows("ITL", "itl", "ms", 1e3, "{:.2f}"),

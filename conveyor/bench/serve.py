@@ -5,12 +5,17 @@ HTTP and measure what its clients see.
         --dataset-path sharegpt.json --request-rate 8 --num-prompts 500
     conveyor bench serve --dataset fastgen-2600-60 --sweep-clients 1,2,4,8,16,32 \\
         --result-json out.json --plot-dir plots/
+    conveyor bench serve --dataset sharegpt --dataset-path sharegpt.json \
+        --num-system-prompts 8 --system-prompt-len 512 --request-rate 8
 
 One run: find the model (GET /v1/models unless named) and a token counter (prompts.py), build
 the dataset, send one short test request (a server that cannot answer stops the run here),
 then for each load point (one open-loop run, or one closed-loop run per client count, each
 with its own freshly drawn prompts so no point finds another's in a prefix cache) send every
-request, streamed, and compute its metrics (results.py). Everything runs on one event loop;
+request, streamed, and compute its metrics (results.py), with the server's prefix cache hit
+rate over the point where its /metrics tells it (server_metrics.py). With
+--num-system-prompts K every request opens with one of K shared system prompts
+(system_prompts.py), drawn afresh per point like the prompts. Everything runs on one event loop;
 the table goes to stdout, the figures and the JSON where asked.
 """
 
@@ -26,7 +31,7 @@ import sys
 import aiohttp
 from tqdm import tqdm
 
-from conveyor.bench import client, load
+from conveyor.bench import client, load, server_metrics
 from conveyor.bench.dataset import BenchRequest, DatasetConfig, make_dataset
 from conveyor.bench.prompts import TokenCounter, choose_counter
 from conveyor.bench.results import ServeMetrics, compute, table
@@ -110,6 +115,7 @@ async def run(config: ServeBenchConfig) -> ServeReport:
             if i == 0:
                 print(_header(config, model, counter, requests), flush=True)
                 await _test_request(send)
+            before = await server_metrics.scrape(session, config.base_url)
             with tqdm(total=len(requests), desc=label, disable=not config.progress, unit="req") as bar:
                 if clients is None:
                     results, duration = await load.open_loop(
@@ -118,8 +124,10 @@ async def run(config: ServeBenchConfig) -> ServeReport:
                     )  # fmt: skip
                 else:
                     results, duration = await load.closed_loop(requests, send, num_clients=clients, progress=bar)
+            hit_rate = server_metrics.hit_rate(before, await server_metrics.scrape(session, config.base_url))
             rate = None if clients is not None or math.isinf(config.request_rate) else config.request_rate
-            points.append(compute(results, duration, label=label, num_clients=clients, request_rate=rate))
+            points.append(compute(results, duration, label=label, num_clients=clients, request_rate=rate,
+                                  prefix_cache_hit_rate=hit_rate))  # fmt: skip
         return ServeReport(model, counter.name, points)
 
 
@@ -155,14 +163,21 @@ def _header(config: ServeBenchConfig, model: str, counter: TokenCounter, request
     return (
         f"{config.base_url}{config.endpoint}, model {model}\n"
         f"dataset {config.dataset.name}: {len(requests)} requests per point, mean prompt {prompt:.0f} / "
-        f"max output {output:.0f} tokens (prompt tokens counted by {counter.name})"
+        f"max output {output:.0f} tokens (prompt tokens counted by {counter.name})" + _shared_line(config.dataset)
     )
+
+
+def _shared_line(dataset: DatasetConfig) -> str:
+    if not dataset.num_system_prompts:
+        return ""
+    return f"\neach opens with one of {dataset.num_system_prompts} shared system prompts of ~{dataset.system_prompt_len} tokens"
 
 
 def _dataset(args: argparse.Namespace, num_prompts: int) -> DatasetConfig:
     return DatasetConfig(
         name=args.dataset, num_prompts=num_prompts, path=args.dataset_path, input_len=args.input_len,
         output_len=args.output_len, range_ratio=args.random_range_ratio, seed=args.seed,
+        num_system_prompts=args.num_system_prompts, system_prompt_len=args.system_prompt_len,
     )  # fmt: skip
 
 

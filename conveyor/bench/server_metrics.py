@@ -1,0 +1,79 @@
+"""The server's own view of a run, from its Prometheus metrics: the prefix cache hit rate.
+
+`scrape` reads GET /metrics once and keeps the prefix cache counters; a load point scrapes before
+its first request and after its last, and `hit_rate` is the share of the lookups in between that
+hit. Counters are summed over their labels, so an engine label (one series per data-parallel
+engine) or a replica label changes nothing. A server that exports no such counters (or no
+/metrics at all) gives None, and the report leaves the row blank.
+
+Names: conveyor's, taken from stages/metrics.py (they count full KV blocks); vLLM's, which count
+tokens, as a second choice, so the same client reports a vLLM server's rate too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from conveyor.stages.metrics import prefix_cache_hits, prefix_cache_queries
+
+# (lookups, hits) counter families, without the `_total` suffix, in order of preference.
+PREFIX_CACHE_COUNTERS = (
+    (prefix_cache_queries.describe()[0].name, prefix_cache_hits.describe()[0].name),
+    ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixCacheCounts:
+    queries: float  # blocks (conveyor) or tokens (vLLM) looked up since the server started
+    hits: float
+
+
+async def scrape(session: aiohttp.ClientSession, base_url: str) -> PrefixCacheCounts | None:
+    """The prefix cache counters now, or None if /metrics does not answer or lacks them."""
+    try:
+        async with session.get(base_url + "/metrics") as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+    return prefix_cache_counts(text)
+
+
+def prefix_cache_counts(text: str) -> PrefixCacheCounts | None:
+    """The first known pair of counters in a Prometheus text exposition, summed over labels."""
+    try:
+        totals = sample_totals(text)
+    except ValueError:  # not the Prometheus text format
+        return None
+    for queries, hits in PREFIX_CACHE_COUNTERS:
+        if f"{queries}_total" in totals and f"{hits}_total" in totals:
+            return PrefixCacheCounts(queries=totals[f"{queries}_total"], hits=totals[f"{hits}_total"])
+    return None
+
+
+def sample_totals(text: str) -> dict[str, float]:
+    """Each sample name's values summed over every label set. By sample name, not family: an
+    exposition may declare a counter's TYPE with or without its `_total`, and the parser groups
+    the samples differently for each."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def hit_rate(before: PrefixCacheCounts | None, after: PrefixCacheCounts | None) -> float | None:
+    """Hits / lookups between two scrapes; None without both, without lookups, or across a
+    restart (a counter that went down)."""
+    if before is None or after is None:
+        return None
+    queries, hits = after.queries - before.queries, after.hits - before.hits
+    if queries <= 0 or hits < 0:
+        return None
+    return hits / queries
