@@ -162,6 +162,11 @@ class ServerConfig:
     drain_timeout_s: float = option(30.0, "on SIGTERM, seconds in-flight requests get to finish", flag="drain-timeout", positive=True)
     max_engine_restarts: int = option(3, "engine failures in --restart-window before the daemon exits", positive=True)
     restart_window_s: float = option(300.0, "seconds over which engine failures are counted", flag="restart-window", positive=True)
+    # Stage inboxes that other nodes reach (engines placed by Ray: stages/ray/), as pairs of
+    # ("stage-index", "tcp://ip:port"), CurveZMQ on every one (wire/curve.py); a stage not named
+    # here listens on its ipc:// socket in the run directory. Addresses only: the keys travel in
+    # the environment. Set by the launcher.
+    endpoints: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

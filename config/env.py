@@ -36,3 +36,22 @@ def api_key_from_env() -> str | None:
     """The API key, when given in the environment. The launcher also hands a key given by flag or
     file to its stages this way, so the key is never written into the run directory."""
     return os.environ.get(API_KEY_VARIABLE) or None
+
+
+CURVE_KEYS_VARIABLE = "CONVEYOR_CURVE_KEYS"
+
+
+def curve_keys_from_env() -> str | None:
+    """The run's CurveZMQ keys (wire/curve.py), which the launcher makes at start and hands only
+    to its stage processes, like the API key: never in the run directory or the config file."""
+    return os.environ.get(CURVE_KEYS_VARIABLE) or None
+
+
+DIST_INIT_METHOD_VARIABLE = "CONVEYOR_DIST_INIT_METHOD"
+
+
+def dist_init_method_from_env() -> str | None:
+    """Where an engine's tensor-parallel ranks meet (torch.distributed's init_method,
+    `tcp://ip:port`): set by the Ray placement (stages/ray/) to a port on rank 0's node; unset,
+    the ranks of one machine meet through a file store in the run directory."""
+    return os.environ.get(DIST_INIT_METHOD_VARIABLE) or None

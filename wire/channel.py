@@ -4,6 +4,10 @@ A receiver binds one PULL socket and decodes with one typed decoder; a message t
 decode is logged and dropped, never fatal. A sender connects a PUSH socket to one address (a
 fixed destination) or several (zmq round-robins between them: a stage pool). Which stage listens
 where, and what it takes, is declared once in topology.py.
+
+An address is an ipc:// path in the private run directory or, for a stage another node talks to,
+a tcp:// endpoint; a tcp:// socket is always CurveZMQ (curve.py), so nothing listens on a network
+interface unauthenticated.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import zmq
 import zmq.asyncio
+
+from conveyor.wire import curve
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,7 +44,10 @@ class Sender(Generic[T]):
         self.socket = ctx.socket(zmq.PUSH)
         self.socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
         self.socket.setsockopt(zmq.LINGER, SEND_LINGER_MS)
-        for addr in [addresses] if isinstance(addresses, str) else addresses:
+        addresses = [addresses] if isinstance(addresses, str) else addresses
+        if any(_leaves_machine(addr) for addr in addresses):
+            curve.make_client(self.socket, curve.run_keys())
+        for addr in addresses:
             self.socket.connect(addr)
 
     def send(self, msg: T) -> None:
@@ -54,6 +63,12 @@ class _ReceiverBase(Generic[T]):
         self.socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
         self.socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.socket.setsockopt(zmq.LINGER, 0)
+        self._ctx: zmq.Context | None = None  # set when this socket is a Curve server
+        if _leaves_machine(address):
+            keys = curve.run_keys()
+            curve.acquire_authenticator(ctx, keys)  # before bind: no client is let in unchecked
+            self._ctx = ctx
+            curve.make_server(self.socket, keys)
         self.socket.bind(address)
         self.address = address
         self._decoder = msgspec.msgpack.Decoder(type)
@@ -67,6 +82,9 @@ class _ReceiverBase(Generic[T]):
 
     def close(self) -> None:
         self.socket.close(linger=0)
+        if self._ctx is not None:
+            curve.release_authenticator(self._ctx)
+            self._ctx = None
 
 
 class Receiver(_ReceiverBase[T]):
@@ -99,6 +117,10 @@ class Receiver(_ReceiverBase[T]):
 
 def _nothing() -> None:
     pass
+
+
+def _leaves_machine(address: str) -> bool:
+    return address.startswith("tcp://")
 
 
 class AsyncReceiver(_ReceiverBase[T]):

@@ -4,7 +4,9 @@ of it a config starts (plus the launcher's inbox, addressed like a stage but not
 Everything else is derived from the table: a stage's inbox (`receiver`), typed senders to its peers
 (`sender`, `senders`: sending a message the peer does not take is a type error), the launcher's
 start plan (`start_plan`) and the names the stage entry point accepts (`STAGE_NAMES`). Process
-`index` of stage `name` listens on `{name}-{index}.sock` in the run directory (addresses.py).
+`index` of stage `name` listens on `{name}-{index}.sock` in the run directory (addresses.py), or,
+when the launcher placed processes on other nodes, on the tcp:// endpoint (CurveZMQ) that
+`server.endpoints` names for it.
 Adding a stage means a row here and the stage's package; nothing else names its socket.
 """
 
@@ -86,7 +88,17 @@ def worker_indices(config: EngineConfig, engine: int) -> range:
     return range(engine * tp, (engine + 1) * tp)
 
 
+def endpoint_name(stage: Stage[Any], index: int) -> str:
+    """The key of process `index` of `stage` in `server.endpoints`."""
+    return f"{stage.name}-{index}"
+
+
 def address_of(config: EngineConfig, stage: Stage[Any], index: int = 0) -> str:
+    """Its tcp:// endpoint when another node may talk to it, else its ipc:// path."""
+    name = endpoint_name(stage, index)
+    for key, endpoint in config.server.endpoints:
+        if key == name:
+            return endpoint
     return address(config.server.run_dir, stage.name, index)
 
 
