@@ -1,5 +1,7 @@
 """The `conveyor` command: `conveyor serve` starts the daemon (every stage, supervised);
-`conveyor bench serve | offline | step | forward | sampling` runs the benchmarks (conveyor/bench).
+`conveyor router --backends URL,...` routes one endpoint's requests to several daemons
+(stages/replica_router); `conveyor bench serve | offline | step | forward | sampling` runs the
+benchmarks (conveyor/bench).
 
 Bad options and bad checkpoints get one line on stderr and a non-zero exit, never a traceback.
 """
@@ -44,6 +46,28 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
         "forward", help="one worker step on the CPU, with and without the C++ kernels, interleaved"
     ))  # fmt: skip
     bench_args.add_sampling(which.add_parser("sampling", help="the sampler's draw against noise-tensor draws, interleaved"))
+
+
+def router_parser(sub: argparse._SubParsersAction) -> None:
+    """--backends, then one flag per option() field of RouterConfig."""
+    from conveyor.stages.replica_router.config import RouterConfig, parse_backends
+
+    p = sub.add_parser(
+        "router", help="an HTTP router in front of several conveyor daemons: prefix affinity, then load",
+        formatter_class=DefaultsHelpFormatter,
+    )  # fmt: skip
+    p.add_argument("--backends", type=parse_backends, required=True, metavar="URL[,URL...]",
+                   help="the daemons' base URLs, e.g. http://10.0.0.1:8000,http://10.0.0.2:8000")  # fmt: skip
+    add_arguments(p, settings(RouterConfig))
+
+
+def router(args: argparse.Namespace) -> int:
+    from conveyor.config.options import collect
+    from conveyor.stages.replica_router.config import RouterConfig
+    from conveyor.stages.replica_router.main import serve as serve_router
+
+    fields = collect((RouterConfig,), {s.name: getattr(args, s.name) for s in settings(RouterConfig)})[RouterConfig]
+    return serve_router(RouterConfig(backends=args.backends, **fields))
 
 
 def bench(args: argparse.Namespace) -> int:
@@ -96,11 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conveyor", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser(sub)
+    router_parser(sub)
     bench_parser(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=log_level().upper(), format="%(asctime)s %(levelname)s [launcher] %(message)s", datefmt="%H:%M:%S")
+    role = "router" if args.command == "router" else "launcher"
+    logging.basicConfig(level=log_level().upper(), format=f"%(asctime)s %(levelname)s [{role}] %(message)s", datefmt="%H:%M:%S")
+    commands = {"serve": serve, "router": router, "bench": bench}
     try:
-        return serve(args) if args.command == "serve" else bench(args)
+        return commands[args.command](args)
     except ConfigError as e:
         print(f"conveyor: error: {e}", file=sys.stderr)
         return 2
