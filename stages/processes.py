@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 from typing import Any, Protocol
 
-from conveyor.config import EngineConfig
+from conveyor.config import ConfigError, EngineConfig
 from conveyor.wire.topology import Stage
 
 
@@ -27,8 +27,23 @@ class ProcessHandle(Protocol):
     def kill(self) -> None: ...
 
 
+class Processes(Protocol):
+    """Where stage processes run. `place` comes first: it may give the config the tcp://
+    endpoints (server.endpoints) of stages that other machines reach, which the launcher then
+    writes to the run directory for every stage to read."""
+
+    def place(self, config: EngineConfig) -> EngineConfig: ...
+
+    def start(self, stage: Stage[Any], index: int, cmd: list[str], env: dict[str, str]) -> ProcessHandle: ...
+
+    def close(self) -> None: ...
+
+
 class LocalProcesses:
     """Every stage a child process of the launcher, on this machine."""
+
+    def place(self, config: EngineConfig) -> EngineConfig:
+        return config  # ipc:// sockets in the run directory: nothing to place
 
     def start(self, stage: Stage[Any], index: int, cmd: list[str], env: dict[str, str]) -> ProcessHandle:
         return subprocess.Popen(cmd, env=env)
@@ -37,6 +52,12 @@ class LocalProcesses:
         pass
 
 
-def processes_for(config: EngineConfig) -> LocalProcesses:
-    """The process placement `config` asks for."""
-    return LocalProcesses()
+def processes_for(config: EngineConfig) -> Processes:
+    """The process placement `config` asks for: on a Ray cluster with --ray-address."""
+    if config.parallel.ray_address is None:
+        return LocalProcesses()
+    try:
+        from conveyor.stages.ray.processes import RayProcesses
+    except ImportError as e:
+        raise ConfigError(f"--ray-address needs ray (pip install 'conveyor[ray]'): {e}") from e
+    return RayProcesses(config)
