@@ -1,8 +1,9 @@
 """The launcher: starts every stage process, waits until all are ready, and keeps them serving.
 
 Takes (LauncherInbound): StageReady and Heartbeat from each stage, Drained from each ingress.
-Sends: EngineStatus to each ingress (ready, not ready, draining); StageFailed to each ingress and
-the scheduler when a stage process died and is being restarted.
+Sends: EngineStatus to each ingress and the router (ready, not ready, draining; per engine with
+data parallelism, stages/engines.py); StageFailed to each ingress and every scheduler when a stage
+process died and is being restarted.
 
 Supervision, once every stage is ready (a stage that dies while the daemon starts ends it):
 - A stage is dead when its process exits, or when it has sent no Heartbeat for --stage-timeout
@@ -13,6 +14,9 @@ Supervision, once every stage is ready (a stage that dies while the daemon start
   (requests in flight end with a clean error; new ones get 503 with Retry-After, /health 503),
   the engine (scheduler, workers and the detokenizers, whose sequence state dies with it) is
   stopped and started again, the model reloaded, after a backoff that doubles per failure.
+  With data parallelism only that engine's scheduler and workers are: the ingresses fail the
+  requests it admitted, the router those on their way to it, and the other engines keep serving
+  (new requests are taken while one is ready; /health is 503 until all are).
 - More than --max-engine-restarts failures (of any stage) within --restart-window: the daemon
   gives up and exits 1, for the orchestrator to act.
 
@@ -41,16 +45,15 @@ from prometheus_client import multiprocess
 
 from conveyor.config import EngineConfig, config_to_json
 from conveyor.config.env import API_KEY_VARIABLE
+from conveyor.stages.engines import Engines
 from conveyor.stages.processes import ProcessHandle, processes_for
 from conveyor.wire.addresses import make_run_dir, sweep_stale_run_dirs
-from conveyor.wire.messages import Drained, EngineStatus, Heartbeat, IngressInbound, LauncherInbound, StageFailed, StageReady
-from conveyor.wire.topology import INGRESS, LAUNCHER, SCHEDULER, Stage, receiver, sender, senders, start_plan
+from conveyor.wire.messages import Drained, EngineStatus, Heartbeat, LauncherInbound, StageFailed, StageReady
+from conveyor.wire.topology import INGRESS, LAUNCHER, ROUTER, SCHEDULER, Stage, engine_of, receiver, senders, start_plan
 
 log = logging.getLogger("conveyor")
 GRACE_S = 5.0
 POLL_MS = 100  # how often a dead child is noticed
-FIRST_BACKOFF_S = 0.5
-MAX_BACKOFF_S = 30.0
 
 
 @dataclass
@@ -75,14 +78,12 @@ class Launcher:
         self.server = self.config.server
         self.children: dict[str, Child] = {}  # by name, in start order
         self.signals = 0  # SIGTERM/SIGINT received: 1 drains, 2 stops now
-        self.engine_ready = False
+        self.engines = Engines(self.config.parallel.data_parallel_size)
         self.failures: collections.deque[float] = collections.deque()  # monotonic times, in the window
-        self.restart_engine_at: float | None = None  # set while the engine waits for its backoff
         self.drain_deadline: float | None = None
         self.drained: set[int] = set()
         self.ctx = zmq.Context()
         self.processes = processes_for(self.config)  # where stage processes run (stages/processes.py)
-        self.config = self.processes.place(self.config)  # Ray: tcp:// endpoints for what other nodes reach
 
     def serve(self) -> int:
         """Run until a signal, or until the engine failed too often; the exit status for the CLI."""
@@ -115,7 +116,8 @@ class Launcher:
         self.env.pop(API_KEY_VARIABLE, None)  # only the ingress needs it
         self.inbox = receiver(self.ctx, self.config, LAUNCHER)
         self.ingresses = senders(self.ctx, self.config, INGRESS)
-        self.scheduler = sender(self.ctx, self.config, SCHEDULER)
+        self.schedulers = senders(self.ctx, self.config, SCHEDULER)
+        self.router = senders(self.ctx, self.config, ROUTER)  # none with one engine
 
     def _forget(self, child: Child) -> None:
         """A stage process is gone for good: its live gauges (the scheduler's) stop counting.
@@ -158,8 +160,7 @@ class Launcher:
                 log.info("waiting for %s to start", pending)
                 next_report += 10
             self._receive(POLL_MS)
-        self.engine_ready = True
-        self._tell_ingresses(EngineStatus(ready=True))
+        self._tell(self.engines.all_started())
         return True
 
     # --- supervision -------------------------------------------------------------------------
@@ -191,8 +192,12 @@ class Launcher:
                 child.ready, child.last_beat = True, time.monotonic()
                 if child.restarts:
                     log.info("stage %s is back", child.name)
-                if stage == INGRESS.name and self.engine_ready:  # a restarted ingress
-                    self.ingresses[index].send(EngineStatus(ready=True, draining=self.drain_deadline is not None))
+                if stage == INGRESS.name and self.engines.any_ready:  # a restarted ingress
+                    for status in self.engines.statuses():
+                        self.ingresses[index].send(status)
+                if stage == ROUTER.name and self.engines.any_ready:  # a restarted router
+                    for status in self.engines.statuses():
+                        self.router[index].send(status)
                 self._maybe_engine_back()
             case Heartbeat(stage=stage, index=index, pid=pid):
                 child = self.children.get(f"{stage}-{index}")
@@ -238,46 +243,43 @@ class Launcher:
             )  # fmt: skip
             return False
         self._forget(child)
-        if child.stage.fails_engine:
-            self._engine_failed()
+        engine = engine_of(self.config, child.stage, child.index)
+        if child.stage.fails_engine and engine is not None:
+            self._engine_failed(engine)
         else:
             log.warning("restarting stage %s", child.name)
             failed = StageFailed(stage=child.stage.name, index=child.index)
-            self.scheduler.send(failed)
-            self._tell_ingresses(failed)
+            for scheduler in self.schedulers:
+                scheduler.send(failed)
+            for ingress in self.ingresses:
+                ingress.send(failed)
             self._start(child.stage, child.index, child.restarts + 1)
         return True
 
-    def _engine_failed(self) -> None:
-        """Fail everything in flight, stop what is left of the engine, restart it after a backoff."""
-        self.engine_ready = False
-        self._tell_ingresses(EngineStatus(ready=False, draining=self.drain_deadline is not None))
-        self._kill(self._engine_children())
-        for child in self._engine_children():  # their exits are this failure, not new ones
+    def _engine_failed(self, engine: int) -> None:
+        """Fail what the engine holds, stop what is left of it, restart it after a backoff."""
+        backoff = self.engines.failed(engine, len(self.failures))
+        self._tell(self.engines.status(engine))
+        self._kill(self._engine_children(engine))
+        for child in self._engine_children(engine):  # their exits are this failure, not new ones
             self._forget(child)
             child.process, child.ready = None, False
-        backoff = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (len(self.failures) - 1))
-        log.warning("the engine failed; restarting it in %.1f s", backoff)
-        self.restart_engine_at = time.monotonic() + backoff
+        name = "the engine" if self.engines.num_engines == 1 else f"engine {engine}"
+        log.warning("%s failed; restarting it in %.1f s", name, backoff)
 
-    def _engine_children(self) -> list[Child]:
-        return [c for c in self.children.values() if c.stage.restarts_with_engine]
+    def _engine_children(self, engine: int) -> list[Child]:
+        return [c for c in self.children.values() if engine_of(self.config, c.stage, c.index) == engine]
 
     def _maybe_restart_engine(self) -> None:
-        if self.restart_engine_at is None or time.monotonic() < self.restart_engine_at:
-            return
-        self.restart_engine_at = None
-        for child in self._engine_children():
-            self._start(child.stage, child.index, child.restarts + 1)
+        for engine in self.engines.due():
+            for child in self._engine_children(engine):
+                self._start(child.stage, child.index, child.restarts + 1)
 
     def _maybe_engine_back(self) -> None:
-        if self.engine_ready or self.restart_engine_at is not None:
-            return
-        engine = self._engine_children()
-        if all(c.ready for c in engine) and any(c.restarts for c in engine):
-            log.info("the engine is back")
-            self.engine_ready = True
-            self._tell_ingresses(EngineStatus(ready=True, draining=self.drain_deadline is not None))
+        for engine in range(self.engines.num_engines):
+            if self.engines.may_come_back(engine) and all(c.ready for c in self._engine_children(engine)):
+                log.info("the engine is back" if self.engines.num_engines == 1 else f"engine {engine} is back")
+                self._tell(self.engines.back(engine))
 
     # --- drain and stop ----------------------------------------------------------------------
 
@@ -286,7 +288,9 @@ class Launcher:
         if self.drain_deadline is None:
             log.info("draining: new requests get 503, requests in flight have %.0f s", self.server.drain_timeout_s)
             self.drain_deadline = time.monotonic() + self.server.drain_timeout_s
-            self._tell_ingresses(EngineStatus(ready=self.engine_ready, draining=True))
+            self.engines.draining = True
+            for status in self.engines.statuses():
+                self._tell(status)
         if len(self.drained) >= len(self.ingresses):
             log.info("drained")
             return True
@@ -295,13 +299,16 @@ class Launcher:
             return True
         return False
 
-    def _tell_ingresses(self, msg: IngressInbound) -> None:
+    def _tell(self, status: EngineStatus) -> None:
+        """Every ingress and the router."""
         for ingress in self.ingresses:
-            ingress.send(msg)
+            ingress.send(status)
+        for router in self.router:
+            router.send(status)
 
     def _stop_children(self) -> None:
         if hasattr(self, "ingresses"):
-            self._tell_ingresses(EngineStatus(ready=False))
+            self._tell(EngineStatus(ready=False))
             time.sleep(0.05)  # let the ingresses end open streams with an error event first
         self._kill(list(self.children.values()))
         self.processes.close()

@@ -14,9 +14,19 @@ Who records what:
   aborts, rejections, the scheduler-queue hop.
 - worker: GPU busy and idle time per step (the bubble), the worker hop.
 - tokenizer and detokenizer: their own hops.
+- router (data parallelism): requests routed, by engine and by reason.
+
+An engine's own metrics (the scheduler's and its workers', marked `_per_engine` below) carry an
+`engine` label, the data-parallel index of the engine whose process recorded them (0 with one
+engine): `bind_engine` sets it once at start. Their names are the same as before the label, so
+`sum(...)` and `sum by (le)` queries read the whole daemon, `sum by (engine)` each engine. The
+request lifecycle histograms, the hops and the finish reasons stay unlabelled: several stages
+record them, most of which serve every engine.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -30,13 +40,59 @@ _STEP_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 _TOKENS = tuple(float(2**i) for i in range(15))
 
 
-def _gauge(name: str, doc: str) -> Gauge:
-    # Owned by one process (the scheduler): the most recent value of a live process is the truth.
-    return Gauge(name, doc, multiprocess_mode="livemostrecent")
+_engine = "0"  # the engine this process records for (bind_engine)
+
+
+class _PerEngine:
+    """A metric with an `engine` label, used as if it had none: `.inc()`, `.set()`, `.observe()`
+    go to this process's engine's series. The series is made at first use (or by bind_engine), so
+    a process that never records one (a tokenizer) writes no 0 into an engine's live gauge."""
+
+    def __init__(self, metric: Any, *, gauge: bool = False):
+        self.metric = metric
+        self.gauge = gauge
+        self._child: Any = None
+
+    def series(self) -> Any:
+        """This process's engine's series (made now if it was not)."""
+        if self._child is None:
+            self._child = self.metric.labels(_engine)
+        return self._child
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.series(), name)
+
+
+_PER_ENGINE: list[_PerEngine] = []
+
+
+def bind_engine(engine: int) -> None:
+    """This process is (part of) engine `engine` (a scheduler, a worker rank; the stage entry point
+    calls this before the stage runs): its engine metrics carry that label, and its counters and
+    histograms show 0 from the first scrape, as unlabelled ones would. Gauges are left to be set:
+    a 0 from a worker rank would be the most recent value of its scheduler's gauge."""
+    global _engine
+    _engine = str(engine)
+    for metric in _PER_ENGINE:
+        if not metric.gauge:
+            metric.series()
+
+
+def _per_engine(metric_type: Any, name: str, doc: str, **kwargs: Any) -> Any:
+    metric = _PerEngine(metric_type(name, doc, ["engine"], **kwargs), gauge=metric_type is Gauge)
+    _PER_ENGINE.append(metric)
+    return metric
+
+
+def _gauge(name: str, doc: str) -> Any:
+    # Owned by one process (its engine's scheduler): the most recent value of a live process is the truth.
+    return _per_engine(Gauge, name, doc, multiprocess_mode="livemostrecent")
 
 
 # --- request lifecycle (histograms) -------------------------------------------------------
-queue_time = Histogram("conveyor_request_queue_time_seconds", "Arrival at the ingress to first scheduled", buckets=_SECONDS)
+queue_time = _per_engine(
+    Histogram, "conveyor_request_queue_time_seconds", "Arrival at the ingress to first scheduled", buckets=_SECONDS
+)
 time_to_first_token = Histogram(
     "conveyor_time_to_first_token_seconds", "Arrival to the first token sent to the client", buckets=_SECONDS
 )
@@ -47,17 +103,21 @@ time_per_output_token = Histogram(
     "conveyor_time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1), per request", buckets=_SECONDS
 )
 e2e_latency = Histogram("conveyor_e2e_request_latency_seconds", "Arrival to the last token", buckets=_SECONDS)
-prefill_time = Histogram("conveyor_request_prefill_time_seconds", "First scheduled to first token", buckets=_SECONDS)
-decode_time = Histogram("conveyor_request_decode_time_seconds", "First token to finish", buckets=_SECONDS)
+prefill_time = _per_engine(Histogram, "conveyor_request_prefill_time_seconds", "First scheduled to first token", buckets=_SECONDS)
+decode_time = _per_engine(Histogram, "conveyor_request_decode_time_seconds", "First token to finish", buckets=_SECONDS)
 request_prompt_tokens = Histogram("conveyor_request_prompt_tokens", "Prompt tokens per request", buckets=_TOKENS)
 request_generation_tokens = Histogram("conveyor_request_generation_tokens", "Generated tokens per request", buckets=_TOKENS)
 
 # --- the GPU bubble (worker) and the scheduler's own time ----------------------------------
-worker_busy = Counter("conveyor_worker_busy_seconds", "Device time spent computing steps")
-worker_idle = Counter("conveyor_worker_idle_seconds", "Device time spent waiting for the host between steps")
-worker_step_busy = Histogram("conveyor_worker_step_busy_seconds", "Device compute time per step", buckets=_STEP_SECONDS)
-worker_step_idle = Histogram("conveyor_worker_step_idle_seconds", "Device idle time before each step", buckets=_STEP_SECONDS)
-scheduler_step_time = Histogram("conveyor_scheduler_step_seconds", "Scheduler CPU time to plan one step", buckets=_STEP_SECONDS)
+worker_busy = _per_engine(Counter, "conveyor_worker_busy_seconds", "Device time spent computing steps")
+worker_idle = _per_engine(Counter, "conveyor_worker_idle_seconds", "Device time spent waiting for the host between steps")
+worker_step_busy = _per_engine(Histogram, "conveyor_worker_step_busy_seconds", "Device compute time per step", buckets=_STEP_SECONDS)
+worker_step_idle = _per_engine(
+    Histogram, "conveyor_worker_step_idle_seconds", "Device idle time before each step", buckets=_STEP_SECONDS
+)
+scheduler_step_time = _per_engine(
+    Histogram, "conveyor_scheduler_step_seconds", "Scheduler CPU time to plan one step", buckets=_STEP_SECONDS
+)
 
 # --- per-stage latency: the time each request spends in each hop --------------------------
 STAGE_HOPS = ("ingress", "tokenizer", "scheduler_queue", "worker", "detokenizer", "return")
@@ -73,16 +133,20 @@ kv_blocks_used = _gauge("conveyor_kv_blocks_used", "KV cache blocks held by sequ
 kv_blocks_capacity = _gauge("conveyor_kv_blocks_capacity", "KV cache blocks in the pool")
 
 # --- counters ------------------------------------------------------------------------------
-prompt_tokens = Counter("conveyor_prompt_tokens", "Prompt tokens of admitted requests")
-generation_tokens = Counter("conveyor_generation_tokens", "Tokens generated")
-steps = Counter("conveyor_scheduler_steps", "Forward passes planned")
-prefix_cache_queries = Counter("conveyor_prefix_cache_queries", "Full KV blocks looked up in the prefix cache")
-prefix_cache_hits = Counter("conveyor_prefix_cache_hits", "Full KV blocks found in the prefix cache")
-preemptions = Counter("conveyor_preemptions", "Sequences preempted by recomputation")
-aborts = Counter("conveyor_aborts", "Requests aborted (client gone, or cancelled)")
-rejections = Counter("conveyor_rejections", "Requests refused because the waiting queue was full")
+prompt_tokens = _per_engine(Counter, "conveyor_prompt_tokens", "Prompt tokens of admitted requests")
+generation_tokens = _per_engine(Counter, "conveyor_generation_tokens", "Tokens generated")
+steps = _per_engine(Counter, "conveyor_scheduler_steps", "Forward passes planned")
+prefix_cache_queries = _per_engine(Counter, "conveyor_prefix_cache_queries", "Full KV blocks looked up in the prefix cache")
+prefix_cache_hits = _per_engine(Counter, "conveyor_prefix_cache_hits", "Full KV blocks found in the prefix cache")
+preemptions = _per_engine(Counter, "conveyor_preemptions", "Sequences preempted by recomputation")
+aborts = _per_engine(Counter, "conveyor_aborts", "Requests aborted (client gone, or cancelled)")
+rejections = _per_engine(Counter, "conveyor_rejections", "Requests refused because the waiting queue was full")
 requests_finished = Counter("conveyor_requests_finished", "Finished requests by finish reason", ["finish_reason"])
 errors = Counter("conveyor_errors", "Error answers by type", ["type"])
+
+# --- router (data parallelism; reasons: stages/router/policy.py's REASONS) -------------------
+routed = Counter("conveyor_router_requests", "Requests routed to an engine, by why it was chosen", ["engine", "reason"])
+routed_unavailable = Counter("conveyor_router_unavailable", "Requests refused because no engine was ready")
 # Counted by the restarted process itself at start (the launcher records no metrics).
 stage_restarts = Counter("conveyor_stage_restarts", "Stage processes restarted after dying or stalling", ["stage"])
 

@@ -25,7 +25,7 @@ import zmq
 from conveyor.config import ConfigError, EngineConfig, config_from_json
 from conveyor.config.env import api_key_from_env, log_level
 from conveyor.wire.messages import StageReady
-from conveyor.wire.topology import LAUNCHER, STAGE_NAMES, Stage, sender
+from conveyor.wire.topology import BY_NAME, LAUNCHER, SCHEDULER, STAGE_NAMES, WORKER, Stage, engine_of, sender
 
 STAGES = STAGE_NAMES  # the stages `main` starts, in start order (wire/topology.py)
 PR_SET_PDEATHSIG = 1
@@ -135,9 +135,11 @@ def main(argv: list[str]) -> int:
     die_with_parent()
     with open(config_path, "rb") as f:
         config = with_api_key(config_from_json(f.read()))
-    if restarts:
-        from conveyor.stages import metrics
+    from conveyor.stages import metrics  # not at the top: it imports this module
 
+    if stage in (SCHEDULER.name, WORKER.name):  # an engine's own processes label its metrics
+        metrics.bind_engine(engine_of(config, BY_NAME[stage], index) or 0)
+    if restarts:
         metrics.stage_restarts.labels(stage).inc()
         logging.getLogger(name).warning("restarted (restart %d of this stage)", restarts)
     module = __import__(f"conveyor.stages.{stage}.main", fromlist=["run"])

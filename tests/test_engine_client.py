@@ -1,5 +1,6 @@
 """EngineClient (the ingress's view of the engine), without sockets: which tokenizer a request goes
-to, what a dead tokenizer fails, what a stray message aborts, and when a drain is done."""
+to, what a dead tokenizer (or router) fails, what a stray message aborts, when a drain is done, and
+with several engines what one engine's failure fails and what /health and new requests see."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from conveyor.wire.messages import (
     RequestAccepted,
     RequestRejected,
     SamplingParams,
-    SchedulerInbound,
+    ScheduleRequest,
     StageFailed,
     TextDelta,
     TokenizerInbound,
@@ -38,12 +39,12 @@ class Outbox(Sender[T]):
         pass
 
 
-def client(num_tokenizers: int = 2):
+def client(num_tokenizers: int = 2, num_engines: int = 1):
     tokenizers: list[Outbox[TokenizerInbound]] = [Outbox() for _ in range(num_tokenizers)]
-    scheduler: Outbox[SchedulerInbound] = Outbox()
+    scheduler: Outbox[ScheduleRequest | AbortRequest] = Outbox()
     drained: list[bool] = []
     # [*tokenizers]: the client takes a list[Sender[...]] (lists are invariant); the same outboxes.
-    engine = EngineClient(0, [*tokenizers], scheduler, on_drained=lambda: drained.append(True))
+    engine = EngineClient(0, [*tokenizers], scheduler, on_drained=lambda: drained.append(True), num_engines=num_engines)
     engine.ready = True
     return engine, tokenizers, scheduler, drained
 
@@ -52,7 +53,7 @@ def submit(engine: EngineClient, request_id: str):
     return engine.submit([request_id], Generation(SamplingParams(), [Prompt(text="hi")]))
 
 
-def aborted(scheduler: Outbox[SchedulerInbound]) -> list[str]:
+def aborted(scheduler: Outbox[ScheduleRequest | AbortRequest]) -> list[str]:
     return [rid for msg in scheduler.sent if isinstance(msg, AbortRequest) for rid in msg.request_ids]
 
 
@@ -105,3 +106,33 @@ def test_an_engine_that_stops_fails_everything_in_flight():
     engine.dispatch(EngineStatus(ready=False))
     [failed] = stream._pending
     assert not engine.ready and (failed.status, failed.code) == (503, "engine_not_ready")
+
+
+def test_one_engine_of_two_stopping_fails_only_what_it_admitted():
+    engine, _, _, _ = client(1, num_engines=2)
+    streams = {rid: submit(engine, rid) for rid in ("a", "b", "c")}
+    engine.dispatch(RequestAccepted("a", 3, engine=0))
+    engine.dispatch(RequestAccepted("b", 3, engine=1))  # c: no verdict yet (the router answers it)
+    engine.dispatch(EngineStatus(ready=False, engine=1))
+    assert [type(e) for e in streams["a"]._pending] == [RequestAccepted]
+    assert [type(e) for e in streams["c"]._pending] == []
+    accepted, failed = streams["b"]._pending
+    assert isinstance(failed, RequestRejected) and (failed.status, failed.code) == (503, "engine_not_ready")
+    # New requests are still taken (engine 0 serves), but /health is not 200 until both are ready.
+    assert engine.ready and not engine.all_ready
+    engine.dispatch(EngineStatus(ready=True, engine=1))
+    assert engine.ready and engine.all_ready
+    engine.dispatch(EngineStatus(ready=False, engine=0))
+    engine.dispatch(EngineStatus(ready=False, engine=1))
+    assert not engine.ready
+
+
+def test_a_dead_router_fails_every_request_awaiting_a_verdict():
+    engine, _, scheduler, _ = client(2, num_engines=2)
+    streams = {rid: submit(engine, rid) for rid in ("a", "b")}
+    engine.dispatch(RequestAccepted("a", 3, engine=1))
+    engine.dispatch(StageFailed(stage="router", index=0))
+    assert [type(e) for e in streams["a"]._pending] == [RequestAccepted]
+    [failed] = streams["b"]._pending
+    assert isinstance(failed, RequestRejected) and (failed.status, failed.code) == (503, "stage_failed")
+    assert aborted(scheduler) == ["b"]

@@ -60,6 +60,19 @@ def test_distinct_prompts_spread_evenly():
     assert counts == [10, 10]
 
 
+def test_distinct_prompts_one_at_a_time_alternate_over_idle_engines():
+    """Each request has finished (an idle report) before the next: loads tie, the smaller map wins."""
+    policy = ready_policy()
+    engines = []
+    for p in range(6):
+        route = policy.route(prefix_hashes(prompt(p + 10, p), BLOCK))
+        assert route is not None
+        engines.append(route.engine)
+        policy.report(route.engine, EngineLoad(num_kv_blocks=100, num_received=engines.count(route.engine)))
+        assert policy.num_requests(route.engine) == 0
+    assert engines == [0, 1, 0, 1, 0, 1]
+
+
 def test_imbalance_past_both_thresholds_falls_back_to_least_loaded():
     policy = ready_policy(balance_abs_threshold=4, balance_rel_threshold=2.0)
     first = policy.route(prefix_hashes(prompt(1, 0), BLOCK))

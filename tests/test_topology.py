@@ -26,10 +26,10 @@ from conveyor.wire.topology import (
 )
 
 
-def engine(run_dir: str = "/run/conveyor-x", num_workers: int = 1, **stages: int) -> EngineConfig:
+def engine(run_dir: str = "/run/conveyor-x", num_workers: int = 1, num_engines: int = 1, **stages: int) -> EngineConfig:
     return EngineConfig(
         model=cast(ModelConfig, None),  # the table reads no model
-        parallel=ParallelConfig(tensor_parallel_size=num_workers),
+        parallel=ParallelConfig(tensor_parallel_size=num_workers, data_parallel_size=num_engines),
         stages=StagesConfig(**stages),
         server=ServerConfig(run_dir=run_dir),
     )
@@ -50,8 +50,41 @@ def test_the_start_plan_is_scheduler_then_workers_tokenizers_detokenizers_ingres
     ]  # fmt: skip
 
 
+def test_data_parallel_engines_get_a_router_before_the_pools():
+    config = engine(num_workers=2, num_engines=2, num_tokenizers=1, num_detokenizers=1, num_ingress=1)
+    assert names(start_plan(config)) == [
+        "scheduler-0", "scheduler-1",
+        "worker-0", "worker-1", "worker-2", "worker-3",
+        "router-0", "tokenizer-0", "detokenizer-0", "ingress-0",
+    ]  # fmt: skip
+    # Engine 1 is scheduler 1 and workers 2, 3; the detokenizers serve both, and outlive either.
+    plan = start_plan(config)
+    assert [(s.name, i) for s, i in plan if topology.engine_of(config, s, i) == 1] == [
+        ("scheduler", 1), ("worker", 2), ("worker", 3)
+    ]  # fmt: skip
+    assert topology.engine_of(config, topology.DETOKENIZER, 0) is None
+    assert topology.engine_of(engine(), topology.DETOKENIZER, 0) == 0  # one engine: they restart with it
+    assert [topology.engine_of_seq(config, seq_id) for seq_id in range(5)] == [0, 1, 0, 1, 0]
+
+
+def test_requests_go_to_the_router_only_with_several_engines():
+    run_dir = make_run_dir()
+    ctx = zmq.Context()
+    try:
+        for num_engines, stage in ((1, SCHEDULER), (2, topology.ROUTER)):
+            config = engine(run_dir=run_dir, num_engines=num_engines)
+            inbox = receiver(ctx, config, stage)
+            topology.admission(ctx, config).send(AbortRequest([f"r{num_engines}"]))
+            assert inbox.recv(timeout_ms=5000) == AbortRequest([f"r{num_engines}"])
+            inbox.close()
+    finally:
+        ctx.destroy(linger=0)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 def test_every_started_stage_is_one_the_stage_entry_point_accepts():
-    assert {stage.name for stage, _ in start_plan(engine())} == set(STAGES)
+    assert {stage.name for stage, _ in start_plan(engine(num_engines=2))} == set(STAGES)
+    assert {stage.name for stage, _ in start_plan(engine())} == set(STAGES) - {"router"}
     assert LAUNCHER.name not in STAGES  # an inbox, not a stage process
 
 

@@ -9,6 +9,9 @@ decoded by one typed decoder. A request's data travels in full once; per step on
        |                                                            +-StepResult-+
        +-- RequestRejected (tokenizer: 400), RequestAccepted / RequestRejected (scheduler: 429),
            DeltaBatch (detokenizer) <--TokenBatch-- scheduler
+
+With data parallelism (several engines) ScheduleRequest and AbortRequest go to the router stage,
+which forwards each to one engine's scheduler; each scheduler reports its EngineLoad back.
 """
 
 from __future__ import annotations
@@ -262,9 +265,18 @@ class TokenBatch(Struct, tag=12):
     new_seqs: list[DetokSeq]
     updates: list[SeqTokens]
     sent_time: float = 0.0  # time.time() when the scheduler sent it
+    engine: int = 0  # the engine whose scheduler sent it (steps count per engine)
 
 
-DetokenizerInbound = TokenBatch
+class EngineStarted(Struct, tag=14):
+    """From a scheduler as it starts, before any TokenBatch: sequences of `engine` held from before
+    (its previous process died) will get no more tokens. With data parallelism the detokenizers
+    outlive an engine's restart, so they drop those."""
+
+    engine: int
+
+
+DetokenizerInbound = TokenBatch | EngineStarted
 
 
 # --- received by an ingress -----------------------------------------------------------------
@@ -332,6 +344,27 @@ class EngineStatus(Struct, tag=23):
 
 
 IngressInbound = RequestAccepted | RequestRejected | DeltaBatch | EngineStatus | StageFailed
+
+
+# --- received by the router (data parallelism only) -----------------------------------------
+
+
+class EngineLoad(Struct, tag=40):
+    """From each scheduler, at most every LOAD_REPORT_INTERVAL_S while busy and once when idle:
+    what the router balances on. `num_received` counts the ScheduleRequests it has received since
+    it started, so the router knows which of those it sent are still on their way."""
+
+    engine: int
+    num_waiting: int
+    num_running: int
+    num_kv_blocks_used: int
+    num_kv_blocks: int
+    num_received: int
+
+
+# ScheduleRequest from tokenizers, AbortRequest from ingresses, EngineLoad from schedulers,
+# EngineStatus from the launcher (which engines are ready).
+RouterInbound = ScheduleRequest | AbortRequest | EngineLoad | EngineStatus
 
 
 # --- received by the launcher ---------------------------------------------------------------

@@ -23,9 +23,12 @@ from conveyor.config import EngineConfig
 from conveyor.wire.addresses import address
 from conveyor.wire.channel import AsyncReceiver, Receiver, Sender
 from conveyor.wire.messages import (
+    AbortRequest,
     DetokenizerInbound,
     IngressInbound,
     LauncherInbound,
+    RouterInbound,
+    ScheduleRequest,
     SchedulerInbound,
     TokenizerInbound,
     WorkerInbound,
@@ -58,16 +61,20 @@ WORKER: Stage[WorkerInbound] = Stage(
     "worker", WorkerInbound, lambda c: c.parallel.data_parallel_size * c.parallel.tensor_parallel_size,
     fails_engine=True, restarts_with_engine=True,
 )  # fmt: skip
+# With data parallelism, one router picks each request's engine (stages/router/); none otherwise.
+ROUTER: Stage[RouterInbound] = Stage("router", RouterInbound, lambda c: 1 if c.parallel.data_parallel_size > 1 else 0)
 TOKENIZER: Stage[TokenizerInbound] = Stage("tokenizer", TokenizerInbound, lambda c: c.stages.num_tokenizers)
-# Its sequence state belongs to the scheduler that died (sequence ids start again from 0).
+# Its sequence state belongs to the scheduler that died (sequence ids start again from 0). With
+# data parallelism it serves every engine and outlives one's restart (`engine_of` says None):
+# the restarted scheduler's EngineStarted has it drop that engine's sequences instead.
 DETOKENIZER: Stage[DetokenizerInbound] = Stage(
     "detokenizer", DetokenizerInbound, lambda c: c.stages.num_detokenizers, restarts_with_engine=True
 )
 INGRESS: Stage[IngressInbound] = Stage("ingress", IngressInbound, lambda c: c.stages.num_ingress)
 LAUNCHER: Stage[LauncherInbound] = Stage("launcher", LauncherInbound)  # the launcher's inbox
 
-# Start order: the scheduler first (workers report to it), then workers, pools, ingress.
-STAGES: tuple[Stage[Any], ...] = (SCHEDULER, WORKER, TOKENIZER, DETOKENIZER, INGRESS)
+# Start order: the scheduler first (workers report to it), then workers, the router, pools, ingress.
+STAGES: tuple[Stage[Any], ...] = (SCHEDULER, WORKER, ROUTER, TOKENIZER, DETOKENIZER, INGRESS)
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
 BY_NAME: dict[str, Stage[Any]] = {stage.name: stage for stage in STAGES}
 
@@ -91,6 +98,23 @@ def worker_indices(config: EngineConfig, engine: int) -> range:
 def endpoint_name(stage: Stage[Any], index: int) -> str:
     """The key of process `index` of `stage` in `server.endpoints`."""
     return f"{stage.name}-{index}"
+
+
+def engine_of(config: EngineConfig, stage: Stage[Any], index: int) -> int | None:
+    """The engine whose failure stops and restarts process `index` of `stage` (None: no engine's).
+    A scheduler and its worker ranks are their engine's; with one engine the detokenizers are too."""
+    if stage is SCHEDULER:
+        return index
+    if stage is WORKER:
+        return engine_and_rank(config, index)[0]
+    if stage.restarts_with_engine and config.parallel.data_parallel_size == 1:
+        return 0
+    return None
+
+
+def engine_of_seq(config: EngineConfig, seq_id: int) -> int:
+    """The engine that owns sequence `seq_id`: engine e numbers its sequences e, e + dp, e + 2 dp..."""
+    return seq_id % config.parallel.data_parallel_size
 
 
 def address_of(config: EngineConfig, stage: Stage[Any], index: int = 0) -> str:
@@ -119,6 +143,13 @@ def sender(ctx: zmq.Context, config: EngineConfig, stage: Stage[T], index: int =
 def engine_workers(ctx: zmq.Context, config: EngineConfig, engine: int) -> list[Sender[WorkerInbound]]:
     """One sender per worker rank of engine `engine`, by rank: every rank gets every plan."""
     return [sender(ctx, config, WORKER, i) for i in worker_indices(config, engine)]
+
+
+def admission(ctx: zmq.Context, config: EngineConfig) -> Sender[ScheduleRequest | AbortRequest]:
+    """Where requests and their aborts go: the router with several engines, else the scheduler
+    (no extra hop). Both take ScheduleRequest and AbortRequest."""
+    stage = ROUTER if ROUTER.num_processes(config) else SCHEDULER
+    return Sender(ctx, address_of(config, stage, 0))
 
 
 def senders(ctx: zmq.Context, config: EngineConfig, stage: Stage[T]) -> list[Sender[T]]:

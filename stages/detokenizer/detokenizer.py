@@ -54,7 +54,20 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)
         self.seqs: dict[int, SeqText] = {}
-        self.stopped: dict[int, int] = {}  # seq_id -> step it matched a stop string at, oldest first
+        # Per engine (its steps count on their own): seq_id -> step it matched a stop string at,
+        # oldest first.
+        self._stopped: dict[int, dict[int, int]] = {}
+
+    @property
+    def stopped(self) -> dict[int, int]:
+        """Sequences that matched a stop string, whose last updates may still come: seq_id -> step."""
+        return {seq_id: step for by_seq in self._stopped.values() for seq_id, step in by_seq.items()}
+
+    def drop_engine(self, engine: int, num_engines: int) -> None:
+        """Engine `engine` (of `num_engines`) started afresh: its sequences (ids engine mod
+        num_engines) will get no more tokens."""
+        self.seqs = {seq_id: s for seq_id, s in self.seqs.items() if seq_id % num_engines != engine}
+        self._stopped.pop(engine, None)
 
     def process(self, batch: TokenBatch, out: list[list[TextDelta]]) -> list[int]:
         """Decode one step's tokens, appending deltas to `out[ingress]`; return the ids of the
@@ -64,12 +77,13 @@ class Detokenizer:
             stop = StopMatcher(info.stop, info.include_stop_str_in_output) if info.stop else None
             self.seqs[info.seq_id] = SeqText(info, decoder, stop)
         stopped = []
+        engine_stopped = self._stopped.setdefault(batch.engine, {})
         for update in batch.updates:
             state = self.seqs.get(update.seq_id)
             if state is None:
-                if update.seq_id in self.stopped:
+                if update.seq_id in engine_stopped:
                     if update.finish_reason is not None:  # the scheduler sends nothing after this
-                        del self.stopped[update.seq_id]
+                        del engine_stopped[update.seq_id]
                 else:
                     log.error("tokens for unknown sequence %d", update.seq_id)
                 continue
@@ -79,8 +93,8 @@ class Detokenizer:
                 del self.seqs[update.seq_id]
                 if update.finish_reason is None:  # finished here: the scheduler does not know
                     stopped.append(update.seq_id)
-                    self.stopped[update.seq_id] = batch.step
-        self._forget_stopped(batch.step)
+                    engine_stopped[update.seq_id] = batch.step
+        self._forget_stopped(engine_stopped, batch.step)
         return stopped
 
     def _delta(self, state: SeqText, update: SeqTokens) -> TextDelta:
@@ -105,9 +119,10 @@ class Detokenizer:
             queue_time=update.queue_time,
         )
 
-    def _forget_stopped(self, step: int) -> None:
-        while self.stopped:
-            seq_id, stopped_at = next(iter(self.stopped.items()))
+    @staticmethod
+    def _forget_stopped(stopped: dict[int, int], step: int) -> None:
+        while stopped:
+            seq_id, stopped_at = next(iter(stopped.items()))
             if step - stopped_at < STOPPED_MEMORY_STEPS:
                 return
-            del self.stopped[seq_id]
+            del stopped[seq_id]

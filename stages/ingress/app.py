@@ -83,11 +83,11 @@ class InfoRoutes:
         self.openapi_body = msgspec.json.encode(openapi)
 
     async def health(self, request: web.Request) -> web.Response:
-        # 503 sends a load balancer elsewhere: while the engine loads or restarts, and while the
-        # server drains for shutdown.
+        # 503 sends a load balancer elsewhere: while the engine (any of several) loads or
+        # restarts, and while the server drains for shutdown.
         if self.engine.draining:
             return web.json_response({"status": "draining"}, status=503)
-        if not self.engine.ready:
+        if not self.engine.all_ready:
             return web.json_response({"status": "unavailable"}, status=503)
         return web.json_response({"status": "ok"})
 

@@ -2,12 +2,17 @@
 
 Sends TokenizeRequest (to the tokenizer with the fewest requests awaiting a verdict from this
 ingress: a long prompt in one tokenizer does not hold up the others' queues), AbortRequest (to the
-scheduler) and Drained (to the launcher). Takes every IngressInbound message through `dispatch`:
-RequestAccepted (from the scheduler, after admission), RequestRejected (a 400 from a tokenizer, a
-429 from the scheduler) and each TextDelta go to their request's `RequestStream` (one stream serves
-every engine request of a batch of prompts: the events carry their request id); EngineStatus flips
-`ready` and `draining` (when the engine stops, every request in flight gets a 503 rejection);
-StageFailed for a tokenizer fails the requests it held. A message for a request that is no longer
+scheduler, or with several engines to the router, which knows each request's engine) and Drained
+(to the launcher). Takes every IngressInbound message through `dispatch`: RequestAccepted (from
+the scheduler, after admission, naming its engine), RequestRejected (a 400 from a tokenizer, a
+429 from the scheduler, a 503 from the router) and each TextDelta go to their request's
+`RequestStream` (one stream serves every engine request of a batch of prompts: the events carry
+their request id); EngineStatus flips `draining` and the readiness of one engine or all (when an
+engine stops, every request in flight that it admitted gets a 503 rejection); StageFailed for a
+tokenizer fails the requests it held, for the router every request still awaiting a verdict.
+
+Readiness with data parallelism: new requests are taken while any engine is ready (`ready`);
+/health says 200 only while every engine is (`all_ready`). A message for a request that is no longer
 here is dropped; if it says the request still runs (it was admitted, or a delta without a finish
 reason), the scheduler is told to abort it, so no request runs without a client (a stale
 TokenizeRequest delivered after a restart, say).
@@ -33,7 +38,7 @@ from conveyor.wire.messages import (
     EngineStatus,
     RequestAccepted,
     RequestRejected,
-    SchedulerInbound,
+    ScheduleRequest,
     StageFailed,
     TextDelta,
     TokenizeRequest,
@@ -70,24 +75,40 @@ class EngineClient:
         self,
         index: int,
         tokenizers: list[Sender[TokenizerInbound]],
-        scheduler: Sender[SchedulerInbound],
+        scheduler: Sender[ScheduleRequest | AbortRequest],
         on_drained: Callable[[], None] = lambda: None,
+        num_engines: int = 1,
     ):
         self.index = index
-        self.ready = False
+        self._ready = [False] * num_engines  # by engine
         self.draining = False
         self._tokenizers = tokenizers
-        self._scheduler = scheduler
+        self._scheduler = scheduler  # the scheduler, or the router with several engines
         self._on_drained = on_drained
         self._streams: dict[str, RequestStream] = {}
         # Requests sent to a tokenizer with no verdict yet (admitted, rejected, or a first delta):
         # request id -> tokenizer index; and the count per tokenizer.
         self._tokenizer_of: dict[str, int] = {}
         self._awaiting = [0] * len(tokenizers)
+        self._engine_of: dict[str, int] = {}  # admitted requests: request id -> engine
         self._stray: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._counter = itertools.count()
         self._nonce = secrets.token_hex(3)  # tells this process's ids from a restarted one's
         self.telemetry = Telemetry()
+
+    @property
+    def ready(self) -> bool:
+        """Whether new requests are taken: some engine is ready."""
+        return any(self._ready)
+
+    @ready.setter
+    def ready(self, ready: bool) -> None:
+        self._ready = [ready] * len(self._ready)
+
+    @property
+    def all_ready(self) -> bool:
+        """Whether every engine is ready (/health)."""
+        return all(self._ready)
 
     @property
     def num_requests(self) -> int:
@@ -147,28 +168,53 @@ class EngineClient:
                     self.telemetry.delta(delta, now)
                     self._put(delta.request_id, delta, running=delta.finish_reason is None)
             case RequestAccepted():
+                if msg.request_id in self._streams:
+                    self._engine_of[msg.request_id] = msg.engine
                 self._put(msg.request_id, msg, running=True)
             case RequestRejected():
                 self._put(msg.request_id, msg, running=False)
-            case EngineStatus(ready=ready, draining=draining):
-                self.ready, self.draining = ready, draining
-                if not ready:  # the engine stopped: nothing in flight will finish
-                    self.fail_all()
+            case EngineStatus(ready=ready, draining=draining, engine=engine):
+                self.draining = draining
+                if engine is None:  # every engine
+                    self.ready = ready
+                    if not ready:  # the engine stopped: nothing in flight will finish
+                        self.fail_all()
+                else:
+                    self._ready[engine] = ready
+                    if not ready:  # that engine stopped: what it admitted will not finish
+                        self._fail_engine(engine)
                 self._check_drained()
             case StageFailed(stage="tokenizer", index=t):
                 self._fail_tokenizer(t)
+            case StageFailed(stage="router"):
+                self._fail_unadmitted()
 
     def fail_all(self) -> None:
         """Answer every request in flight with a 503 (an error event, once a stream has begun)."""
         for request_id, stream in self._streams.items():
             stream.put(RequestRejected(request_id, 503, "the engine stopped", code="engine_not_ready"))
 
+    def _fail_engine(self, engine: int) -> None:
+        """One engine of several stopped: fail the requests it admitted. (Those on their way to it
+        the router fails; those it rejected were answered.)"""
+        for request_id in [r for r, e in self._engine_of.items() if e == engine]:
+            message = "the engine serving this request stopped; retry it"
+            self._streams[request_id].put(RequestRejected(request_id, 503, message, code="engine_not_ready"))
+            del self._engine_of[request_id]
+
+    def _fail_unadmitted(self) -> None:
+        """The router died: the requests awaiting a verdict may have died with it. Fail them all,
+        and abort them wherever they got to."""
+        self._fail_held(list(self._tokenizer_of), "the router handling this request failed; retry it")
+
     def _fail_tokenizer(self, t: int) -> None:
         """Tokenizer t died: the requests it held will get no verdict. Fail them, and abort them in
         the scheduler in case their ScheduleRequest got out before the tokenizer died."""
         held = [request_id for request_id, tokenizer in self._tokenizer_of.items() if tokenizer == t]
+        self._fail_held(held, "the tokenizer handling this request failed; retry it")
+
+    def _fail_held(self, held: list[str], message: str) -> None:
         for request_id in held:
-            message = "the tokenizer handling this request failed; retry it"
             self._streams[request_id].put(RequestRejected(request_id, 503, message, code="stage_failed"))
             self._verdict(request_id)
         if held:
@@ -192,6 +238,7 @@ class EngineClient:
 
     def _forget(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self._engine_of.pop(request_id, None)
         self._verdict(request_id)
         self.telemetry.forget(request_id)
         self._check_drained()

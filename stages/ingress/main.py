@@ -2,7 +2,7 @@
 
 Binds `ingress-<index>` and takes IngressInbound (RequestAccepted, RequestRejected, DeltaBatch,
 EngineStatus, StageFailed); sends TokenizeRequest to a tokenizer of the pool (engine_client.py
-picks it), AbortRequest to the scheduler, and to the launcher StageReady once the HTTP site
+picks it), AbortRequest to the scheduler (the router, with several engines), and to the launcher StageReady once the HTTP site
 listens, a Heartbeat every so often from the event loop (stages/liveness.py) and Drained when a
 drain has no request left. Several ingress processes share the port (SO_REUSEPORT); request ids
 carry the index, so replies come back here.
@@ -24,7 +24,7 @@ from conveyor.stages.ingress.listener import BoundedSite
 from conveyor.stages.liveness import Pulse
 from conveyor.wire.channel import AsyncReceiver
 from conveyor.wire.messages import Drained, IngressInbound, StageReady
-from conveyor.wire.topology import INGRESS, LAUNCHER, SCHEDULER, TOKENIZER, async_receiver, sender, senders
+from conveyor.wire.topology import INGRESS, LAUNCHER, TOKENIZER, admission, async_receiver, sender, senders
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +37,12 @@ async def serve(config: EngineConfig, index: int) -> None:
     sync_ctx: zmq.Context = zmq.Context.shadow(ctx)  # senders never wait: unbounded PUSH queues
     receiver = async_receiver(ctx, config, INGRESS, index)
     tokenizers = senders(sync_ctx, config, TOKENIZER)
-    scheduler = sender(sync_ctx, config, SCHEDULER)
+    scheduler = admission(sync_ctx, config)  # the scheduler, or the router with several engines
     launcher = sender(sync_ctx, config, LAUNCHER)
-    engine = EngineClient(index, tokenizers, scheduler, on_drained=lambda: launcher.send(Drained(index)))
+    engine = EngineClient(
+        index, tokenizers, scheduler, on_drained=lambda: launcher.send(Drained(index)),
+        num_engines=config.parallel.data_parallel_size,
+    )  # fmt: skip
     pump = asyncio.create_task(_receive(receiver, engine), name=f"ingress-{index}-receive")
     pulse = Pulse(sync_ctx, config, INGRESS, index)  # the launcher heeds beats once we are ready
     beating = asyncio.create_task(pulse.run(), name=f"ingress-{index}-heartbeat")

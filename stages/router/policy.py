@@ -16,8 +16,9 @@ to its end, as the scheduler's prefix cache names its blocks.
 
 Policies:
 - round_robin: the ready engines in turn.
-- least_loaded: the ready engine with the fewest requests (waiting + running + routed since its
-  last report), then the lowest KV use, then the lowest index.
+- least_loaded: the ready engine with the fewest requests (waiting + running + routed but not yet
+  received), then the lowest KV use, then the smallest prefix map (the most room for a new prefix,
+  as SGLang sends a cache miss to the smallest tree), then the fewest routed, then the lowest index.
 - cache_aware (SGLang's cache-aware router, without its radix tree): an approximate map per engine
   of the block hashes it was sent, LRU-bounded by the engine's reported KV capacity. When the
   ready engines' loads differ by more than `balance_abs_threshold` requests and the busiest has
@@ -179,7 +180,11 @@ class RoutingPolicy:
         return route
 
     def _least_loaded(self, ready: list[int]) -> int:
-        return min(ready, key=lambda i: (self._engines[i].num_requests, self._engines[i].kv_usage, i))
+        def load(i: int) -> tuple[int, float, int, int, int]:
+            e = self._engines[i]
+            return e.num_requests, e.kv_usage, len(e.blocks), e.num_routed, i
+
+        return min(ready, key=load)
 
     def _is_imbalanced(self, ready: list[int]) -> bool:
         loads = [self._engines[i].num_requests for i in ready]

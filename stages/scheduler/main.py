@@ -1,12 +1,16 @@
 """The scheduler stage process: receive, schedule, send to the worker, fan tokens out.
 
-Takes (one socket, SchedulerInbound): ScheduleRequest from tokenizers, AbortRequest from ingress,
-FinishSeqs (a stop string matched) from detokenizers, WorkerReady and StepResult from worker
-rank 0, StageFailed from the launcher (a detokenizer's requests fail with a 503, a dead ingress's
-are aborted).
-Sends: InitializeCache and StepPlan to every worker rank; one TokenBatch per detokenizer per step;
-RequestAccepted, or RequestRejected (429) past the queue bounds, to the request's ingress;
-StageReady to the launcher.
+Takes (one socket, SchedulerInbound): ScheduleRequest from tokenizers (with data parallelism,
+from the router), AbortRequest from ingress (the router), FinishSeqs (a stop string matched) from
+detokenizers, WorkerReady and StepResult from worker rank 0, StageFailed from the launcher (a
+detokenizer's requests fail with a 503, a dead ingress's are aborted).
+Sends: InitializeCache and StepPlan to its engine's worker ranks; EngineStarted, then one
+TokenBatch per detokenizer per step; RequestAccepted (naming its engine), or RequestRejected (429)
+past the queue bounds, to the request's ingress; StageReady to the launcher; with data
+parallelism, EngineLoad to the router (load_report.py paces it).
+
+Data parallelism: engine e of n is scheduler e; it numbers its sequences e, e + n, e + 2n, ... so
+that detokenizers send each FinishSeqs to the engine that owns the sequence.
 
 Overlap, two kinds:
 - Asynchronous scheduling (the default): step n+1 is planned and sent while the worker computes
@@ -34,6 +38,7 @@ from conveyor.config import EngineConfig
 from conveyor.stages import metrics
 from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
+from conveyor.stages.scheduler.load_report import LoadReports
 from conveyor.stages.scheduler.plan import step_plan, token_batches
 from conveyor.stages.scheduler.scheduled_step import SeqUpdate
 from conveyor.stages.scheduler.scheduler import ScheduledStep, Scheduler
@@ -41,6 +46,8 @@ from conveyor.stages.scheduler.stats_log import StatsLog
 from conveyor.stages.scheduler.waiting_queue import QueueFull
 from conveyor.wire.messages import (
     AbortRequest,
+    EngineLoad,
+    EngineStarted,
     FinishReason,
     FinishSeqs,
     InitializeCache,
@@ -52,7 +59,7 @@ from conveyor.wire.messages import (
     StepResult,
     WorkerReady,
 )
-from conveyor.wire.topology import DETOKENIZER, INGRESS, SCHEDULER, engine_workers, receiver, senders
+from conveyor.wire.topology import DETOKENIZER, INGRESS, ROUTER, SCHEDULER, engine_workers, receiver, sender, senders
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +72,9 @@ class SchedulerStage:
         self.workers = engine_workers(ctx, config, engine)
         self.detokenizers = senders(ctx, config, DETOKENIZER)
         self.ingresses = senders(ctx, config, INGRESS)
+        # With data parallelism the router balances on this engine's reported load.
+        self.load_reports = LoadReports(sender(ctx, config, ROUTER).send) if ROUTER.num_processes(config) else None
+        self.num_received = 0  # ScheduleRequests received (EngineLoad.num_received)
         # Built by start(), once every worker rank has reported how many KV blocks it holds;
         # nothing else runs before it.
         self.scheduler: Scheduler
@@ -89,6 +99,8 @@ class SchedulerStage:
         num_blocks = min(reports.values())
         for worker in self.workers:
             worker.send(InitializeCache(num_blocks))
+        for detokenizer in self.detokenizers:  # before any TokenBatch: a predecessor's sequences are gone
+            detokenizer.send(EngineStarted(self.engine))
         cfg = self.config
         self.scheduler = Scheduler.from_config(
             cfg.scheduler,
@@ -96,6 +108,7 @@ class SchedulerStage:
             block_size=cfg.cache.block_size,
             max_model_len=cfg.model.max_model_len,
             eos_token_ids=cfg.model.eos_token_ids,
+            seq_ids=range(self.engine, 2**63, cfg.parallel.data_parallel_size),
         )
         metrics.kv_blocks_capacity.set(num_blocks)
         log.info("KV pool: %d blocks of %d tokens", num_blocks, cfg.cache.block_size)
@@ -119,10 +132,12 @@ class SchedulerStage:
             if self.may_plan():
                 self.plan_next()  # the next plan goes out before this step's tokens do
             self.emit(updates + self.scheduler.take_unsampled_updates())
+            self.report_load()
 
     def handle(self, msg: SchedulerInbound) -> list[SeqUpdate]:
         match msg:
             case ScheduleRequest():
+                self.num_received += 1
                 self.admit(msg)
             case AbortRequest():
                 for request_id in msg.request_ids:
@@ -172,7 +187,7 @@ class SchedulerStage:
         self.num_requests += 1
         if seq is not None:
             seq.enqueue_time = time.time()
-            reply_to.send(RequestAccepted(request.request_id, len(request.prompt_token_ids)))
+            reply_to.send(RequestAccepted(request.request_id, len(request.prompt_token_ids), engine=self.engine))
             metrics.prompt_tokens.inc(len(request.prompt_token_ids))
 
     def may_plan(self) -> bool:
@@ -236,8 +251,15 @@ class SchedulerStage:
         now = time.time()
         for detokenizer, batch in zip(self.detokenizers, token_batches(step, updates, len(self.detokenizers))):
             if batch is not None:
-                batch.sent_time = now
+                batch.sent_time, batch.engine = now, self.engine
                 detokenizer.send(batch)
+
+    def report_load(self) -> None:
+        if self.load_reports is None:
+            return
+        s, blocks = self.scheduler, self.scheduler.blocks
+        load = EngineLoad(self.engine, len(s.waiting), len(s.running), blocks.num_used, blocks.num_blocks, self.num_received)
+        self.load_reports.offer(load, idle=not self.in_flight)
 
     def record_step(self, step: ScheduledStep) -> None:
         now = time.monotonic()

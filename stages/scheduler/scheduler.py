@@ -54,6 +54,7 @@ class Scheduler:
         *,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
+        seq_ids: range = range(0, 2**63),
     ):
         self.config = config
         self.blocks = blocks
@@ -65,7 +66,10 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_aborts = 0  # requests aborted while the scheduler knew them
-        self._next_seq_id = 0
+        # The ids this scheduler hands out, in order: with data parallelism engine e of n numbers
+        # its sequences e, e + n, e + 2n, ... so an id names its engine (wire/topology.engine_of_seq).
+        self._seq_ids = seq_ids
+        self._next_seq_id = seq_ids.start
         self._finished_for_worker: list[int] = []
         self._unsampled_updates: list[SeqUpdate] = []  # finishes with no token: aborts, too big for the pool
         self._early_aborts = EarlyAborts()
@@ -79,11 +83,12 @@ class Scheduler:
         block_size: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
+        seq_ids: range = range(0, 2**63),
     ) -> Scheduler:
         """A scheduler over a fresh pool of `num_blocks` KV blocks of `block_size` tokens, with
-        prefix caching as `config` says."""
+        prefix caching as `config` says, numbering its sequences from `seq_ids`."""
         blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
-        return cls(config, blocks, max_model_len=max_model_len, eos_token_ids=eos_token_ids)
+        return cls(config, blocks, max_model_len=max_model_len, eos_token_ids=eos_token_ids, seq_ids=seq_ids)
 
     # --- requests in and out -------------------------------------------------------------
 
@@ -97,7 +102,9 @@ class Scheduler:
     def add(self, seq: Sequence) -> bool:
         if self._early_aborts.take(seq.request_id):
             return False
-        self._next_seq_id = max(self._next_seq_id, seq.seq_id + 1)
+        if seq.seq_id >= self._next_seq_id:  # the next id of ours past it
+            step = self._seq_ids.step
+            self._next_seq_id = seq.seq_id + step - (seq.seq_id - self._seq_ids.start) % step
         self.by_request.setdefault(seq.request_id, []).append(seq)
         self.waiting.push(seq)
         return True
@@ -425,7 +432,7 @@ class Scheduler:
 
     def _new_seq_id(self) -> int:
         seq_id = self._next_seq_id
-        self._next_seq_id += 1
+        self._next_seq_id += self._seq_ids.step
         return seq_id
 
     # --- accounting ----------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Takes (TokenizerInbound): TokenizeRequest from any ingress (zmq round-robins the pool).
 Sends: ScheduleRequest to the scheduler (which answers the ingress with RequestAccepted, or a
-429 RequestRejected when its queue is full); RequestRejected to the owning ingress for a prompt
+429 RequestRejected when its queue is full), or with several engines to the router, which picks
+the engine; RequestRejected to the owning ingress for a prompt
 that cannot be encoded or cannot fit, or an output constraint that does not compile
 (structured_check.py), so it is a 400 before any byte of a stream is written.
 """
@@ -22,7 +23,7 @@ from conveyor.stages.runtime import report_ready
 from conveyor.stages.tokenizer.encoder import PromptEncoder
 from conveyor.stages.tokenizer.preparation import Rejected, prepare
 from conveyor.wire.messages import RequestRejected
-from conveyor.wire.topology import INGRESS, SCHEDULER, TOKENIZER, receiver, sender, senders
+from conveyor.wire.topology import INGRESS, TOKENIZER, admission, receiver, senders
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def run(config: EngineConfig, index: int) -> None:
     ctx = zmq.Context()
     try:
         inbox = receiver(ctx, config, TOKENIZER, index)
-        scheduler = sender(ctx, config, SCHEDULER)
+        scheduler = admission(ctx, config)  # the scheduler, or the router with several engines
         ingresses = senders(ctx, config, INGRESS)
         report_ready(ctx, config, TOKENIZER, index)
         inbox.on_wait = Pulse(ctx, config, TOKENIZER, index).beat
