@@ -84,6 +84,7 @@ class Launcher:
         self.drained: set[int] = set()
         self.ctx = zmq.Context()
         self.processes = processes_for(self.config)  # where stage processes run (stages/processes.py)
+        self.config = self.processes.place(self.config)  # Ray: tcp:// endpoints for what other nodes reach
 
     def serve(self) -> int:
         """Run until a signal, or until the engine failed too often; the exit status for the CLI."""
