@@ -5,7 +5,10 @@ in ModelConfig.dtype, then every parameter is filled from the checkpoint by name
 names are the safetensors names (fused projections too: Phi-3's qkv_proj and gate_up_proj are
 fused in our model as in the checkpoint), then the family's `after_load` adjusts them once.
 Either `model.safetensors` or a sharded checkpoint described by `model.safetensors.index.json`
-is read. Problems a user can cause (no weight files, a tensor
+is read. With tensor parallelism (backend.tp) the model's layers have one rank's shapes, and each
+tensor is cut to the rank's slice as it is read, by the split its layer declares
+(gpu/parallel/shard.py `cut`); a parameter only rank 0 has (a row-parallel bias) is skipped on
+the others. Problems a user can cause (no weight files, a tensor
 missing or of the wrong shape) raise ConfigError with one clear line.
 """
 
@@ -23,6 +26,8 @@ from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends import Backend, torch_backend
 from conveyor.gpu.models import LlamaForCausalLM, build_model
+from conveyor.gpu.parallel.group import SINGLE, TensorParallel
+from conveyor.gpu.parallel.shard import cut, splits_of
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -45,7 +50,7 @@ def load_model(config: ModelConfig, device: torch.device | str, backend: Backend
     if callable(load_stacked):
         load_stacked(checkpoint_tensors(config.path))
     else:
-        load_weights(model, config.path)
+        load_weights(model, config.path, backend.tp)
     if hasattr(model, "after_load"):  # a family's one-time transform of its weights (Gemma's norm offset)
         model.after_load()
     model = model.eval().requires_grad_(False)
@@ -53,14 +58,19 @@ def load_model(config: ModelConfig, device: torch.device | str, backend: Backend
     return model
 
 
-def load_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Copy every parameter of `model` from the safetensors files in `path`, casting dtype."""
+def load_weights(model: torch.nn.Module, path: str | Path, tp: TensorParallel = SINGLE) -> None:
+    """Copy every parameter of `model` from the safetensors files in `path`, casting dtype; each
+    cut to rank tp.rank's slice where its layer splits it."""
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
+    splits = splits_of(model)
     missing = set(params)
     for file, name, f in _entries(path):
         if name not in params:
             continue  # unknown extras (e.g. a tied lm_head shipped anyway) are ignored, unread
-        tensor = f.get_tensor(name)
+        try:
+            tensor = cut(f.get_tensor(name), splits.get(name), tp.rank, tp.size)
+        except ValueError as e:
+            raise ConfigError(f"weight {name} in {file.name}: {e}: checkpoint and config.json disagree") from None
         param = params[name]
         if tensor.shape != param.shape:
             raise ConfigError(

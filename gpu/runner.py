@@ -29,6 +29,15 @@ while the device computes, and masks its logits before drawing; passes without o
 
 A plan's passes and the StepResults they become are gpu/passes.py's.
 
+Tensor parallelism (gpu/parallel/): every rank runs every plan the same way, the model's
+collectives keeping them together, and rank 0 alone samples (gpu/parallel/sampling.py: the others
+take its ids); only its StepResults are sent. Every decision that changes which collectives a
+pass makes (rows left in a window, a void pass) must be the same on every rank, so it is made
+from state the ranks share: the host's ids, collected by count when tp > 1 (a copy's readiness
+is timing, which differs between ranks), and whether a row is constrained, not its matcher (only
+rank 0 keeps matchers). CUDA graphs are not captured when tp > 1: a graph around NCCL
+collectives is possible but has not been run here, so those steps run eagerly.
+
 Use: `execute(plan)` runs a plan to the end and returns its StepResults (one per pass). The
 worker stage overlaps instead: it iterates `launch(plan)` (each step of the iteration launches
 one pass) and sends what `collect(keep)` returns as the copies land.
@@ -49,6 +58,9 @@ from conveyor.gpu.cuda_graphs import DecodeGraphs, can_capture
 from conveyor.gpu.host_memory import keep_freed_memory
 from conveyor.gpu.kv_cache import num_blocks_for_memory
 from conveyor.gpu.loader import load_model
+from conveyor.gpu.parallel.group import SINGLE, TensorParallel
+from conveyor.gpu.parallel.sampling import share_draws
+from conveyor.gpu.parallel.shard import shard_model_config
 from conveyor.gpu.pass_clock import Mark, PassClock
 from conveyor.gpu.passes import LaunchedPass, Window, WorkerSeq, pass_result
 from conveyor.gpu.persistent_batch import PersistentBatch
@@ -67,10 +79,14 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     """`backend`: the attention backend and ops to run on; None (the worker): chosen from
-    config.parallel.attention_backend by gpu.backends.select."""
+    config.parallel.attention_backend by gpu.backends.select. `tp`: the tensor-parallel group
+    this runner is rank tp.rank of (gpu/parallel/rendezvous.py; None: one rank)."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0, backend: Backend | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, rank: int = 0, backend: Backend | None = None, tp: TensorParallel | None = None
+    ) -> None:
         self.config = config
+        self.tp = tp or SINGLE
         self.block_size = config.cache.block_size
         self.device = _device(config.parallel.device, rank)
         if self.device.type == "cuda":
@@ -79,7 +95,9 @@ class ModelRunner:
             keep_freed_memory()  # activations reuse warm heap pages instead of fresh mmaps
         # The attention backend and ops, chosen once: auto is triton on CUDA, cpu (the C++ kernels)
         # on a CPU, torch where the cpu backend cannot run.
-        self.backend = backend or select(config.parallel.attention_backend, self.device, config.model)
+        # Its KV layout is the rank's: its share of the KV heads (or one replica of one).
+        backend = backend or select(config.parallel.attention_backend, self.device, shard_model_config(config.model, self.tp.size))
+        self.backend = dataclasses.replace(backend, tp=self.tp)
         log.info("attention backend: %s", self.backend.description)
         self.attn = self.backend.attn
         self.model = load_model(config.model, self.device, self.backend)
@@ -100,7 +118,7 @@ class ModelRunner:
         """KV blocks this device can hold next to the model (and, on CUDA, a full step's peak),
         less the scratch block (a fixed --num-kv-blocks is the pool itself: the scratch block
         comes on top)."""
-        if can_capture(self.config, self.attn, self.device):
+        if self._captures():
             self._graph_probe = DecodeGraphs.memory_probe(self.config, self.model, self.attn, self.device)
             seconds, graph_bytes = self._graph_probe.capture_all()
             log.info("CUDA graphs: the largest bucket takes %.1f MiB (probe captured in %.2f s)", graph_bytes / 2**20, seconds)
@@ -114,13 +132,16 @@ class ModelRunner:
         no sequence owns: padded rows of a captured batch write their KV there."""
         self.kv_caches = self.attn.allocate_kv_caches(num_blocks + 1, self.block_size)
         self.num_blocks = num_blocks
-        if can_capture(self.config, self.attn, self.device):
+        if self._captures():
             pool = self._graph_probe.pool if self._graph_probe is not None else None
             self.graphs = DecodeGraphs.from_config(
                 self.config, self.model, self.attn, self.kv_caches, scratch_block=num_blocks, device=self.device, pool=pool
             )
             self.graphs.capture_all()  # logs each bucket's time and memory
             self._graph_probe = None
+
+    def _captures(self) -> bool:
+        return can_capture(self.config, self.attn, self.device) and self.tp.size == 1  # see the module docstring
 
     # --- running plans ------------------------------------------------------------------------
 
@@ -139,9 +160,14 @@ class ModelRunner:
         host, then, waiting, older ones until at most `keep` passes remain in flight."""
         results, self._collected = self._collected, []
         with torch.inference_mode():
-            while self._pending and (len(self._pending) > keep or self._pending[0].copy is None or self._pending[0].copy.ready()):
+            while self._pending and (len(self._pending) > keep or self._landed(self._pending[0])):
                 results.append(self._finish(self._pending.popleft()))
         return results
+
+    def _landed(self, launched: LaunchedPass) -> bool:
+        """Whether a pass's ids are on the host; with several ranks only a pass without draws
+        counts (ranks must collect alike, and readiness is timing)."""
+        return launched.copy is None or (self.tp.size == 1 and launched.copy.ready())
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> Iterator[None]:
@@ -188,8 +214,9 @@ class ModelRunner:
         return seq
 
     def _matcher(self, seq: WorkerSeq) -> Matcher | None:
-        """A fresh matcher for a constrained sequence, fed the outputs the host has seen."""
-        if seq.params.structured is None:
+        """A fresh matcher for a constrained sequence, fed the outputs the host has seen (on the
+        rank that samples: the others never mask)."""
+        if seq.params.structured is None or not self.tp.samples:
             return None
         return grammars_for(self.config.model).matcher(seq.params.structured, seq.token_ids[seq.num_prompt_tokens :])
 
@@ -230,8 +257,8 @@ class ModelRunner:
         mask: TokenMask | None = None
         draw_seqs: list[WorkerSeq] = []
         if sampling:
-            logits = self.model.compute_logits(hidden[inputs.logit_index])  # [S, V] float32
-            if any(rows[i].matcher is not None for i in sampling):
+            logits = self.model.compute_logits(hidden[inputs.logit_index])  # [S, V] float32 (other ranks: [S, 0])
+            if any(rows[i].params.structured is not None for i in sampling):
                 mask = self._grammar_mask([rows[i] for i in sampling])  # the host works while the device computes
                 if k > 0 and not window.active(k):  # every row stopped in the pass before: this one is void
                     return False
@@ -240,12 +267,15 @@ class ModelRunner:
                             [rows[i].index, *(f.index for f in row_forks)], rows[i].num_output_tokens)
                 for i, row_forks in zip(sampling, forks)
             ]  # fmt: skip
-            # Each draw's parameters, from its row's slot (a fork draws with its parent's).
-            param_slots = [
-                self.batch.slots[plan.scheduled[active[i]].seq_id] for i, f in zip(sampling, forks) for _ in range(1 + len(f))
-            ]
-            draw_params = self.batch.params.gather(to_device(param_slots, torch.int64, self.device))
-            samples = draw_step(logits, sampling_rows, self.config.model.eos_token_ids, draw_params, mask)
+            drawn = None
+            if self.tp.samples:
+                # Each draw's parameters, from its row's slot (a fork draws with its parent's).
+                param_slots = [
+                    self.batch.slots[plan.scheduled[active[i]].seq_id] for i, f in zip(sampling, forks) for _ in range(1 + len(f))
+                ]
+                draw_params = self.batch.params.gather(to_device(param_slots, torch.int64, self.device))
+                drawn = draw_step(logits, sampling_rows, self.config.model.eos_token_ids, draw_params, mask)
+            samples = share_draws(self.tp, drawn, sampling_rows, self.device)  # rank 0's ids on every rank
         for seq, n in zip(rows, num_computed):
             seq.num_computed += n
         for i in sampling:
@@ -317,9 +347,12 @@ class ModelRunner:
         """The mask of a pass whose sampling rows are `rows` (one logits row each), called once
         its forward is launched: the constrained rows' ids in flight are collected first (their
         matchers must have taken every earlier draw), then their matchers fill the bitmask. A row
-        whose sequence stopped meanwhile draws unmasked: that draw is dropped anyway."""
-        if self._pending and any(seq.matcher is not None and seq.num_tokens > len(seq.token_ids) for seq in rows):
+        whose sequence stopped meanwhile draws unmasked: that draw is dropped anyway. Every rank
+        waits alike (what it collects decides its next passes); only the sampling rank masks."""
+        if self._pending and any(seq.params.structured is not None and seq.num_tokens > len(seq.token_ids) for seq in rows):
             self._collected = self.collect(keep=0)  # kept for the caller, as in _launch_pass
+        if not self.tp.samples:
+            return None
         matchers = [None if seq.stopped else seq.matcher for seq in rows]
         return token_mask(matchers, self.config.model.vocab_size, self.device)
 
@@ -358,7 +391,9 @@ class ModelRunner:
     def _profile_sampling(self, hidden: torch.Tensor, params: SamplingParams) -> None:
         model_cfg, sched = self.config.model, self.config.scheduler
         num_rows = min(sched.max_num_seqs, sched.max_num_batched_tokens)
-        logits = self.model.compute_logits(hidden[:num_rows])
+        logits = self.model.compute_logits(hidden[:num_rows])  # a collective: every rank gathers
+        if not self.tp.samples:
+            return
         history = [0] * min(model_cfg.max_model_len, sched.max_num_batched_tokens)  # one output: min_tokens still bans EOS
         row = SamplingRow(params, history, len(history) - 1, [0])
         sample_step(logits, [row] * num_rows, model_cfg.eos_token_ids)

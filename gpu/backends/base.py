@@ -44,6 +44,7 @@ from torch import nn
 
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.kv_cache import copy_blocks
+from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -299,9 +300,12 @@ class BackendUnavailable(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """What `select` returns: the attention backend and ops the model runs on, and a line for
-    the start-up log."""
+    the start-up log (and, set by the runner, the tensor-parallel group)."""
 
     name: str  # "torch", "cpu" or "triton"
     attn: AttentionBackend
     ops: Ops
     description: str  # "cpu (C++ paged attention, fused ops, ...)"
+    # The tensor-parallel ranks the model is split over (gpu/parallel/); one rank by default. The
+    # runner sets it; the model's layers take it at construction (gpu/models/layers.py).
+    tp: TensorParallel = SINGLE

@@ -34,8 +34,8 @@ class GemmaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: Backend, layer_index: int = 0) -> None:
         super().__init__()
         ops, h, eps = backend.ops, config.hidden_size, config.rms_norm_eps
-        self.self_attn = Attention(config, ops, backend.attn, layer_index)
-        self.mlp = MLP(config, ops)
+        self.self_attn = Attention(config, ops, backend.attn, layer_index, backend.tp)
+        self.mlp = MLP(config, ops, backend.tp)
         self.input_layernorm = RMSNorm(h, eps, ops)
         self.post_attention_layernorm = RMSNorm(h, eps, ops)
         self.pre_feedforward_layernorm = RMSNorm(h, eps, ops)

@@ -23,21 +23,11 @@ from torch import nn
 
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Backend, Ops
+from conveyor.gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from conveyor.gpu.models.layers import Linear as Linear  # re-exported: gpu/backends/cpu/ops.py imports it from here
+from conveyor.gpu.parallel.group import SINGLE, TensorParallel
+from conveyor.gpu.parallel.shard import local_units
 from conveyor.gpu.rope import RotaryEmbedding, layer_tables
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters, same names) whose product is the ops' (`ops.linear`).
-    `prepared` is the ops' own form of the weight, set once by `ops.prepare(model)` (the cpu
-    backend's narrow-linear re-layout); None: the weight as loaded."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, ops: Ops) -> None:
-        super().__init__(in_features, out_features, bias=bias)
-        self.ops = ops
-        self.prepared: object | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.linear(x, self)
 
 
 class RMSNorm(nn.Module):
@@ -59,26 +49,30 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Layer `layer_index`'s attention: its window is config.window_of(layer_index)."""
 
-    def __init__(self, config: ModelConfig, ops: Ops, attn: AttentionBackend, layer_index: int = 0) -> None:
+    def __init__(
+        self, config: ModelConfig, ops: Ops, attn: AttentionBackend, layer_index: int = 0, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.ops, self.attn = ops, attn
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        # This rank's heads: a share of the query heads, and of the KV heads or one replica of one.
+        self.num_heads = local_units(config.num_heads, tp.size)
+        self.num_kv_heads = local_units(config.num_kv_heads, tp.size)
         self.head_dim = config.head_dim
         self.scale = config.attention_scale
         self.window = config.window_of(layer_index)
-        self.make_projections(config, ops)
+        self.make_projections(config, ops, tp)
         self.qk_norm = config.qk_norm
         if config.qk_norm:  # one norm over each head's D, weights [D] shared by the heads
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, ops)
 
-    def make_projections(self, config: ModelConfig, ops: Ops) -> None:
-        h, d = config.hidden_size, config.head_dim
-        self.q_proj = Linear(h, self.num_heads * d, config.qkv_bias, ops)
-        self.k_proj = Linear(h, self.num_kv_heads * d, config.qkv_bias, ops)
-        self.v_proj = Linear(h, self.num_kv_heads * d, config.qkv_bias, ops)
-        self.o_proj = Linear(self.num_heads * d, h, config.o_bias, ops)
+    def make_projections(self, config: ModelConfig, ops: Ops, tp: TensorParallel) -> None:
+        """Column-parallel q/k/v (by heads), row-parallel o (one all-reduce)."""
+        h, d, heads, kv_heads = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
+        self.q_proj = ColumnParallelLinear(h, ((heads, d),), config.qkv_bias, ops, tp)
+        self.k_proj = ColumnParallelLinear(h, ((kv_heads, d),), config.qkv_bias, ops, tp)
+        self.v_proj = ColumnParallelLinear(h, ((kv_heads, d),), config.qkv_bias, ops, tp)
+        self.o_proj = RowParallelLinear(((heads, d),), h, config.o_bias, ops, tp)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> q [T, Hq * D], k, v [T, Hkv * D]."""
@@ -105,20 +99,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Gated MLP: down(act(gate(x)) * up(x)), act SiLU or Gemma's tanh-approximated GELU."""
+    """Gated MLP: down(act(gate(x)) * up(x)), act SiLU or Gemma's tanh-approximated GELU.
+    Column-parallel gate/up, row-parallel down: one all-reduce, or none with reduce=False (the
+    caller sums first: an MoE block's shared expert)."""
 
-    def __init__(self, config: ModelConfig, ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, ops: Ops, tp: TensorParallel = SINGLE, reduce: bool = True) -> None:
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = Linear(h, i, bias, ops)
-        self.up_proj = Linear(h, i, bias, ops)
-        self.down_proj = Linear(i, h, bias, ops)
+        h, rows, bias = config.hidden_size, ((config.intermediate_size, 1),), config.mlp_bias
+        self.gate_proj = ColumnParallelLinear(h, rows, bias, ops, tp)
+        self.up_proj = ColumnParallelLinear(h, rows, bias, ops, tp)
+        self.down_proj = RowParallelLinear(rows, h, bias, ops, tp, reduce)
         self.ops = ops
         self.gelu = getattr(config, "hidden_act", "silu") == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act_mul = self.ops.gelu_tanh_mul if self.gelu else self.ops.silu_mul
-        return self.down_proj(act_mul(self.gate_proj(x), self.up_proj(x)))  # [T, I] -> [T, H]
+        return self.down_proj(act_mul(self.gate_proj(x), self.up_proj(x)))  # [T, I / tp] -> [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -129,8 +125,8 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: Backend, layer_index: int = 0) -> None:
         super().__init__()
-        self.self_attn = self.attention_class(config, backend.ops, backend.attn, layer_index)
-        self.mlp = self.mlp_class(config, backend.ops)
+        self.self_attn = self.attention_class(config, backend.ops, backend.attn, layer_index, backend.tp)
+        self.mlp = self.mlp_class(config, backend.ops, backend.tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
 
@@ -155,7 +151,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: Backend, layer_class: type[nn.Module] = DecoderLayer) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, backend.tp)
         self.layers = nn.ModuleList(layer_class(config, backend, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
 
@@ -181,8 +177,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.backend = backend
         self.model = DecoderModel(config, backend, self.layer_class)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, backend.ops)
-        if config.tie_word_embeddings:
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, backend.ops, backend.tp)
+        if config.tie_word_embeddings:  # the same vocabulary shard on each rank
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding.from_config(config, rope_device)
         self.layer_ropes = layer_tables(config, self.rope, rope_device)  # one per layer, shared
@@ -209,5 +205,6 @@ class LlamaForCausalLM(nn.Module):
         one-time transform of them. Llama's weights serve as loaded."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] float32 (the matmul runs in the model dtype, as HF)."""
+        """hidden [N, H] -> logits [N, V] float32 (the matmul runs in the model dtype, as HF); with
+        several tensor-parallel ranks, [N, 0] on all but rank 0, which samples."""
         return self.lm_head(hidden).float()

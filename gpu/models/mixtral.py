@@ -11,7 +11,9 @@ Mixtral is Mistral's attention (GQA, an optional sliding window, no biases) with
 
 The model takes the dense fields from ModelConfig and the MoE fields as a MoeConfig; without
 one it reads them from the checkpoint's config.json (`ModelConfig.path`), so the model registry
-can build it with the same (config, rope_device, backend) call as every other family. Its
+can build it with the same (config, rope_device, backend) call as every other family. Tensor
+parallelism splits it as the dense families (attention, embedding, LM head) plus each expert's
+intermediate dim (gpu/models/moe.py). Its
 parameter names are not all the checkpoint's (the experts are stacked), so it loads through
 `load_checkpoint_tensors` rather than a name lookup.
 """
@@ -28,7 +30,8 @@ from torch import nn
 from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends.base import AttentionMetadata, Backend
-from conveyor.gpu.models.llama import MLP, Attention, DecoderLayer, Linear, RMSNorm
+from conveyor.gpu.models.layers import ParallelLMHead, VocabParallelEmbedding
+from conveyor.gpu.models.llama import MLP, Attention, DecoderLayer, RMSNorm
 from conveyor.gpu.models.moe import MoeConfig, SparseMoeBlock, load_moe_weights, moe_fields
 from conveyor.gpu.rope import RotaryEmbedding
 
@@ -39,10 +42,11 @@ class MoeDecoderLayer(DecoderLayer):
 
     def __init__(self, config: ModelConfig, moe: MoeConfig, index: int, backend: Backend, attention: type[Attention]) -> None:
         nn.Module.__init__(self)  # its own sublayers, not DecoderLayer's
-        self.self_attn = attention(config, backend.ops, backend.attn, index)  # its window: config.window_of(index)
+        self.self_attn = attention(config, backend.ops, backend.attn, index, backend.tp)  # its window: config.window_of(index)
         # The checkpoint's module name: Mixtral's block is `block_sparse_moe`, a Qwen dense layer's `mlp`.
         self.feed_forward_name = moe.block_name if index in moe.sparse_layers else "mlp"
-        block = SparseMoeBlock(config, moe, backend.ops) if index in moe.sparse_layers else MLP(config, backend.ops)
+        sparse = index in moe.sparse_layers
+        block = SparseMoeBlock(config, moe, backend.ops, backend.tp) if sparse else MLP(config, backend.ops, backend.tp)
         self.add_module(self.feed_forward_name, block)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
@@ -56,7 +60,7 @@ class MoeDecoderModel(nn.Module):
 
     def __init__(self, config: ModelConfig, moe: MoeConfig, backend: Backend, attention: type[Attention]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, backend.tp)
         self.layers = nn.ModuleList(MoeDecoderLayer(config, moe, i, backend, attention) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
 
@@ -82,7 +86,7 @@ class MoeForCausalLM(nn.Module):
         self.config, self.backend = config, backend
         self.moe = moe or read_moe_config(config)
         self.model = MoeDecoderModel(config, self.moe, backend, self.attention)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, backend.ops)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, backend.ops, backend.tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding.from_config(config, rope_device)
@@ -103,7 +107,7 @@ class MoeForCausalLM(nn.Module):
     def load_checkpoint_tensors(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Every parameter from the checkpoint's (name, tensor) pairs, which may stream: the
         experts' one tensor each into their stacked rows, the rest by name (moe.load_moe_weights)."""
-        load_moe_weights(self, tensors, self.moe)
+        load_moe_weights(self, tensors, self.moe, self.backend.tp)
 
 
 class MixtralForCausalLM(MoeForCausalLM):

@@ -17,6 +17,12 @@ stacked, `experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up
 every expert. Checkpoints store one tensor per expert and projection: `expert_weight_target`
 says which rows of which stacked parameter each one fills, and `load_moe_weights` loads a whole
 model that way.
+
+Tensor parallelism splits every expert's intermediate dim (Megatron's MLP split inside each
+expert): a rank holds I / tp of each expert's gate and up rows and the matching down columns
+(`expert_split`), so its experts' sum is a partial sum over the intermediate dim, and so is the
+shared expert's (its down_proj does not reduce); the block adds the two and all-reduces once. The
+router and the shared expert's gate are whole on every rank: each rank routes every token alike.
 """
 
 from __future__ import annotations
@@ -32,7 +38,10 @@ from torch import nn
 from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends.base import Ops
-from conveyor.gpu.models.llama import MLP, Linear
+from conveyor.gpu.models.layers import Linear
+from conveyor.gpu.models.llama import MLP
+from conveyor.gpu.parallel.group import SINGLE, TensorParallel
+from conveyor.gpu.parallel.shard import Split, cut, local_units, splits_of
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 # transformers' config defaults, which save_pretrained leaves out of config.json.
@@ -131,25 +140,26 @@ class Experts(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """The feed-forward of a sparse layer: [T, H] -> [T, H]."""
+    """The feed-forward of a sparse layer: [T, H] -> [T, H]. `moe` is the whole model's; each
+    expert holds this rank's I / tp intermediate rows."""
 
-    def __init__(self, config: ModelConfig, moe: MoeConfig, ops: Ops) -> None:
+    def __init__(self, config: ModelConfig, moe: MoeConfig, ops: Ops, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.moe, self.ops = moe, ops
+        self.moe, self.ops, self.tp = moe, ops, tp
         self.gate = Linear(config.hidden_size, moe.num_experts, False, ops)  # the router
-        self.experts = Experts(moe.num_experts, config.hidden_size, moe.moe_intermediate_size)
+        self.experts = Experts(moe.num_experts, config.hidden_size, local_units(moe.moe_intermediate_size, tp.size))
         self.shared_expert: MLP | None = None
         if moe.shared_expert_intermediate_size:
             shared = dataclasses.replace(config, intermediate_size=moe.shared_expert_intermediate_size, mlp_bias=False)
-            self.shared_expert = MLP(shared, ops)
+            self.shared_expert = MLP(shared, ops, tp, reduce=False)  # summed with the experts, reduced once
             self.shared_expert_gate = Linear(config.hidden_size, 1, False, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.moe)  # [T, K] each
-        out = self.ops.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        out = self.ops.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)  # [T, H] partial
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.tp.all_reduce(out)
 
 
 _EXPERT_TENSOR = re.compile(r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>\w+)\.weight")
@@ -171,18 +181,30 @@ def expert_weight_target(name: str, moe: MoeConfig) -> tuple[str, int, slice] | 
     return f"{prefix}.down_proj", int(match["expert"]), slice(None)
 
 
-def load_moe_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], moe: MoeConfig) -> None:
+def expert_split(name: str, moe: MoeConfig) -> Split:
+    """How one expert's checkpoint tensor is cut over the ranks: gate and up [I, H] by rows, down
+    [H, I] by columns."""
+    down = name.rsplit(".", 2)[-2] == moe.expert_projections[2]
+    return Split(1 if down else 0, ((moe.moe_intermediate_size, 1),))
+
+
+def load_moe_weights(
+    model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], moe: MoeConfig, tp: TensorParallel = SINGLE
+) -> None:
     """Fill every parameter of `model` from checkpoint (name, tensor) pairs: experts' tensors into
-    their stacked rows, everything else by name. ConfigError names a shape that disagrees or a
-    tensor that never came."""
+    their stacked rows, everything else by name, each cut to rank tp.rank's slice. ConfigError
+    names a shape that disagrees or a tensor that never came."""
     params = dict(model.named_parameters())
+    splits = splits_of(model)
+    local = dataclasses.replace(moe, moe_intermediate_size=local_units(moe.moe_intermediate_size, tp.size))
     missing = set(params)
     num_filled: dict[str, int] = {}  # stacked parameter -> expert tensors copied into it
     for name, tensor in tensors:
-        target = expert_weight_target(name, moe)
+        target = expert_weight_target(name, local)
         key = target[0] if target else name
         if key not in params:
             continue  # extras (rotary inv_freq, a tied lm_head shipped anyway) are ignored
+        tensor = cut(tensor, expert_split(name, moe) if target else splits.get(name), tp.rank, tp.size)
         dest = params[key][target[1], target[2]] if target else params[key]
         if tensor.shape != dest.shape:
             raise ConfigError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")

@@ -1,5 +1,8 @@
 """The worker stage process: one per device (tensor-parallel rank). Runs the model.
 
+With tensor_parallel_size > 1 the ranks of an engine first form their group (gpu/parallel/), then
+each loads its shard; all of them run every plan, and rank 0 samples and answers.
+
 Takes (WorkerInbound): InitializeCache once, then StepPlan per step, from the scheduler.
 Sends: WorkerReady (its KV capacity) and, from rank 0, one StepResult per forward pass of a plan
 with rows (a multi-step plan has several), each as soon as its ids reach the host.
@@ -18,6 +21,7 @@ import time
 import zmq
 
 from conveyor.config import EngineConfig
+from conveyor.gpu.parallel.rendezvous import init_group
 from conveyor.gpu.runner import ModelRunner
 from conveyor.stages import metrics
 from conveyor.stages.liveness import Pulse
@@ -39,7 +43,7 @@ def record_step(result: StepResult) -> None:
 def run(config: EngineConfig, index: int) -> None:
     """Worker process `index`: rank `rank` of engine `engine` (wire/topology.py)."""
     engine, rank = engine_and_rank(config, index)
-    runner = ModelRunner(config, rank)
+    runner = ModelRunner(config, rank, tp=init_group(config, engine, rank))
     ctx = zmq.Context()
     try:
         inbox = receiver(ctx, config, WORKER, index)

@@ -1,0 +1,107 @@
+"""The model's linear and embedding layers, whole or split over tensor-parallel ranks (Megatron).
+
+Model code says which kind each projection is; nothing else decides it:
+- `Linear`: whole on every rank (an MoE router, the shared expert's gate);
+- `ColumnParallelLinear`: the output rows split (q/k/v, gate/up): each rank computes its own
+  heads or intermediate rows from the whole input, no communication;
+- `RowParallelLinear`: the input columns split (o_proj, down_proj), so each rank's product is a
+  partial sum: one all-reduce makes it whole (`reduce=False` leaves that to the caller, an MoE
+  block that sums its experts first). Its bias is added once, on rank 0 (the others have none);
+- `VocabParallelEmbedding`: each rank holds a contiguous range of the (padded) vocabulary; ids
+  outside it look up zeros, and an all-reduce sums the ranks' rows;
+- `ParallelLMHead`: column-parallel over the same vocabulary ranges, the logits gathered on rank
+  0 (the rank that samples) and the padding dropped. A tied head shares the embedding's shard.
+
+Each is built from the *whole* model's sizes (`parts`: (units, rows per unit) of each fused part,
+see gpu/parallel/shard.py) and the TensorParallel it runs in, and declares in `splits` how each
+of its parameters is cut from the checkpoint, which the loader applies. With one rank every layer
+is nn.Linear / nn.Embedding with the checkpoint's names and shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conveyor.gpu.backends.base import Ops
+from conveyor.gpu.parallel.group import SINGLE, TensorParallel
+from conveyor.gpu.parallel.shard import Split
+
+Parts = tuple[tuple[int, int], ...]
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same names) whose product is the ops' (`ops.linear`).
+    `prepared` is the ops' own form of the weight, set once by `ops.prepare(model)` (the cpu
+    backend's narrow-linear re-layout); None: the weight as loaded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, ops: Ops) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.ops = ops
+        self.prepared: object | None = None
+        self.splits: dict[str, Split] = {}  # parameter name -> how it is cut; absent: whole on every rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self)
+
+
+class ColumnParallelLinear(Linear):
+    """[T, in] -> [T, this rank's rows of `parts`]; the whole input on every rank."""
+
+    def __init__(self, in_features: int, parts: Parts, bias: bool, ops: Ops, tp: TensorParallel = SINGLE) -> None:
+        split = Split(0, parts)
+        super().__init__(in_features, split.local_size(tp.size), bias, ops)
+        self.splits = {"weight": split, "bias": split}
+
+
+class RowParallelLinear(Linear):
+    """[T, this rank's columns of `parts`] -> [T, out], summed over the ranks unless reduce=False."""
+
+    def __init__(
+        self, parts: Parts, out_features: int, bias: bool, ops: Ops, tp: TensorParallel = SINGLE, reduce: bool = True
+    ) -> None:
+        split = Split(1, parts)
+        super().__init__(split.local_size(tp.size), out_features, bias and tp.rank == 0, ops)
+        self.splits = {"weight": split}
+        self.tp, self.reduce = tp, reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.ops.linear(x, self)  # [T, out]: this rank's partial sum
+        return self.tp.all_reduce(out) if self.reduce else out
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """ids [T] -> [T, H]; this rank holds rows [rank * n, (rank + 1) * n) of the padded vocabulary."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE) -> None:
+        split = Split(0, ((vocab_size, 1),), pad=True)
+        super().__init__(split.local_size(tp.size), hidden_size)
+        self.splits = {"weight": split}
+        self.tp, self.first = tp, tp.rank * split.local_size(tp.size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.first
+        outside = (local < 0) | (local >= self.num_embeddings)  # [T]: another rank's ids
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
+        return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(Linear):
+    """hidden [N, H] -> logits [N, V] on rank 0; the other ranks compute their vocabulary shard's
+    logits for the gather and get [N, 0] (they do not sample)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, ops: Ops, tp: TensorParallel = SINGLE) -> None:
+        split = Split(0, ((vocab_size, 1),), pad=True)
+        super().__init__(hidden_size, split.local_size(tp.size), False, ops)
+        self.splits = {"weight": split}
+        self.tp, self.vocab_size = tp, vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.tp.gather_first(self.ops.linear(hidden, self), dim=-1)  # [N, padded V] on rank 0
+        return logits[:, : self.vocab_size] if logits.shape[-1] > self.vocab_size else logits
+
+
+__all__ = ["ColumnParallelLinear", "Linear", "ParallelLMHead", "RowParallelLinear", "VocabParallelEmbedding"]

@@ -1,0 +1,114 @@
+"""Which slice of each checkpoint tensor a tensor-parallel rank holds (Megatron's split).
+
+A split dimension (q heads, KV heads, the MLP's intermediate rows, the vocabulary) is a number of
+*units* (a head of head_dim rows, one intermediate row, one token's row): with n units over `size`
+ranks, rank r holds
+- n / size of them, units [r * n / size, (r + 1) * n / size), when size divides n;
+- one unit, number r * n // size, when n divides size: the unit is replicated on size / n
+  ranks (KV heads when there are fewer than ranks: each rank's query heads read their own copy).
+Anything else is refused when the config is built (config/build.py) with one line.
+
+A `Split` is declared by the layer that owns the parameter (gpu/models/layers.py): the dim it is
+cut along and the tensor's *parts* along it, in order (a fused projection has several: Phi-3's
+qkv_proj is q heads, then KV heads, then KV heads; gate_up_proj is gate rows, then up rows), each
+cut on its own. `pad` (the vocabulary) rounds the units up to a multiple of size with zero rows,
+dropped again after the logits are gathered. The loader (gpu/loader.py) calls `cut` on every
+tensor it reads, so a rank only ever holds its own slice.
+
+`shard_model_config` is the ModelConfig of one rank's shard, for the attention backend: its KV
+layout and cache size follow the rank's KV heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from conveyor.config.model import ModelConfig
+
+
+def can_split(n: int, size: int) -> bool:
+    """Whether n units go over `size` ranks: split evenly, or replicated."""
+    return n % size == 0 or size % n == 0
+
+
+def local_units(n: int, size: int) -> int:
+    """Units of n a rank holds."""
+    assert can_split(n, size), f"{n} units cannot go over {size} ranks"
+    return n // size if n % size == 0 else 1
+
+
+def unit_range(n: int, size: int, rank: int) -> range:
+    """The units of n that rank `rank` holds."""
+    local = local_units(n, size)
+    first = rank * local if n % size == 0 else rank * n // size
+    return range(first, first + local)
+
+
+def padded(n: int, size: int) -> int:
+    """n rounded up to a multiple of size (the vocabulary)."""
+    return -(-n // size) * size
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How a parameter is cut from the checkpoint's full tensor: along `dim`, whose length is
+    sum(units * unit_size) over `parts`, each part cut on its own and the rank's slices
+    concatenated in order."""
+
+    dim: int
+    parts: tuple[tuple[int, int], ...]  # (units, rows per unit) of each part, in the tensor's order
+    pad: bool = False  # one part whose units are padded with zeros to a multiple of the ranks
+
+    def local_size(self, size: int) -> int:
+        """The rank's length along `dim`."""
+        if self.pad:
+            (n, unit), = self.parts  # fmt: skip
+            return padded(n, size) // size * unit
+        return sum(local_units(n, size) * unit for n, unit in self.parts)
+
+
+def cut(full: torch.Tensor, split: Split | None, rank: int, size: int) -> torch.Tensor:
+    """The slice of `full` that rank `rank` of `size` holds (None: the whole tensor)."""
+    if split is None or size == 1 and not split.pad:
+        return full
+    if split.pad:
+        (n, unit), = split.parts  # fmt: skip
+        extra = (padded(n, size) - n) * unit
+        if extra:
+            shape = list(full.shape)
+            shape[split.dim] = extra
+            full = torch.cat([full, full.new_zeros(shape)], dim=split.dim)
+        split = Split(split.dim, ((padded(n, size), unit),))
+    pieces, start = [], 0
+    for n, unit in split.parts:
+        units = unit_range(n, size, rank)
+        pieces.append(full.narrow(split.dim, start + units.start * unit, len(units) * unit))
+        start += n * unit
+    if start != full.shape[split.dim]:
+        raise ValueError(f"a tensor of {full.shape[split.dim]} along dim {split.dim} is not {split.parts}")
+    return torch.cat(pieces, dim=split.dim) if len(pieces) > 1 else pieces[0]
+
+
+def shard_model_config(config: ModelConfig, size: int) -> ModelConfig:
+    """One rank's share of `config`: its query and KV heads and its MLP rows (the vocabulary,
+    the hidden size and head_dim are whole on every rank)."""
+    if size == 1:
+        return config
+    return dataclasses.replace(
+        config,
+        num_heads=local_units(config.num_heads, size),
+        num_kv_heads=local_units(config.num_kv_heads, size),
+        intermediate_size=local_units(config.intermediate_size, size),
+    )
+
+
+def splits_of(model: nn.Module) -> dict[str, Split]:
+    """Every split parameter of `model` by its full name, as its layer declares it (`splits`)."""
+    return {
+        f"{prefix}.{name}" if prefix else name: split
+        for prefix, module in model.named_modules()
+        for name, split in getattr(module, "splits", {}).items()
+    }
