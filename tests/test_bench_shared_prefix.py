@@ -94,6 +94,17 @@ def test_serve_sends_shared_prompts_and_reports_the_hit_rate(server, tmp_path, c
     assert "2 shared system prompts of ~24 tokens" in stdout and row.split("|")[2].strip() == "62.5%"
 
 
+def test_metrics_urls_add_up_replicas_and_all_must_answer(server, tmp_path):
+    args = ["bench", "serve", "--base-url", server.url, "--input-len", "10", "--output-len", "2", "--num-prompts", "12",
+            "--num-system-prompts", "2", "--system-prompt-len", "24", "--disable-tqdm"]  # fmt: skip
+    for metrics_url, expected in ((f"{server.url},{server.url}/", 0.625), (f"{server.url},http://127.0.0.1:9", None)):
+        server.reset()
+        out = tmp_path / "point.json"
+        assert cli.main([*args, "--metrics-url", metrics_url, "--result-json", str(out)]) == 0
+        point = json.loads(out.read_text())["points"][0]
+        assert point["prefix_cache_hit_rate"] == (expected and pytest.approx(expected))
+
+
 def test_chat_sends_the_system_prompt_as_a_system_message(server):
     rc = cli.main([
         "bench", "serve", "--base-url", server.url, "--endpoint", "/v1/chat/completions", "--input-len", "6",

@@ -53,6 +53,9 @@ def add_serve(p: argparse.ArgumentParser) -> None:
         help="ask for each chunk's token ids, to count tokens per chunk exactly",
     )
     s.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")  # fmt: skip
+    s.add_argument("--metrics-url", type=_url_list, default=None, metavar="URL[,URL...]",
+                   help="servers whose /metrics give the prefix cache hit rate, e.g. the replicas behind a router "
+                   "(default: --base-url)")  # fmt: skip
     s.add_argument("--extra-body", type=_json_object, default=None,
                    help="JSON object merged into every request body, e.g. a response_format")  # fmt: skip
     add_dataset(p, num_prompts=None, num_prompts_help="requests per run (default 500) or per sweep point (default 512)")
@@ -130,6 +133,13 @@ def _int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError("client counts must be positive")
     return values
+
+
+def _url_list(text: str) -> tuple[str, ...]:
+    urls = tuple(u.strip().rstrip("/") for u in text.split(",") if u.strip())
+    if not urls:
+        raise argparse.ArgumentTypeError("expected comma-separated base URLs")
+    return urls
 
 
 def _count(minimum: int):

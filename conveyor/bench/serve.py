@@ -55,6 +55,11 @@ class ServeBenchConfig:
     request_timeout: float = 1800.0
     progress: bool = True
     extra_body: dict | None = None  # merged into every request body (a constraint, say)
+    metrics_urls: tuple[str, ...] = ()  # whose /metrics tell the prefix cache hit rate (): base_url
+
+    @property
+    def metrics_sources(self) -> tuple[str, ...]:
+        return self.metrics_urls or (self.base_url,)
 
     @property
     def chat(self) -> bool:
@@ -69,7 +74,7 @@ class ServeBenchConfig:
             tokenizer=args.tokenizer, dataset=_dataset(args, num), ignore_eos=args.ignore_eos,
             return_token_ids=args.return_token_ids, request_rate=args.request_rate,
             max_concurrency=args.max_concurrency, sweep_clients=sweep, request_timeout=args.request_timeout,
-            progress=not args.disable_tqdm, extra_body=args.extra_body,
+            progress=not args.disable_tqdm, extra_body=args.extra_body, metrics_urls=args.metrics_url or (),
         )  # fmt: skip
 
 
@@ -115,7 +120,7 @@ async def run(config: ServeBenchConfig) -> ServeReport:
             if i == 0:
                 print(_header(config, model, counter, requests), flush=True)
                 await _test_request(send)
-            before = await server_metrics.scrape(session, config.base_url)
+            before = await server_metrics.scrape_all(session, config.metrics_sources)
             with tqdm(total=len(requests), desc=label, disable=not config.progress, unit="req") as bar:
                 if clients is None:
                     results, duration = await load.open_loop(
@@ -124,7 +129,7 @@ async def run(config: ServeBenchConfig) -> ServeReport:
                     )  # fmt: skip
                 else:
                     results, duration = await load.closed_loop(requests, send, num_clients=clients, progress=bar)
-            hit_rate = server_metrics.hit_rate(before, await server_metrics.scrape(session, config.base_url))
+            hit_rate = server_metrics.hit_rate(before, await server_metrics.scrape_all(session, config.metrics_sources))
             rate = None if clients is not None or math.isinf(config.request_rate) else config.request_rate
             points.append(compute(results, duration, label=label, num_clients=clients, request_rate=rate,
                                   prefix_cache_hit_rate=hit_rate))  # fmt: skip

@@ -4,7 +4,8 @@
 its first request and after its last, and `hit_rate` is the share of the lookups in between that
 hit. Counters are summed over their labels, so an engine label (one series per data-parallel
 engine) or a replica label changes nothing. A server that exports no such counters (or no
-/metrics at all) gives None, and the report leaves the row blank.
+/metrics at all) gives None, and the report leaves the row blank. Behind `conveyor router`, whose
+/metrics are its own, `--metrics-url` names the replicas, and their counters are added up.
 
 Names: conveyor's, taken from stages/metrics.py (they count full KV blocks); vLLM's, which count
 tokens, as a second choice, so the same client reports a vLLM server's rate too.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Sequence
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -31,6 +33,15 @@ PREFIX_CACHE_COUNTERS = (
 class PrefixCacheCounts:
     queries: float  # blocks (conveyor) or tokens (vLLM) looked up since the server started
     hits: float
+
+
+async def scrape_all(session: aiohttp.ClientSession, base_urls: Sequence[str]) -> PrefixCacheCounts | None:
+    """The counters summed over several servers (the replicas behind a router), or None unless
+    every one of them tells."""
+    counts = await asyncio.gather(*(scrape(session, url) for url in base_urls))
+    if not counts or any(c is None for c in counts):
+        return None
+    return PrefixCacheCounts(queries=sum(c.queries for c in counts if c), hits=sum(c.hits for c in counts if c))
 
 
 async def scrape(session: aiohttp.ClientSession, base_url: str) -> PrefixCacheCounts | None:
