@@ -8,6 +8,7 @@ Kept small (one CPU per node, no dashboard, 100 MB object stores): `python -m py
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import time
@@ -106,6 +107,43 @@ def test_an_engine_on_another_node_answers_as_transformers(cluster, checkpoints,
         output = daemon.stop()
     assert daemon.process.returncode == 0, output
     assert not engine_nodes(), "the daemon left its StageHost actors behind"
+
+
+def test_tensor_parallel_ranks_across_two_nodes_answer_as_transformers(cluster, checkpoints, reference):
+    """No node has room for both ranks (one CPU each): PACK puts one rank on each node, and the
+    ranks meet at the rendezvous on rank 0's node."""
+    daemon = serve(cluster, "--model", str(checkpoints[MODEL]), "--tensor-parallel-size", "2")
+    try:
+        placed = engine_nodes()
+        assert set(placed) == {"engine0-rank0", "engine0-rank1"}, placed
+        assert {placed["engine0-rank0"], placed["engine0-rank1"]} == {"node_a", "node_b"}, placed
+        ref = reference(checkpoints[MODEL])
+        for prompt in (PROMPT, "Tell me a long story about a river, a boat and a fox. " * 3):
+            r = complete(daemon, prompt)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == ref.greedy(ref.encode(prompt), NUM_TOKENS)
+    finally:
+        output = daemon.stop()
+    assert daemon.process.returncode == 0, output
+
+
+def test_data_parallel_engines_one_per_node(cluster, checkpoints, reference):
+    daemon = serve(cluster, "--model", str(checkpoints[MODEL]), "--data-parallel-size", "2")
+    try:
+        placed = engine_nodes()
+        assert set(placed) == {"engine0-rank0", "engine1-rank0"}, placed
+        assert {placed["engine0-rank0"], placed["engine1-rank0"]} == {"node_a", "node_b"}, placed
+        ref = reference(checkpoints[MODEL])
+        expected = ref.greedy(ref.encode(PROMPT), NUM_TOKENS)
+        prompts = [f"{i} {PROMPT}" for i in range(6)]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda p: complete(daemon, p), prompts))
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+        r = complete(daemon, PROMPT)
+        assert r.json()["choices"][0]["token_ids"] == expected
+    finally:
+        output = daemon.stop()
+    assert daemon.process.returncode == 0, output
 
 
 def local_stages(daemon: Daemon) -> list[int]:
