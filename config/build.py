@@ -86,6 +86,8 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
     if device == "cpu" and model_config.dtype == "float16":
         # Half-precision matmuls on CPU are slow or missing; bf16 and fp32 are fine.
         model_config = dataclasses.replace(model_config, dtype="float32")
+    parallel = ParallelConfig(device=device, **fields[ParallelConfig])
+    check_tensor_parallel(model_config, parallel)
     server = fields[ServerConfig]
     if "chat_template" in server:
         server["chat_template"] = _read_template(server["chat_template"])
@@ -93,10 +95,42 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
         model=model_config,
         cache=CacheConfig(**fields[CacheConfig]),
         scheduler=SchedulerConfig(**fields[SchedulerConfig]),
-        parallel=ParallelConfig(device=device, **fields[ParallelConfig]),
+        parallel=parallel,
         stages=StagesConfig(**fields[StagesConfig]),
         server=ServerConfig(**server),
     )
+
+
+def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Refuse a --tensor-parallel-size the model cannot be split over (gpu/parallel/shard.py: a
+    dimension splits evenly over the ranks, or, KV heads only, is replicated when it divides
+    them), or more ranks than this machine's CUDA devices. One ConfigError line each."""
+    tp = parallel.tensor_parallel_size
+    if tp == 1:
+        return
+    flag = f"--tensor-parallel-size {tp}"
+    if model.num_heads % tp:
+        raise ConfigError(f"{flag}: the model's {model.num_heads} attention heads do not split evenly over {tp} ranks")
+    if model.num_kv_heads % tp and tp % model.num_kv_heads:
+        raise ConfigError(
+            f"{flag}: the model's {model.num_kv_heads} KV heads neither split evenly over {tp} ranks nor divide them"
+        )
+    sizes = {"intermediate_size": model.intermediate_size}
+    if model.family == "moe":  # each expert's intermediate dim is split too
+        from conveyor.gpu.models.mixtral import read_moe_config
+
+        moe = read_moe_config(model)
+        sizes |= {"moe_intermediate_size": moe.moe_intermediate_size}
+        if moe.shared_expert_intermediate_size:
+            sizes |= {"shared_expert_intermediate_size": moe.shared_expert_intermediate_size}
+    for name, size in sizes.items():
+        if size % tp:
+            raise ConfigError(f"{flag}: the model's {name} {size} does not split evenly over {tp} ranks")
+    if parallel.device == "cuda" and parallel.ray_address is None:
+        import torch
+
+        if tp > torch.cuda.device_count():
+            raise ConfigError(f"{flag}: only {torch.cuda.device_count()} CUDA device(s) visible on this machine")
 
 
 def resolve_model(model: str | None, device: str, dtype: str) -> tuple[str, str | None]:
