@@ -43,7 +43,7 @@ _TOKENS = tuple(float(2**i) for i in range(15))
 _engine = "0"  # the engine this process records for (bind_engine)
 
 
-class _PerEngine:
+class PerEngine:
     """A metric with an `engine` label, used as if it had none: `.inc()`, `.set()`, `.observe()`
     go to this process's engine's series. The series is made at first use (or by bind_engine), so
     a process that never records one (a tokenizer) writes no 0 into an engine's live gauge."""
@@ -63,7 +63,7 @@ class _PerEngine:
         return getattr(self.series(), name)
 
 
-_PER_ENGINE: list[_PerEngine] = []
+_PER_ENGINE: list[PerEngine] = []
 
 
 def bind_engine(engine: int) -> None:
@@ -79,7 +79,7 @@ def bind_engine(engine: int) -> None:
 
 
 def _per_engine(metric_type: Any, name: str, doc: str, **kwargs: Any) -> Any:
-    metric = _PerEngine(metric_type(name, doc, ["engine"], **kwargs), gauge=metric_type is Gauge)
+    metric = PerEngine(metric_type(name, doc, ["engine"], **kwargs), gauge=metric_type is Gauge)
     _PER_ENGINE.append(metric)
     return metric
 

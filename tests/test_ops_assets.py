@@ -57,7 +57,8 @@ def catalogue() -> tuple[set[str], set[str]]:
     """The sample names the daemon exposes, and every label name a query may use."""
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
     names, labels = {"up"}, {"le", "job", "instance"}  # up, job, instance: added by Prometheus
-    for metric in vars(metrics).values():
+    for value in vars(metrics).values():
+        metric = value.metric if isinstance(value, metrics.PerEngine) else value  # its `engine` label too
         if isinstance(metric, MetricWrapperBase):
             labels.update(metric._labelnames)
             for family in metric.describe():
