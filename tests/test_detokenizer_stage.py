@@ -214,3 +214,29 @@ def test_stopped_ids_are_forgotten_after_a_while(tok):
 def test_byte_level_table_is_a_bijection_onto_bytes():
     table = byte_level_decoding_table()
     assert sorted(table.values()) == list(range(256)) and table["Ġ"] == ord(" ") and table["A"] == ord("A")
+
+
+def test_a_restarted_engine_drops_only_its_own_sequences(tok):
+    """Data parallelism: engine e of 2 numbers its sequences e, e + 2, ...; EngineStarted(e) means
+    its previous process died, so its sequences get no more tokens; the other engine's go on."""
+    ids = encode(tok, TEXT)
+    detokenizer = Detokenizer(tok)
+    run_steps(detokenizer, [TokenBatch(0, [seq(2)], [SeqTokens(2, ids[:2])], engine=0)])
+    run_steps(detokenizer, [TokenBatch(0, [seq(3)], [SeqTokens(3, ids[:2])], engine=1)])
+    detokenizer.drop_engine(0, num_engines=2)
+    assert set(detokenizer.seqs) == {3}
+    deltas, _ = run_steps(detokenizer, [TokenBatch(1, [], [SeqTokens(3, ids[2:4])], engine=1)])
+    assert [d.request_id for d in deltas[0]] == ["req-3"]
+
+
+def test_stop_string_memory_counts_each_engines_own_steps(tok):
+    """A sequence that stopped on engine 1 at its step 5 is remembered while engine 0, far ahead
+    in its own steps, keeps sending: its late updates are expected, not unknown."""
+    ids = encode(tok, TEXT)
+    detokenizer = Detokenizer(tok)
+    run_steps(detokenizer, [TokenBatch(5, [seq(1, stop=["answer"])], [SeqTokens(1, ids[:12])], engine=1)])
+    assert set(detokenizer.stopped) == {1}
+    run_steps(detokenizer, [TokenBatch(5 + STOPPED_MEMORY_STEPS + 10, [seq(2)], [SeqTokens(2, ids[:1])], engine=0)])
+    assert set(detokenizer.stopped) == {1}
+    run_steps(detokenizer, [TokenBatch(5 + STOPPED_MEMORY_STEPS, [], [], engine=1)])
+    assert detokenizer.stopped == {}
