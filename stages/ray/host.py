@@ -5,7 +5,7 @@ the actor, exactly as the launcher starts a local one: the launcher supervises i
 actor's poll/signal methods (processes.py), and the stage asks the kernel for SIGHUP when the
 actor dies, so a dead actor or node takes its stages with it.
 
-The node has its own private run directory (0700, like the launcher's): the config JSON the
+The node has its own private run directory (0700, made and swept as the launcher's is): the config JSON the
 launcher hands over is written there with `server.run_dir` pointing at it, so the stage's
 metrics, its torch.distributed file store and its clean-up stay on its node. The environment a
 stage gets is the node's own (PATH, CUDA_VISIBLE_DEVICES that Ray assigned) plus the run's
@@ -22,9 +22,9 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 
 from conveyor.config import config_from_json, config_to_json
+from conveyor.wire.addresses import make_run_dir, sweep_stale_run_dirs
 
 # Variables of the launcher's environment that a remote stage needs; the rest (PATH, HOME, the
 # launcher's PROMETHEUS_MULTIPROC_DIR) belong to the launcher's machine.
@@ -36,8 +36,10 @@ class StageHost:
     """Decorated with ray.remote by placement.py (this module imports no ray)."""
 
     def __init__(self) -> None:
-        self.run_dir = tempfile.mkdtemp(prefix="conveyor-ray-")
-        os.chmod(self.run_dir, 0o700)
+        # Like the launcher's, named after this actor's pid: a host killed with its node (Ray
+        # kills a dead worker's children too, so no stage cleans up) is swept at the next start.
+        sweep_stale_run_dirs()
+        self.run_dir = make_run_dir()
         self.metrics_dir = os.path.join(self.run_dir, "metrics")
         os.mkdir(self.metrics_dir, 0o700)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}

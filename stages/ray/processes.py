@@ -24,7 +24,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from conveyor.config import EngineConfig
+from conveyor.config import ConfigError, EngineConfig
 from conveyor.config.env import CURVE_KEYS_VARIABLE, DIST_INIT_METHOD_VARIABLE
 from conveyor.stages.processes import ProcessHandle
 from conveyor.stages.ray.placement import NAMESPACE, EnginePlacement, endpoints, place_engines, release
@@ -101,7 +101,10 @@ class LostProcess:
 class RayProcesses:
     def __init__(self, config: EngineConfig):
         address = config.parallel.ray_address
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=True, logging_level=logging.WARNING)
+        try:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=True, logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise ConfigError(f"cannot join the Ray cluster at {address!r}: {e}") from e
         self.config = config
         self.placements: list[EnginePlacement] = []
         self.keys = curve.CurveKeys.generate()
