@@ -239,8 +239,8 @@ def test_dead_replicas_are_skipped_then_errors_are_clear():
                 assert resp.status == 503 and (await resp.json())["num_ready"] == 0
             async with c.session.get(c.url + "/metrics") as resp:
                 text = await resp.text()
-            assert f'conveyor_router_replica_ready{{replica="{c.replicas[1].url}"}} 0.0' in text
-            assert "conveyor_router_failures_total" in text and 'reason="affinity"' in text
+            assert f'conveyor_replica_router_ready{{replica="{c.replicas[1].url}"}} 0.0' in text
+            assert "conveyor_replica_router_failures_total" in text and 'reason="affinity"' in text
 
     run(body())
 
