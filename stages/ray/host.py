@@ -60,6 +60,10 @@ class StageHost:
         copy); its pid on this node."""
         config = config_from_json(config_json)
         config = dataclasses.replace(config, server=dataclasses.replace(config.server, run_dir=self.run_dir))
+        if config.parallel.device == "cuda":
+            # Ray shows this actor (and so its stages) only the GPU of its bundle, as cuda:0:
+            # not cuda:rank, which a rank picks when it sees all of its machine's GPUs.
+            config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, device="cuda:0"))
         path = os.path.join(self.run_dir, "config.json")
         with open(path, "wb") as f:
             f.write(config_to_json(config))
