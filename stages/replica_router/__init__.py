@@ -2,7 +2,7 @@
 each a replica with its own engines, that sends each request where its prompt's prefix is likely
 cached, unless that replica is much busier than the others. It proxies HTTP and nothing else:
 replicas keep their own tokenizers, schedulers and KV caches, and the choice itself is the data-
-parallel router's policy (stages/router/policy.py) over characters instead of tokens.
+parallel router's policy (conveyor.stages.router.policy) over characters instead of tokens.
 
 config.py   RouterConfig, the flags of `conveyor router`
 prompt.py   the routing key: a request body's prompt text, hashed in fixed-size character chunks
