@@ -114,7 +114,7 @@ def _rank_main(rank: int, size: int, store: str, checkpoints: dict[str, str], ou
 
 
 def run_ranks(size: int, checkpoints: dict[str, str], tmp: Path) -> dict[str, object]:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("fork")  # the ranks inherit the imports (spawn re-imports transformers in each)
     out = tmp / f"tp{size}.pt"
     ranks = [ctx.Process(target=_rank_main, args=(r, size, str(tmp / f"store{size}"), checkpoints, str(out))) for r in range(size)]
     for p in ranks:
@@ -134,10 +134,16 @@ def whole(checkpoints) -> dict[str, object]:
     return run_checkpoints(SINGLE, checkpoints)
 
 
+# 4 ranks on two cores are slow: the families whose split differs at 4 (KV heads replicated, a
+# padded vocabulary, fused parts, a shared expert); 2 ranks run every checkpoint.
+ON_FOUR = ("llama", "phi3", "qwen2_moe", "qwen2_vocab509")
+
+
 @pytest.mark.parametrize("size", [2, 4])
 def test_sharded_models_equal_the_whole_model(size, checkpoints, whole, tmp_path):
-    sharded = run_ranks(size, checkpoints, tmp_path)
-    for name in checkpoints:
+    names = [name for name in checkpoints if size == 2 or name in ON_FOUR]
+    sharded = run_ranks(size, {name: checkpoints[name] for name in names}, tmp_path)
+    for name in names:
         ours, ref = sharded[name], whole[name]
         assert isinstance(ours, torch.Tensor) and isinstance(ref, torch.Tensor)
         assert ours.shape == ref.shape, name
