@@ -112,9 +112,7 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
     if model.num_heads % tp:
         raise ConfigError(f"{flag}: the model's {model.num_heads} attention heads do not split evenly over {tp} ranks")
     if model.num_kv_heads % tp and tp % model.num_kv_heads:
-        raise ConfigError(
-            f"{flag}: the model's {model.num_kv_heads} KV heads neither split evenly over {tp} ranks nor divide them"
-        )
+        raise ConfigError(f"{flag}: the model's {model.num_kv_heads} KV heads neither split evenly over {tp} ranks nor divide them")
     sizes = {"intermediate_size": model.intermediate_size}
     if model.family == "moe":  # each expert's intermediate dim is split too
         from conveyor.gpu.models.mixtral import read_moe_config

@@ -82,9 +82,7 @@ class ModelRunner:
     config.parallel.attention_backend by gpu.backends.select. `tp`: the tensor-parallel group
     this runner is rank tp.rank of (gpu/parallel/rendezvous.py; None: one rank)."""
 
-    def __init__(
-        self, config: EngineConfig, rank: int = 0, backend: Backend | None = None, tp: TensorParallel | None = None
-    ) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, backend: Backend | None = None, tp: TensorParallel | None = None) -> None:
         self.config = config
         self.tp = tp or SINGLE
         self.block_size = config.cache.block_size

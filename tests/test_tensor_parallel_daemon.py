@@ -64,7 +64,8 @@ def test_a_dead_rank_takes_the_engine_down_cleanly_and_it_comes_back(checkpoints
         killed = time.monotonic()
         assert ended_with_error(stream.finish())["code"] == "engine_not_ready"
         # Every process of the old engine is gone well within the launcher's SIGTERM grace (5 s).
-        wait_until(lambda: not set(workers) & set(daemon.stage_pids("worker")), timeout=30)
+        old = set(workers)
+        wait_until(lambda old=old: not old & set(daemon.stage_pids("worker")), timeout=30)
         assert time.monotonic() - killed < 10
         wait_until(lambda: health(daemon) == 200, timeout=90)
         assert ok(daemon)
