@@ -35,6 +35,7 @@ FAST_HEALTH_CHECKS = {"health_check_period_ms": 200, "health_check_failure_thres
 
 @pytest.fixture(scope="module")
 def cluster():
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # no report home from CI (inherited by the daemons)
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
