@@ -3,7 +3,9 @@ of it a config starts (plus the launcher's inbox, addressed like a stage but not
 
 Everything else is derived from the table: a stage's inbox (`receiver`), typed senders to its peers
 (`sender`, `senders`: sending a message the peer does not take is a type error), the launcher's
-start plan (`start_plan`) and the names the stage entry point accepts (`STAGE_NAMES`). Process
+start plan (`start_plan`) and the names the stage entry point accepts (`STAGE_NAMES`). With data
+parallelism, which engine a process belongs to (`engine_of`), which engine owns a sequence
+(`engine_of_seq`) and where requests go (`admission`: the router, else the scheduler). Process
 `index` of stage `name` listens on `{name}-{index}.sock` in the run directory (addresses.py), or,
 when the launcher placed processes on other nodes, on the tcp:// endpoint (CurveZMQ) that
 `server.endpoints` names for it.
