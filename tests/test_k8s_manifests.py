@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-import kubernetes_validate
+import kubernetes_validate  # type: ignore[import-untyped]  # no type information shipped
 import pytest
 import yaml
 

@@ -284,6 +284,8 @@ def test_flags(capsys):
     with pytest.raises(SystemExit):
         cli.main(["router", "--port", "1"])  # --backends is required
     assert "--backends" in capsys.readouterr().err
+    assert cli.main(["router", "--backends", "http://a", "--chunk-chars", "0"]) == 2  # bounds, before serving
+    assert "--chunk-chars must be at least 1" in capsys.readouterr().err
 
 
 def test_policies_by_name():
