@@ -18,7 +18,7 @@ from aiohttp import web
 from conveyor import cli
 from conveyor.stages.replica_router.config import RouterConfig, parse_backends
 from conveyor.stages.replica_router.prompt import prompt_hashes, routing_key
-from conveyor.stages.replica_router.proxy import PROXY, REPLICA_HEADER, make_app
+from conveyor.stages.replica_router.proxy import MAX_BODY_BYTES, PROXY, REPLICA_HEADER, make_app
 
 GAP_S = 0.05  # between a fake replica's stream events
 
@@ -186,6 +186,8 @@ def test_streams_pass_through_unchanged_and_as_they_arrive():
             sent = c.replicas[0].headers[0]
             assert sent["Authorization"] == "Bearer secret" and sent["X-Request-Id"] == "abc"
 
+            async with c.session.post(c.url + "/v1/completions", data=b"x" * (MAX_BODY_BYTES + 1)) as resp:
+                assert resp.status == 413 and (await resp.json())["error"]["code"] == "request_too_large"
             status, _, raw = await c.complete("not streamed")
             assert status == 200 and json.loads(raw) == {"replica": "0", "choices": [{"text": "done"}]}
             async with c.session.get(c.url + "/v1/models") as resp:

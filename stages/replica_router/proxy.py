@@ -12,6 +12,7 @@ and comes back unchanged, streamed as it arrives (SSE events keep their timing).
   GET /metrics   the router's own counters (metrics.py)
 
 Errors, in OpenAI's shape (stages/ingress/errors.py, as a replica's own):
+  413 request_too_large     a body past what a replica would take (read whole, to route it)
   503 no_replica_ready      none is ready (Retry-After: the health interval)
   502 no_replica_answered   each ready replica was tried and none could be reached
 A connection that fails before the replica answers marks it not ready and the request goes to
@@ -40,6 +41,8 @@ from conveyor.stages.replica_router.replicas import Replicas
 
 log = logging.getLogger(__name__)
 
+# Bodies as large as a replica accepts (its default): a larger one gets the router's 413.
+MAX_BODY_BYTES = ServerConfig.max_body_bytes
 REPLICA_HEADER = "X-Conveyor-Replica"  # the index of the replica that answered, for debugging
 # Headers that describe one connection, not the message (RFC 9110 7.6.1), and the ones aiohttp
 # sets itself from what it sends.
@@ -85,7 +88,11 @@ class Proxy:
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         assert self.session is not None  # set by lifetime() before the app serves
-        body = await request.read()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large",
+                            close_connection=True).response()  # fmt: skip
         hashes = prompt_hashes(request.path, body, self.config.chunk_chars)
         failure = None
         while (route := self.replicas.route(hashes)) is not None:
@@ -160,8 +167,7 @@ PROXY = web.AppKey("proxy", Proxy)
 
 def make_app(config: RouterConfig) -> web.Application:
     proxy = Proxy(config)
-    # Bodies as large as a replica accepts: a larger one gets the router's 413, not the replica's.
-    app = web.Application(client_max_size=ServerConfig.max_body_bytes)
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[PROXY] = proxy
     app.cleanup_ctx.append(proxy.lifetime)
     app.router.add_get("/health", proxy.health)
