@@ -2,7 +2,8 @@
 the router spreads distinct prompts evenly, keeps a shared prefix on one engine (so the prefix
 cache serves it: `cached_tokens`), sends a client's abort to the engine that runs its request, and
 when one engine's scheduler is killed only that engine's requests fail while the other keeps
-serving, /health saying 503 until the engine is back.
+serving, /health saying 503 until the engine is back. A killed router is restarted like a pool
+process, and what it had already routed goes on.
 
 Which engine served what is read from /metrics: the router's per-engine counter and the `engine`
 label on each scheduler's own metrics.
@@ -96,6 +97,19 @@ def test_a_client_that_goes_away_is_aborted_in_its_engine(daemon):
     wait_until(lambda: delta(per_engine(daemon, "conveyor_aborts_total"), before_aborts)[engine] == 1, timeout=20)
     assert delta(per_engine(daemon, "conveyor_aborts_total"), before_aborts)[1 - engine] == 0
     wait_until(lambda: per_engine(daemon, "conveyor_kv_blocks_used").get(engine) == 0, timeout=10)
+
+
+def test_a_dead_router_is_restarted_and_admitted_streams_go_on(daemon):
+    """Past admission a request no longer passes the router: its stream is untouched."""
+    stream = streaming(daemon, LONG | {"max_tokens": 300})
+    before = restarts(daemon, "router")
+    [router] = daemon.stage_pids("router")
+    os.kill(router, signal.SIGKILL)
+    wait_until(lambda: [p for p in daemon.stage_pids("router") if p != router], timeout=5)
+    wait_until(lambda: ok(daemon), timeout=30)  # the new router knows both engines are ready
+    events = stream.finish()
+    assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+    assert health(daemon) == 200 and restarts(daemon, "router") == before + 1
 
 
 def test_a_dead_engine_fails_its_requests_while_the_other_serves(daemon):
