@@ -63,6 +63,8 @@ def install(keys: CurveKeys | None) -> None:
 
 def run_keys() -> CurveKeys:
     """This run's keys; a tcp:// endpoint without them is refused rather than opened in the clear."""
+    if not zmq.has("curve"):  # pyzmq's wheels carry it; a libzmq built without libsodium may not
+        raise RuntimeError("a tcp:// endpoint needs CurveZMQ, and this libzmq was built without it")
     if _installed is not None:
         return _installed
     text = curve_keys_from_env()
