@@ -49,15 +49,20 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def router_parser(sub: argparse._SubParsersAction) -> None:
-    """--backends, then one flag per option() field of RouterConfig."""
+    """--backends or --backends-dns, then one flag per option() field of RouterConfig."""
     from conveyor.stages.replica_router.config import RouterConfig, parse_backends
+    from conveyor.stages.replica_router.discovery import parse_dns_name
 
     p = sub.add_parser(
         "router", help="an HTTP router in front of several conveyor daemons: prefix affinity, then load",
         formatter_class=DefaultsHelpFormatter,
     )  # fmt: skip
-    p.add_argument("--backends", type=parse_backends, required=True, metavar="URL[,URL...]",
-                   help="the daemons' base URLs, e.g. http://10.0.0.1:8000,http://10.0.0.2:8000")  # fmt: skip
+    replicas = p.add_mutually_exclusive_group(required=True)
+    replicas.add_argument("--backends", type=parse_backends, metavar="URL[,URL...]",
+                          help="the daemons' base URLs, e.g. http://10.0.0.1:8000,http://10.0.0.2:8000")  # fmt: skip
+    replicas.add_argument("--backends-dns", type=parse_dns_name, metavar="HOST:PORT",
+                          help="a name whose addresses are the daemons, asked again every --health-interval "
+                          "(a Kubernetes headless Service)")  # fmt: skip
     add_arguments(p, settings(RouterConfig))
 
 
@@ -67,7 +72,7 @@ def router(args: argparse.Namespace) -> int:
     from conveyor.stages.replica_router.main import serve as serve_router
 
     fields = collect((RouterConfig,), {s.name: getattr(args, s.name) for s in settings(RouterConfig)})[RouterConfig]
-    return serve_router(RouterConfig(backends=args.backends, **fields))
+    return serve_router(RouterConfig(backends=args.backends or (), backends_dns=args.backends_dns, **fields))
 
 
 def bench(args: argparse.Namespace) -> int:

@@ -2,10 +2,12 @@
 prefixes stay on one replica, distinct ones spread (one at a time and at once), a dead replica
 is skipped and marked, none ready is a 503 and none reachable a 502, SSE streams pass through
 byte for byte as they arrive, a client that leaves aborts the replica's request, /health and
-/v1/models. The routing keys and the flags on their own."""
+/v1/models, replicas found by DNS joining and leaving. The routing keys and the flags on their
+own."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import time
@@ -17,6 +19,7 @@ from aiohttp import web
 
 from conveyor import cli
 from conveyor.stages.replica_router.config import RouterConfig, parse_backends
+from conveyor.stages.replica_router.discovery import base_url, parse_dns_name, resolve
 from conveyor.stages.replica_router.prompt import prompt_hashes, routing_key
 from conveyor.stages.replica_router.proxy import MAX_BODY_BYTES, PROXY, REPLICA_HEADER, make_app
 
@@ -89,13 +92,23 @@ def event(name: str, i: int) -> bytes:
 class Cluster:
     """Fake replicas and a router in front of them, started and stopped around a test body."""
 
-    def __init__(self, num_replicas: int, **settings):
+    def __init__(self, num_replicas: int, *, dns: bool = False, **settings):
         self.replicas = [FakeReplica(str(i)) for i in range(num_replicas)]
         self.settings = {"health_interval": 0.2, "connect_timeout": 1.0, **settings}
+        self.dns = dns
+        self.found: list[str] | None = []  # what the fake DNS answers (None: the lookup fails)
+
+    async def resolve(self, name: str) -> list[str] | None:
+        assert name == "replicas.test:8000"
+        return None if self.found is None else list(self.found)
 
     async def __aenter__(self) -> Cluster:
         urls = [await r.start() for r in self.replicas]
-        self.app = make_app(RouterConfig(backends=tuple(urls), **self.settings))
+        if self.dns:
+            config = RouterConfig(backends_dns="replicas.test:8000", **self.settings)
+        else:
+            config = RouterConfig(backends=tuple(urls), **self.settings)
+        self.app = make_app(config, resolve=self.resolve)
         self.runner = web.AppRunner(self.app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -116,6 +129,17 @@ class Cluster:
 
     def counts(self) -> list[int]:
         return [len(r.prompts) for r in self.replicas]
+
+    async def ready_urls(self, expected: list[str]) -> dict:
+        """The router's /health once the replicas it calls ready are `expected` (health checks
+        run every 0.2 s; a busy machine may need a few rounds)."""
+        for _ in range(100):
+            async with self.session.get(self.url + "/health") as resp:
+                health = await resp.json()
+            if sorted(r["url"] for r in health["replicas"] if r["ready"]) == sorted(expected):
+                return health
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"ready: {health}, expected {expected}")
 
 
 def run(coro):
@@ -217,11 +241,8 @@ def test_dead_replicas_are_skipped_then_errors_are_clear():
         async with Cluster(3) as c:
             proxy = c.app[PROXY]
             c.replicas[1].healthy = False  # loading: /health 503
-            await asyncio.sleep(0.5)  # a few health rounds
-            async with c.session.get(c.url + "/health") as resp:
-                health = await resp.json()
-                assert resp.status == 200 and health["num_ready"] == 2
-                assert [r["ready"] for r in health["replicas"]] == [True, False, True]
+            health = await c.ready_urls([c.replicas[0].url, c.replicas[2].url])
+            assert health["num_ready"] == 2 and [r["ready"] for r in health["replicas"]] == [True, False, True]
             for i in range(6):
                 assert (await c.complete(f"prompt {i} " + "y" * 200))[0] == 200
             assert c.counts()[1] == 0 and c.counts()[0] > 0 and c.counts()[2] > 0
@@ -254,16 +275,59 @@ def test_a_replica_back_from_a_restart_is_forgotten():
             assert (await c.complete(SYSTEMS[0] + " a"))[1][REPLICA_HEADER] == "0"
             assert (await c.complete(SYSTEMS[1] + " a"))[1][REPLICA_HEADER] == "1"
             c.replicas[0].healthy = False
-            await asyncio.sleep(0.5)
+            await c.ready_urls([c.replicas[1].url])
             assert (await c.complete(SYSTEMS[0] + " b"))[1][REPLICA_HEADER] == "1"  # the only ready one
             c.replicas[0].healthy = True
-            await asyncio.sleep(0.5)
+            await c.ready_urls([r.url for r in c.replicas])
             assert replicas[0].ready and replicas.policy.num_mapped_blocks(0) == 0
             # Replica 1 now holds both openings; the restarted one gets the next new one.
             assert (await c.complete(SYSTEMS[0] + " c"))[1][REPLICA_HEADER] == "1"
             assert (await c.complete(SYSTEMS[2] + " c"))[1][REPLICA_HEADER] == "0"
 
     run(body())
+
+
+def test_replicas_found_by_dns_come_and_go():
+    async def body():
+        async with Cluster(3, dns=True, max_replicas=2) as c:
+            r0, r1, r2 = (r.url for r in c.replicas)
+
+            async with c.session.get(c.url + "/health") as resp:
+                assert resp.status == 503  # DNS names none yet
+            c.found = [r0]
+            await c.ready_urls([r0])
+            c.found = [r0, r1]
+            await c.ready_urls([r0, r1])
+            for i in range(4):
+                assert (await c.complete(f"prompt {i} " + "z" * 200))[0] == 200
+            assert c.counts()[:2] == [2, 2]
+
+            c.found = None  # a failed lookup keeps them
+            await asyncio.sleep(0.5)
+            await c.ready_urls([r0, r1])
+            c.found = [r1, r2]  # r0 left; r2 takes its slot (two at most)
+            health = await c.ready_urls([r1, r2])
+            assert len(health["replicas"]) == 2
+            for i in range(4):
+                assert (await c.complete(f"later {i} " + "z" * 200))[0] == 200
+            assert c.counts()[0] == 2 and c.counts()[2] >= 2 and sum(c.counts()) == 8  # none to r0 since it left
+            async with c.session.get(c.url + "/metrics") as resp:
+                text = await resp.text()
+            assert f'conveyor_replica_router_ready{{replica="{r2}"}} 1.0' in text
+            assert f'conveyor_replica_router_ready{{replica="{r0}"}}' not in text
+
+    run(body())
+
+
+def test_dns_names():
+    assert parse_dns_name("conveyor:8000") == "conveyor:8000"
+    for bad in ("conveyor", ":8000", "conveyor:http", "conveyor:0"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_dns_name(bad)
+    assert "http://127.0.0.1:8000" in asyncio.run(resolve("localhost:8000")) and base_url("::1", 80) == "http://[::1]:80"
+    assert asyncio.run(resolve("no-such-host.invalid:80")) is None
+    with pytest.raises(SystemExit):  # one way to name the replicas, not both
+        cli.main(["router", "--backends", "http://a:1", "--backends-dns", "a:1"])
 
 
 def test_routing_keys():

@@ -7,6 +7,7 @@ parallel router's policy (conveyor.stages.router.policy) over characters instead
 config.py   RouterConfig, the flags of `conveyor router`
 prompt.py   the routing key: a request body's prompt text, hashed in fixed-size character chunks
 replicas.py which replicas are ready, their requests in flight, the policy that picks one
+discovery.py the replicas a DNS name resolves to (a Kubernetes headless Service), for scaling
 health.py   the /health poller that marks replicas ready and not
 proxy.py    the aiohttp app: routed POSTs, everything else passed to a ready replica, /health,
             /metrics, the JSON errors

@@ -1,9 +1,10 @@
 """RouterConfig: the settings of `conveyor router`, declared once as option() fields (config/
 options.py), so the flags, their defaults and their help come from here.
 
-The replicas are given as base URLs, comma-separated (`--backends http://a:8000,http://b:8000`);
-each must be http(s) with a host. The routing thresholds default to the data-parallel router's
-(stages/router/policy.py's RoutingSettings), so the two layers start from the same balance.
+The replicas are given as base URLs, comma-separated (`--backends http://a:8000,http://b:8000`),
+each http(s) with a host; or found by DNS (`--backends-dns HOST:PORT`, discovery.py). The
+routing thresholds default to the data-parallel router's (conveyor.stages.router.policy's
+RoutingSettings), so the two layers start from the same balance.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _DEFAULTS = RoutingSettings()
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
     backends: tuple[str, ...] = ()  # replica base URLs, without a trailing slash (--backends)
+    backends_dns: str | None = None  # HOST:PORT whose addresses are the replicas (--backends-dns)
     host: str = option("127.0.0.1", "address the router listens on")
     port: int = option(8080, "TCP port of the router")
     routing_policy: str = option(
@@ -38,6 +40,7 @@ class RouterConfig:
     balance_rel_threshold: float = option(
         _DEFAULTS.balance_rel_threshold, "and the busiest must hold more than this times the idlest's requests"
     )  # fmt: skip
+    max_replicas: int = option(64, "replicas --backends-dns may find at most", minimum=1)
     health_interval: float = option(2.0, "seconds between /health checks of each replica", positive=True)
     connect_timeout: float = option(5.0, "seconds to open a connection to a replica before trying another", positive=True)
 

@@ -1,4 +1,4 @@
-"""`conveyor router --backends URL[,URL...]`: serve the replica router until SIGTERM or SIGINT.
+"""`conveyor router --backends URL[,URL...] | --backends-dns HOST:PORT`: serve the replica router until SIGTERM or SIGINT.
 On either, aiohttp stops accepting connections and lets requests in flight finish (up to
 SHUTDOWN_TIMEOUT_S), so an orchestrator's stop grace period should be a little longer."""
 
@@ -16,7 +16,8 @@ log = logging.getLogger(__name__)
 
 
 def serve(config: RouterConfig) -> int:
-    log.info("routing to %d replicas (%s) on http://%s:%d", len(config.backends), config.routing_policy, config.host, config.port)
+    replicas = f"the replicas {config.backends_dns} resolves to" if config.backends_dns else f"{len(config.backends)} replicas"
+    log.info("routing to %s (%s) on http://%s:%d", replicas, config.routing_policy, config.host, config.port)
     web.run_app(make_app(config), host=config.host, port=config.port, access_log=None, print=None,
                 shutdown_timeout=SHUTDOWN_TIMEOUT_S)  # fmt: skip
     return 0

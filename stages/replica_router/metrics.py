@@ -38,7 +38,9 @@ class RouterMetrics:
 
     def exposition(self) -> bytes:
         """The text format, with the gauges read from the replicas now."""
-        for r in self.replicas.replicas:
+        self.in_flight.clear()  # replicas that left have no series
+        self.ready.clear()
+        for r in self.replicas.active:
             self.in_flight.labels(r.url).set(r.num_in_flight)
             self.ready.labels(r.url).set(int(r.ready))
         return generate_latest(self.registry)

@@ -33,7 +33,7 @@ from aiohttp import web
 
 from conveyor.config import ServerConfig
 from conveyor.stages.ingress.errors import ApiError
-from conveyor.stages.replica_router import health
+from conveyor.stages.replica_router import discovery, health
 from conveyor.stages.replica_router.config import RouterConfig
 from conveyor.stages.replica_router.metrics import RouterMetrics
 from conveyor.stages.replica_router.prompt import prompt_hashes
@@ -53,20 +53,32 @@ HOP_BY_HOP = frozenset({
 
 
 class Proxy:
-    def __init__(self, config: RouterConfig):
+    def __init__(self, config: RouterConfig, resolve: discovery.Resolve = discovery.resolve):
         self.config = config
-        self.replicas = Replicas(config.backends, config.routing_policy, config.routing_settings)
+        num_slots = config.max_replicas if config.backends_dns else 0
+        self.replicas = Replicas(config.backends, config.routing_policy, config.routing_settings, num_slots)
         self.metrics = RouterMetrics(self.replicas)
+        self.resolve = resolve
         self.session: aiohttp.ClientSession | None = None
+
+    async def discover(self) -> None:
+        """The replicas DNS names now (only with --backends-dns)."""
+        assert self.config.backends_dns is not None
+        urls = await self.resolve(self.config.backends_dns)
+        if urls is not None:
+            self.replicas.sync(urls)
 
     async def lifetime(self, app: web.Application) -> AsyncIterator[None]:
         """cleanup_ctx: one client session (bodies passed through as the replica encoded them), a
-        first round of health checks before the first request, then the poller."""
+        first discovery and round of health checks before the first request, then the poller."""
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout)
         async with aiohttp.ClientSession(timeout=timeout, auto_decompress=False, connector=aiohttp.TCPConnector(limit=0)) as session:
             self.session = session
+            discover = self.discover if self.config.backends_dns else None
+            if discover is not None:
+                await discover()
             await health.check_all(session, self.replicas, timeout=self.config.health_interval)
-            poller = asyncio.create_task(health.poll(session, self.replicas, self.config.health_interval))
+            poller = asyncio.create_task(health.poll(session, self.replicas, self.config.health_interval, discover))
             try:
                 yield
             finally:
@@ -79,7 +91,7 @@ class Proxy:
         body = {
             "status": "ok" if num_ready else "no replica is ready",
             "num_ready": num_ready,
-            "replicas": [{"url": r.url, "ready": r.ready, "in_flight": r.num_in_flight} for r in self.replicas.replicas],
+            "replicas": [{"url": r.url, "ready": r.ready, "in_flight": r.num_in_flight} for r in self.replicas.active],
         }
         return web.json_response(body, status=200 if num_ready else 503)
 
@@ -165,8 +177,8 @@ def _pass_headers(headers) -> list[tuple[str, str]]:
 PROXY = web.AppKey("proxy", Proxy)
 
 
-def make_app(config: RouterConfig) -> web.Application:
-    proxy = Proxy(config)
+def make_app(config: RouterConfig, resolve: discovery.Resolve = discovery.resolve) -> web.Application:
+    proxy = Proxy(config, resolve)
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[PROXY] = proxy
     app.cleanup_ctx.append(proxy.lifetime)

@@ -10,15 +10,21 @@ one holding fewer, so distinct prompts spread even when they arrive one at a tim
 Readiness comes from the health poller (health.py) and from the proxy, which marks a replica not
 ready the moment a connection to it fails. A replica that comes back after being
 ready before is forgotten first: it most likely restarted, and its prefix cache with it.
+
+Replicas found by DNS (discovery.py) come and go: each takes a slot of the policy (which counts a
+fixed number of engines), and one that leaves gives its slot back, forgotten, once its last
+request in flight has finished, so an old request's finish never counts against a new replica.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 from conveyor.stages.router.policy import DEFAULT_MAP_BLOCKS, EngineLoad, Route, RoutingPolicy, RoutingSettings
 
+log = logging.getLogger(__name__)
 DEFAULT_SETTINGS = RoutingSettings()
 MAP_CHUNKS = DEFAULT_MAP_BLOCKS  # prompt chunks remembered per replica, least recently sent dropped first
 
@@ -31,22 +37,57 @@ class Replica:
     num_in_flight: int = 0
     num_routed: int = 0  # since it was last forgotten
     num_failures: int = 0  # connections that failed, ever
+    active: bool = True  # False: discovery no longer lists it (its slot is free once it is idle)
 
 
 class Replicas:
-    def __init__(self, urls: Sequence[str], policy: str = "cache_aware", settings: RoutingSettings = DEFAULT_SETTINGS):
+    def __init__(
+        self, urls: Sequence[str], policy: str = "cache_aware", settings: RoutingSettings = DEFAULT_SETTINGS,
+        num_slots: int = 0,
+    ):  # fmt: skip
+        """`urls` from the start; room for `num_slots` replicas in all (at least as many as urls)."""
         self.replicas = [Replica(url) for url in urls]
-        self.policy = RoutingPolicy(policy, len(self.replicas), settings)
-
-    def __len__(self) -> int:
-        return len(self.replicas)
+        self.policy = RoutingPolicy(policy, max(num_slots, len(self.replicas), 1), settings)
 
     def __getitem__(self, index: int) -> Replica:
         return self.replicas[index]
 
     @property
+    def active(self) -> list[Replica]:
+        return [r for r in self.replicas if r.active]
+
+    @property
     def num_ready(self) -> int:
         return sum(r.ready for r in self.replicas)
+
+    def sync(self, urls: Sequence[str]) -> None:
+        """Make the active replicas exactly `urls`: new ones join (not ready until checked), gone
+        ones leave."""
+        wanted = set(urls)
+        for index, r in enumerate(self.replicas):
+            if r.active and r.url not in wanted:
+                log.info("replica %s left", r.url)
+                r.active = False
+                self.mark(index, False)
+        known = {r.url for r in self.active}
+        for url in urls:
+            if url not in known and not self._add(url):
+                log.warning("no slot for replica %s: raise --max-replicas", url)
+
+    def _add(self, url: str) -> bool:
+        free = [i for i, r in enumerate(self.replicas) if not r.active and r.num_in_flight == 0]
+        if free:
+            index = free[0]
+            self.replicas[index] = Replica(url)
+        elif len(self.replicas) < self.policy.num_engines:
+            index = len(self.replicas)
+            self.replicas.append(Replica(url))
+        else:
+            return False
+        self.policy.forget(index)
+        self._report(index)
+        log.info("replica %s joined", url)
+        return True
 
     def mark(self, index: int, ready: bool) -> None:
         r = self.replicas[index]
