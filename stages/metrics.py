@@ -20,8 +20,8 @@ An engine's own metrics (the scheduler's and its workers', marked `_per_engine` 
 `engine` label, the data-parallel index of the engine whose process recorded them (0 with one
 engine): `bind_engine` sets it once at start. Their names are the same as before the label, so
 `sum(...)` and `sum by (le)` queries read the whole daemon, `sum by (engine)` each engine. The
-request lifecycle histograms, the hops and the finish reasons stay unlabelled: several stages
-record them, most of which serve every engine.
+ingress's request histograms, the hops and the finish reasons stay unlabelled: stages that serve
+every engine record them, and the finish reasons' zero series come from every process.
 """
 
 from __future__ import annotations
