@@ -23,7 +23,15 @@ from conveyor.stages.scheduler.scheduled_step import ScheduledStep, SeqUpdate
 from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.stages.scheduler.sequence import SeqStatus
 from conveyor.wire.addresses import make_run_dir
-from conveyor.wire.messages import FinishReason, SamplingParams, ScheduleRequest, StepPlan, TokenBatch, WorkerReady
+from conveyor.wire.messages import (
+    EngineStarted,
+    FinishReason,
+    SamplingParams,
+    ScheduleRequest,
+    StepPlan,
+    TokenBatch,
+    WorkerReady,
+)
 from conveyor.wire.topology import DETOKENIZER, INGRESS, SCHEDULER, WORKER, receiver, sender
 from tests.fake_worker import FakeRunner, next_token
 from tests.ingress_fakes import make_config
@@ -441,6 +449,7 @@ def stage_with_windows(tmp_path):
     sender(ctx, config, SCHEDULER).send(WorkerReady(rank=0, num_kv_blocks=64))
     stage.start()
     worker.recv(timeout_ms=5000)  # InitializeCache
+    assert isinstance(detok.recv(timeout_ms=5000), EngineStarted)  # before any TokenBatch
     yield stage, worker, detok
     for r in (worker, detok, ingress):
         r.close()
