@@ -20,11 +20,11 @@ import zmq
 from conveyor.config import EngineConfig
 from conveyor.stages import metrics
 from conveyor.stages.liveness import Pulse
-from conveyor.stages.router.policy import REASONS, EngineLoad, RoutingPolicy, prefix_hashes
+from conveyor.stages.router import policy
+from conveyor.stages.router.policy import REASONS, RoutingPolicy, prefix_hashes
 from conveyor.stages.router.requests import RoutedRequests
 from conveyor.stages.runtime import report_ready
-from conveyor.wire import messages
-from conveyor.wire.messages import AbortRequest, EngineStatus, RequestRejected, RouterInbound, ScheduleRequest
+from conveyor.wire.messages import AbortRequest, EngineLoad, EngineStatus, RequestRejected, RouterInbound, ScheduleRequest
 from conveyor.wire.topology import INGRESS, ROUTER, SCHEDULER, receiver, senders
 
 log = logging.getLogger(__name__)
@@ -56,13 +56,13 @@ class RouterStage:
                 self.route(msg)
             case AbortRequest():
                 self.abort(msg.request_ids)
-            case messages.EngineLoad():
+            case EngineLoad():
                 # A report from an engine not ready is from a process that died, or from one
                 # that is starting: it counts from the launcher's word on.
                 if self.policy.is_ready(msg.engine):
-                    self.policy.report(msg.engine, EngineLoad(msg.num_waiting, msg.num_running,
-                                                              msg.num_kv_blocks_used, msg.num_kv_blocks,
-                                                              msg.num_received))  # fmt: skip
+                    self.policy.report(msg.engine, policy.EngineLoad(msg.num_waiting, msg.num_running,
+                                                                     msg.num_kv_blocks_used, msg.num_kv_blocks,
+                                                                     msg.num_received))  # fmt: skip
                     self.books.received(msg.engine, msg.num_received)
             case EngineStatus(ready=ready, engine=engine):
                 for e in range(len(self.schedulers)) if engine is None else [engine]:
