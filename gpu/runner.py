@@ -80,13 +80,18 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     """`backend`: the attention backend and ops to run on; None (the worker): chosen from
     config.parallel.attention_backend by gpu.backends.select. `tp`: the tensor-parallel group
-    this runner is rank tp.rank of (gpu/parallel/rendezvous.py; None: one rank)."""
+    this runner is rank tp.rank of (gpu/parallel/rendezvous.py; None: one rank). `device_index`:
+    on CUDA, the visible device it takes, modulo their number (the worker passes its process
+    index, so the ranks and engines of one machine take one device each, and a process that sees
+    only its own device, as Ray hands them out, takes that one)."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0, backend: Backend | None = None, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, device_index: int = 0, backend: Backend | None = None, tp: TensorParallel | None = None
+    ) -> None:
         self.config = config
         self.tp = tp or SINGLE
         self.block_size = config.cache.block_size
-        self.device = _device(config.parallel.device, rank)
+        self.device = _device(config.parallel.device, device_index)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
@@ -397,8 +402,8 @@ class ModelRunner:
         sample_step(logits, [row] * num_rows, model_cfg.eos_token_ids)
 
 
-def _device(name: str, rank: int) -> torch.device:
+def _device(name: str, index: int) -> torch.device:
     device = torch.device(name)
     if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", rank)
+        return torch.device("cuda", index % max(1, torch.cuda.device_count()))
     return device

@@ -43,7 +43,7 @@ def record_step(result: StepResult) -> None:
 def run(config: EngineConfig, index: int) -> None:
     """Worker process `index`: rank `rank` of engine `engine` (wire/topology.py)."""
     engine, rank = engine_and_rank(config, index)
-    runner = ModelRunner(config, rank, tp=init_group(config, engine, rank))
+    runner = ModelRunner(config, index, tp=init_group(config, engine, rank))  # device: its index on this machine
     ctx = zmq.Context()
     try:
         inbox = receiver(ctx, config, WORKER, index)
