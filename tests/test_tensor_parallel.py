@@ -17,6 +17,9 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from conveyor.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from conveyor.gpu.backends import torch_backend
 from conveyor.gpu.loader import load_model
+from conveyor.gpu.parallel import rendezvous
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.shard import Split, cut, shard_model_config
 from conveyor.gpu.runner import ModelRunner
@@ -149,3 +153,21 @@ def test_sharded_models_equal_the_whole_model(size, checkpoints, whole, tmp_path
         assert ours.shape == ref.shape, name
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
         assert sharded[f"{name} greedy"] == whole[f"{name} greedy"], name
+
+
+def test_a_restarted_engine_never_meets_its_dead_predecessors_store(tmp_path):
+    """The link a dead rank 0 left names a pid that is gone: a follower waits for the new rank 0,
+    which clears the old store and points the link at its own."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f"tp-engine-0-{dead.pid}.store").write_text("stale keys")
+    os.symlink(f"tp-engine-0-{dead.pid}.store", tmp_path / "tp-engine-0")
+    found: list[str] = []
+    follower = threading.Thread(target=lambda: found.append(rendezvous._file_store(tmp_path, 0, 1)))
+    follower.start()
+    follower.join(0.5)
+    assert follower.is_alive() and not found  # the old link's pid is dead: not followed
+    method = rendezvous._file_store(tmp_path, 0, 0)
+    follower.join(10)
+    assert found == [method] == [f"file://{tmp_path}/tp-engine-0-{os.getpid()}.store"]
+    assert not (tmp_path / f"tp-engine-0-{dead.pid}.store").exists()
