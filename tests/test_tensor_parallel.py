@@ -8,7 +8,8 @@ do not divide), and rank 0's logits must equal one process's unsharded model, wh
 tests/test_gpu_model.py holds against transformers. With 4 ranks the checkpoints' 2 KV heads are
 replicated. Greedy decoding through ModelRunner (chunked prompts, a preempted sequence) on every
 rank must give the unsharded runner's tokens: rank 0 samples, the others take its ids, and a
-rank whose inputs drifted would change rank 0's logits at once.
+rank whose inputs drifted would change rank 0's logits at once. Last, the rendezvous: a restarted
+engine's ranks never meet through the store its dead predecessor left.
 """
 
 from __future__ import annotations
