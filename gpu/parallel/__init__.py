@@ -6,5 +6,6 @@
 - shard.py: which slice of each checkpoint tensor a rank holds (`Split`, `cut`), and one rank's
   ModelConfig for the attention backend;
 - sampling.py: rank 0 samples, the others take its ids.
-The layers that use them are gpu/models/layers.py's; the runner (gpu/runner.py) wires them up.
+The layers that use them are the models package's parallel layers; the model runner wires them
+up.
 """

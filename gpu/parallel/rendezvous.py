@@ -53,8 +53,6 @@ def init_group(config: EngineConfig, engine: int, rank: int) -> TensorParallel:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local ranks talk over loopback only
         method = _file_store(Path(config.server.run_dir), engine, rank)
     backend = "nccl" if torch.device(config.parallel.device).type == "cuda" else "gloo"
-    if backend == "gloo":  # the ranks share the machine's cores
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
     dist.init_process_group(backend, init_method=method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # see the module docstring
     log.info("tensor-parallel rank %d of %d (engine %d, %s)", rank, size, engine, backend)
