@@ -14,30 +14,14 @@ import pytest
 
 from conveyor import cli
 from conveyor.bench.dataset import DatasetConfig, make_dataset
-from conveyor.bench.prompts import FileCounter, special_tokens
+from conveyor.bench.prompts import special_tokens
 from conveyor.bench.server_metrics import PrefixCacheCounts, hit_rate, prefix_cache_counts
 from conveyor.bench.system_prompts import pick_system_prompts
-from tests.test_bench import SHAREGPT, FakeServer
+from tests import test_bench
+from tests.test_bench import SHAREGPT
 
-
-@pytest.fixture(scope="module")
-def fake():
-    server = FakeServer()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def server(fake):
-    fake.reset()
-    return fake
-
-
-@pytest.fixture(scope="module")
-def tiny_counter():
-    from conveyor.tiny.checkpoint import ensure_default_model
-
-    return FileCounter(ensure_default_model() / "tokenizer.json")
+# The fake server and the tokenizer counter are test_bench's fixtures, shared rather than copied.
+fake, server, tiny_counter = test_bench.fake, test_bench.server, test_bench.tiny_counter
 
 
 def test_system_prompts_open_every_request_and_follow_the_seed(tiny_counter):

@@ -33,13 +33,14 @@ def sweep_stale_run_dirs() -> list[str]:
                 pid = int(f.read())
         except (OSError, ValueError):
             continue  # not ours, or not a run directory
-        if not _alive(pid):
+        if not process_alive(pid):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from conveyor.config.engine import EngineConfig
 from conveyor.config.env import dist_init_method_from_env
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
+from conveyor.wire.addresses import process_alive
 
 log = logging.getLogger(__name__)
 
@@ -75,19 +76,9 @@ def _file_store(run_dir: Path, engine: int, rank: int) -> str:
     while time.monotonic() < deadline:
         try:
             target = os.readlink(link)
-            if _alive(int(target.removesuffix(".store").rsplit("-", 1)[1])):
+            if process_alive(int(target.removesuffix(".store").rsplit("-", 1)[1])):
                 return f"file://{run_dir / target}"
         except (OSError, ValueError, IndexError):
             pass  # not made yet, or mid-replace
         time.sleep(0.05)
     raise TimeoutError(f"tensor-parallel rank 0 of engine {engine} never published its store in {run_dir}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
