@@ -114,8 +114,13 @@ def engine_of(config: EngineConfig, stage: Stage[Any], index: int) -> int | None
     return None
 
 
+def seq_ids_of(config: EngineConfig, engine: int) -> range:
+    """The sequence ids engine `engine` hands out, in order: e, e + dp, e + 2 dp, ... (int64)."""
+    return range(engine, 2**63, config.parallel.data_parallel_size)
+
+
 def engine_of_seq(config: EngineConfig, seq_id: int) -> int:
-    """The engine that owns sequence `seq_id`: engine e numbers its sequences e, e + dp, e + 2 dp..."""
+    """The engine that owns sequence `seq_id` (the one whose `seq_ids_of` holds it)."""
     return seq_id % config.parallel.data_parallel_size
 
 

@@ -59,7 +59,7 @@ from conveyor.wire.messages import (
     StepResult,
     WorkerReady,
 )
-from conveyor.wire.topology import DETOKENIZER, INGRESS, ROUTER, SCHEDULER, engine_workers, receiver, sender, senders
+from conveyor.wire.topology import DETOKENIZER, INGRESS, ROUTER, SCHEDULER, engine_workers, receiver, sender, senders, seq_ids_of
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class SchedulerStage:
             block_size=cfg.cache.block_size,
             max_model_len=cfg.model.max_model_len,
             eos_token_ids=cfg.model.eos_token_ids,
-            seq_ids=range(self.engine, 2**63, cfg.parallel.data_parallel_size),
+            seq_ids=seq_ids_of(cfg, self.engine),
         )
         metrics.kv_blocks_capacity.set(num_blocks)
         log.info("KV pool: %d blocks of %d tokens", num_blocks, cfg.cache.block_size)
