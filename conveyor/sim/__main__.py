@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 from conveyor.config import CacheConfig, SchedulerConfig, SchedulingPolicy
 from conveyor.sim.hostcost import HostCost
@@ -39,7 +40,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tokens",
         choices=("tokenizer", "whitespace"),
         default="tokenizer",
-        help="ShareGPT token counts: the tiny model's tokenizer, or 4/3 tokens per word",
+        help="ShareGPT token counts: a tokenizer's (--tokenizer), or 4/3 tokens per word",
+    )
+    w.add_argument(
+        "--tokenizer", metavar="DIR", help="checkpoint whose tokenizer.json counts ShareGPT tokens (default: the tiny model's)"
     )
     w.add_argument("--num-requests", type=int, default=500)
     w.add_argument("--rate", type=float, default=math.inf, help="Poisson arrivals per second (default: all at once)")
@@ -85,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     workload = WorkloadConfig(
         kind=args.workload, num_requests=args.num_requests, rate=args.rate, seed=args.seed,
         path=args.path, token_counts=args.tokens, prompt_len=args.prompt_len, output_len=args.output_len,
+        tokenizer_path=None if args.tokenizer is None else str(Path(args.tokenizer) / "tokenizer.json"),
     )  # fmt: skip
     requests = make_requests(workload)
     cache = CacheConfig(num_kv_blocks=args.num_kv_blocks, block_size=args.block_size)

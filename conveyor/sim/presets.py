@@ -12,8 +12,9 @@ a100-7b    illustrative: a Llama-2-7B-like model on one A100-80GB, from roofline
 a100-13b   a100-7b.scaled(13/6.74): compute and the weight-read floor grow with the parameters.
 a100-70b-tp4  a100-7b.scaled(69/6.74, gpus=4): split over 4 GPUs by tensor parallelism, plus
            0.5 ms of all-reduces per pass (GQA's smaller KV is ignored: the KV terms are high).
-h100-llama3-8b  Llama-3-8B in bf16 on one H100 SXM, a RooflineCost (roofline.py): ESTIMATES,
-           not measurements; the arithmetic is written out at H100_LLAMA3_8B below. Paired with
+h100-llama3-8b  Llama-3-8B in bf16 on one H100 SXM, a RooflineCost (roofline.py) on the h100 row
+           of devices.py (the emulated device's too): ESTIMATES, not measurements; the
+           arithmetic is written out at H100_LLAMA3_8B below. Paired with
            the host cost of vLLM before multi-step (VLLM_V05_HOST) in HOST_COSTS.
 The cpu-tiny numbers do not scale to a GPU by a factor: on the CPU the intercept is Python and
 dispatch overhead, and there is no weight-read floor, so the GPU presets start from a roofline.
@@ -23,6 +24,7 @@ Every preset but h100-llama3-8b folds host work into its per-pass cost: their ho
 from __future__ import annotations
 
 from conveyor.sim.costmodel import CostModel, PassCost
+from conveyor.sim.devices import DEVICES
 from conveyor.sim.hostcost import HostCost
 from conveyor.sim.roofline import RooflineCost
 
@@ -77,7 +79,7 @@ A100_7B = roofline(
 A100_13B = A100_7B.scaled(13.0 / 6.74, floor_factor=13.0 / 6.74, name="a100-13b")
 A100_70B_TP4 = A100_7B.scaled(69.0 / 6.74, 4, floor_factor=69.0 / 6.74 / 4, comm_s=0.5e-3, name="a100-70b-tp4")
 
-# Llama-3-8B, bf16, one H100 SXM (80 GB HBM3). Per pass: 0.4 ms + max(memory, compute).
+# Llama-3-8B, bf16, one H100 SXM (80 GB HBM3): its row of devices.py. Per pass: 0.4 ms + max(memory, compute).
 #   weights    8.03e9 params x 2 bytes = 16.06e9 bytes, read once per pass
 #   KV         2 (K, V) x 32 layers x 8 KV heads x 128 dims x 2 bytes = 131072 bytes per cached token
 #   memory     HBM3 3.35e12 B/s at 80% achievable = 2.68e12 B/s:
@@ -90,9 +92,8 @@ A100_70B_TP4 = A100_7B.scaled(69.0 / 6.74, 4, floor_factor=69.0 / 6.74 / 4, comm
 # So a decode of 256 rows at 512 cached tokens each: memory (16.06e9 + 131072 x 256 x 513) / 2.68e12
 # = 12.4 ms against compute (16.06e9 x 256 + 524288 x 256 x 513) / 593.4e12 = 7.0 ms: memory-bound,
 # 12.8 ms with the launch floor. With no KV the knee is 5.99 ms / 27.1 us = 221 tokens per pass.
-H100_LLAMA3_8B = RooflineCost(
-    params=8.03e9, kv_bytes_per_token=2 * 32 * 8 * 128 * 2, pair_flops=4 * 128 * 32 * 32,
-    peak_flops=989e12, mfu=0.6, mem_bw=3.35e12, bw_util=0.8, launch_s=0.4e-3, name="h100-llama3-8b",
+H100_LLAMA3_8B = RooflineCost.on(
+    DEVICES["h100"], params=8.03e9, kv_bytes_per_token=2 * 32 * 8 * 128 * 2, pair_flops=4 * 128 * 32 * 32, name="h100-llama3-8b",
 )  # fmt: skip
 
 # vLLM before multi-step (v0.5, synchronous) on that setup. The multi-step RFC (the seed document
