@@ -1,6 +1,6 @@
 """The `conveyor` command: `conveyor serve` starts the daemon (every stage, supervised);
 `conveyor router --backends URL,...` routes one endpoint's requests to several daemons
-(stages/replica_router); `conveyor bench serve | offline | step | forward | sampling` runs the
+(stages/replica_router); `conveyor bench serve | offline | step | forward | sampling | cpu` runs the
 benchmarks (conveyor/bench).
 
 Bad options and bad checkpoints get one line on stderr and a non-zero exit, never a traceback.
@@ -46,6 +46,9 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
         "forward", help="one worker step on the CPU, with and without the C++ kernels, interleaved"
     ))  # fmt: skip
     bench_args.add_sampling(which.add_parser("sampling", help="the sampler's draw against noise-tensor draws, interleaved"))
+    bench_args.add_cpu(which.add_parser(
+        "cpu", help="run a client command; the CPU each stage spent per 1,000 output tokens, the client's, the bubble"
+    ))  # fmt: skip
 
 
 def router_parser(sub: argparse._SubParsersAction) -> None:
@@ -92,6 +95,10 @@ def bench(args: argparse.Namespace) -> int:
         from conveyor.bench import sampling
 
         return sampling.main(args)
+    if args.bench == "cpu":
+        from conveyor.bench import stage_cpu
+
+        return stage_cpu.main(args)
     from conveyor.bench import scheduler_cost
 
     return scheduler_cost.main(args.running, prepare=args.prepare, device=args.device)

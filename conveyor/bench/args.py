@@ -1,4 +1,4 @@
-"""The flags of `conveyor bench serve | offline | step`, kept apart from the benchmarks so that
+"""The flags of `conveyor bench serve | offline | step | forward | sampling | cpu`, kept apart from the benchmarks so that
 building the parser imports neither aiohttp nor torch."""
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     s.add_argument("--endpoint", default="/v1/completions", help="or /v1/chat/completions")
     s.add_argument("--model", help="model name in the API (default: the first of GET /v1/models)")
     s.add_argument("--api-key", help="sent as Authorization: Bearer")
-    s.add_argument("--tokenizer", help="tokenizer.json for prompt lengths when the server has no POST /tokenize")
+    s.add_argument("--tokenizer", help="count prompt lengths here with this tokenizer.json (or a checkpoint directory's) "
+                   "(default: the server's POST /tokenize, else 4/3 tokens per word)")  # fmt: skip
     s.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
@@ -123,6 +124,12 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the variants")
     p.add_argument("--repeats", type=int, default=5, help="calls per variant and shape in a round")  # fmt: skip
+
+
+def add_cpu(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the daemon whose /metrics count the tokens")
+    p.add_argument("--json", help="also write the figures here")
+    p.add_argument("client", nargs=argparse.REMAINDER, help="-- then the client command line")
 
 
 def _int_list(text: str) -> list[int]:

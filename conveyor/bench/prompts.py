@@ -1,8 +1,9 @@
 """Prompt text of a wanted token length, counted the way the server under test counts it.
 
 A counter turns texts into token counts, special tokens the server adds (BOS) included:
+  FileCounter    a tokenizer.json (`--tokenizer`), counted here as vLLM's client does, so
+                 preparing the dataset costs the server nothing (`bench cpu` measures it)
   ServerCounter  POST /tokenize on the server itself (conveyor and vLLM both answer it)
-  FileCounter    a tokenizer.json (`--tokenizer`), for servers without /tokenize
   WordCounter    4/3 tokens per word, when neither is at hand
 `choose_counter` takes the first that works, in that order.
 
@@ -66,7 +67,8 @@ class FileCounter:
     def __init__(self, path: str | Path):
         from tokenizers import Tokenizer
 
-        self.tokenizer = Tokenizer.from_file(str(path))
+        path = Path(path)
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
 
     async def count(self, texts: list[str]) -> list[int]:
         return [len(e.ids) for e in self.tokenizer.encode_batch(texts, add_special_tokens=True)]
@@ -82,14 +84,17 @@ class WordCounter:
 
 
 async def choose_counter(session: aiohttp.ClientSession, base_url: str, model: str, tokenizer: str | None = None) -> TokenCounter:
-    """The server's /tokenize if it answers, else the tokenizer.json given, else words."""
+    """The tokenizer.json given (a file, or a checkpoint directory holding one), else the
+    server's /tokenize if it answers, else words."""
+    if tokenizer:
+        return FileCounter(tokenizer)
     server = ServerCounter(session, base_url, model)
     try:
         if (await server.count(["hello world"]))[0] > 0:
             return server
     except (aiohttp.ClientError, RuntimeError, KeyError, ValueError):
         pass
-    return FileCounter(tokenizer) if tokenizer else WordCounter()
+    return WordCounter()
 
 
 async def special_tokens(counter: TokenCounter) -> int:
