@@ -22,7 +22,7 @@ from conveyor.config.errors import ConfigError
 from conveyor.config.model import DTYPES, ModelConfig
 from conveyor.config.options import Setting, collect, option, settings
 
-DEVICES = ("auto", "cpu", "cuda")
+DEVICES = ("auto", "cpu", "cuda", "emulated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,9 @@ class ModelOptions:
     )
     served_model_name: str | None = option(None, "model name in the API", none="the directory or file name")
     dtype: str = option("auto", "weights and activations (auto: the checkpoint's)", choices=("auto", *DTYPES))
-    device: str = option("auto", "auto: cuda when available, else cpu", choices=DEVICES)
+    device: str = option(
+        "auto", "auto: cuda when available, else cpu; emulated: a modelled GPU (--emulate), no weights loaded", choices=DEVICES
+    )
     max_model_len: int | None = option(None, "context length", none="the model's")
 
 
@@ -86,7 +88,12 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
     if device == "cpu" and model_config.dtype == "float16":
         # Half-precision matmuls on CPU are slow or missing; bf16 and fp32 are fine.
         model_config = dataclasses.replace(model_config, dtype="float32")
-    parallel = ParallelConfig(device=device, **fields[ParallelConfig])
+    parallel_fields = fields[ParallelConfig]
+    if device == "emulated":
+        parallel_fields.setdefault("emulate", "h100")
+    elif "emulate" in parallel_fields:
+        raise ConfigError(f"--emulate {parallel_fields['emulate']} models a GPU only with --device emulated")
+    parallel = ParallelConfig(device=device, **parallel_fields)
     check_tensor_parallel(model_config, parallel)
     server = fields[ServerConfig]
     if "chat_template" in server:
@@ -138,7 +145,7 @@ def resolve_model(model: str | None, device: str, dtype: str) -> tuple[str, str 
     from conveyor import default_model
 
     # A GGUF's weights are written in the serving dtype: the one asked for, else bfloat16 on a
-    # GPU and float32 on a CPU (whose half-precision matmuls are slow; float16 becomes float32
+    # GPU (an emulated one too) and float32 on a CPU (whose half-precision matmuls are slow; float16 becomes float32
     # there anyway, below).
     if device == "cpu":
         gguf_dtype = "bfloat16" if dtype == "bfloat16" else "float32"

@@ -16,6 +16,7 @@ import enum
 
 from conveyor.config.model import ModelConfig
 from conveyor.config.options import option
+from conveyor.sim.devices import DEVICE_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +76,9 @@ ROUTING_POLICIES = ("cache_aware", "round_robin", "least_loaded")
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    device: str = "cpu"  # "cpu" or "cuda": resolved from the --device option at build time
+    device: str = "cpu"  # "cpu", "cuda" or "emulated": resolved from the --device option at build time
+    # --device emulated: the GPU whose passes are modelled (gpu/emulated/, a row of conveyor/sim/devices.py).
+    emulate: str | None = option(None, "with --device emulated: the GPU to model", choices=DEVICE_NAMES, none="h100")
     # Worker ranks one engine's model is split over (gpu/parallel/): one process per rank, a
     # torch.distributed group (gloo on a CPU, NCCL on CUDA).
     tensor_parallel_size: int = option(1, "worker ranks (devices) one engine's model is split over", minimum=1)
@@ -97,6 +100,11 @@ class ParallelConfig:
     # batch size (1, 2, 4, 8, then steps of 8 up to the cap or --max-num-seqs). CUDA only.
     enforce_eager: bool = option(False, "never capture CUDA graphs: every step runs eagerly")
     max_cuda_graph_batch_size: int = option(256, "largest decode batch replayed from a CUDA graph", minimum=1)
+
+    @property
+    def device_label(self) -> str:
+        """What the device is, for logs and metric labels: cpu, cuda, or emulated-h100."""
+        return f"emulated-{self.emulate}" if self.device == "emulated" else self.device
 
 
 @dataclasses.dataclass(frozen=True)

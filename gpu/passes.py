@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 from conveyor.gpu.pass_clock import PassClock
 from conveyor.gpu.sampling.draws import DeviceSamples
-from conveyor.gpu.sampling.transfer import HostCopy
 from conveyor.gpu.step_inputs import PassInputs
 from conveyor.wire.messages import SamplingParams, StepPlan, StepResult, TopLogprobs
 
 if TYPE_CHECKING:  # xgrammar loads with the first constrained sequence
+    from conveyor.gpu.platform import ResultCopy
     from conveyor.gpu.structured import Matcher
 
 
@@ -63,7 +63,7 @@ class LaunchedPass:
     draws: list[WorkerSeq]  # the sequence of each draw the result reports, in protocol order
     computed: list[int | None]  # per reported draw: its index among the computed draws (None: skipped)
     samples: DeviceSamples | None
-    copy: HostCopy | None
+    copy: ResultCopy | None  # its ids on their way to the host (the platform's HostCopy or VirtualCopy)
     clock: PassClock
 
 

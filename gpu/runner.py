@@ -53,11 +53,8 @@ from collections.abc import Iterator
 import torch
 
 from conveyor.config.engine import EngineConfig
-from conveyor.gpu.backends import Backend, select
-from conveyor.gpu.cuda_graphs import DecodeGraphs, can_capture
-from conveyor.gpu.host_memory import keep_freed_memory
-from conveyor.gpu.kv_cache import num_blocks_for_memory
-from conveyor.gpu.loader import load_model
+from conveyor.gpu.backends import Backend
+from conveyor.gpu.cuda_graphs import DecodeGraphs
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.sampling import share_draws
 from conveyor.gpu.parallel.shard import shard_model_config
@@ -65,11 +62,11 @@ from conveyor.gpu.pass_clock import Mark, PassClock
 from conveyor.gpu.passes import LaunchedPass, Window, WorkerSeq, pass_result
 from conveyor.gpu.persistent_batch import PersistentBatch
 from conveyor.gpu.plan_checks import check_plan
+from conveyor.gpu.platform import Platform, platform_for
 from conveyor.gpu.profile_steps import profile_steps
 from conveyor.gpu.sampling import SamplingRow, sample_step
-from conveyor.gpu.sampling.draws import draw_step
 from conveyor.gpu.sampling.penalties import penalises_repeats
-from conveyor.gpu.sampling.transfer import HostCopy, to_device
+from conveyor.gpu.sampling.transfer import to_device
 from conveyor.gpu.step_inputs import PassInputs, RowSpec, first_pass_inputs, next_pass_inputs
 from conveyor.gpu.structured import Matcher, TokenMask, grammars_for, token_mask
 from conveyor.wire.messages import MAX_LOGPROBS, NewSeq, SamplingParams, StepPlan, StepResult
@@ -81,9 +78,8 @@ class ModelRunner:
     """`backend`: the attention backend and ops to run on; None (the worker): chosen from
     config.parallel.attention_backend by gpu.backends.select. `tp`: the tensor-parallel group
     this runner is rank tp.rank of (gpu/parallel/rendezvous.py; None: one rank). `device_index`:
-    on CUDA, the visible device it takes, modulo their number (the worker passes its process
-    index, so the ranks and engines of one machine take one device each, and a process that sees
-    only its own device, as Ray hands them out, takes that one)."""
+    on CUDA, the visible device it takes (gpu/platform.py `platform_for`; the worker passes its
+    process index). What it runs on, a real device or an emulated one, is its `platform`'s."""
 
     def __init__(
         self, config: EngineConfig, device_index: int = 0, backend: Backend | None = None, tp: TensorParallel | None = None
@@ -91,19 +87,16 @@ class ModelRunner:
         self.config = config
         self.tp = tp or SINGLE
         self.block_size = config.cache.block_size
-        self.device = _device(config.parallel.device, device_index)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        if self.device.type == "cpu":
-            keep_freed_memory()  # activations reuse warm heap pages instead of fresh mmaps
+        self.platform: Platform = platform_for(config, device_index, self.tp.size)
+        self.device = self.platform.device
         # The attention backend and ops, chosen once: auto is triton on CUDA, cpu (the C++ kernels)
         # on a CPU, torch where the cpu backend cannot run.
         # Its KV layout is the rank's: its share of the KV heads (or one replica of one).
-        backend = backend or select(config.parallel.attention_backend, self.device, shard_model_config(config.model, self.tp.size))
+        backend = backend or self.platform.backend(config.parallel.attention_backend, shard_model_config(config.model, self.tp.size))
         self.backend = dataclasses.replace(backend, tp=self.tp)
         log.info("attention backend: %s", self.backend.description)
         self.attn = self.backend.attn
-        self.model = load_model(config.model, self.device, self.backend)
+        self.model = self.platform.load_model(config.model, self.backend)
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0  # the scheduler's pool: ids [0, num_blocks); one more block is scratch
@@ -121,13 +114,13 @@ class ModelRunner:
         """KV blocks this device can hold next to the model (and, on CUDA, a full step's peak),
         less the scratch block (a fixed --num-kv-blocks is the pool itself: the scratch block
         comes on top)."""
-        if self._captures():
+        if self._uses_graphs() and self.device.type == "cuda":
             self._graph_probe = DecodeGraphs.memory_probe(self.config, self.model, self.attn, self.device)
             seconds, graph_bytes = self._graph_probe.capture_all()
             log.info("CUDA graphs: the largest bucket takes %.1f MiB (probe captured in %.2f s)", graph_bytes / 2**20, seconds)
         if self.device.type == "cuda" and self.config.cache.num_kv_blocks is None:
             self._profile_run()
-        num_blocks = num_blocks_for_memory(self.attn.bytes_per_block(self.block_size), self.config.cache, self.device)
+        num_blocks = self.platform.kv_blocks(self.attn.bytes_per_block(self.block_size), self.config.cache)
         return num_blocks if self.config.cache.num_kv_blocks is not None else max(1, num_blocks - 1)
 
     def initialize_cache(self, num_blocks: int) -> None:
@@ -135,7 +128,7 @@ class ModelRunner:
         no sequence owns: padded rows of a captured batch write their KV there."""
         self.kv_caches = self.attn.allocate_kv_caches(num_blocks + 1, self.block_size)
         self.num_blocks = num_blocks
-        if self._captures():
+        if self._uses_graphs():
             pool = self._graph_probe.pool if self._graph_probe is not None else None
             self.graphs = DecodeGraphs.from_config(
                 self.config, self.model, self.attn, self.kv_caches, scratch_block=num_blocks, device=self.device, pool=pool
@@ -143,8 +136,10 @@ class ModelRunner:
             self.graphs.capture_all()  # logs each bucket's time and memory
             self._graph_probe = None
 
-    def _captures(self) -> bool:
-        return can_capture(self.config, self.attn, self.device) and self.tp.size == 1  # see the module docstring
+    def _uses_graphs(self) -> bool:
+        """Whether decode steps take the CUDA-graph path (captured on CUDA; see the module docstring for tp)."""
+        parallel = self.config.parallel
+        return self.platform.runs_graphs and not parallel.enforce_eager and self.attn.supports_cuda_graphs and self.tp.size == 1
 
     # --- running plans ------------------------------------------------------------------------
 
@@ -157,6 +152,22 @@ class ModelRunner:
 
     def has_pending(self) -> bool:
         return bool(self._pending or self._collected)
+
+    def landing_in(self) -> float | None:
+        """Seconds until the oldest pass in flight has its ids on the host: 0.0 when it has (or
+        results wait to be collected, or nothing is in flight); None where the device cannot say
+        (a CUDA event can only be asked whether it completed)."""
+        if self._collected or not self._pending or self._pending[0].copy is None:
+            return 0.0
+        return self._pending[0].copy.seconds_left()
+
+    def collect_due(self) -> list[StepResult]:
+        """What the worker collects when no plan came while it waited for `landing_in`: the
+        oldest pass in flight, waited for, and every later one that already landed; where the
+        device could not say when it lands (and one rank may decide alone), only what landed."""
+        if self.tp.size == 1 and self.landing_in() is None:
+            return self.collect(keep=len(self._pending))
+        return self.collect(keep=max(0, len(self._pending) - 1))
 
     def collect(self, keep: int = 0) -> list[StepResult]:
         """Results of launched passes, in launch order: every pass whose ids already reached the
@@ -176,7 +187,7 @@ class ModelRunner:
     def launch(self, plan: StepPlan) -> Iterator[None]:
         """Apply the plan's diffs, then launch its passes, one per iteration. A bad plan raises
         before anything changed."""
-        arrival = Mark(self.device.type == "cuda") if plan.after_idle or self._last_clock is None else None
+        arrival = self.platform.mark() if plan.after_idle or self._last_clock is None else None
         window = self._apply(plan)
         if window is None:
             return
@@ -235,7 +246,7 @@ class ModelRunner:
             return False
         rows = [window.rows[i] for i in active]
         plan = window.plan
-        clock = PassClock(self.device, arrival if arrival is not None else self._last_clock)
+        clock = PassClock(self.platform.mark, arrival if arrival is not None else self._last_clock)
         if k == 0:
             specs = []
             for seq, row in zip(rows, plan.scheduled):
@@ -277,7 +288,7 @@ class ModelRunner:
                     self.batch.slots[plan.scheduled[active[i]].seq_id] for i, f in zip(sampling, forks) for _ in range(1 + len(f))
                 ]
                 draw_params = self.batch.params.gather(to_device(param_slots, torch.int64, self.device))
-                drawn = draw_step(logits, sampling_rows, self.config.model.eos_token_ids, draw_params, mask)
+                drawn = self.platform.draw(logits, sampling_rows, self.config.model.eos_token_ids, draw_params, mask)
             samples = share_draws(self.tp, drawn, sampling_rows, self.device)  # rank 0's ids on every rank
         for seq, n in zip(rows, num_computed):
             seq.num_computed += n
@@ -308,7 +319,7 @@ class ModelRunner:
             position = {row: c for c, row in enumerate(active)}
             reported = [i for i, n in enumerate(window.passes) if n > k]
             reported_seqs, computed = [window.rows[i] for i in reported], [position.get(i) for i in reported]
-        copy = HostCopy(samples.tensors()) if samples is not None else None
+        copy = self.platform.host_copy(samples.tensors()) if samples is not None else None
         self._pending.append(LaunchedPass(window, k, reported_seqs, computed, samples, copy, clock))
         window.num_launched = k + 1
         self._last_clock = clock
@@ -400,10 +411,3 @@ class ModelRunner:
         history = [0] * min(model_cfg.max_model_len, sched.max_num_batched_tokens)  # one output: min_tokens still bans EOS
         row = SamplingRow(params, history, len(history) - 1, [0])
         sample_step(logits, [row] * num_rows, model_cfg.eos_token_ids)
-
-
-def _device(name: str, index: int) -> torch.device:
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", index % max(1, torch.cuda.device_count()))
-    return device

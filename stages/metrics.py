@@ -40,7 +40,7 @@ _STEP_SECONDS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.0
 _TOKENS = tuple(float(2**i) for i in range(15))
 
 
-_engine = "0"  # the engine this process records for (bind_engine)
+_labels = {"engine": "0", "device": ""}  # this process's engine and device (bind_engine)
 
 
 class PerEngine:
@@ -48,15 +48,16 @@ class PerEngine:
     go to this process's engine's series. The series is made at first use (or by bind_engine), so
     a process that never records one (a tokenizer) writes no 0 into an engine's live gauge."""
 
-    def __init__(self, metric: Any, *, gauge: bool = False):
+    def __init__(self, metric: Any, label_names: tuple[str, ...], *, gauge: bool = False):
         self.metric = metric
+        self.label_names = label_names
         self.gauge = gauge
         self._child: Any = None
 
     def series(self) -> Any:
         """This process's engine's series (made now if it was not)."""
         if self._child is None:
-            self._child = self.metric.labels(_engine)
+            self._child = self.metric.labels(*(_labels[name] for name in self.label_names))
         return self._child
 
     def __getattr__(self, name: str) -> Any:
@@ -66,20 +67,22 @@ class PerEngine:
 _PER_ENGINE: list[PerEngine] = []
 
 
-def bind_engine(engine: int) -> None:
+def bind_engine(engine: int, device: str = "") -> None:
     """This process is (part of) engine `engine` (a scheduler, a worker rank; the stage entry point
-    calls this before the stage runs): its engine metrics carry that label, and its counters and
-    histograms show 0 from the first scrape, as unlabelled ones would. Gauges are left to be set:
-    a 0 from a worker rank would be the most recent value of its scheduler's gauge."""
-    global _engine
-    _engine = str(engine)
+    calls this before the stage runs), on `device` (ParallelConfig.device_label: the worker's
+    metrics say which, so an emulated device's figures are never taken for a real one's): its
+    engine metrics carry those labels, and its counters and histograms show 0 from the first
+    scrape, as unlabelled ones would. Gauges are left to be set: a 0 from a worker rank would be
+    the most recent value of its scheduler's gauge."""
+    _labels.update(engine=str(engine), device=device)
     for metric in _PER_ENGINE:
         if not metric.gauge:
             metric.series()
 
 
-def _per_engine(metric_type: Any, name: str, doc: str, **kwargs: Any) -> Any:
-    metric = PerEngine(metric_type(name, doc, ["engine"], **kwargs), gauge=metric_type is Gauge)
+def _per_engine(metric_type: Any, name: str, doc: str, *, per_device: bool = False, **kwargs: Any) -> Any:
+    label_names = ("engine", "device") if per_device else ("engine",)
+    metric = PerEngine(metric_type(name, doc, list(label_names), **kwargs), label_names, gauge=metric_type is Gauge)
     _PER_ENGINE.append(metric)
     return metric
 
@@ -109,11 +112,16 @@ request_prompt_tokens = Histogram("conveyor_request_prompt_tokens", "Prompt toke
 request_generation_tokens = Histogram("conveyor_request_generation_tokens", "Generated tokens per request", buckets=_TOKENS)
 
 # --- the GPU bubble (worker) and the scheduler's own time ----------------------------------
-worker_busy = _per_engine(Counter, "conveyor_worker_busy_seconds", "Device time spent computing steps")
-worker_idle = _per_engine(Counter, "conveyor_worker_idle_seconds", "Device time spent waiting for the host between steps")
-worker_step_busy = _per_engine(Histogram, "conveyor_worker_step_busy_seconds", "Device compute time per step", buckets=_STEP_SECONDS)
+# Labelled with the device too: "emulated-h100" marks a modelled device's (gpu/emulated/) figures.
+worker_busy = _per_engine(Counter, "conveyor_worker_busy_seconds", "Device time spent computing steps", per_device=True)
+worker_idle = _per_engine(
+    Counter, "conveyor_worker_idle_seconds", "Device time spent waiting for the host between steps", per_device=True
+)
+worker_step_busy = _per_engine(
+    Histogram, "conveyor_worker_step_busy_seconds", "Device compute time per step", buckets=_STEP_SECONDS, per_device=True
+)
 worker_step_idle = _per_engine(
-    Histogram, "conveyor_worker_step_idle_seconds", "Device idle time before each step", buckets=_STEP_SECONDS
+    Histogram, "conveyor_worker_step_idle_seconds", "Device idle time before each step", buckets=_STEP_SECONDS, per_device=True
 )
 scheduler_step_time = _per_engine(
     Histogram, "conveyor_scheduler_step_seconds", "Scheduler CPU time to plan one step", buckets=_STEP_SECONDS

@@ -138,7 +138,7 @@ def main(argv: list[str]) -> int:
     from conveyor.stages import metrics  # not at the top: it imports this module
 
     if stage in (SCHEDULER.name, WORKER.name):  # an engine's own processes label its metrics
-        metrics.bind_engine(engine_of(config, BY_NAME[stage], index) or 0)
+        metrics.bind_engine(engine_of(config, BY_NAME[stage], index) or 0, config.parallel.device_label)
     if restarts:
         metrics.stage_restarts.labels(stage).inc()
         logging.getLogger(name).warning("restarted (restart %d of this stage)", restarts)

@@ -82,14 +82,23 @@ def make_checkpoint(path: str | Path, architecture: str = "LlamaForCausalLM", *,
     tie_word_embeddings=True, rope_theta=..., rope_scaling={...}, dtype="bfloat16", ...); the
     tensor shapes follow them.
     """
-    root = Path(path)
+    return _write(Path(path), architecture, seed, config_overrides, weights=True)
+
+
+def make_config(path: str | Path, architecture: str = "LlamaForCausalLM", **config_overrides: Any) -> Path:
+    """make_checkpoint's files but the weights: what an emulated device (--device emulated) reads."""
+    return _write(Path(path), architecture, 0, config_overrides, weights=False)
+
+
+def _write(root: Path, architecture: str, seed: int, config_overrides: dict[str, Any], *, weights: bool) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     config = _config(architecture, config_overrides)
     tokenizer_json = _tokenizer_json(architecture)
     eos_ids = config["eos_token_id"]
 
-    tensors = _weights(config, seed, getattr(torch, config["dtype"]))
-    save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
+    if weights:
+        tensors = _weights(config, seed, getattr(torch, config["dtype"]))
+        save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
     _write_json(root / "config.json", config)
     _write_json(
         root / "generation_config.json",

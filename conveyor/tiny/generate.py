@@ -11,16 +11,24 @@ as tokens. Prompts are tokenized by the tiny tokenizer, which splits text more f
 Llama-3-8B in bfloat16 is 16 GB on disk; generating it needs about twice that in host memory
 (the tensors, then safetensors' buffer) and minutes: a 4-layer cut of the shape (3.6 GiB) peaked
 at 6.9 GiB resident and took 55 s on a 2-core development machine.
+
+`--no-weights` writes everything but the weights, at once: what `conveyor serve --device
+emulated` reads (it models the device and loads none). `--tokenizer-from DIR` takes another
+checkpoint's tokenizer, chat template and special ids (config.json's bos/eos, its
+generation_config.json) instead of the tiny BPE's: a real 49k-id BPE such as SmolLM2's counts
+ShareGPT's tokens much as Llama 3's does.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-from conveyor.tiny.checkpoint import DEFAULT_SHAPE, make_checkpoint
+from conveyor.tiny.checkpoint import DEFAULT_SHAPE, make_checkpoint, make_config
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": DEFAULT_SHAPE,
@@ -40,9 +48,38 @@ SHAPES: dict[str, dict[str, Any]] = {
 DTYPES = ("float32", "bfloat16", "float16")
 
 
-def generate(out_dir: str | Path, shape: str, dtype: str = "bfloat16", seed: int = 0) -> Path:
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+)
+
+
+def generate(
+    out_dir: str | Path, shape: str, dtype: str = "bfloat16", seed: int = 0, weights: bool = True, tokenizer_from: str | None = None
+) -> Path:
     """Write the checkpoint of `shape` (a SHAPES key) in `dtype` into out_dir and return it."""
-    return make_checkpoint(out_dir, "LlamaForCausalLM", seed=seed, dtype=dtype, **SHAPES[shape])
+    if tokenizer_from is None:
+        if weights:
+            return make_checkpoint(out_dir, "LlamaForCausalLM", seed=seed, dtype=dtype, **SHAPES[shape])
+        return make_config(out_dir, "LlamaForCausalLM", dtype=dtype, **SHAPES[shape])
+    if weights:
+        raise ValueError("--tokenizer-from writes no weights (the tiny tokenizer's ids size them): add --no-weights")
+    source, root = Path(tokenizer_from), Path(out_dir)
+    try:
+        config = json.loads((source / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {source / 'config.json'}: {e}") from None
+    root.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, root / name)
+    special = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    shaped = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": dtype, **SHAPES[shape], **special}
+    (root / "config.json").write_text(json.dumps(shaped, indent=2) + "\n")
+    return root
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,9 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="the model's shape (default: %(default)s)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the weights' dtype (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="weights are a function of the seed (default: %(default)s)")
+    p.add_argument("--no-weights", dest="weights", action="store_false", help="config and tokenizer only (for --device emulated)")
+    p.add_argument("--tokenizer-from", metavar="DIR", help="another checkpoint's tokenizer and special ids (needs --no-weights)")
     args = p.parse_args(argv)
-    path = generate(args.out_dir, args.shape, args.dtype, args.seed)
-    print(f"wrote {args.shape} ({args.dtype}) to {path}")
+    try:
+        path = generate(args.out_dir, args.shape, args.dtype, args.seed, args.weights, args.tokenizer_from)
+    except ValueError as e:
+        p.error(str(e))
+    print(f"wrote {args.shape} ({args.dtype}{'' if args.weights else ', no weights'}) to {path}")
     return 0
 
 

@@ -28,7 +28,6 @@ import signal
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from conveyor.config.engine import EngineConfig
@@ -53,7 +52,7 @@ def init_group(config: EngineConfig, engine: int, rank: int) -> TensorParallel:
     if method is None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # local ranks talk over loopback only
         method = _file_store(Path(config.server.run_dir), engine, rank)
-    backend = "nccl" if torch.device(config.parallel.device).type == "cuda" else "gloo"
+    backend = "nccl" if config.parallel.device == "cuda" else "gloo"  # an emulated device's ranks are host processes
     dist.init_process_group(backend, init_method=method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # see the module docstring
     log.info("tensor-parallel rank %d of %d (engine %d, %s)", rank, size, engine, backend)

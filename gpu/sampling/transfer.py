@@ -65,6 +65,10 @@ class HostCopy:
     def ready(self) -> bool:
         return self.done is None or self.done.query()
 
+    def seconds_left(self) -> float | None:
+        """0.0 once the copies landed; None before (an event cannot say when it will complete)."""
+        return 0.0 if self.ready() else None
+
     def wait(self) -> list[Any]:
         if self.done is not None:
             self.done.synchronize()

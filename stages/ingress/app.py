@@ -100,6 +100,8 @@ class InfoRoutes:
             "owned_by": "conveyor",
             "max_model_len": model.max_model_len,
         }
+        if self.config.parallel.device == "emulated":  # no model runs: answers and timings are modelled
+            card["emulated_device"] = self.config.parallel.emulate
         return web.json_response({"object": "list", "data": [card]})
 
     async def openapi(self, request: web.Request) -> web.Response:

@@ -1,0 +1,13 @@
+"""The emulated device (`conveyor serve --device emulated --emulate h100`): a GPU's work modelled,
+everything on the host run for real, so the host pipeline's cost at GPU speed is measured on a
+machine without one.
+
+- platform.py: EmulatedPlatform, the runner's seam (gpu/platform.py) for it; KV capacity from
+  the device's memory;
+- stream.py: the virtual stream, its events and the copies behind them;
+- model.py: the model and attention backend that queue a pass's time and hold nothing;
+- footprint.py: a model's parameters, KV bytes and FLOPs from its config, and its pass roofline
+  on a device of the simulator's table (`conveyor.sim.devices`);
+- draws.py: deterministic ids from the tokenizer's ordinary vocabulary, under grammar masks.
+Every figure it gives is emulated: the log, /v1/models and the worker's metrics say so.
+"""

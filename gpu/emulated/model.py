@@ -1,0 +1,59 @@
+"""The emulated device's model and attention backend: no weights, no KV, only time.
+
+EmulatedModel is what the runner calls as its model. A pass's forward queues the pass's modelled
+time on the virtual stream (its roofline cost for the pass's shape, read from the attention
+metadata the runner built: rows, new tokens and context per row) and returns at once, as a CUDA
+launch does. Its hidden states and logits are placeholders with the right number of rows and no
+columns: nothing reads them but the emulated draws (draws.py), which need only the rows.
+
+EmulatedAttention holds no KV: each layer's cache is a [2, num_blocks, 0] placeholder, so the
+runner's block copies and CUDA-graph buffers work on it unchanged, while `bytes_per_block` is the
+real layout's, which sizes the pool. It supports the CUDA-graph path, as the triton backend does,
+so a decode step's host work is the graphed one (no metadata built per step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata
+from conveyor.gpu.emulated.stream import VirtualStream
+from conveyor.sim.costmodel import PassCost, StepShape
+
+
+class EmulatedModel:
+    def __init__(self, cost: PassCost, stream: VirtualStream) -> None:
+        self.cost, self.stream = cost, stream
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list) -> torch.Tensor:
+        """input_ids [T] -> hidden [T, 0], after queueing the pass's time."""
+        self.stream.launch(self.cost.latency(pass_shape(meta)))
+        return torch.empty((input_ids.shape[0], 0))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, 0] -> logits [S, 0]: sampled within the pass's time already queued."""
+        return hidden
+
+
+def pass_shape(meta: AttentionMetadata) -> StepShape:
+    """The cost model's view of a pass, from its metadata's per-row tensors (a CUDA graph's
+    metadata has no host lists: its padding rows count, as they compute on a GPU)."""
+    new = meta.query_lens.long()  # [B]
+    context = meta.seq_lens.long()  # [B], new tokens included
+    cached = context - new
+    pairs = new * cached + new * (new + 1) // 2
+    return StepShape(int(new.sum()), int(new.shape[0]), int(context.sum()), int(pairs.sum()))
+
+
+class EmulatedAttention(AttentionBackend):
+    supports_cuda_graphs = True
+    kv_layout = "none held (sized as [2, num_blocks, block_size, Hkv, D])"
+
+    def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        return [torch.empty((2, num_blocks, 0), dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        raise AssertionError("the emulated model computes no keys")
+
+    def attend(self, q, k, v, kv_cache, meta, scale):
+        raise AssertionError("the emulated model computes no attention")

@@ -1,0 +1,117 @@
+"""Platform: what the runner (gpu/runner.py) needs of the hardware it runs on, beyond where its
+tensors live. One per worker, chosen once from --device (`platform_for`):
+
+    TorchPlatform     CUDA or the CPU, through torch: the model is loaded and computed for real
+    EmulatedPlatform  a modelled GPU (gpu/emulated/): no weights, each pass timed by a roofline
+
+Every host-side operation of the runner (plan checks, the persistent batch, input preparation,
+result collection) is the same on both; only these differ:
+- `backend` / `load_model`: the attention backend and ops, and the model that runs on them;
+- `kv_blocks`: how many KV blocks of a given size the device holds;
+- `mark` / `host_copy`: points on the device's timeline (the pass clock's busy and idle time)
+  and a pass's results on their way to the host, readable once they land;
+- `draw`: a pass's draws from its logits (gpu/sampling/draws.py's draw_step, or emulated ids);
+- `runs_graphs`: whether decode steps take the CUDA-graph path (captured on CUDA; on the
+  emulated device the same host path, replayed without capture).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import torch
+
+from conveyor.config.engine import CacheConfig, EngineConfig
+from conveyor.config.model import ModelConfig
+from conveyor.gpu.backends import Backend, select
+from conveyor.gpu.host_memory import keep_freed_memory
+from conveyor.gpu.kv_cache import num_blocks_for_memory
+from conveyor.gpu.pass_clock import EventMark, HostMark, Mark
+from conveyor.gpu.sampling.draws import DeviceSamples, SamplingRow, draw_step
+from conveyor.gpu.sampling.params_table import DrawParams
+from conveyor.gpu.sampling.transfer import HostCopy
+from conveyor.gpu.structured import TokenMask
+
+
+class ResultCopy(Protocol):
+    """A pass's results on their way to the host."""
+
+    def ready(self) -> bool: ...
+
+    def seconds_left(self) -> float | None: ...  # until they land: 0.0 once they have, None if unknown
+
+    def wait(self) -> list[Any]: ...
+
+
+class Platform(Protocol):
+    device: torch.device  # where the runner's tensors live
+    runs_graphs: bool
+
+    def backend(self, name: str, model: ModelConfig) -> Backend: ...
+
+    def load_model(self, model: ModelConfig, backend: Backend) -> Any: ...
+
+    def kv_blocks(self, bytes_per_block: int, cache: CacheConfig) -> int: ...
+
+    def mark(self) -> Mark: ...
+
+    def host_copy(self, tensors: list[torch.Tensor | None]) -> ResultCopy: ...
+
+    def draw(
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        eos_token_ids: tuple[int, ...],
+        draw_params: DrawParams | None,
+        mask: TokenMask | None,
+    ) -> DeviceSamples: ...
+
+
+@dataclasses.dataclass
+class TorchPlatform:
+    """A real device: `device` is cuda:N or cpu."""
+
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # activations reuse warm heap pages instead of fresh mmaps
+        self.runs_graphs = self.device.type == "cuda"
+
+    def backend(self, name: str, model: ModelConfig) -> Backend:
+        return select(name, self.device, model)
+
+    def load_model(self, model: ModelConfig, backend: Backend) -> Any:
+        from conveyor.gpu.loader import load_model
+
+        return load_model(model, self.device, backend)
+
+    def kv_blocks(self, bytes_per_block: int, cache: CacheConfig) -> int:
+        return num_blocks_for_memory(bytes_per_block, cache, self.device)
+
+    def mark(self) -> Mark:
+        return EventMark() if self.device.type == "cuda" else HostMark()
+
+    def host_copy(self, tensors: list[torch.Tensor | None]) -> ResultCopy:
+        return HostCopy(tensors)
+
+    def draw(self, logits, rows, eos_token_ids, draw_params, mask) -> DeviceSamples:
+        return draw_step(logits, rows, eos_token_ids, draw_params, mask)
+
+
+def platform_for(config: EngineConfig, device_index: int, num_ranks: int) -> Platform:
+    """The platform --device names; on CUDA, the visible device `device_index` takes (modulo their
+    number, so the ranks and engines of one machine take one device each, and a process that sees
+    only its own device, as Ray hands them out, takes that one). `num_ranks`: the engine's
+    tensor-parallel ranks, which an emulated device divides the model over."""
+    if config.parallel.device == "emulated":
+        from conveyor.gpu.emulated.platform import EmulatedPlatform
+
+        return EmulatedPlatform(config, num_ranks)
+    device = torch.device(config.parallel.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", device_index % max(1, torch.cuda.device_count()))
+    return TorchPlatform(device)
