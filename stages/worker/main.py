@@ -7,10 +7,12 @@ Takes (WorkerInbound): InitializeCache once, then StepPlan per step, from the sc
 Sends: WorkerReady (its KV capacity) and, from rank 0, one StepResult per forward pass of a plan
 with rows (a multi-step plan has several), each as soon as its ids reach the host.
 
-The loop never lets the device wait for a result to be sent: it launches a plan's passes, then,
-if the next plan is already in the socket (asynchronous scheduling), launches that too before
-waiting for the earlier ids. While a multi-step window runs, each pass's result goes out as soon
-as it lands, one pass behind the device at most (on a CPU, at once: compute is synchronous).
+The loop never lets the device wait for a result to be sent: it launches a plan's passes, then
+waits for whichever comes first, the next plan (asynchronous scheduling sends it while the device
+computes: it is launched at once, behind the passes in flight) or the oldest pass's ids (sent as
+they land). Where the device cannot say when a pass lands (a CUDA event can only be asked), it
+looks for a plan every POLL_MS. While a multi-step window runs, each pass's result goes out as
+soon as it lands, one pass behind the device at most (on a CPU, at once: compute is synchronous).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from conveyor.wire.topology import SCHEDULER, WORKER, engine_and_rank, receiver,
 
 log = logging.getLogger(__name__)
 
+POLL_MS = 1  # how often to look for a plan while a pass whose landing time is unknown computes
+
 
 def record_step(result: StepResult) -> None:
     """The GPU bubble: busy is device compute, idle the wait on the host before the step."""
@@ -38,6 +42,15 @@ def record_step(result: StepResult) -> None:
     metrics.worker_idle.inc(result.idle_time)
     metrics.worker_step_busy.observe(result.busy_time)
     metrics.worker_step_idle.observe(result.idle_time)
+
+
+def wait_ms(runner: ModelRunner) -> int | None:
+    """How long to wait for a message: forever with nothing in flight, else until the oldest pass
+    lands (rounded down: the rest is waited for by collecting it), or POLL_MS where unknown."""
+    if not runner.has_pending():
+        return None
+    left = runner.landing_in()
+    return POLL_MS if left is None else int(left * 1000)
 
 
 def run(config: EngineConfig, index: int) -> None:
@@ -57,8 +70,7 @@ def run(config: EngineConfig, index: int) -> None:
                     record_step(result)
 
         while True:
-            # Passes in flight: look for the next plan without blocking, and collect if none.
-            match inbox.recv(timeout_ms=0 if runner.has_pending() else None):
+            match inbox.recv(timeout_ms=wait_ms(runner)):
                 case InitializeCache(num_kv_blocks=num_blocks):
                     runner.initialize_cache(num_blocks)
                     report_ready(ctx, config, WORKER, index)
@@ -73,7 +85,7 @@ def run(config: EngineConfig, index: int) -> None:
                             plan.step, started, len(plan.scheduled), sum(row.num_tokens for row in plan.scheduled),
                             len(plan.new_seqs), plan.num_steps, 1000 * (time.time() - started),
                         )  # fmt: skip
-                case None:  # nothing waiting: the passes in flight are all there is to do
-                    send(runner.collect(keep=0))
+                case None:  # no plan came while the oldest pass computed
+                    send(runner.collect_due())
     finally:
         ctx.destroy(linger=0)
