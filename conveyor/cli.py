@@ -41,7 +41,7 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
         "offline", help="offline tokens/s of conveyor's LLM API against transformers' generate",
         formatter_class=DefaultsHelpFormatter,
     ))  # fmt: skip
-    bench_args.add_step(which.add_parser("step", help="CPU cost of one scheduler step over N running decodes"))
+    bench_args.add_step(which.add_parser("step", help="CPU cost of one scheduler (or, --worker, worker) step over N running decodes"))
     bench_args.add_forward(which.add_parser(
         "forward", help="one worker step on the CPU, with and without the C++ kernels, interleaved"
     ))  # fmt: skip
@@ -99,6 +99,10 @@ def bench(args: argparse.Namespace) -> int:
         from conveyor.bench import stage_cpu
 
         return stage_cpu.main(args)
+    if args.worker:
+        from conveyor.bench import worker_cost
+
+        return worker_cost.main(args.running)
     from conveyor.bench import scheduler_cost
 
     return scheduler_cost.main(args.running, prepare=args.prepare, device=args.device)

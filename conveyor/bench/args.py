@@ -93,6 +93,7 @@ def add_step(p: argparse.ArgumentParser) -> None:
         "--prepare", action="store_true", help="also time one ModelRunner input preparation alone (loads torch and the tiny model)"
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="for --prepare")  # fmt: skip
+    p.add_argument("--worker", action="store_true", help="the worker's host work per decode step instead, on an emulated H100")
 
 
 def add_forward(p: argparse.ArgumentParser) -> None:
