@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import gc
 import logging
 import os
 import shutil
@@ -109,6 +110,17 @@ def report_ready(ctx: zmq.Context, config: EngineConfig, stage: Stage[Any], inde
     launcher = sender(ctx, config, LAUNCHER)
     launcher.send(StageReady(stage=stage.name, index=index))
     launcher.close()
+    settle()
+
+
+def settle() -> None:
+    """The stage's start-up is over: what it built to last (imported modules, the model, the
+    tokenizer, its sockets) leaves the cyclic garbage collector's view (gc.freeze). A full
+    collection otherwise traverses every one of those objects again, and the steady stream of
+    per-step objects triggers one every few dozen steps: half the worker's host CPU per decode
+    step (2.40 against 1.36 ms for 256 rows, measured on its loop alone). Frozen objects are
+    still freed when their last reference goes; only cycles among them would never be."""
+    gc.freeze()
 
 
 def with_api_key(config: EngineConfig) -> EngineConfig:

@@ -22,6 +22,7 @@ from conveyor.stages.ingress.app import build_app
 from conveyor.stages.ingress.engine_client import EngineClient
 from conveyor.stages.ingress.listener import BoundedSite
 from conveyor.stages.liveness import Pulse
+from conveyor.stages.runtime import settle
 from conveyor.wire.channel import AsyncReceiver
 from conveyor.wire.messages import Drained, IngressInbound, StageReady
 from conveyor.wire.topology import INGRESS, LAUNCHER, TOKENIZER, admission, async_receiver, sender, senders
@@ -60,6 +61,7 @@ async def serve(config: EngineConfig, index: int) -> None:
         await site.start()
         log.info("ingress %d listening on http://%s:%d", index, config.server.host, config.server.port)
         launcher.send(StageReady(stage=INGRESS.name, index=index))
+        settle()
         await pump  # runs until cancelled
     finally:
         for task in (pump, beating):
