@@ -29,24 +29,28 @@ def check_plan(
             raise ValueError(f"seq {new.seq_id}: logit_bias token id out of range [0, {vocab})")
     finished = set(plan.finished_seq_ids)
     new_seqs = {new.seq_id: new for new in plan.new_seqs}
-    live = {s for s in seqs if s not in finished} | set(new_seqs)
+
+    def live(seq_id: int) -> bool:
+        return seq_id in new_seqs or (seq_id in seqs and seq_id not in finished)
+
     multi = plan.num_steps > 1
     if plan.num_steps < 1:
         raise ValueError(f"a plan of {plan.num_steps} steps")
     forks: list[int] = []
-    for row in plan.scheduled:
-        if row.seq_id not in live:
+    for row in plan.scheduled:  # per row of every step: the common decode row takes the short way through
+        if not live(row.seq_id):
             raise ValueError(f"seq {row.seq_id} is not live on this worker")
-        ids = [*row.new_block_ids, *(block for _, block in row.replaced_blocks)]
-        if ids and not 0 <= min(ids) <= max(ids) < num_blocks:
-            raise ValueError(f"seq {row.seq_id}: block ids {ids} outside the pool [0, {num_blocks})")
-        if row.seq_id in new_seqs:
-            new = new_seqs[row.seq_id]
-            table_len, num_tokens, computed = 0, len(new.token_ids), new.num_computed_tokens
+        if row.new_block_ids or row.replaced_blocks:
+            ids = [*row.new_block_ids, *(block for _, block in row.replaced_blocks)]
+            if not 0 <= min(ids) <= max(ids) < num_blocks:
+                raise ValueError(f"seq {row.seq_id}: block ids {ids} outside the pool [0, {num_blocks})")
+        registering = new_seqs.get(row.seq_id)
+        if registering is not None:
+            table_len, num_tokens, computed = 0, len(registering.token_ids), registering.num_computed_tokens
         else:
             seq = seqs[row.seq_id]
             table_len, num_tokens, computed = len(seq.block_table), seq.num_tokens, seq.num_computed
-        if any(not 0 <= pos < table_len for pos, _ in row.replaced_blocks):
+        if row.replaced_blocks and any(not 0 <= pos < table_len for pos, _ in row.replaced_blocks):
             raise ValueError(f"seq {row.seq_id}: replaced block position outside its {table_len} blocks")
         end = computed + row.num_tokens
         if row.num_tokens < 1 or end > max_len or (not multi and end > num_tokens):
@@ -56,8 +60,9 @@ def check_plan(
             raise ValueError(f"block table of {table_blocks} blocks cannot hold {end} tokens")
         if multi and (row.forks or computed != num_tokens - 1 or row.num_tokens > plan.num_steps):
             raise ValueError(f"seq {row.seq_id}: a multi-step row must decode, without forks, for at most num_steps passes")
-        if row.forks and end != num_tokens:
-            raise ValueError("a row that does not sample cannot fork")
-        forks += [f.seq_id for f in row.forks]
-    if len(set(forks)) != len(forks) or any(f in live for f in forks):
+        if row.forks:
+            if end != num_tokens:
+                raise ValueError("a row that does not sample cannot fork")
+            forks += [f.seq_id for f in row.forks]
+    if len(set(forks)) != len(forks) or any(live(f) for f in forks):
         raise ValueError(f"fork seq_ids {forks} repeat or are already live")

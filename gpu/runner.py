@@ -102,6 +102,7 @@ class ModelRunner:
         self.num_blocks = 0  # the scheduler's pool: ids [0, num_blocks); one more block is scratch
         self.batch = PersistentBatch(config.scheduler.max_num_seqs, self.max_blocks_per_seq, self.device)
         self.seqs: dict[int, WorkerSeq] = {}
+        self._constrained: set[int] = set()  # the seq_ids of seqs whose params.structured is set
         self._pending: collections.deque[LaunchedPass] = collections.deque()  # launched, not collected
         self._collected: list[StepResult] = []  # finished early (a pass had to wait for them)
         self._last_clock: PassClock | None = None
@@ -202,8 +203,11 @@ class ModelRunner:
         for seq_id in plan.finished_seq_ids:
             if self.seqs.pop(seq_id, None) is not None:
                 self.batch.remove(seq_id)
+                self._constrained.discard(seq_id)
         for new in plan.new_seqs:
             self.seqs[new.seq_id] = self._register(new)
+            if new.params.structured is not None:
+                self._constrained.add(new.seq_id)
             self.batch.add(new.seq_id, [], new.params)
         self.attn.copy_blocks(self.kv_caches, plan.copy_blocks)
         if not plan.scheduled:
@@ -213,8 +217,9 @@ class ModelRunner:
             for pos, block in row.replaced_blocks:
                 seq.block_table[pos] = block
                 self.batch.set_blocks(row.seq_id, pos, [block])
-            self.batch.set_blocks(row.seq_id, len(seq.block_table), row.new_block_ids)
-            seq.block_table.extend(row.new_block_ids)
+            if row.new_block_ids:  # most decode steps add none: the row stays clean, nothing to copy up
+                self.batch.set_blocks(row.seq_id, len(seq.block_table), row.new_block_ids)
+                seq.block_table.extend(row.new_block_ids)
         self.batch.sync()
         if plan.num_steps == 1:
             return Window(plan, rows, [1] * len(rows), 1)
@@ -248,16 +253,19 @@ class ModelRunner:
         plan = window.plan
         clock = PassClock(self.platform.mark, arrival if arrival is not None else self._last_clock)
         if k == 0:
-            specs = []
-            for seq, row in zip(rows, plan.scheduled):
-                end = seq.num_computed + (1 if plan.num_steps > 1 else row.num_tokens)  # a window's first pass decodes
-                specs.append(RowSpec(self.batch.slots[row.seq_id], seq.num_computed, end, seq.token_ids, end == seq.num_tokens))
-            graphed = self._graphed(len(specs), all(spec.end - spec.start == 1 for spec in specs))
+            specs, num_computed, sampling = [], [], []
+            slots, one_step = self.batch.slots, plan.num_steps == 1
+            for i, (seq, row) in enumerate(zip(rows, plan.scheduled)):
+                n = row.num_tokens if one_step else 1  # a window's first pass decodes
+                end = seq.num_computed + n
+                specs.append(RowSpec(slots[row.seq_id], seq.num_computed, end, seq.token_ids, end == seq.num_tokens))
+                num_computed.append(n)
+                if end == seq.num_tokens:
+                    sampling.append(i)
+            graphed = self._graphed(len(specs), max(num_computed) == 1)
             inputs = first_pass_inputs(specs, self.batch, self.attn, self.block_size, self.config.model.sliding_window, not graphed)
             window.first = inputs
-            sampling = [i for i, spec in enumerate(specs) if spec.samples]
             forks = [plan.scheduled[i].forks for i in sampling]
-            num_computed = [spec.end - spec.start for spec in specs]
         else:
             assert window.first is not None
             everyone = len(active) == len(window.rows)
@@ -272,29 +280,29 @@ class ModelRunner:
         draw_seqs: list[WorkerSeq] = []
         if sampling:
             logits = self.model.compute_logits(hidden[inputs.logit_index])  # [S, V] float32 (other ranks: [S, 0])
-            if any(rows[i].params.structured is not None for i in sampling):
+            if self._constrained and any(rows[i].params.structured is not None for i in sampling):
                 mask = self._grammar_mask([rows[i] for i in sampling])  # the host works while the device computes
                 if k > 0 and not window.active(k):  # every row stopped in the pass before: this one is void
                     return False
-            sampling_rows = [
-                SamplingRow(rows[i].params, rows[i].token_ids, rows[i].num_prompt_tokens,
-                            [rows[i].index, *(f.index for f in row_forks)], rows[i].num_output_tokens)
-                for i, row_forks in zip(sampling, forks)
-            ]  # fmt: skip
-            drawn = None
+            sampling_rows, param_slots = [], []  # param_slots: each draw's parameters' slot (a fork draws with its parent's)
+            for i, row_forks in zip(sampling, forks):
+                seq, slot = rows[i], self.batch.slots[plan.scheduled[active[i]].seq_id]
+                choices = [seq.index, *(f.index for f in row_forks)] if row_forks else [seq.index]
+                sampling_rows.append(SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, choices, seq.num_output_tokens))
+                param_slots += [slot] * len(choices)
+            drawn, param_slots_t = None, to_device(param_slots, torch.int64, self.device)
             if self.tp.samples:
-                # Each draw's parameters, from its row's slot (a fork draws with its parent's).
-                param_slots = [
-                    self.batch.slots[plan.scheduled[active[i]].seq_id] for i, f in zip(sampling, forks) for _ in range(1 + len(f))
-                ]
-                draw_params = self.batch.params.gather(to_device(param_slots, torch.int64, self.device))
+                draw_params = self.batch.params.gather(param_slots_t)
                 drawn = self.platform.draw(logits, sampling_rows, self.config.model.eos_token_ids, draw_params, mask)
             samples = share_draws(self.tp, drawn, sampling_rows, self.device)  # rank 0's ids on every rank
         for seq, n in zip(rows, num_computed):
             seq.num_computed += n
         for i in sampling:
             rows[i].num_tokens += 1
-        if samples is not None:
+        if samples is not None and not any(forks):  # each draw is its own row's: the slots are the parameters'
+            draw_seqs = [rows[i] for i in sampling]
+            self.batch.feed_back(param_slots_t, samples.token_ids)
+        elif samples is not None:
             draw_slots = []
             for i, row_forks in zip(sampling, forks):
                 seq, seq_id = rows[i], plan.scheduled[active[i]].seq_id
@@ -306,6 +314,8 @@ class ModelRunner:
                     )
                     child.matcher = self._matcher(child)  # its own, where the parent's was for this draw
                     self.seqs[fork.seq_id] = child
+                    if child.params.structured is not None:
+                        self._constrained.add(fork.seq_id)
                     draw_seqs.append(child)
                     draw_slots.append(self.batch.fork(seq_id, fork.seq_id))
             self.batch.feed_back(to_device(draw_slots, torch.int64, self.device), samples.token_ids)

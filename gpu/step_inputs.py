@@ -69,13 +69,21 @@ def first_pass_inputs(
     logit_index: list[int] = []
     offset = 0
     for r, n in zip(rows, num_tokens):
-        known_end = max(r.start, min(r.end, len(r.known)))  # the host may lag by whole windows
-        input_ids[offset : offset + known_end - r.start] = r.known[r.start : known_end]
-        if known_end < r.end:  # its newest token: sampled on the device, not seen here yet
-            assert known_end == r.end - 1, "only a row's last input may come from the device"
-            feedback_at.append(offset + n - 1)
-            feedback_slots.append(r.slot)
-        positions[offset : offset + n] = np.arange(r.start, r.end)
+        if n == 1:  # a decode row, most of a busy step: no slices
+            if r.start < len(r.known):
+                input_ids[offset] = r.known[r.start]
+            else:  # sampled on the device, not seen here yet
+                feedback_at.append(offset)
+                feedback_slots.append(r.slot)
+            positions[offset] = r.start
+        else:
+            known_end = max(r.start, min(r.end, len(r.known)))  # the host may lag by whole windows
+            input_ids[offset : offset + known_end - r.start] = r.known[r.start : known_end]
+            if known_end < r.end:  # its newest token: sampled on the device, not seen here yet
+                assert known_end == r.end - 1, "only a row's last input may come from the device"
+                feedback_at.append(offset + n - 1)
+                feedback_slots.append(r.slot)
+            positions[offset : offset + n] = np.arange(r.start, r.end)
         offset += n
         if r.samples:
             logit_index.append(offset - 1)

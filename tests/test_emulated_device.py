@@ -287,3 +287,15 @@ def test_a_config_without_a_tokenizer_is_refused(tmp_path, tiny):
     model = dataclasses.replace(tiny, path=str(tmp_path))
     with pytest.raises(ConfigError, match="tokenizer.json"):
         ordinary_ids(model)
+
+
+def test_a_complete_grammar_ends_the_answer_unless_min_tokens_forbids_it(tiny):
+    draws = EmulatedDraws(ordinary_ids(tiny), tiny.vocab_size)
+    eos = tiny.eos_token_ids[0]
+    bitmask = torch.zeros((1, -(-tiny.vocab_size // 32)), dtype=torch.int32)
+    bitmask[0, eos // 32] |= 1 << (eos % 32)  # a complete grammar: only EOS
+    mask = TokenMask(rows=torch.tensor([0]), bitmask=bitmask)
+    ended = draws(torch.empty((1, 0)), [row([1, 2], 3, min_tokens=3)], tiny.eos_token_ids, None, mask)
+    early = draws(torch.empty((1, 0)), [row([1, 2], 1, min_tokens=3)], tiny.eos_token_ids, None, mask)
+    assert ended.token_ids.tolist() == [eos] and ended.valid.tolist() == [True]
+    assert early.valid.tolist() == [False]  # nothing left to draw: the row fails, as on a model

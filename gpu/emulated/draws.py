@@ -48,24 +48,29 @@ class EmulatedDraws:
     def __call__(
         self, logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tuple[int, ...], draw_params, mask: TokenMask | None
     ) -> DeviceSamples:
-        keys, choices, positions, draw_rows = [], [], [], []
+        constrained = {} if mask is None else {int(r): i for i, r in enumerate(mask.rows.tolist())}
+        keys: list[int] = []
+        choices: list[int] = []
+        positions: list[int] = []
+        draw_rows: list[int] = []
+        checked: list[tuple[int, int, tuple[int, ...]]] = []  # (draw, row, banned): a grammar or min_tokens may change it
         for r, row in enumerate(rows):
-            key = self._key(row)
+            key, position, params = self._key(row), row.num_output_tokens, row.params
+            banned = eos_token_ids + tuple(params.stop_token_ids) if position < params.min_tokens else ()
+            # Ordinary ids are never EOS: only a grammar, or a stop id, can offer what min_tokens bans.
+            check = r in constrained or bool(banned and params.stop_token_ids)
             for choice in row.choice_indices:
+                if check:
+                    checked.append((len(keys), r, banned))
                 keys.append(key)
                 choices.append(choice)
-                positions.append(row.num_output_tokens)
+                positions.append(position)
                 draw_rows.append(r)
         hashes = _mix(np.array(keys, dtype=np.uint64), np.array(choices, dtype=np.uint64), np.array(positions, dtype=np.uint64))
         ids = self.ordinary[hashes % np.uint64(len(self.ordinary))]  # [N]
         valid = np.ones(len(ids), dtype=bool)
-        constrained = {} if mask is None else {int(r): i for i, r in enumerate(mask.rows.tolist())}
-        for d, r in enumerate(draw_rows):
-            params = rows[r].params
-            early = rows[r].num_output_tokens < params.min_tokens
-            if r not in constrained and not (early and params.stop_token_ids):
-                continue
-            allowed = self._allowed(mask, constrained.get(r), eos_token_ids + tuple(params.stop_token_ids) if early else ())
+        for d, r, banned in checked:
+            allowed = self._allowed(mask, constrained.get(r), banned)
             if allowed is None or ids[d] in allowed:
                 continue
             if len(allowed) == 0:
