@@ -167,6 +167,7 @@ class EngineClient:
                 for delta in deltas:
                     self.telemetry.delta(delta, now)
                     self._put(delta.request_id, delta, running=delta.finish_reason is None)
+                self.telemetry.flush()
             case RequestAccepted():
                 if msg.request_id in self._streams:
                     self._engine_of[msg.request_id] = msg.engine

@@ -90,6 +90,10 @@ class ResponseBuilder:
         if self.answer is not None and stream:
             for c in self.choices:
                 c.stream = self.answer.stream()
+        # A chunk's bytes around its one choice, the same in every chunk: encoded once, not per token.
+        head = _encode(self._head("chat.completion.chunk" if chat else "text_completion"))
+        self._chunk_open = b"data: " + head[:-1] + b',"choices":['
+        self._chunk_close = b"]" + (b',"usage":null' if include_usage else b"") + b"}\n\n"
 
     @property
     def finished(self) -> bool:
@@ -166,10 +170,7 @@ class ResponseBuilder:
         choice = self._choice(index, c, text, token_ids, logprobs, reason, offset)
         c.num_chunks_sent += 1
         c.num_chars_sent += len(text)
-        chunk = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
-        if self.include_usage:
-            chunk["usage"] = None
-        return _sse(chunk)
+        return self._chunk_open + _encode(choice) + self._chunk_close
 
     # --- shared -------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 Per engine request: time to first token, inter-token latency, time per output token, end-to-end
 latency, prompt and generation token counts, the finish reasons, and one structured log line
-when it finishes. Per message: the "return" hop (detokenizer to here). Fed by EngineClient.
+when it finishes. Per message: the "return" hop (detokenizer to here), and the inter-token
+latencies its deltas tallied (`flush`). Fed by EngineClient.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Timing:
 class Telemetry:
     def __init__(self) -> None:
         self.timings: dict[str, Timing] = {}
+        self.inter_token = metrics.Tally(metrics.inter_token_latency)  # per token: written once per batch
 
     def submitted(self, request_id: str, arrival: float, num_choices: int) -> None:
         self.timings[request_id] = Timing(arrival, num_choices)
@@ -51,9 +53,7 @@ class Telemetry:
                 t.first_token = now
                 metrics.time_to_first_token.observe(now - t.arrival)
             else:
-                gap = (now - t.last_token) / len(d.token_ids)
-                for _ in d.token_ids:
-                    metrics.inter_token_latency.observe(gap)
+                self.inter_token.observe((now - t.last_token) / len(d.token_ids), len(d.token_ids))
             t.last_token = now
             t.num_output_tokens += len(d.token_ids)
         t.num_prompt_tokens = d.num_prompt_tokens
@@ -63,6 +63,10 @@ class Telemetry:
             t.finish_reasons.append(d.finish_reason.openai)
             if t.num_finished == t.num_choices:
                 self._finished(d.request_id, t, now)
+
+    def flush(self) -> None:
+        """Write what this message's deltas tallied (once per DeltaBatch, not per token)."""
+        self.inter_token.flush()
 
     def forget(self, request_id: str) -> None:
         self.timings.pop(request_id, None)
