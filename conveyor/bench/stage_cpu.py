@@ -1,8 +1,9 @@
 """`conveyor bench cpu -- CLIENT...`: the host's cost of a run, per stage and per output token.
 
 Runs the client command (any benchmark client: conveyor's, vLLM's) and reads, before and after:
-- the CPU time (user + system, /proc/PID/stat) of every conveyor stage process on this machine,
-  summed by stage (`python -m conveyor.stages STAGE ...`), and of the launcher (`conveyor serve`);
+- the CPU time (user + system, /proc/PID/stat) of the daemon's processes, summed by stage
+  (`python -m conveyor.stages STAGE ...`), and of its launcher (`conveyor serve`): the launcher
+  serving --base-url's port and its children (another daemon on the machine is left out);
 - the client's own CPU time (its process tree's, from the kernel's accounting of waited-for
   children);
 - from the server's /metrics: the output tokens generated and the worker's busy and idle device
@@ -22,6 +23,7 @@ import resource
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -36,14 +38,26 @@ def stage_of(cmdline: list[str]) -> str | None:
     if "conveyor.stages" in cmdline:
         i = cmdline.index("conveyor.stages")
         return cmdline[i + 1] if i + 1 < len(cmdline) else None
-    if "serve" in cmdline and any(arg == "conveyor" or arg.endswith("/conveyor") for arg in cmdline):
-        return "launcher"
+    for i, arg in enumerate(cmdline[:-1]):
+        if (arg == "conveyor" or arg.endswith("/conveyor")) and cmdline[i + 1] == "serve":
+            return "launcher"
     return None
 
 
-def process_cpu(proc: Path = Path("/proc")) -> dict[int, tuple[str, float]]:
-    """pid -> (stage, CPU seconds so far) of every conveyor process."""
-    out = {}
+def serves_port(cmdline: list[str], port: int) -> bool:
+    """Whether a launcher's command line serves `port` (`--port N`, `--port=N`, or none and 8000)."""
+    for i, arg in enumerate(cmdline):
+        if arg == "--port" and i + 1 < len(cmdline):
+            return cmdline[i + 1] == str(port)
+        if arg.startswith("--port="):
+            return arg.split("=", 1)[1] == str(port)
+    return port == 8000
+
+
+def process_cpu(port: int, proc: Path = Path("/proc")) -> dict[int, tuple[str, float]]:
+    """pid -> (stage, CPU seconds so far) of the daemon serving `port`: its launcher and the
+    stage processes it started."""
+    found: dict[int, tuple[str, int, float, list[str]]] = {}  # pid -> (stage, parent, cpu, cmdline)
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -54,9 +68,10 @@ def process_cpu(proc: Path = Path("/proc")) -> dict[int, tuple[str, float]]:
             continue
         stage = stage_of(cmdline)
         if stage is not None:
-            fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state is field 3
-            out[int(entry.name)] = (stage, (int(fields[11]) + int(fields[12])) / TICKS)  # utime, stime
-    return out
+            fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
+            found[int(entry.name)] = (stage, int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS, cmdline)  # utime, stime
+    launchers = {pid for pid, (stage, _, _, cmdline) in found.items() if stage == "launcher" and serves_port(cmdline, port)}
+    return {pid: (stage, cpu) for pid, (stage, parent, cpu, _) in found.items() if pid in launchers or parent in launchers}
 
 
 def server_counters(base_url: str) -> dict[str, float]:
@@ -113,13 +128,14 @@ class HostCost:
 
 def measure(command: list[str], base_url: str) -> tuple[HostCost, int]:
     """Run `command` and measure around it; (the cost, its exit status)."""
-    counters0, cpu0 = server_counters(base_url), process_cpu()
+    port = urllib.parse.urlsplit(base_url).port or 80
+    counters0, cpu0 = server_counters(base_url), process_cpu(port)
     children0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     status = subprocess.run(command).returncode
     wall = time.perf_counter() - started
     children1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu1, counters1 = process_cpu(), server_counters(base_url)
+    cpu1, counters1 = process_cpu(port), server_counters(base_url)
     stages: dict[str, float] = {}
     for pid, (stage, seconds) in cpu1.items():
         before = cpu0.get(pid)
