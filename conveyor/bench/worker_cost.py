@@ -2,9 +2,11 @@
 
 A ModelRunner on an emulated H100 (gpu/emulated/) with a Llama-3-8B-shaped config takes what the
 worker stage does per step, minus its sockets: decode a StepPlan from the wire, launch its pass
-(plan checks, block tables, inputs, the CUDA-graph buffers, the draws), collect the result and
-encode it. The virtual stream's clock is held past every pass's end, so nothing sleeps: what is
-measured is host work only, process CPU time per step over `steps` decode steps of N rows in
+(plan checks, block tables, inputs, the CUDA-graph buffers, the draws), collect the pass before
+it and encode that result. As under asynchronous scheduling, each step is launched before the
+last one's ids reached the host: every row's input is the device's draw. The virtual stream's
+clock is held past every pass's end, so nothing sleeps: what is measured is host work only,
+process CPU time per step over `steps` decode steps of N rows in
 steady state (every row decoding, a new block every 16 tokens). The cyclic collector is frozen
 after warm-up, as the stage does when it is ready (stages/runtime.py `settle`).
 """
@@ -40,11 +42,9 @@ def measure(num_rows: int, *, steps: int = 200, prompt_len: int = 100) -> dict:
 
     def step(plan: StepPlan) -> None:
         plan = decoder.decode(encoder.encode(plan))
-        results = []
         for _ in runner.launch(plan):
-            results += runner.collect(keep=1)
-        for result in results + runner.collect(keep=0):
-            encoder.encode(result)
+            for result in runner.collect(keep=1):  # the worker stage's loop: the pass before this one
+                encoder.encode(result)
 
     free = iter(range(num_rows * 64))
     params = SamplingParams(max_tokens=None, temperature=0.7)

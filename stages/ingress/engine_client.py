@@ -51,21 +51,26 @@ Event = RequestAccepted | RequestRejected | TextDelta
 
 
 class RequestStream:
-    """What the engine has said about one HTTP request's engine requests, waiting for its handler."""
+    """What the engine has said about one HTTP request's engine requests, waiting for its handler.
+    Its handler waits on a bare future, not an asyncio.Event: one put per token per stream wakes it."""
 
     def __init__(self) -> None:
         self._pending: list[Event] = []
-        self._wakeup = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, event: Event) -> None:
         self._pending.append(event)
-        self._wakeup.set()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def take(self) -> list[Event]:
         """Every event that arrived since the last take (at least one), oldest first."""
         while not self._pending:
-            await self._wakeup.wait()
-            self._wakeup.clear()
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         events, self._pending = self._pending, []
         return events
 

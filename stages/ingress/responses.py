@@ -86,6 +86,7 @@ class ResponseBuilder:
         self.num_cached_tokens = [0] * num_prompts
         prefixes = echo or [""] * num_prompts
         self.choices = [Choice(prefixes[p]) for p in range(num_prompts) for _ in range(self.num_samples)]
+        self.num_finished = 0  # choices with a finish reason
         self.answer = answer if chat else None
         if self.answer is not None and stream:
             for c in self.choices:
@@ -97,7 +98,7 @@ class ResponseBuilder:
 
     @property
     def finished(self) -> bool:
-        return all(c.finished for c in self.choices)
+        return self.num_finished == len(self.choices)
 
     def prompt_finished(self, p: int) -> bool:
         return all(c.finished for c in self._samples_of(p))
@@ -114,6 +115,7 @@ class ResponseBuilder:
         # The detokenizer's running count is authoritative; counting ids covers a delta without one.
         choice.num_output_tokens = max(choice.num_output_tokens + len(delta.token_ids), delta.num_output_tokens)
         if delta.finish_reason is not None:
+            self.num_finished += choice.finish_reason is None
             choice.finish_reason = delta.finish_reason
             choice.stop_reason = delta.stop_reason
         if not self.stream:
@@ -148,6 +150,9 @@ class ResponseBuilder:
     def sse_chunks(self, deltas: list[tuple[int, TextDelta]]) -> bytes:
         """Events for (prompt, delta) pairs already folded in with `add`: consecutive deltas of a
         choice merge into one event."""
+        if len(deltas) == 1:  # a step's one delta: what a busy stream gets, token after token
+            p, d = deltas[0]
+            return self._chunk(p * self.num_samples + d.index, d.text, d.token_ids, d.logprobs, d.finish_reason)
         merged: dict[int, tuple[list[str], list[int], list[TextLogprob], FinishReason | None]] = {}
         for p, d in deltas:
             texts, ids, logprobs, _ = merged.setdefault(p * self.num_samples + d.index, ([], [], [], None))

@@ -63,6 +63,11 @@ from conveyor.wire.topology import DETOKENIZER, INGRESS, ROUTER, SCHEDULER, engi
 
 log = logging.getLogger(__name__)
 
+# The gauges (running, waiting, KV use) are scraped every few seconds: written at most this often
+# while busy (a dozen locked writes to the shared metrics file per step otherwise), and always
+# when the engine goes idle, so a scrape never sees a stale busy state.
+GAUGE_INTERVAL_S = 0.05
+
 
 class SchedulerStage:
     def __init__(self, config: EngineConfig, ctx: zmq.Context, engine: int = 0):
@@ -88,6 +93,7 @@ class SchedulerStage:
         self.stats = StatsLog()
         self.idle = True
         self.alone: ScheduledStep | None = None  # the first step after an idle spell
+        self.gauges_time = 0.0  # when the gauges were last written
 
     def start(self) -> None:
         """Wait for every worker rank's capacity, then size the pool they all can hold."""
@@ -216,7 +222,10 @@ class SchedulerStage:
             self.record_admissions(step)
         self.stalled = (step is None or not step.rows) and bool(self.in_flight)
         self.idle = not self.in_flight  # nothing computing: the next plan follows an idle spell
-        self.record_gauges()
+        now = time.monotonic()
+        if self.idle or now - self.gauges_time >= GAUGE_INTERVAL_S:
+            self.record_gauges()
+            self.gauges_time = now
         self.stats.maybe_log(self.scheduler)
 
     def record_admissions(self, step: ScheduledStep) -> None:
