@@ -299,3 +299,39 @@ def test_a_complete_grammar_ends_the_answer_unless_min_tokens_forbids_it(tiny):
     early = draws(torch.empty((1, 0)), [row([1, 2], 1, min_tokens=3)], tiny.eos_token_ids, None, mask)
     assert ended.token_ids.tolist() == [eos] and ended.valid.tolist() == [True]
     assert early.valid.tolist() == [False]  # nothing left to draw: the row fails, as on a model
+
+
+class UnknownLanding:
+    """A copy whose landing time cannot be known in advance, as a CUDA event's."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.landed = inner, False
+
+    def ready(self) -> bool:
+        return self.landed
+
+    def seconds_left(self) -> float | None:
+        return 0.0 if self.landed else None
+
+    def wait(self):
+        self.landed = True
+        return self.inner.wait()
+
+
+def test_the_worker_waits_for_a_plan_or_a_landing(tiny, clock):
+    from conveyor.stages.worker.main import POLL_MS, wait_ms
+
+    runner = emulated_runner(tiny, clock)
+    assert wait_ms(runner) is None  # nothing in flight: wait for a plan as long as it takes
+    prompt = list(range(30, 42))
+    new = NewSeq(0, prompt, SamplingParams(max_tokens=None), len(prompt))
+    for _ in runner.launch(StepPlan(0, [new], [ScheduledSeq(0, len(prompt), [0, 1, 2])])):
+        pass
+    modelled = runner.landing_in()
+    assert modelled is not None and wait_ms(runner) == int(modelled * 1000)  # until the pass lands
+    runner._pending[0].copy = UnknownLanding(runner._pending[0].copy)
+    assert wait_ms(runner) == POLL_MS  # a CUDA event: look for a plan every POLL_MS
+    assert runner.collect_due() == [] and runner.has_pending()  # it did not land: nothing is waited for
+    runner._pending[0].copy.landed = True
+    (result,) = runner.collect_due()
+    assert result.step == 0 and not runner.has_pending()
