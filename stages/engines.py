@@ -68,6 +68,12 @@ class Engines:
         state.restart_at = time.monotonic() + backoff
         return backoff
 
+    def stopped(self, engine: int) -> EngineStatus:
+        """`engine` died during the drain: not restarted; what the ingresses and router are told."""
+        state = self.states[engine]
+        state.ready, state.restart_at = False, None
+        return self.status(engine)
+
     def due(self) -> list[int]:
         """Engines whose restart is due now (each is returned once)."""
         now = time.monotonic()

@@ -21,8 +21,10 @@ Supervision, once every stage is ready (a stage that dies while the daemon start
   gives up and exits 1, for the orchestrator to act.
 
 Shutdown: the first SIGTERM or SIGINT drains (new requests 503, in-flight ones finish, up to
---drain-timeout); a second one, or the end of the drain, stops every child (SIGKILL after a grace
-period) and removes the run directory. Stages ask the kernel to send them SIGHUP if the launcher
+--drain-timeout); a second one, or the end of the drain, stops every child (the STOP signal, then
+SIGKILL after a grace period) and removes the run directory. Stages ignore SIGTERM and SIGINT
+(wire/signals.py), so Ctrl-C, which signals the whole process group, drains too; a stage that
+dies during the drain is not restarted. Stages ask the kernel to send them SIGHUP if the launcher
 itself dies, and then remove the run directory themselves; a run directory left by a launcher that
 no longer exists is swept at the next start (wire/addresses.py).
 """
@@ -49,6 +51,7 @@ from conveyor.stages.engines import Engines
 from conveyor.stages.processes import ProcessHandle, processes_for
 from conveyor.wire.addresses import make_run_dir, sweep_stale_run_dirs
 from conveyor.wire.messages import Drained, EngineStatus, Heartbeat, LauncherInbound, StageFailed, StageReady
+from conveyor.wire.signals import STOP
 from conveyor.wire.topology import INGRESS, LAUNCHER, ROUTER, SCHEDULER, Stage, engine_of, receiver, senders, start_plan
 
 log = logging.getLogger("conveyor")
@@ -135,11 +138,12 @@ class Launcher:
         self.children[child.name] = child
 
     def _kill(self, children: list[Child]) -> None:
-        """SIGTERM, then SIGKILL what is still there after the grace period."""
+        """STOP (stages ignore SIGTERM and SIGINT: wire/signals.py), then SIGKILL what is still
+        there after the grace period."""
         running = [(c, c.process) for c in children if c.process is not None]
         for _, process in running:
             if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
+                process.send_signal(STOP)
         deadline = time.monotonic() + GRACE_S
         for child, process in running:
             try:
@@ -233,6 +237,9 @@ class Launcher:
         """Restart a dead stage (or the whole engine); False when the daemon should give up."""
         if child.process is None or self.children.get(child.name) is not child:
             return True  # found dead in the same look as an engine failure that already stopped it
+        if self.drain_deadline is not None:
+            self._lost_in_drain(child)
+            return True
         now = time.monotonic()
         self.failures.append(now)
         while self.failures and now - self.failures[0] > self.server.restart_window_s:
@@ -256,6 +263,18 @@ class Launcher:
                 ingress.send(failed)
             self._start(child.stage, child.index, child.restarts + 1)
         return True
+
+    def _lost_in_drain(self, child: Child) -> None:
+        """A stage that dies while the daemon drains is not restarted: the daemon is stopping. An
+        engine's death ends its requests in flight with an error; a dead ingress holds none."""
+        log.warning("stage %s exited during the drain; not restarted", child.name)
+        self._forget(child)
+        child.process, child.ready = None, False
+        engine = engine_of(self.config, child.stage, child.index)
+        if child.stage.fails_engine and engine is not None:
+            self._tell(self.engines.stopped(engine))
+        if child.stage is INGRESS:
+            self.drained.add(child.index)
 
     def _engine_failed(self, engine: int) -> None:
         """Fail what the engine holds, stop what is left of it, restart it after a backoff."""

@@ -120,7 +120,9 @@ class Daemon:
     --model among `args` it serves the generated tiny model (`--model tiny`), not conveyor's
     default, which is fetched from the package index."""
 
-    def __init__(self, *args: str, timeout: float = 120.0):
+    def __init__(self, *args: str, timeout: float = 120.0, own_process_group: bool = False):
+        """own_process_group: the daemon leads a process group of its own (its stages in it), as a
+        shell's foreground job does, so a test can signal the whole group as Ctrl-C would."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         model = () if "--model" in args else ("--model", "tiny")
@@ -128,7 +130,7 @@ class Daemon:
         # A file, not a pipe: nobody reads a pipe until stop(), and once its 64 KiB buffer is full
         # (a few hundred "request finished" lines) every stage blocks on its next log line.
         self.log = tempfile.TemporaryFile()
-        self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=own_process_group)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

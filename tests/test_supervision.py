@@ -200,6 +200,23 @@ def test_sigterm_drains_in_flight_requests(daemon_factory):
     assert d.process.wait(timeout=30) == 0
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_whole_process_group_drains(sig):
+    """Ctrl-C in a terminal sends SIGINT to every process of the foreground group, stages
+    included (an orchestrator may do the same with SIGTERM): the stages leave it to the
+    launcher, which drains; nothing is restarted and the stream finishes."""
+    d = Daemon("--num-kv-blocks", "256", "--drain-timeout", "60", own_process_group=True)
+    try:
+        stream = streaming(d, LONG | {"max_tokens": 300})
+        os.killpg(d.process.pid, sig)
+        events = stream.finish()
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length", events[-3:]
+        assert d.process.wait(timeout=30) == 0
+        assert "restarting" not in d.output() and "exited with status" not in d.output()
+    finally:
+        d.stop()
+
+
 def test_a_drain_past_its_timeout_ends_streams_cleanly(daemon_factory):
     d = daemon_factory("--num-kv-blocks", "256", "--drain-timeout", "1")
     stream = streaming(d, LONG | {"max_tokens": 1900})

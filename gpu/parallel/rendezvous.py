@@ -13,10 +13,10 @@ is loaded, and meets the others:
   is alive (the launcher restarts an engine only after all of its old processes are gone).
 
 A dead peer cannot hang a rank: gloo fails a collective whose peer closed its connection, and
-every collective has COLLECTIVE_TIMEOUT. The launcher stops an engine's other ranks with SIGTERM
-when one dies; a rank blocked in a collective never returns to the interpreter to run a Python
-handler, so ranks of a group take SIGTERM's default action (they die at once: a worker has nothing
-to save) rather than the StageStopped a single worker raises.
+every collective has COLLECTIVE_TIMEOUT. The launcher stops an engine's other ranks with its STOP
+signal when one dies (wire/signals.py); a rank blocked in a collective never returns to the
+interpreter to run a Python handler, so ranks of a group take STOP's default action (they die at
+once: a worker has nothing to save) rather than the StageStopped a single worker raises.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from conveyor.config.engine import EngineConfig
 from conveyor.config.env import dist_init_method_from_env
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.wire.addresses import process_alive
+from conveyor.wire.signals import STOP
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def init_group(config: EngineConfig, engine: int, rank: int) -> TensorParallel:
         method = _file_store(Path(config.server.run_dir), engine, rank)
     backend = "nccl" if config.parallel.device == "cuda" else "gloo"  # an emulated device's ranks are host processes
     dist.init_process_group(backend, init_method=method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # see the module docstring
+    signal.signal(STOP, signal.SIG_DFL)  # see the module docstring
     log.info("tensor-parallel rank %d of %d (engine %d, %s)", rank, size, engine, backend)
     return TensorParallel(rank, size, dist.group.WORLD)
 
