@@ -8,6 +8,8 @@ then the scheduler's admission), deterministically:
   - a prompt containing SLOW: accepted, then one token every 20 ms that never finishes, until an
     AbortRequest for it arrives;
   - a prompt containing NO_ACCEPT: no RequestAccepted, the first TextDelta implies it;
+  - a prompt containing FAILS_AT_ONCE: accepted, and right behind the acceptance a delta whose
+    draw failed (FinishReason.ERROR), as a request whose first step cannot sample;
   - anything else: accepted, then one DeltaBatch per step holding a delta for every choice still
     running (`params.num_samples` of them). Choice j, token i is `token(j, i)` and weighs
     `token_logprob(j)`; choice j runs `choice_length(j)` tokens (finish "stop"), or max_tokens if
@@ -290,6 +292,9 @@ class FakeEngine(threading.Thread):
             self.ingress.send(RequestAccepted(rid, num_prompt))
         if "SLOW" in text:
             self._slow[rid] = 0
+            return
+        if "FAILS_AT_ONCE" in text:
+            self.ingress.send(DeltaBatch([TextDelta(rid, 0, "", [0], finish_reason=FinishReason.ERROR, num_prompt_tokens=num_prompt)]))
             return
         per_choice = [choice_deltas(req, j, num_prompt, num_cached) for j in range(req.params.num_samples)]
         for i in range(max(map(len, per_choice))):  # one batch per step: a delta per running choice

@@ -422,6 +422,18 @@ def test_engine_stop_fails_requests_in_flight(server):
     assert post(url, "/v1/completions", {"prompt": "ok"}).status_code == 200
 
 
+def test_a_failure_right_behind_the_admission_is_an_error_event_in_a_stream(server):
+    """The acceptance and the failed draw can reach the ingress together (a busy machine): once
+    admitted, a stream begins (200), and the failure is its error event; without a stream, a 500."""
+    url, _, _ = server
+    streamed = post(url, "/v1/completions", {"prompt": "FAILS_AT_ONCE", "stream": True}, stream=True)
+    assert streamed.status_code == 200
+    events = sse(streamed)  # [DONE] checked and dropped
+    assert events[-1]["error"]["code"] == "non_finite_logits"
+    answered = post(url, "/v1/completions", {"prompt": "FAILS_AT_ONCE"})
+    assert answered.status_code == 500 and answered.json()["error"]["code"] == "non_finite_logits"
+
+
 def test_an_unexpected_error_mid_stream_ends_it_with_an_error_event(server):
     """A delta for a choice the request does not have (an engine bug) fails the stream, not the server."""
     url, engine, _ = server

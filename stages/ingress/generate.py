@@ -64,6 +64,16 @@ class Fanout:
                 raise _rejection(event)
         return deltas
 
+    def verdicts_end(self, events: list[Event]) -> int:
+        """How many of `events` to fold before every prompt has its verdict (all of them if they
+        do not get there): what comes after belongs to the answer, not to its admission."""
+        waiting = set(self.awaiting_verdict)
+        for i, event in enumerate(events):
+            waiting.discard(event.request_id)
+            if not waiting:
+                return i + 1
+        return len(events)
+
     def close(self, engine: EngineClient) -> None:
         """Forget the finished and rejected engine requests; abort the others."""
         unfinished = []
@@ -124,11 +134,19 @@ class GenerateRoutes:
         fanout = Fanout(request_ids, builder)
         stream = self.engine.submit(request_ids, gen, arrival_time)
         try:
-            deltas = []  # held until every prompt is admitted: a rejection must come before any byte
+            # Held until every prompt is admitted: a rejection must come before any byte. Events
+            # that arrive with the last verdict are the answer's: once admitted, a stream begins,
+            # and a failure after that is an error event in it, however fast it came.
+            deltas: list[tuple[int, TextDelta]] = []
+            rest: list[Event] = []
             while fanout.awaiting_verdict:
-                deltas += fanout.fold(await stream.take())
+                events = await stream.take()
+                cut = fanout.verdicts_end(events)
+                deltas += fanout.fold(events[:cut])
+                rest = events[cut:]
             if gen.stream:
-                return await self._answer_stream(request, fanout, stream, deltas)
+                return await self._answer_stream(request, fanout, stream, deltas, rest)
+            fanout.fold(rest)
             while not builder.finished:
                 fanout.fold(await stream.take())
             return web.Response(body=builder.body(), content_type="application/json")
@@ -136,7 +154,7 @@ class GenerateRoutes:
             fanout.close(self.engine)
 
     async def _answer_stream(
-        self, request: web.Request, fanout: Fanout, stream: RequestStream, deltas: list[tuple[int, TextDelta]]
+        self, request: web.Request, fanout: Fanout, stream: RequestStream, deltas: list[tuple[int, TextDelta]], rest: list[Event]
     ) -> web.StreamResponse:
         builder = fanout.builder
         response = web.StreamResponse(headers=SSE_HEADERS)
@@ -147,7 +165,8 @@ class GenerateRoutes:
                     await response.write(builder.sse_chunks(deltas))
                 if builder.finished:
                     break
-                deltas = fanout.fold(await stream.take())
+                events, rest = rest or await stream.take(), []  # first what came with the verdicts
+                deltas = fanout.fold(events)
             if builder.include_usage:
                 await response.write(builder.usage_chunk())
             await response.write(DONE)
