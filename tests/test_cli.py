@@ -45,3 +45,9 @@ def test_missing_api_key_file(tmp_path):
 def test_a_hardening_limit_must_be_positive():
     r = serve("--drain-timeout", "0")
     assert r.returncode == 2 and "--drain-timeout must be positive" in r.stderr
+
+
+def test_help_says_what_the_command_does_whole():
+    """The description is the module docstring's first paragraph, not its first line."""
+    out = subprocess.run([sys.executable, "-m", "conveyor", "--help"], capture_output=True, text=True, timeout=60).stdout
+    assert " ".join(out.split()).count("runs the benchmarks (conveyor/bench).") == 1
