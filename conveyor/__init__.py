@@ -3,9 +3,14 @@
 The front door: `conveyor serve` (conveyor/cli.py) for the daemon, and the Python API here.
 """
 
+from typing import TYPE_CHECKING
+
 from conveyor.wire.messages import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams"]  # LLM comes through __getattr__
+
+if TYPE_CHECKING:
+    from conveyor.llm import LLM
 
 
 def __getattr__(name: str):

@@ -133,7 +133,7 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="conveyor", description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = argparse.ArgumentParser(prog="conveyor", description=" ".join((__doc__ or "").split("\n\n")[0].split()))
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser(sub)
     router_parser(sub)

@@ -82,11 +82,11 @@ class LLM:
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         batch = cast(Seq[str | Seq[int]], [prompts] if single else prompts)  # the check mypy cannot follow
         requests = [
-            TokenizeRequest(f"gen-{next(self._ids)}", 0, SamplingParams(), time.time(), **(
-                {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)}
-            ))
+            TokenizeRequest(f"gen-{next(self._ids)}", 0, SamplingParams(), time.time(), prompt=p)
+            if isinstance(p, str)
+            else TokenizeRequest(f"gen-{next(self._ids)}", 0, SamplingParams(), time.time(), prompt_token_ids=list(p))
             for p in batch
-        ]  # fmt: skip
+        ]
         return self._run(requests, batch, sampling_params)
 
     def chat(

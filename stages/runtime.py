@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import gc
+import importlib
 import logging
 import os
 import shutil
@@ -155,13 +156,10 @@ def main(argv: list[str]) -> int:
     if restarts:
         metrics.stage_restarts.labels(stage).inc()
         logging.getLogger(name).warning("restarted (restart %d of this stage)", restarts)
-    module = __import__(f"conveyor.stages.{stage}.main", fromlist=["run"])
+    module_name, _, function = BY_NAME[stage].entry.partition(":")
     try:
-        if hasattr(module, "serve"):
-            run_async(module.serve(config, index))
-        else:
-            raise_on_signals()
-            module.run(config, index)
+        raise_on_signals()  # an asyncio stage's loop takes the signals over (run_async)
+        getattr(importlib.import_module(module_name), function)(config, index)
     except (StageStopped, KeyboardInterrupt):
         pass
     except ConfigError as e:

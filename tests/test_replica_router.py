@@ -133,6 +133,7 @@ class Cluster:
     async def ready_urls(self, expected: list[str]) -> dict:
         """The router's /health once the replicas it calls ready are `expected` (health checks
         run every 0.2 s; a busy machine may need a few rounds)."""
+        health: dict = {}
         for _ in range(100):
             async with self.session.get(self.url + "/health") as resp:
                 health = await resp.json()

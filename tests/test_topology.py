@@ -117,3 +117,17 @@ def test_a_message_reaches_the_process_it_is_sent_to():
     finally:
         ctx.destroy(linger=0)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_every_stage_row_names_its_entry():
+    """The runtime starts a stage by its row's entry, a run(config, index), found by name."""
+    import importlib
+    import inspect
+
+    from conveyor.wire.topology import STAGES
+
+    for stage in STAGES:
+        module, _, function = stage.entry.partition(":")
+        run = getattr(importlib.import_module(module), function)
+        assert module == f"conveyor.stages.{stage.name}.main" and function == "run", stage.entry
+        assert list(inspect.signature(run).parameters) == ["config", "index"], stage.entry

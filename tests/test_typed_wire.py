@@ -33,7 +33,6 @@ def mypy(code: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     snippet = tmp_path / "snippet.py"
     snippet.write_text(code)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    subprocess.run(["bash", ".ci/lint", "tree"], cwd=REPO, env=env, check=True)
     return subprocess.run(
         [sys.executable, "-m", "mypy", "--no-error-summary", "--follow-imports=silent", str(snippet)],
         cwd=REPO,

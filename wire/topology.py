@@ -49,6 +49,9 @@ class Stage(Generic[T]):
 
     name: str
     inbound: Any  # the msgspec type its receiver decodes: T at run time
+    # Its process's entry: "module:function", a `run(config, index)` that serves until stopped
+    # (stages/runtime.py calls it). A name, not the function: wire/ imports no stage.
+    entry: str
     num_processes: Callable[[EngineConfig], int] = _one
     fails_engine: bool = False  # its death is an engine failure, not a restart of itself
     # Stopped and started with the engine, because its state belongs to the engine's.
@@ -57,23 +60,29 @@ class Stage(Generic[T]):
 
 # One scheduler per engine (index = engine); its worker ranks are workers engine * tp .. + tp - 1.
 SCHEDULER: Stage[SchedulerInbound] = Stage(
-    "scheduler", SchedulerInbound, lambda c: c.parallel.data_parallel_size, fails_engine=True, restarts_with_engine=True
-)
-WORKER: Stage[WorkerInbound] = Stage(
-    "worker", WorkerInbound, lambda c: c.parallel.data_parallel_size * c.parallel.tensor_parallel_size,
+    "scheduler", SchedulerInbound, "conveyor.stages.scheduler.main:run", lambda c: c.parallel.data_parallel_size,
     fails_engine=True, restarts_with_engine=True,
 )  # fmt: skip
+WORKER: Stage[WorkerInbound] = Stage(
+    "worker", WorkerInbound, "conveyor.stages.worker.main:run",
+    lambda c: c.parallel.data_parallel_size * c.parallel.tensor_parallel_size, fails_engine=True, restarts_with_engine=True,
+)  # fmt: skip
 # With data parallelism, one router picks each request's engine (stages/router/); none otherwise.
-ROUTER: Stage[RouterInbound] = Stage("router", RouterInbound, lambda c: 1 if c.parallel.data_parallel_size > 1 else 0)
-TOKENIZER: Stage[TokenizerInbound] = Stage("tokenizer", TokenizerInbound, lambda c: c.stages.num_tokenizers)
+ROUTER: Stage[RouterInbound] = Stage(
+    "router", RouterInbound, "conveyor.stages.router.main:run", lambda c: 1 if c.parallel.data_parallel_size > 1 else 0
+)
+TOKENIZER: Stage[TokenizerInbound] = Stage(
+    "tokenizer", TokenizerInbound, "conveyor.stages.tokenizer.main:run", lambda c: c.stages.num_tokenizers
+)
 # Its sequence state belongs to the scheduler that died (sequence ids start again from 0). With
 # data parallelism it serves every engine and outlives one's restart (`engine_of` says None):
 # the restarted scheduler's EngineStarted has it drop that engine's sequences instead.
 DETOKENIZER: Stage[DetokenizerInbound] = Stage(
-    "detokenizer", DetokenizerInbound, lambda c: c.stages.num_detokenizers, restarts_with_engine=True
-)
-INGRESS: Stage[IngressInbound] = Stage("ingress", IngressInbound, lambda c: c.stages.num_ingress)
-LAUNCHER: Stage[LauncherInbound] = Stage("launcher", LauncherInbound)  # the launcher's inbox
+    "detokenizer", DetokenizerInbound, "conveyor.stages.detokenizer.main:run", lambda c: c.stages.num_detokenizers,
+    restarts_with_engine=True,
+)  # fmt: skip
+INGRESS: Stage[IngressInbound] = Stage("ingress", IngressInbound, "conveyor.stages.ingress.main:run", lambda c: c.stages.num_ingress)
+LAUNCHER: Stage[LauncherInbound] = Stage("launcher", LauncherInbound, "")  # the launcher's inbox: not a stage process
 
 # Start order: the scheduler first (workers report to it), then workers, the router, pools, ingress.
 STAGES: tuple[Stage[Any], ...] = (SCHEDULER, WORKER, ROUTER, TOKENIZER, DETOKENIZER, INGRESS)

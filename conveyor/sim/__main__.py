@@ -30,7 +30,7 @@ DEFAULT = SimConfig()  # the engine flags' defaults: the configs' own, and the s
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m conveyor.sim", description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = argparse.ArgumentParser(prog="python -m conveyor.sim", description=" ".join((__doc__ or "").split("\n\n")[0].split()))
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="sharegpt",
                    help="sharegpt, fixed, random, normal, fastgen-PROMPT-OUTPUT (e.g. fastgen-2600-60), "

@@ -95,7 +95,7 @@ def measure(grid: list[list[tuple[int, int]]], *, repeats: int = 5, threads: int
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = argparse.ArgumentParser(description=" ".join((__doc__ or "").split("\n\n")[0].split()))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--model", default="tiny", help="checkpoint directory or model name (default: the generated tiny model)")

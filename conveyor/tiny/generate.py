@@ -83,7 +83,9 @@ def generate(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m conveyor.tiny.generate", description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = argparse.ArgumentParser(
+        prog="python -m conveyor.tiny.generate", description=" ".join((__doc__ or "").split("\n\n")[0].split())
+    )
     p.add_argument("out_dir", help="the checkpoint directory (created if missing)")
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="the model's shape (default: %(default)s)")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the weights' dtype (default: %(default)s)")

@@ -122,7 +122,7 @@ def import_all() -> tuple[int, dict[str, str], dict[str, str]]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = argparse.ArgumentParser(description=" ".join((__doc__ or "").split("\n\n")[0].split()))
     p.add_argument("--site", help="the folder the packed wheels were installed into")
     p.add_argument("--device-only", action="store_true", help="the device and versions alone (no imports checked)")
     args = p.parse_args()

@@ -248,7 +248,7 @@ def finish(name: str, started: float, result: dict, opts: Options, state: dict) 
 
 
 def options(argv: list[str] | None) -> Options:
-    p = argparse.ArgumentParser(prog="ops/gpu/runbook.py", description=" ".join(__doc__.split("\n\n")[0].split()))
+    p = argparse.ArgumentParser(prog="ops/gpu/runbook.py", description=" ".join((__doc__ or "").split("\n\n")[0].split()))
     p.add_argument("step", choices=(*STEPS, "all"))
     p.add_argument("--emulated", action="store_true", help="conveyor serve --device emulated, at a tiny scale, on any machine")
     p.add_argument("--out", type=Path, help="where the reports go (default: $OUT, else ./gpu-runbook-out)")

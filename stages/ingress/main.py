@@ -22,7 +22,7 @@ from conveyor.stages.ingress.app import build_app
 from conveyor.stages.ingress.engine_client import EngineClient
 from conveyor.stages.ingress.listener import BoundedSite
 from conveyor.stages.liveness import Pulse
-from conveyor.stages.runtime import settle
+from conveyor.stages.runtime import run_async, settle
 from conveyor.wire.channel import AsyncReceiver
 from conveyor.wire.messages import Drained, IngressInbound, StageReady
 from conveyor.wire.topology import INGRESS, LAUNCHER, TOKENIZER, admission, async_receiver, sender, senders
@@ -30,6 +30,11 @@ from conveyor.wire.topology import INGRESS, LAUNCHER, TOKENIZER, admission, asyn
 log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 2.0  # how long open HTTP connections get to finish when the stage stops
+
+
+def run(config: EngineConfig, index: int) -> None:
+    """The stage's entry (wire/topology.py): serve on uvloop until stopped."""
+    run_async(serve(config, index))
 
 
 async def serve(config: EngineConfig, index: int) -> None:
