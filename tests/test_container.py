@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "docker" / "smoke.sh"
 
