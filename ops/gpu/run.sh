@@ -3,8 +3,8 @@
 # (steps: setup tests checkpoint race-k1 race-k8 report all; ops/gpu/runbook.py --help lists the options).
 # On the GPU machine, in the repository root, with carry [".gpu-pack"] (made here by ops/gpu/pack.sh):
 # installs the packed wheels into /tmp/gpu-site (the image has no network and lacks them) and
-# conveyor itself, editable and offline (its layers map onto conveyor.* through setuptools'
-# package-dir, so PYTHONPATH alone would not find them), then runs the step. With --emulated it
+# conveyor itself, editable and offline (a path entry for the checkout: its `conveyor` console
+# script and metadata come with it), then runs the step. With --emulated it
 # installs nothing: this machine has everything already.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
