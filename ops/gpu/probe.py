@@ -8,7 +8,7 @@
   packed wheel in --site, each as {dist, requirement, found, runtime}; `runtime` is true where
   conveyor needs the package (directly or through another packed one), false for the test
   suite's (openai, jsonschema); the `cuda` extra's (triton) are reported apart, as warnings;
-- import failures: every conveyor module is imported (the packages pyproject lists); a module
+- import failures: every conveyor module is imported (every package under conveyor/); a module
   whose missing package belongs to an optional extra (ray) is listed apart, not as a failure.
 It runs as its own process so that the runbook itself imports neither torch nor conveyor.
 """
@@ -19,13 +19,12 @@ import argparse
 import importlib
 import importlib.metadata as metadata
 import json
+import os
 import pkgutil
 import platform
 import re
 import sys
 from pathlib import Path
-
-import tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 VERSIONS = ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "aiohttp", "uvloop", "pyzmq", "msgspec",
@@ -98,7 +97,9 @@ def requirement_problems(site: str | None) -> tuple[list[dict], list[dict]]:
 def import_all() -> tuple[int, dict[str, str], dict[str, str]]:
     """(modules imported, failures, modules that need an optional extra that is not installed)."""
     optional = {canonical(re.split(r"[^A-Za-z0-9._-]", r, maxsplit=1)[0]) for r in metadata.requires("conveyor") or [] if "extra" in r}
-    packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    # Every package under conveyor/, through its layers' links to the top-level folders (as setuptools finds them).
+    walk = os.walk(REPO / "conveyor", followlinks=True)
+    packages = sorted(".".join(Path(d).relative_to(REPO).parts) for d, _, files in walk if "__init__.py" in files)
     count, failures, skipped = 0, dict[str, str](), dict[str, str]()
     for package in packages:
         names = [package]
