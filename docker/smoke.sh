@@ -126,7 +126,7 @@ conveyor_url=http://127.0.0.1:$port
 # The drain phase streams 400 tokens: long enough to be in flight when SIGTERM lands, and
 # inside this drain even when other work holds the cores (generation then slows twentyfold:
 # 160 tokens took 1 s alone, 27 s beside a busy daemon). compose.yaml's 30 s drain is checked
-# against its stop_grace_period in tests/test_container.py.
+# against its stop_grace_period in tests/ops/test_container.py.
 drain_timeout=120
 phase "start conveyor on $conveyor_url (--drain-timeout $drain_timeout)"
 # The image's HEALTHCHECK probes port 8000 through systemd timers; this one polls instead.

@@ -23,7 +23,7 @@ given width are filled with the scratch block too (the kernels read none past se
 Only on CUDA, without --enforce-eager, and with a backend whose decode path reads no host data
 (`attn.supports_cuda_graphs`: the triton backend; torch and cpu plan from host lists): see
 `can_capture`. With capture=False, `run` goes through the same buffers and padding but calls
-the model eagerly: the bookkeeping is testable on a CPU (tests/test_cuda_graphs.py).
+the model eagerly: the bookkeeping is testable on a CPU (tests/gpu/test_cuda_graphs.py).
 
 Integration contract (gpu/runner.py):
 1. Start-up, model loaded: if not `can_capture(config, attn, device)`, never build this; every

@@ -40,14 +40,22 @@ def pytest_configure(config):
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# Each folder of tests/ is an area, and its name is a marker: `pytest -m scheduler` runs that
+# folder's tests, `-m "not daemon"` leaves out those that start whole daemons.
+AREAS = ("scheduler", "gpu", "kernels", "stages", "daemon", "ops", "api")
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if not torch.cuda.is_available():
-        skip = pytest.mark.skip(reason="needs a CUDA device")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+    tests = Path(__file__).parent
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        area = item.path.relative_to(tests).parts[0]
+        if area in AREAS:
+            item.add_marker(getattr(pytest.mark, area))
+        if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -8,7 +8,7 @@ has the procedure. Every step is idempotent and stops itself inside --budget-s (
 has 600). Expected time of each on the H100 machine (ESTIMATES; nothing has run there yet):
 
     setup        ~1 min    versions, the device, unmet requirements, every conveyor module imported (probe.py)
-    tests        3-6 min   pytest -m gpu over the test files that mark GPU tests
+    tests        3-6 min   pytest -m cuda over the test files that mark CUDA tests
     checkpoint   3-5 min   the Llama-3-8B-shaped bf16 checkpoint, random weights, 16 GB (seconds when reused)
     race-k1      4-6 min   ShareGPT 500 at once against K = 1, with CUDA graphs and --enforce-eager (race.py)
     race-k8      4-6 min   the same with --num-scheduler-steps 8
@@ -19,7 +19,7 @@ A machine is given back 30 s after a call: a race step on a fresh one generates 
 first, and where too little time is left for a configuration it is recorded as not run; running
 the step again measures only the configurations still missing (--rerun measures all again).
 `--emulated` runs the same steps here against `conveyor serve --device emulated` on a config-only
-tiny checkpoint, at a tiny scale, and skips the GPU tests: tests/test_gpu_runbook.py rehearses it.
+tiny checkpoint, at a tiny scale, and skips the GPU tests: tests/ops/test_gpu_runbook.py rehearses it.
 Stdlib only, so that it can report a machine where conveyor's imports fail.
 """
 
@@ -133,10 +133,10 @@ def setup(opts: Options, state: dict, deadline: float) -> dict:
 def tests(opts: Options, state: dict, deadline: float) -> dict:
     if not probe(opts, "--device-only")["device"]["cuda_available"]:
         return {"status": "skipped", "note": "skipped: no CUDA device here (the GPU-marked tests skip without one)"}
-    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py") if "mark.cuda" in p.read_text())
     junit = opts.work / "tests.xml"
     junit.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
     status, out = run(cmd, deadline - time.monotonic() - 10, cwd=REPO)
     print(out[-3000:])
     if not junit.is_file():

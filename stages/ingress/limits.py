@@ -18,7 +18,7 @@ It overrides the RequestHandler hooks aiohttp calls per connection (connection_m
 data_received), per answer (finish_response) and per unparseable request (handle_error), and
 reads the counters aiohttp keeps (`_request_count`: requests parsed; `_messages`: parsed, not yet
 handled; `_current_request`); listener.py creates it. Written against aiohttp 3.14; an upgrade that
-renames them fails tests/test_ingress_limits.py.
+renames them fails tests/api/test_ingress_limits.py.
 """
 
 from __future__ import annotations

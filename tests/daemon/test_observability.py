@@ -1,0 +1,140 @@
+"""Observability end to end: a real Prometheus scrapes the daemon on loopback while load runs,
+then every PromQL expression of the dashboard and of the alert rules must return a series; the
+/metrics text passes `promtool check metrics`; the GPU bubble fraction lies in (0, 1) and rises
+when the worker is made to wait for its host."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import yaml
+
+from tests.conftest import Daemon, free_port
+
+OPS = Path(__file__).resolve().parents[2] / "ops"
+SLOW_SCHEDULER = Path(__file__).resolve().parent / "slow_scheduler"  # its sitecustomize delays each plan
+needs_prometheus = pytest.mark.skipif(
+    not (shutil.which("prometheus") and shutil.which("promtool")), reason="Debian's prometheus package is not installed"
+)
+
+
+def drive_load(daemon: Daemon, seconds: float = 6.0) -> None:
+    """Everything the dashboard shows: finished requests, errors, 429s, aborts, prefix hits,
+    preemptions (the daemon runs with a small pool and queue)."""
+    url = f"{daemon.url}/v1/completions"
+    shared = "A shared prefix that several requests repeat word for word. " * 4
+
+    def one(i: int) -> None:
+        body: dict[str, Any] = {"prompt": shared + f"request {i}", "max_tokens": 24 + i % 16, "ignore_eos": True, "stream": i % 2 == 0}
+        _ = requests.post(url, json=body, timeout=60).content  # read the whole body, streamed or not
+
+    deadline = time.monotonic() + seconds
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        i = 0
+        while time.monotonic() < deadline:
+            list(pool.map(one, range(i, i + 12)))
+            i += 12
+    requests.post(url, json={"prompt": "x", "temperature": -1}, timeout=10)  # an error
+    with requests.post(url, json={"prompt": "go", "max_tokens": 500, "stream": True}, stream=True, timeout=30) as r:
+        next(r.iter_lines())  # then hang up: an abort
+
+
+@pytest.fixture(scope="module")
+def loaded_daemon(daemon_factory):
+    daemon = daemon_factory("--num-kv-blocks", "40", "--max-num-seqs", "4", "--max-queued-requests", "4")
+    drive_load(daemon)
+    return daemon
+
+
+# Metrics only a daemon with several engines records (the router's): this daemon has one.
+# tests/daemon/test_data_parallel.py reads them from a daemon with two.
+SEVERAL_ENGINES_ONLY = ("conveyor_router_",)
+
+
+def expressions() -> list[str]:
+    dashboard = json.loads((OPS / "grafana/dashboards/conveyor.json").read_text())
+    found = []
+
+    def walk(panels):
+        for panel in panels:
+            found.extend(t["expr"] for t in panel.get("targets", []))
+            walk(panel.get("panels", []))
+
+    walk(dashboard["panels"])
+    for group in yaml.safe_load((OPS / "prometheus/alerts.yml").read_text())["groups"]:
+        for rule in group["rules"]:
+            # An alert's condition is false while all is well; its expression must still have data.
+            found.append(re.sub(r"\s*(==|!=|>=|<=|>|<)\s*[0-9.e+-]+\s*$", "", rule["expr"].strip()))
+    return sorted(e for e in set(found) if not any(name in e for name in SEVERAL_ENGINES_ONLY))
+
+
+@needs_prometheus
+def test_every_dashboard_and_alert_expression_has_data(loaded_daemon, tmp_path):
+    port = free_port()
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "conveyor", "static_configs": [{"targets": [f"127.0.0.1:{loaded_daemon.port}"]}]}],
+    }
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    prometheus = subprocess.Popen(
+        ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        api = f"http://127.0.0.1:{port}/api/v1/query"
+        # Keep load going while Prometheus collects enough samples for rate() over [1m].
+        deadline = time.monotonic() + 60
+        missing = expressions()
+        while missing and time.monotonic() < deadline:
+            drive_load(loaded_daemon, seconds=2)
+            still = []
+            for expr in missing:
+                try:
+                    result = requests.get(api, params={"query": expr}, timeout=5).json()
+                except requests.ConnectionError:
+                    still.append(expr)
+                    continue
+                assert result["status"] == "success", (expr, result)
+                if not [s for s in result["data"]["result"] if s["value"][1] not in ("NaN",)]:
+                    still.append(expr)
+            missing = still
+        assert not missing, "expressions without data:\n" + "\n".join(missing)
+    finally:
+        prometheus.terminate()
+        prometheus.wait(timeout=10)
+
+
+@needs_prometheus
+def test_promtool_accepts_the_metrics_text(loaded_daemon):
+    text = requests.get(f"{loaded_daemon.url}/metrics", timeout=10).text
+    checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def bubble_fraction(daemon: Daemon) -> float:
+    idle0, busy0 = daemon.metric("conveyor_worker_idle_seconds_total"), daemon.metric("conveyor_worker_busy_seconds_total")
+    drive_load(daemon, seconds=4)
+    idle = daemon.metric("conveyor_worker_idle_seconds_total") - idle0
+    busy = daemon.metric("conveyor_worker_busy_seconds_total") - busy0
+    return idle / (idle + busy)
+
+
+def test_the_bubble_rises_when_the_worker_waits_for_its_host(daemon_factory, monkeypatch):
+    steady = bubble_fraction(daemon_factory("--num-kv-blocks", "256"))
+    # The delay (0.1 s) is longer than a step of this load on a slow CPU (~30-60 ms without
+    # AVX-512), so async scheduling cannot hide it behind the step in flight.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(SLOW_SCHEDULER), os.environ.get("PYTHONPATH")])))
+    delayed = bubble_fraction(daemon_factory("--num-kv-blocks", "256"))
+    assert 0 < steady < 1 and 0 < delayed < 1
+    assert delayed > steady + 0.1, (steady, delayed)

@@ -1,0 +1,98 @@
+"""Tensor parallelism through the daemon, on CPU with gloo: every stage its own process, each
+worker rank too.
+
+- TP=2 (the tiny checkpoint's 2 KV heads split) and TP=4 (replicated: one KV head per rank, each
+  on two ranks; with multi-step windows) give transformers' greedy tokens, streamed and not,
+  with every request in flight at once and one request forked (n=2); beside them, sampled
+  requests that only rank 0 can draw (a JSON schema's grammar mask, penalties, logprobs) keep
+  the ranks' inputs in step too (a rank that drifted would break the greedy ones). tests/daemon/test_pipeline.py
+  holds TP=1 to the same tokens on the same checkpoint and prompts, and
+  tests/gpu/test_tensor_parallel.py holds the sharded model to the TP=1 one directly.
+- A rank killed with SIGKILL mid-generation: the stream ends with an error (no hang), the other
+  rank is gone within the launcher's grace period (it does not wait in a collective), the
+  engine comes back, and the daemon serves again. Both the rank that samples and one that does
+  not are killed in turn.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from tests.daemon.test_pipeline import PROMPTS, complete
+from tests.daemon.test_supervision import LONG, ended_with_error, health, ok, streaming, wait_until
+
+ARCH = "Qwen2ForCausalLM"  # q/k/v biases: a column-parallel bias is cut with its rows
+NUM_TOKENS = 8
+SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"], "additionalProperties": False}
+SAMPLED = [
+    {"prompt": "Answer:", "temperature": 1, "n": 2, "seed": 5, "max_tokens": 48, "guided_json": SCHEMA},
+    {"prompt": "Once", "temperature": 0.8, "seed": 9, "max_tokens": NUM_TOKENS, "ignore_eos": True, "logprobs": 2,
+     "presence_penalty": 0.5, "repetition_penalty": 1.2},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("tp", "extra"), [(2, ()), (4, ("--num-scheduler-steps", "4"))], ids=["tp2", "tp4-multistep"])
+def test_tensor_parallel_greedy_matches_transformers(tp, extra, checkpoints, reference, daemon_factory):
+    path = checkpoints[ARCH]
+    daemon = daemon_factory(
+        "--model", str(path), "--tensor-parallel-size", str(tp), "--max-num-batched-tokens", "32", "--num-kv-blocks", "128",
+        *extra,
+    )  # fmt: skip
+    assert len(daemon.stage_pids("worker")) == tp
+    ref = reference(path)
+    expected = {prompt: ref.greedy(ref.encode(prompt), NUM_TOKENS) for prompt in PROMPTS}
+    try:
+        check_concurrent_requests(daemon, expected)
+    except AssertionError:
+        print(daemon.output()[-20000:])  # shown by pytest with the failure: the ranks' logs
+        raise
+
+
+def check_concurrent_requests(daemon, expected: dict[str, list[int]]) -> None:
+    jobs = [(prompt, stream) for prompt in PROMPTS for stream in (False, True)]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs) + 1 + len(SAMPLED)) as pool:
+        forked = pool.submit(
+            daemon.post, "/v1/completions",
+            {"prompt": PROMPTS[0], "n": 2, "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        sampled = [pool.submit(daemon.post, "/v1/completions", body) for body in SAMPLED]
+        results = list(pool.map(lambda job: complete(daemon, job[0], stream=job[1], max_tokens=NUM_TOKENS), jobs))
+    for (prompt, stream), (ids, _, _) in zip(jobs, results):
+        assert ids == expected[prompt], (prompt, stream)
+    assert forked.result().status_code == 200, forked.result().text
+    assert [c["token_ids"] for c in forked.result().json()["choices"]] == [expected[PROMPTS[0]]] * 2
+    constrained, penalised = (future.result() for future in sampled)
+    assert constrained.status_code == 200 and penalised.status_code == 200, (constrained.text, penalised.text)
+    for choice in constrained.json()["choices"]:  # the grammar held: an object, whole once it stopped
+        assert choice["text"].lstrip().startswith("{"), choice
+        if choice["finish_reason"] == "stop":
+            assert json.loads(choice["text"])["answer"] in ("yes", "no"), choice
+    logprobs = penalised.json()["choices"][0]["logprobs"]
+    assert len(logprobs["token_logprobs"]) == NUM_TOKENS and all(-50 < lp <= 0 for lp in logprobs["token_logprobs"])
+    assert all(2 <= len(top) <= 3 for top in logprobs["top_logprobs"])  # the top 2, and the sampled token where not among them
+
+
+def test_a_dead_rank_takes_the_engine_down_cleanly_and_it_comes_back(checkpoints, daemon_factory):
+    daemon = daemon_factory(
+        "--model", str(checkpoints[ARCH]), "--tensor-parallel-size", "2", "--num-kv-blocks", "256", "--stage-timeout", "5",
+        "--max-engine-restarts", "10",
+    )  # fmt: skip
+    for victim in (1, 0):  # a rank that does not sample, then the one that does
+        workers = sorted(daemon.stage_pids("worker"))
+        stream = streaming(daemon, LONG)
+        os.kill(workers[victim], signal.SIGKILL)
+        killed = time.monotonic()
+        assert ended_with_error(stream.finish())["code"] == "engine_not_ready"
+        # Every process of the old engine is gone well within the launcher's SIGTERM grace (5 s).
+        old = set(workers)
+        wait_until(lambda old=old: not old & set(daemon.stage_pids("worker")), timeout=30)
+        assert time.monotonic() - killed < 10
+        wait_until(lambda: health(daemon) == 200, timeout=90)
+        assert ok(daemon)
+        assert len(daemon.stage_pids("worker")) == 2 and not set(workers) & set(daemon.stage_pids("worker"))
