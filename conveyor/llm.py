@@ -19,8 +19,8 @@ from tokenizers import Tokenizer
 
 from conveyor.config.build import build_engine_config
 from conveyor.stages.detokenizer.detokenizer import Detokenizer
-from conveyor.stages.scheduler.plan import step_plan, token_batches
-from conveyor.stages.scheduler.scheduler import Scheduler
+from conveyor.stages.scheduler.engine_core import EngineCore
+from conveyor.stages.scheduler.plan import token_batches
 from conveyor.stages.tokenizer.encoder import PromptEncoder
 from conveyor.stages.tokenizer.preparation import Rejected, prepare
 from conveyor.wire.messages import ChatMessage, SamplingParams, TextDelta, TextLogprob, TokenizeRequest
@@ -62,7 +62,7 @@ class LLM:
         self.runner = ModelRunner(self.config)
         num_blocks = self.runner.num_available_blocks()
         self.runner.initialize_cache(num_blocks)
-        self.scheduler = Scheduler.from_config(
+        self.core = EngineCore.from_config(
             self.config.scheduler,
             num_blocks=num_blocks,
             block_size=self.config.cache.block_size,
@@ -122,7 +122,7 @@ class LLM:
             except Rejected as e:
                 raise ValueError(str(e)) from None
         for request in prepared:
-            self.scheduler.add_request(request)
+            self.core.add_request(request)
         samples = self._drain()
         outputs = []
         for request, prompt in zip(prepared, prompts):
@@ -144,29 +144,22 @@ class LLM:
         return outputs
 
     def _drain(self) -> dict[str, dict[int, CompletionOutput]]:
-        """Step until every request finished, detokenizing each step as the daemon does (stop
-        strings included); every sample of every request, by request id and sample index."""
+        """Step until every request finished, each plan run to its end, detokenizing each pass
+        as the daemon does (stop strings included); every sample of every request, by request
+        id and sample index."""
         samples: dict[str, dict[int, CompletionOutput]] = {}
-        while self.scheduler.has_work():
-            step = self.scheduler.schedule()
-            if step is None:
-                self._detokenize(self.scheduler.take_unsampled_updates(), samples)
-                continue
-            for r in self.runner.execute(step_plan(step)):  # one result per pass, detokenized in turn
-                updates = self.scheduler.update(
-                    step, r.sampled_token_ids, r.sampled_logprobs, r.top_logprobs, r.failed_draws,
-                    pass_index=r.pass_index, masked_draws=r.masked_draws, last_pass=r.last_pass,
-                )  # fmt: skip
+        while self.core.has_work():
+            for updates in self.core.run_step(self.runner.execute):
                 self._detokenize(updates, samples)
         return samples
 
     def _detokenize(self, updates: list, samples: dict[str, dict[int, CompletionOutput]]) -> None:
         """As a detokenizer stage would: text deltas into `samples`, and stop strings found end
         their sequences in the scheduler."""
-        (batch,) = token_batches(self.scheduler.num_steps, updates, 1)
+        (batch,) = token_batches(self.core.scheduler.num_steps, updates, 1)
         if batch is not None:
             deltas: list[list[TextDelta]] = [[]]
-            self.scheduler.finish_seqs(self.detokenizer.process(batch, deltas))
+            self.core.finish_seqs(self.detokenizer.process(batch, deltas))
             for d in deltas[0]:
                 choice = samples.setdefault(d.request_id, {}).setdefault(d.index, CompletionOutput(d.index, "", [], None))
                 choice.text += d.text

@@ -1,7 +1,8 @@
 """A plan's passes on the worker: the per-sequence state the host keeps (WorkerSeq), a plan's
-window of passes (Window), a pass launched on the device (LaunchedPass), and the StepResult a
-launched pass becomes once its ids reach the host (`pass_result`), where a constrained
-sequence's matcher takes each id it drew, in order. gpu/runner.py launches them.
+window of passes (Window), what one pass computes (PassWork), a pass launched on the device
+(LaunchedPass), and the StepResult a launched pass becomes once its ids reach the host
+(`pass_result`): its draws keyed by sequence id, a constrained sequence's matcher taking each id
+it drew, in order. gpu/runner.py launches them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 from conveyor.gpu.pass_clock import PassClock
 from conveyor.gpu.sampling.draws import DeviceSamples
 from conveyor.gpu.step_inputs import PassInputs
-from conveyor.wire.messages import SamplingParams, StepPlan, StepResult, TopLogprobs
+from conveyor.wire.messages import Fork, SamplingParams, StepPlan, StepResult, TopLogprobs
 
 if TYPE_CHECKING:  # xgrammar loads with the first constrained sequence
     from conveyor.gpu.platform import ResultCopy
@@ -21,6 +22,7 @@ if TYPE_CHECKING:  # xgrammar loads with the first constrained sequence
 
 @dataclasses.dataclass
 class WorkerSeq:
+    seq_id: int
     token_ids: list[int]  # prompt, then the outputs the host has seen (the device may be ahead)
     params: SamplingParams
     num_prompt_tokens: int
@@ -57,6 +59,18 @@ class Window:
 
 
 @dataclasses.dataclass
+class PassWork:
+    """What one pass computes: its rows, the tokens each adds, which rows draw (indices into
+    rows) and each drawing row's forks (a plan's first pass only)."""
+
+    inputs: PassInputs
+    rows: list[WorkerSeq]
+    num_new: list[int]
+    sampling: list[int]
+    forks: list[list[Fork]]
+
+
+@dataclasses.dataclass
 class LaunchedPass:
     window: Window
     index: int  # pass index within the plan
@@ -80,8 +94,10 @@ def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
     masked: list[int] = []
     top_iter = iter(host.top_logprobs if host else [])
     failed_computed = set(host.failed_draws if host else [])
+    no_top, any_top = TopLogprobs([], []), False
     for d, (seq, c) in enumerate(zip(launched.draws, launched.computed)):
         wants_top = seq.params.logprobs is not None
+        any_top |= wants_top
         top = next(top_iter) if wants_top and c is not None else None
         if c is not None and host is not None:
             # Every id the device holds joins the host's copy, even a masked one: the next
@@ -92,13 +108,11 @@ def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
             masked.append(d)
             ids.append(0)
             logprobs.append(0.0)
-            if wants_top:
-                tops.append(TopLogprobs([], []))
+            tops.append(no_top)
             continue
         ids.append(token)
         logprobs.append(host.logprobs[c])
-        if top is not None:
-            tops.append(top)
+        tops.append(top or no_top)
         if c in failed_computed:  # its id is the placeholder 0, as on the device
             failed.append(d)
             seq.stopped = True
@@ -115,11 +129,12 @@ def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
         busy_time=clock.busy(),
         idle_time=clock.idle(),
         sampled_logprobs=logprobs,
-        top_logprobs=tops,
+        top_logprobs=tops if any_top else [],  # empty unless a draw's sequence asked
         failed_draws=failed,
         pass_index=k,
         last_pass=last,
         masked_draws=masked,
+        seq_ids=[seq.seq_id for seq in launched.draws],
     )
 
 

@@ -59,17 +59,18 @@ from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.sampling import share_draws
 from conveyor.gpu.parallel.shard import shard_model_config
 from conveyor.gpu.pass_clock import Mark, PassClock
-from conveyor.gpu.passes import LaunchedPass, Window, WorkerSeq, pass_result
+from conveyor.gpu.passes import LaunchedPass, PassWork, Window, WorkerSeq, pass_result
 from conveyor.gpu.persistent_batch import PersistentBatch
 from conveyor.gpu.plan_checks import check_plan
 from conveyor.gpu.platform import Platform, platform_for
-from conveyor.gpu.profile_steps import profile_steps
-from conveyor.gpu.sampling import SamplingRow, sample_step
+from conveyor.gpu.profile_steps import profile_run
+from conveyor.gpu.sampling import SamplingRow
+from conveyor.gpu.sampling.draws import DeviceSamples
 from conveyor.gpu.sampling.penalties import penalises_repeats
 from conveyor.gpu.sampling.transfer import to_device
 from conveyor.gpu.step_inputs import PassInputs, RowSpec, first_pass_inputs, next_pass_inputs
 from conveyor.gpu.structured import Matcher, TokenMask, grammars_for, token_mask
-from conveyor.wire.messages import MAX_LOGPROBS, NewSeq, SamplingParams, StepPlan, StepResult
+from conveyor.wire.messages import NewSeq, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class ModelRunner:
             seconds, graph_bytes = self._graph_probe.capture_all()
             log.info("CUDA graphs: the largest bucket takes %.1f MiB (probe captured in %.2f s)", graph_bytes / 2**20, seconds)
         if self.device.type == "cuda" and self.config.cache.num_kv_blocks is None:
-            self._profile_run()
+            profile_run(self)
         num_blocks = self.platform.kv_blocks(self.attn.bytes_per_block(self.block_size), self.config.cache)
         return num_blocks if self.config.cache.num_kv_blocks is not None else max(1, num_blocks - 1)
 
@@ -228,7 +229,7 @@ class ModelRunner:
 
     def _register(self, new: NewSeq) -> WorkerSeq:
         # A prefix-cache hit: the leading num_computed_tokens already have KV in the row's blocks.
-        seq = WorkerSeq(list(new.token_ids), new.params, new.num_prompt_tokens, new.num_computed_tokens, index=new.index)
+        seq = WorkerSeq(new.seq_id, list(new.token_ids), new.params, new.num_prompt_tokens, new.num_computed_tokens, index=new.index)
         seq.matcher = self._matcher(seq)  # a resumed sequence's outputs replayed into it
         return seq
 
@@ -239,7 +240,7 @@ class ModelRunner:
             return None
         return grammars_for(self.config.model).matcher(seq.params.structured, seq.token_ids[seq.num_prompt_tokens :])
 
-    # --- one pass ---------------------------------------------------------------------------
+    # --- one pass: inputs, forward, sample, advance, report ----------------------------------
 
     def _launch_pass(self, window: Window, k: int, arrival: Mark | None) -> bool:
         """Launch pass k of the window; False when no row is left to run it."""
@@ -249,91 +250,120 @@ class ModelRunner:
             active = active if k == 0 else window.active(k)
         if not active:
             return False
-        rows = [window.rows[i] for i in active]
-        plan = window.plan
         clock = PassClock(self.platform.mark, arrival if arrival is not None else self._last_clock)
-        if k == 0:
-            specs, num_computed, sampling = [], [], []
-            slots, one_step = self.batch.slots, plan.num_steps == 1
-            for i, (seq, row) in enumerate(zip(rows, plan.scheduled)):
-                n = row.num_tokens if one_step else 1  # a window's first pass decodes
-                end = seq.num_computed + n
-                specs.append(RowSpec(slots[row.seq_id], seq.num_computed, end, seq.token_ids, end == seq.num_tokens))
-                num_computed.append(n)
-                if end == seq.num_tokens:
-                    sampling.append(i)
-            graphed = self._graphed(len(specs), max(num_computed) == 1)
-            inputs = first_pass_inputs(specs, self.batch, self.attn, self.block_size, self.config.model.sliding_window, not graphed)
-            window.first = inputs
-            forks = [plan.scheduled[i].forks for i in sampling]
-        else:
-            assert window.first is not None
-            everyone = len(active) == len(window.rows)
-            inputs = next_pass_inputs(window.first, k, None if everyone else active, self.batch, self.attn,
-                                      self.block_size, self.config.model.sliding_window,
-                                      not self._graphed(len(active), True))  # fmt: skip
-            sampling, forks, num_computed = list(range(len(rows))), [[] for _ in rows], [1] * len(rows)
-
-        hidden = self._forward(inputs)  # [T, H]
-        samples = None
-        mask: TokenMask | None = None
-        draw_seqs: list[WorkerSeq] = []
-        if sampling:
-            logits = self.model.compute_logits(hidden[inputs.logit_index])  # [S, V] float32 (other ranks: [S, 0])
-            if self._constrained and any(rows[i].params.structured is not None for i in sampling):
-                mask = self._grammar_mask([rows[i] for i in sampling])  # the host works while the device computes
-                if k > 0 and not window.active(k):  # every row stopped in the pass before: this one is void
-                    return False
-            sampling_rows, param_slots = [], []  # param_slots: each draw's parameters' slot (a fork draws with its parent's)
-            for i, row_forks in zip(sampling, forks):
-                seq, slot = rows[i], self.batch.slots[plan.scheduled[active[i]].seq_id]
-                choices = [seq.index, *(f.index for f in row_forks)] if row_forks else [seq.index]
-                sampling_rows.append(SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, choices, seq.num_output_tokens))
-                param_slots += [slot] * len(choices)
-            drawn, param_slots_t = None, to_device(param_slots, torch.int64, self.device)
-            if self.tp.samples:
-                draw_params = self.batch.params.gather(param_slots_t)
-                drawn = self.platform.draw(logits, sampling_rows, self.config.model.eos_token_ids, draw_params, mask)
-            samples = share_draws(self.tp, drawn, sampling_rows, self.device)  # rank 0's ids on every rank
-        for seq, n in zip(rows, num_computed):
-            seq.num_computed += n
-        for i in sampling:
-            rows[i].num_tokens += 1
-        if samples is not None and not any(forks):  # each draw is its own row's: the slots are the parameters'
-            draw_seqs = [rows[i] for i in sampling]
-            self.batch.feed_back(param_slots_t, samples.token_ids)
-        elif samples is not None:
-            draw_slots = []
-            for i, row_forks in zip(sampling, forks):
-                seq, seq_id = rows[i], plan.scheduled[active[i]].seq_id
-                draw_seqs.append(seq)
-                draw_slots.append(self.batch.slots[seq_id])
-                for fork in row_forks:  # a copy of the sequence after this pass, with its own draw
-                    child = dataclasses.replace(
-                        seq, token_ids=list(seq.token_ids), block_table=list(seq.block_table), index=fork.index, stopped=False
-                    )
-                    child.matcher = self._matcher(child)  # its own, where the parent's was for this draw
-                    self.seqs[fork.seq_id] = child
-                    if child.params.structured is not None:
-                        self._constrained.add(fork.seq_id)
-                    draw_seqs.append(child)
-                    draw_slots.append(self.batch.fork(seq_id, fork.seq_id))
-            self.batch.feed_back(to_device(draw_slots, torch.int64, self.device), samples.token_ids)
+        work = self._first_pass(window) if k == 0 else self._next_pass(window, k, active)
+        hidden = self._forward(work.inputs)  # [T, H]
+        samples, draw_slots = None, None
+        if work.sampling:
+            drawn = self._sample(work, hidden[work.inputs.logit_index], window, k)
+            if drawn is None:  # every row stopped in the pass before: this one is void
+                return False
+            samples, draw_slots = drawn
+        draw_seqs = self._advance(work, samples, draw_slots)
         clock.stop()
+        self._report(window, k, active, draw_seqs, samples, clock)
+        return True
 
-        # The draws the result reports: the first pass's are the ones it drew; pass k's every row
-        # with more than k passes, in plan order, a row left out (its sequence stopped) masked.
+    def _first_pass(self, window: Window) -> PassWork:
+        """A plan's first pass: each row computes its chunk (a window's rows one token) and the
+        rows reaching their known tokens draw, a forking row once more per fork."""
+        plan, rows = window.plan, window.rows
+        specs, num_new, sampling = [], [], []
+        slots, one_step = self.batch.slots, plan.num_steps == 1
+        for i, (seq, row) in enumerate(zip(rows, plan.scheduled)):
+            n = row.num_tokens if one_step else 1  # a window's first pass decodes
+            end = seq.num_computed + n
+            specs.append(RowSpec(slots[seq.seq_id], seq.num_computed, end, seq.token_ids, end == seq.num_tokens))
+            num_new.append(n)
+            if end == seq.num_tokens:
+                sampling.append(i)
+        graphed = self._graphed(len(specs), max(num_new) == 1)
+        inputs = first_pass_inputs(specs, self.batch, self.attn, self.block_size, self.config.model.sliding_window, not graphed)
+        window.first = inputs
+        return PassWork(inputs, rows, num_new, sampling, [plan.scheduled[i].forks for i in sampling])
+
+    def _next_pass(self, window: Window, k: int, active: list[int]) -> PassWork:
+        """Pass k > 0 of a window: every active row decodes one token and draws; none forks."""
+        assert window.first is not None
+        rows = [window.rows[i] for i in active]
+        everyone = len(active) == len(window.rows)
+        inputs = next_pass_inputs(window.first, k, None if everyone else active, self.batch, self.attn, self.block_size,
+                                  self.config.model.sliding_window, not self._graphed(len(active), True))  # fmt: skip
+        return PassWork(inputs, rows, [1] * len(rows), list(range(len(rows))), [[] for _ in rows])
+
+    def _sample(self, work: PassWork, hidden: torch.Tensor, window: Window, k: int) -> tuple[DeviceSamples, torch.Tensor] | None:
+        """hidden [S, H] of the sampling rows -> (the pass's draws, on every rank; each draw's
+        parameters' slot [D], a fork drawing with its parent's). None: the pass turned void
+        while its grammar masks waited for the ids in flight."""
+        logits = self.model.compute_logits(hidden)  # [S, V] float32 (other ranks: [S, 0])
+        drawing = [work.rows[i] for i in work.sampling]
+        mask: TokenMask | None = None
+        if self._constrained and any(seq.params.structured is not None for seq in drawing):
+            mask = self._grammar_mask(drawing)  # the host works while the device computes
+            if k > 0 and not window.active(k):
+                return None
+        sampling_rows, param_slots = [], []
+        for seq, forks in zip(drawing, work.forks):
+            choices = [seq.index, *(f.index for f in forks)] if forks else [seq.index]
+            sampling_rows.append(SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, choices, seq.num_output_tokens))
+            param_slots += [self.batch.slots[seq.seq_id]] * len(choices)
+        param_slots_t = to_device(param_slots, torch.int64, self.device)
+        drawn = None
+        if self.tp.samples:
+            draw_params = self.batch.params.gather(param_slots_t)
+            drawn = self.platform.draw(logits, sampling_rows, self.config.model.eos_token_ids, draw_params, mask)
+        return share_draws(self.tp, drawn, sampling_rows, self.device), param_slots_t  # rank 0's ids on every rank
+
+    def _advance(self, work: PassWork, samples: DeviceSamples | None, param_slots: torch.Tensor | None) -> list[WorkerSeq]:
+        """The host's counts after the pass, each fork a copy of its parent plus its own draw,
+        and the draws fed back into the batch as the rows' next inputs; the sequence of each
+        draw, in draw order."""
+        rows = work.rows
+        for seq, n in zip(rows, work.num_new):
+            seq.num_computed += n
+        for i in work.sampling:
+            rows[i].num_tokens += 1
+        if samples is None:
+            return []
+        assert param_slots is not None
+        if not any(work.forks):  # each draw is its own row's: the slots are the parameters'
+            self.batch.feed_back(param_slots, samples.token_ids)
+            return [rows[i] for i in work.sampling]
+        draw_seqs, draw_slots = [], []
+        for i, forks in zip(work.sampling, work.forks):
+            seq = rows[i]
+            draw_seqs.append(seq)
+            draw_slots.append(self.batch.slots[seq.seq_id])
+            for fork in forks:  # a copy of the sequence after this pass, with its own draw
+                child = dataclasses.replace(
+                    seq, seq_id=fork.seq_id, token_ids=list(seq.token_ids), block_table=list(seq.block_table),
+                    index=fork.index, stopped=False,
+                )  # fmt: skip
+                child.matcher = self._matcher(child)  # its own, where the parent's was for this draw
+                self.seqs[fork.seq_id] = child
+                if child.params.structured is not None:
+                    self._constrained.add(fork.seq_id)
+                draw_seqs.append(child)
+                draw_slots.append(self.batch.fork(seq.seq_id, fork.seq_id))
+        self.batch.feed_back(to_device(draw_slots, torch.int64, self.device), samples.token_ids)
+        return draw_seqs
+
+    def _report(
+        self, window: Window, k: int, active: list[int], draw_seqs: list[WorkerSeq], samples: DeviceSamples | None, clock: PassClock
+    ) -> None:
+        """Queue the pass for collection, its ids copying to the host. The draws its result
+        reports: the first pass's are the ones it drew; pass k's every row with more than k
+        passes, in plan order, a row left out (its sequence stopped) masked."""
         if k == 0:
-            reported_seqs, computed = draw_seqs, list[int | None](range(len(draw_seqs)))
+            reported, computed = draw_seqs, list[int | None](range(len(draw_seqs)))
         else:
             position = {row: c for c, row in enumerate(active)}
-            reported = [i for i, n in enumerate(window.passes) if n > k]
-            reported_seqs, computed = [window.rows[i] for i in reported], [position.get(i) for i in reported]
+            taking_part = [i for i, n in enumerate(window.passes) if n > k]
+            reported, computed = [window.rows[i] for i in taking_part], [position.get(i) for i in taking_part]
         copy = self.platform.host_copy(samples.tensors()) if samples is not None else None
-        self._pending.append(LaunchedPass(window, k, reported_seqs, computed, samples, copy, clock))
+        self._pending.append(LaunchedPass(window, k, reported, computed, samples, copy, clock))
         window.num_launched = k + 1
         self._last_clock = clock
-        return True
 
     def _forward(self, inputs: PassInputs) -> torch.Tensor:
         """The model over a pass: a captured graph's replay when every row decodes and a bucket
@@ -382,42 +412,3 @@ class ModelRunner:
 
     def _finish(self, launched: LaunchedPass) -> StepResult:
         return pass_result(launched, self.config.model.eos_token_ids)
-
-    # --- KV sizing ----------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def _profile_run(self) -> None:
-        """The worst steps the scheduler can plan (gpu/profile_steps.py: a fresh prefill at the
-        full token budget, the budget as decode rows at the longest context, a chunk after a long
-        cached prefix), then sampling for the most rows, on a scratch cache and a scratch batch,
-        so the activations' peak is held by torch's allocator when memory is measured."""
-        model_cfg, sched = self.config.model, self.config.scheduler
-        steps = profile_steps(sched.max_num_batched_tokens, sched.max_num_seqs, model_cfg.max_model_len, self.block_size)
-        # Every sampling feature at once, so that the peak covers their [S, V] temporaries.
-        params = SamplingParams(
-            temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.5,
-            repetition_penalty=1.1, min_tokens=2, logit_bias={0: 1.0}, logprobs=MAX_LOGPROBS, max_tokens=None,
-        )  # fmt: skip
-        num_blocks = max(step.num_blocks for step in steps)
-        kv_caches = self.attn.allocate_kv_caches(num_blocks, self.block_size)
-        for step in steps:
-            batch = PersistentBatch(len(step.query_lens), self.max_blocks_per_seq, self.device)
-            specs = [
-                RowSpec(batch.add(i, list(table), params), n - q, n, [0] * n, samples=True)
-                for i, (q, n, table) in enumerate(zip(step.query_lens, step.seq_lens, step.block_tables))
-            ]
-            batch.sync()
-            inputs = first_pass_inputs(specs, batch, self.attn, self.block_size, model_cfg.sliding_window)
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, kv_caches)  # [T, H]
-            if step is steps[0]:  # the prefill: T is the whole budget, enough rows to sample
-                self._profile_sampling(hidden, params)
-
-    def _profile_sampling(self, hidden: torch.Tensor, params: SamplingParams) -> None:
-        model_cfg, sched = self.config.model, self.config.scheduler
-        num_rows = min(sched.max_num_seqs, sched.max_num_batched_tokens)
-        logits = self.model.compute_logits(hidden[:num_rows])  # a collective: every rank gathers
-        if not self.tp.samples:
-            return
-        history = [0] * min(model_cfg.max_model_len, sched.max_num_batched_tokens)  # one output: min_tokens still bans EOS
-        row = SamplingRow(params, history, len(history) - 1, [0])
-        sample_step(logits, [row] * num_rows, model_cfg.eos_token_ids)

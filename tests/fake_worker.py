@@ -44,7 +44,7 @@ class FakeRunner:
         """Run a single-pass plan."""
         assert plan.num_steps == 1, "a window answers with one result per pass: execute_passes"
         self._prepare(plan)
-        sampled, logprobs = [], []
+        sampled, logprobs, seq_ids = [], [], []
         for row in plan.scheduled:
             seq = self.seqs[row.seq_id]
             self._table(seq, row)
@@ -64,7 +64,8 @@ class FakeRunner:
             seq["tokens"].append(draws[0])
             sampled += draws
             logprobs += [-(t % 7) / 7 for t in draws]
-        return StepResult(step=plan.step, sampled_token_ids=sampled, sampled_logprobs=logprobs)
+            seq_ids += [row.seq_id, *(f.seq_id for f in row.forks)]
+        return StepResult(step=plan.step, sampled_token_ids=sampled, sampled_logprobs=logprobs, seq_ids=seq_ids)
 
     def execute_passes(self, plan: StepPlan, end_after: int | None = None) -> list[StepResult]:
         """Run a plan, one result per pass. In a window, each pass decodes one token of every
@@ -84,6 +85,7 @@ class FakeRunner:
             sampled: list[int] = []
             logprobs: list[float] = []
             masked: list[int] = []
+            seq_ids = [row.seq_id for row in plan.scheduled if row.num_tokens > k]
             for row in plan.scheduled:
                 if row.num_tokens <= k:
                     continue
@@ -105,7 +107,7 @@ class FakeRunner:
             last = k == plan.num_steps - 1 or k == end_after
             last = last or all(r.seq_id in stopped for r in plan.scheduled if r.num_tokens > k + 1)
             results.append(StepResult(plan.step, sampled, sampled_logprobs=logprobs, pass_index=k, last_pass=last,
-                                      masked_draws=masked))  # fmt: skip
+                                      masked_draws=masked, seq_ids=seq_ids))  # fmt: skip
             if last:
                 return results
         raise AssertionError("unreachable: the final pass is last")

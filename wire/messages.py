@@ -121,31 +121,33 @@ class WorkerReady(Struct, tag=4):
 
 
 class StepResult(Struct, tag=5):
+    """One forward pass's draws, keyed by sequence: draw d is sequence seq_ids[d]'s token
+    sampled_token_ids[d] (a forking row's own draw and each fork's are draws of their own
+    sequences). The scheduler matches them to the pass's rows by id, never by position."""
+
     step: int
-    # One sampled id per sampling row of the plan, in plan order (rows whose chunk reaches the
-    # end of the sequence's known tokens); a row with forks adds one id per fork right after its
-    # own, in fork order.
     sampled_token_ids: list[int]
     busy_time: float = 0.0  # seconds the device computed this step
     idle_time: float = 0.0  # seconds it waited on the host since the last step ended
     # log p(id) under the model's own distribution (log_softmax of the raw logits, before
-    # temperature or filters), aligned with sampled_token_ids: ranks best_of candidates.
+    # temperature or filters), one per draw: ranks best_of candidates.
     sampled_logprobs: list[float] = []
-    # For draws whose sequence asked for logprobs (params.logprobs is not None), in draw order:
-    # the top alternatives under the same raw distribution.
+    # Empty when no draw's sequence asked for logprobs; else one per draw, the top alternatives
+    # under the same raw distribution (empty lists for a draw whose sequence did not ask).
     top_logprobs: list[TopLogprobs] = []
-    # Indices into sampled_token_ids of draws whose logits were not finite (NaN, +inf, or every
-    # token masked): their id is a placeholder 0, and the scheduler ends their sequence with
+    # Draws whose logits were not finite (NaN, +inf, or every token masked), as indices into
+    # the draws: their id is a placeholder 0, and the scheduler ends their sequence with
     # FinishReason.ERROR. The step and the other draws go on.
     failed_draws: list[int] = []
     # Multi-step plans (StepPlan.num_steps > 1) send one result per pass, as each pass ends:
     # `pass_index` is its pass (0-based), `last_pass` True on the plan's final result (which may
-    # come early: every row stopped). Pass k's draws are the rows whose num_tokens > k, in plan
-    # order. `masked_draws`: indices of draws the worker skipped because their sequence already
-    # stopped inside the window (EOS, a stop token, a failed draw); their id is a placeholder 0.
+    # come early: every row stopped). Pass k's draws are the rows whose num_tokens > k.
+    # `masked_draws`: draws the worker skipped because their sequence already stopped inside the
+    # window (EOS, a stop token, a failed draw); their id is a placeholder 0.
     pass_index: int = 0
     last_pass: bool = True
     masked_draws: list[int] = []
+    seq_ids: list[int] = []  # one per draw: whose token it is (last, as new fields go)
 
 
 class TopLogprobs(Struct):

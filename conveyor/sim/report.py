@@ -37,7 +37,6 @@ ROWS = [
     ("mean tokens per step", lambda m: m.mean_step_tokens, "{:.0f}"),
     ("host plans", lambda m: m.num_plans, "{:d}"),
     ("bubble (device idle / wall)", lambda m: m.bubble * 100, "{:.1f}%"),
-    ("wasted tokens (multi-step)", lambda m: m.num_wasted_tokens, "{:d}"),
 ]
 
 

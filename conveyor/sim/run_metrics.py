@@ -17,7 +17,6 @@ of the step that produced them):
                  averaged over steps: the memory lost inside partly filled blocks
   bubble         1 - (device time of all passes) / duration: the share of the run the device
                  sat idle, waiting on the host or on arrivals
-  wasted tokens  rows a multi-step window computed for sequences that had already finished
 """
 
 from __future__ import annotations
@@ -53,7 +52,6 @@ class Metrics:
     mean_step_tokens: float
     bubble: float = 0.0  # device idle / duration
     num_plans: int = 0  # host plans (a multi-step window is one)
-    num_wasted_tokens: int = 0
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -95,7 +93,6 @@ def compute(result: SimResult) -> Metrics:
         mean_step_tokens=float(np.mean([s.shape.num_tokens for s in steps])) if steps else 0.0,
         bubble=1.0 - sum(s.seconds for s in steps) / duration if duration > 0 else 0.0,
         num_plans=result.num_plans,
-        num_wasted_tokens=result.num_wasted_tokens,
     )
 
 

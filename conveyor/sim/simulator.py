@@ -1,48 +1,37 @@
-"""The discrete-event simulator: the real Scheduler and block manager, cost models for the host
-and the device in place of the engine's CPU work and the worker.
+"""The discrete-event simulator: the engine's own EngineCore (its Scheduler and block manager,
+its pacing of asynchronous scheduling and multi-step windows), with cost models for the host's
+planning and the device's passes in place of the scheduler stage's CPU work and the worker.
 
-    admit arrived requests -> plan (host cost) -> passes on the device (device cost) -> fake ids -> update
+    arrivals -> EngineCore.plan (host cost) -> passes on a virtual device (device cost) -> apply
 
-Every request arriving by the host's clock is added (`Scheduler.add_request`); the scheduler plans
-a step exactly as in the server; the host spends `SimConfig.host` on the plan and the device the
-cost model's latency on each pass. Each sampling row (and each fork) gets one fake token id,
-never EOS (requests carry max_tokens = their output length and ignore_eos), and every token is
-stamped with the clock at the end of the pass that drew it. Nothing here reads the wall clock,
-so a run is a pure function of its inputs.
+The loop is the scheduler stage's: take every input that has come (arrivals by the host's clock,
+results whose pass has ended), plan while the core wants to, else wait for the next input. A
+plan costs `SimConfig.host` of host time; each of its passes takes the cost model's latency on
+the device, starting when both the plan is made and the device is free, and its result lands
+at its end. Every draw gets a fake id (requests carry max_tokens = their output length and
+ignore_eos, so nothing stops early), and every token is stamped with its pass's end. Nothing
+reads the wall clock: a run is a pure function of its inputs.
 
-Two clocks, host and device, and the scheduler's own flags decide how they interleave:
-  async_scheduling off  plan, compute, apply the ids, plan again: each plan costs host + device.
-  async_scheduling on   the host plans step n+1 while step n computes (the real Scheduler allows
-                        one pending draw per sequence for this), then waits for step n's ids: in
-                        steady state a step costs max(host, device). As in the server, the first
-                        plan after an idle spell runs alone, so a burst's first full step does not
-                        queue behind a small one.
-  num_scheduler_steps K a plan whose rows all decode is a window of K passes for one host cost.
-                        Its inner passes are the real scheduler's next steps with admission shut
-                        (arrivals wait for the window's end); a sequence that finishes inside the
-                        window still occupies its row until the window ends, as on a device that
-                        advances its inputs without asking the host: those passes' tokens are
-                        wasted (`num_wasted_tokens`). A window whose rows have all finished ends.
-The real Scheduler itself is always built with num_scheduler_steps = 1: the simulator forms the
-windows, so a scheduler that plans its own windows does not count them twice.
-
-Closed loop (`num_clients`): like FastGen's benchmark clients, that many requests are in flight
-at once, each client sending its next request when the previous one finishes; the workload's
-own arrival times are then ignored.
+Closed loop (`num_clients`): that many requests are in flight at once, each client sending its
+next request when the previous one finishes (FastGen's benchmark clients); the workload's own
+arrival times are then ignored.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
+import math
 
 from conveyor.config import CacheConfig, SchedulerConfig
 from conveyor.sim.costmodel import PassCost, StepShape
 from conveyor.sim.hostcost import HostCost
 from conveyor.sim.workloads import SYNTHETIC_VOCAB, SimRequest
-from conveyor.stages.scheduler.scheduled_step import ScheduledStep
+from conveyor.stages.scheduler.engine_core import EngineCore
+from conveyor.stages.scheduler.scheduled_step import ScheduledStep, SeqUpdate
 from conveyor.stages.scheduler.scheduler import Scheduler
-from conveyor.wire.messages import SamplingParams, ScheduleRequest
+from conveyor.wire.messages import SamplingParams, ScheduleRequest, StepResult
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +73,7 @@ class StepRecord:
 
     end: float  # clock when the pass's tokens are out
     seconds: float  # device time
-    shape: StepShape  # wasted rows of a multi-step window included
+    shape: StepShape
     kv_allocated: int  # token slots in blocks held by sequences
     kv_filled: int  # of those, slots holding a computed token (this step's included)
 
@@ -98,22 +87,19 @@ class SimResult:
     num_preemptions: int
     num_kv_slots: int  # the pool: num_kv_blocks * block_size
     num_plans: int = 0  # host plans: one per window under multi-step
-    num_wasted_tokens: int = 0  # rows computed inside a window for sequences already finished
 
 
-@dataclasses.dataclass
-class _Pass:
-    step: ScheduledStep | None  # None: only finished sequences' rows were computed
-    end: float
-    applied: bool = False  # its ids reached the scheduler
+@dataclasses.dataclass(frozen=True)
+class _Landing:
+    end: float  # when the pass's ids reach the host
+    result: StepResult
 
 
 def build_scheduler(config: SimConfig) -> Scheduler:
     cache = config.cache
     return Scheduler.from_config(
-        dataclasses.replace(config.scheduler, num_scheduler_steps=1),
-        num_blocks=config.num_kv_blocks, block_size=cache.block_size, max_model_len=config.max_model_len,
-    )  # fmt: skip
+        config.scheduler, num_blocks=config.num_kv_blocks, block_size=cache.block_size, max_model_len=config.max_model_len
+    )
 
 
 def simulate(requests: list[SimRequest], config: SimConfig, cost: PassCost) -> SimResult:
@@ -127,11 +113,13 @@ def simulate(requests: list[SimRequest], config: SimConfig, cost: PassCost) -> S
 class _Run:
     def __init__(self, requests: list[SimRequest], config: SimConfig, cost: PassCost):
         self.config, self.cost = config, cost
-        self.sched = build_scheduler(config)
+        self.core = EngineCore(build_scheduler(config), async_scheduling=config.scheduler.async_scheduling)
         self.requests = requests
         self.records: dict[str, RequestRecord] = {}
         self.steps: list[StepRecord] = []
-        self.num_plans = self.num_wasted = 0
+        self.num_plans = 0
+        self.host = self.device = 0.0  # when the host is free to plan; when the device is free to compute
+        self.landings: collections.deque[_Landing] = collections.deque()  # in plan order
         if config.num_clients is None:
             self.pending = sorted(requests, key=lambda r: r.arrival_time)
             self.backlog: list[SimRequest] = []
@@ -141,83 +129,47 @@ class _Run:
         self.loop()
 
     def loop(self) -> None:
-        sched, asynchronous = self.sched, self.config.scheduler.async_scheduling
-        host = device = 0.0  # when the host is free to plan; when the device is free to compute
-        in_flight: _Pass | None = None  # async: the last pass of the plan computing, ids not applied
-        idle = True  # nothing was computing when the last plan was asked for
+        """The scheduler stage's loop: wait for an input unless the core wants to plan, take every
+        input that has come, then let the core plan if it may."""
+        core = self.core
         while True:
-            self.admit(host)
-            step = sched.schedule() if sched.has_work() else None
-            if step is not None and not step.rows:  # it only tells the worker of finished sequences
-                self.apply(_Pass(step, host))  # and brings updates of sequences ended while planning
-                continue
-            if step is None:
-                if in_flight is not None:
-                    host = max(host, in_flight.end)
-                    self.apply(in_flight)
-                    in_flight = None
-                    continue
-                if sched.has_work() and not self.pending:
-                    raise RuntimeError(f"the scheduler holds work but plans no step (at t={host:.3f}s)")
-                if not self.pending:
+            if not core.wants_to_plan():
+                landing = self.landings[0].end if self.landings else math.inf
+                arrival = self.pending[0].arrival_time if self.pending else math.inf
+                if landing == arrival == math.inf:
+                    if core.has_work():
+                        raise RuntimeError(f"the scheduler holds work but plans no step (at t={self.host:.3f}s)")
                     return
-                host, idle = max(host, self.pending[0].arrival_time), True
-                continue
+                self.host = max(self.host, min(landing, arrival))
+            while self.landings and self.landings[0].end <= self.host:
+                self.apply(self.landings.popleft())
+            self.admit(self.host)  # after the results: a closed loop's finish sends the next request
+            if core.may_plan():
+                self.plan()
+
+    def plan(self) -> None:
+        planned = self.core.plan()
+        if planned is not None and planned[0].rows:
+            step = planned[0]
             self.num_plans += 1
-            host += self.config.host.seconds(len(step.rows))
-            first = self.record(step, [], start=max(host, device))
-            if in_flight is not None:  # its ids come back while this plan computes
-                host = max(host, in_flight.end)
-                self.apply(in_flight)
-            passes = self.window(step, first)
-            device = passes[-1].end
-            if asynchronous and not idle:
-                in_flight = passes[-1]
-            else:
-                host, in_flight = device, None
-                self.apply(passes[-1])
-            idle = False
+            self.host += self.config.host.seconds(len(step.rows))
+            self.run_passes(step)
+        self.record_updates(self.core.take_unsampled_updates(), self.host)
 
-    def window(self, step: ScheduledStep, first: _Pass) -> list[_Pass]:
-        """The plan's passes: just `first`, or K of them when every row decodes. The ids of all but
-        the last are applied here (their times are known); the caller applies the last."""
-        passes = [first]
-        if self.config.scheduler.num_scheduler_steps == 1 or not all_decode(step):
-            return passes
-        cached = [(row.seq.seq_id, row.seq.num_computed_tokens - 1) for row in step.rows]  # before pass 1
-        for j in range(1, self.config.scheduler.num_scheduler_steps):
-            self.apply(passes[-1])
-            inner = self.schedule_decodes()
-            live = {row.seq.seq_id for row in inner.rows} if inner is not None else set()
-            if not live:
-                if inner is not None:  # it only tells the worker of finished sequences
-                    self.apply(_Pass(inner, passes[-1].end))
-                break
-            finished = [(s + j, 1) for seq_id, s in cached if seq_id not in live]  # (cached, new) rows
-            passes.append(self.record(inner, finished, start=passes[-1].end))
-        return passes
-
-    def schedule_decodes(self) -> ScheduledStep | None:
-        """The scheduler's next step with no seat free for a waiting request: an inner pass of a
-        window admits no one. The swap lives here because the real Scheduler plans single steps."""
-        sched = self.sched
-        config = sched.config
-        sched.config = dataclasses.replace(config, max_num_seqs=0)
-        try:
-            return sched.schedule() if sched.has_work() else None
-        finally:
-            sched.config = config
-
-    def record(self, step: ScheduledStep | None, finished: list[tuple[int, int]], *, start: float) -> _Pass:
-        """One pass on the device from `start`: the step's rows plus `finished` (cached, new) rows
-        computed for sequences already done (wasted)."""
-        rows = [(row.seq.num_computed_tokens - row.num_tokens, row.num_tokens) for row in step.rows] if step else []
-        shape = StepShape.of_rows(rows + finished)
-        allocated, filled = self.sched.kv_slots()
-        seconds = self.cost.latency(shape)
-        self.steps.append(StepRecord(start + seconds, seconds, shape, allocated, filled))
-        self.num_wasted += len(finished)
-        return _Pass(step, start + seconds)
+    def run_passes(self, step: ScheduledStep) -> None:
+        """The step's passes on the device from when both the plan and the device are ready, each
+        pass's ids landing at its end. Pass k computes the rows with more than k tokens to go
+        (a single step: every row, its whole chunk)."""
+        rows = [(row.seq.num_computed_tokens - row.num_tokens, row.num_tokens) for row in step.rows]
+        allocated, filled = self.core.scheduler.kv_slots()
+        end = max(self.host, self.device)
+        for k in range(step.num_steps):
+            shape = StepShape.of_rows(rows if step.num_steps == 1 else [(cached + k, 1) for cached, n in rows if n > k])
+            seconds = self.cost.latency(shape)
+            end += seconds
+            self.steps.append(StepRecord(end, seconds, shape, allocated, filled))
+            self.landings.append(_Landing(end, fake_result(step, k)))
+        self.device = end
 
     def admit(self, now: float) -> None:
         while self.pending and self.pending[0].arrival_time <= now:
@@ -225,21 +177,21 @@ class _Run:
             self.records[request.request_id] = RequestRecord(
                 request.request_id, request.arrival_time, request.num_prompt_tokens, request.max_tokens
             )
-            self.sched.add_request(_schedule_request(request))
+            self.core.add_request(_schedule_request(request))
 
-    def apply(self, done: _Pass) -> None:
-        """The pass's ids reach the scheduler (once); its tokens are stamped with its end."""
-        if done.step is None or done.applied:
-            return
-        done.applied = True
-        for update in self.sched.update(done.step, fake_tokens(done.step)):
+    def apply(self, landing: _Landing) -> None:
+        """A pass's ids reach the scheduler; its tokens are stamped with its end."""
+        self.record_updates(self.core.apply(landing.result)[1], landing.end)
+
+    def record_updates(self, updates: list[SeqUpdate], now: float) -> None:
+        for update in updates:
             record = self.records[update.seq.request_id]
-            record.token_times.extend([done.end] * len(update.new_token_ids))
+            record.token_times.extend([now] * len(update.new_token_ids))
             record.num_cached_tokens = max(record.num_cached_tokens, update.seq.num_cached_tokens)
-            if update.finish_reason is not None and self.sched.by_request.get(record.request_id) is None:
-                record.finish = done.end
+            if update.finish_reason is not None and self.core.scheduler.by_request.get(record.request_id) is None:
+                record.finish = now
                 if self.backlog:  # its client sends the next request
-                    nxt = dataclasses.replace(self.backlog.pop(), arrival_time=done.end)
+                    nxt = dataclasses.replace(self.backlog.pop(), arrival_time=now)
                     bisect.insort(self.pending, nxt, key=lambda r: r.arrival_time)
 
     def result(self) -> SimResult:
@@ -255,28 +207,17 @@ class _Run:
             cost_name=self.cost.name,
             requests=[records[r.request_id] for r in requests],
             steps=self.steps,
-            num_preemptions=self.sched.num_preemptions,
+            num_preemptions=self.core.scheduler.num_preemptions,
             num_kv_slots=self.config.num_kv_blocks * self.config.cache.block_size,
             num_plans=self.num_plans,
-            num_wasted_tokens=self.num_wasted,
         )
 
 
-def all_decode(step: ScheduledStep) -> bool:
-    """Every row computes one token past its prompt and draws: multi-step may run it K times."""
-    return not step.new_seqs and all(
-        row.num_tokens == 1 and row.samples and row.seq.num_computed_tokens > row.seq.num_prompt_tokens for row in step.rows
-    )
-
-
-def fake_tokens(step: ScheduledStep) -> list[int]:
-    """One id per sampling row, then one per fork of that row (the order `update` reads)."""
-    ids = []
-    for row in step.rows:
-        if row.samples:
-            for seq in (row.seq, *row.forks):
-                ids.append((seq.seq_id * 7919 + seq.num_tokens * 31) % SYNTHETIC_VOCAB)
-    return ids
+def fake_result(step: ScheduledStep, k: int = 0) -> StepResult:
+    """Pass k's result: a fake id for each of its draws (never EOS: nothing stops on it)."""
+    draws = [seq for _, seq in step.draws(k)]
+    ids = [(seq.seq_id * 7919 + (seq.num_tokens + k) * 31) % SYNTHETIC_VOCAB for seq in draws]
+    return StepResult(step.step, ids, pass_index=k, last_pass=k == step.num_steps - 1, seq_ids=[seq.seq_id for seq in draws])
 
 
 def _schedule_request(request: SimRequest) -> ScheduleRequest:

@@ -199,8 +199,15 @@ class BlockManager:
         return copy
 
     def register_full_blocks(self, seq: Sequence) -> None:
-        """Name the sequence's blocks that filled since the last call in the prefix cache."""
-        # Only blocks whose ids are all known: a pending draw's block waits for its id.
+        """Name the sequence's blocks that filled since the last call in the prefix cache.
+
+        Only blocks whose ids are all known (min(computed, known)): a pending draw's block waits
+        for its id. The newest known id's KV may still be unwritten when its draw arrives, but a
+        later pass or the next plan computes it before any plan that could hit the block, as the
+        worker runs plans and passes in order: a pass that is not last promises the next (which
+        computes the row unless its sequence stopped, and then the scheduler finished it first),
+        and a last pass rolled its row back. So every named block's KV is written by a pass the
+        worker really runs for this sequence."""
         num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         if num_full <= seq.num_registered_blocks or not self.enable_prefix_caching:
             return

@@ -1,4 +1,4 @@
-"""The scheduler stage process: receive, schedule, send to the worker, fan tokens out.
+"""The scheduler stage process: its EngineCore (engine_core.py) behind sockets.
 
 Takes (one socket, SchedulerInbound): ScheduleRequest from tokenizers (with data parallelism,
 from the router), AbortRequest from ingress (the router), FinishSeqs (a stop string matched) from
@@ -9,26 +9,13 @@ TokenBatch per detokenizer per step; RequestAccepted (naming its engine), or Req
 past the queue bounds, to the request's ingress; StageReady to the launcher; with data
 parallelism, EngineLoad to the router (load_report.py paces it).
 
-Data parallelism: engine e of n is scheduler e; it numbers its sequences e, e + n, e + 2n, ... so
-that detokenizers send each FinishSeqs to the engine that owns the sequence.
-
-Overlap, two kinds:
-- Asynchronous scheduling (the default): step n+1 is planned and sent while the worker computes
-  step n, so its plan is waiting in the worker's socket when step n ends and the device never
-  waits on this process. Sequences drawing in step n decode that token in step n+1; the worker
-  has it by then (Scheduler's docstring says what this costs: at most a wasted token per stop).
-  The one exception is the first step after an idle spell, which runs alone: see `may_plan`.
-- Output processing: step n's tokens go to the detokenizers after the next plan is sent, so
-  detokenization and streaming run while the worker computes.
-
-Multi-step windows (--num-scheduler-steps): a window plan answers with one StepResult per pass.
-It stays in flight until its last_pass result; each pass's tokens are applied and streamed as
-they come, so clients see the per-pass cadence. The next plan may go out while a window runs.
+The loop: receive everything pending, let the core plan if it may, send the plan, then emit the
+tokens that came in, so detokenizing overlaps the next step (docs/architecture.md, "Overlap").
+Engine e of n numbers its sequences e, e + n, ... (wire/topology.seq_ids_of).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 
@@ -38,10 +25,11 @@ from conveyor.config import EngineConfig
 from conveyor.stages import metrics
 from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
+from conveyor.stages.scheduler.engine_core import EngineCore
 from conveyor.stages.scheduler.load_report import LoadReports
-from conveyor.stages.scheduler.plan import step_plan, token_batches
-from conveyor.stages.scheduler.scheduled_step import SeqUpdate
-from conveyor.stages.scheduler.scheduler import ScheduledStep, Scheduler
+from conveyor.stages.scheduler.plan import token_batches
+from conveyor.stages.scheduler.scheduled_step import ScheduledStep, SeqUpdate
+from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.stages.scheduler.stats_log import StatsLog
 from conveyor.stages.scheduler.waiting_queue import QueueFull
 from conveyor.wire.messages import (
@@ -82,17 +70,12 @@ class SchedulerStage:
         self.num_received = 0  # ScheduleRequests received (EngineLoad.num_received)
         # Built by start(), once every worker rank has reported how many KV blocks it holds;
         # nothing else runs before it.
-        self.scheduler: Scheduler
-        self.in_flight: collections.deque[ScheduledStep] = collections.deque()  # sent, result pending
-        self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
-        self.stalled = False  # the last try planned nothing while a step was in flight
+        self.core: EngineCore
         self.num_requests = 0
         self.seen = {"aborts": 0, "preemptions": 0, "queries": 0, "hits": 0}
         self.prompt_tokens_per_s = 0.0  # moving average, for Retry-After
         self.last_step_end = time.monotonic()
         self.stats = StatsLog()
-        self.idle = True
-        self.alone: ScheduledStep | None = None  # the first step after an idle spell
         self.gauges_time = 0.0  # when the gauges were last written
 
     def start(self) -> None:
@@ -108,7 +91,7 @@ class SchedulerStage:
         for detokenizer in self.detokenizers:  # before any TokenBatch: a predecessor's sequences are gone
             detokenizer.send(EngineStarted(self.engine))
         cfg = self.config
-        self.scheduler = Scheduler.from_config(
+        self.core = EngineCore.from_config(
             cfg.scheduler,
             num_blocks=num_blocks,
             block_size=cfg.cache.block_size,
@@ -119,15 +102,17 @@ class SchedulerStage:
         metrics.kv_blocks_capacity.set(num_blocks)
         log.info("KV pool: %d blocks of %d tokens", num_blocks, cfg.cache.block_size)
 
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
     def loop(self) -> None:
+        core = self.core
         while True:
-            # Block when there is nothing to plan: enough steps in flight, no work at all, or
-            # nothing plannable until a result or a request arrives (`stalled`).
-            nothing_to_plan = not self.may_plan() or not self.scheduler.has_work() or self.stalled
-            msg = self.inbox.recv(timeout_ms=None if nothing_to_plan else 0)
+            # Block until an input comes when the core cannot plan now.
+            msg = self.inbox.recv(timeout_ms=0 if core.wants_to_plan() else None)
             updates: list[SeqUpdate] = []
             while msg is not None:
-                self.stalled = False
                 updates += self.handle(msg)
                 if isinstance(msg, StepResult) and not msg.last_pass:
                     # A window's inner pass leaves the steps in flight as they were: no plan to
@@ -135,9 +120,9 @@ class SchedulerStage:
                     self.emit(updates)
                     updates = []
                 msg = self.inbox.recv_nowait()
-            if self.may_plan():
+            if core.may_plan():
                 self.plan_next()  # the next plan goes out before this step's tokens do
-            self.emit(updates + self.scheduler.take_unsampled_updates())
+            self.emit(updates + core.take_unsampled_updates())
             self.report_load()
 
     def handle(self, msg: SchedulerInbound) -> list[SeqUpdate]:
@@ -146,35 +131,27 @@ class SchedulerStage:
                 self.num_received += 1
                 self.admit(msg)
             case AbortRequest():
-                for request_id in msg.request_ids:
-                    self.scheduler.abort(request_id)
+                self.core.abort(msg.request_ids)
             case FinishSeqs():
-                self.scheduler.finish_seqs(msg.seq_ids)
+                self.core.finish_seqs(msg.seq_ids)
             case StepResult():
-                step = self.in_flight[0] if self.in_flight else None
-                if step is None or step.step != msg.step:
-                    log.error("step result %d does not match the step in flight", msg.step)
-                    if msg.last_pass and step is not None:
-                        self.in_flight.popleft()
+                step, updates = self.core.apply(msg)
+                if step is None:
                     return []
-                if msg.last_pass:  # a window stays in flight until its final pass
-                    self.in_flight.popleft()
+                if msg.last_pass:
                     self.record_step(step)
                 self.stats.add(msg, step)
-                updates = self.scheduler.update(step, msg.sampled_token_ids, msg.sampled_logprobs, msg.top_logprobs,
-                                                msg.failed_draws, pass_index=msg.pass_index,
-                                                masked_draws=msg.masked_draws, last_pass=msg.last_pass)  # fmt: skip
                 metrics.generation_tokens.inc(sum(len(u.new_token_ids) for u in updates))
                 self.record_outputs(updates)
                 return updates
             case StageFailed(stage="detokenizer", index=index):
                 # Its incremental decoding and stop-string state died with it: those requests
                 # cannot go on. Each gets a 503 (an error event if its stream began).
-                for seq in self.scheduler.drop_requests(lambda s: s.detokenizer == index):
+                for seq in self.core.drop_requests(lambda s: s.detokenizer == index):
                     message = "the detokenizer streaming this request failed; retry it"
                     self.ingresses[seq.ingress].send(RequestRejected(seq.request_id, 503, message, code="stage_failed"))
             case StageFailed(stage="ingress", index=index):
-                self.scheduler.drop_requests(lambda s: s.ingress == index)  # their clients are gone
+                self.core.drop_requests(lambda s: s.ingress == index)  # their clients are gone
             case WorkerReady():
                 log.warning("unexpected WorkerReady from rank %d", msg.rank)
         return []
@@ -182,7 +159,7 @@ class SchedulerStage:
     def admit(self, request: ScheduleRequest) -> None:
         reply_to = self.ingresses[request.ingress]
         try:
-            seq = self.scheduler.add_request(request, detokenizer=self.num_requests % len(self.detokenizers))
+            seq = self.core.add_request(request, detokenizer=self.num_requests % len(self.detokenizers))
         except QueueFull as e:
             queued = self.scheduler.waiting.num_tokens
             retry_after = min(60.0, max(1.0, queued / max(self.prompt_tokens_per_s, 1.0)))
@@ -197,33 +174,20 @@ class SchedulerStage:
             metrics.prompt_tokens.inc(len(request.prompt_token_ids))
 
     def may_plan(self) -> bool:
-        """Whether another plan may go out: fewer steps in flight than allowed, and none while the
-        first step after an idle spell computes. Requests of a burst arrive while that step runs
-        (on a CPU, the first of 200 came 0.1 s before the last); a plan made at once would hold
-        only its rows' decodes, and the burst's first full step would wait behind it."""
-        if not self.in_flight:
-            return True
-        return len(self.in_flight) < self.max_in_flight and self.in_flight[0] is not self.alone
+        return self.core.may_plan()
 
     def plan_next(self) -> None:
         started = time.perf_counter()
-        step = self.scheduler.schedule()
-        if step is not None:
-            plan = step_plan(step)
-            plan.after_idle = self.idle
+        planned = self.core.plan()
+        if planned is not None:
+            step, plan = planned
             metrics.scheduler_step_time.observe(time.perf_counter() - started)
             for worker in self.workers:
                 worker.send(plan)
-            if step.rows:  # a plan of finished ids only gets no result
-                self.in_flight.append(step)
-                if plan.after_idle:
-                    self.alone = step
             metrics.steps.inc()
             self.record_admissions(step)
-        self.stalled = (step is None or not step.rows) and bool(self.in_flight)
-        self.idle = not self.in_flight  # nothing computing: the next plan follows an idle spell
         now = time.monotonic()
-        if self.idle or now - self.gauges_time >= GAUGE_INTERVAL_S:
+        if self.core.idle or now - self.gauges_time >= GAUGE_INTERVAL_S:
             self.record_gauges()
             self.gauges_time = now
         self.stats.maybe_log(self.scheduler)
@@ -268,7 +232,7 @@ class SchedulerStage:
             return
         s, blocks = self.scheduler, self.scheduler.blocks
         load = EngineLoad(self.engine, len(s.waiting), len(s.running), blocks.num_used, blocks.num_blocks, self.num_received)
-        self.load_reports.offer(load, idle=not self.in_flight)
+        self.load_reports.offer(load, idle=not self.core.in_flight)
 
     def record_step(self, step: ScheduledStep) -> None:
         now = time.monotonic()

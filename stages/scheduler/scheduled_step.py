@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Iterator
 
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
-from conveyor.wire.messages import FinishReason, TokenLogprob
+from conveyor.wire.messages import FinishReason, StepResult, TokenLogprob
 
 
 @dataclasses.dataclass(slots=True)
@@ -41,9 +41,8 @@ class ScheduledStep:
     num_passes_done: int = 0  # passes whose result the scheduler applied
 
     def draws(self, pass_index: int = 0) -> Iterator[tuple[Row, Sequence]]:
-        """(row, sequence) of each draw of a pass, in the order its result carries their ids:
-        each sampling row's own sequence, then its forks; in a window's pass k, the rows taking
-        part in it (num_tokens > k), which never fork."""
+        """(row, sequence) of each draw of a pass: each sampling row's own sequence and its forks;
+        in a window's pass k, the rows taking part in it (num_tokens > k), which never fork."""
         if self.num_steps > 1:
             for row in self.rows:
                 if row.num_tokens > pass_index:
@@ -55,29 +54,33 @@ class ScheduledStep:
                 for child in row.forks:
                     yield row, child
 
-    def take_pass(
-        self, pass_index: int, last_pass: bool, num_ids: int, failed: list[int] | None, masked: list[int] | None
-    ) -> list[tuple[Row, Sequence]]:
-        """The draws of the pass a result reports, once it is checked against the step: passes
-        come in order, the final one says last_pass, one id per draw, failed and masked draws
-        name draws of the pass, and a masked draw's sequence no longer runs (the worker skips
-        only a sequence that stopped earlier in the window, which its earlier result ended).
-        Raises ValueError on a mismatch; else the pass counts as done."""
-        where = f"step {self.step} pass {pass_index}"
-        if pass_index != self.num_passes_done or pass_index >= self.num_steps:
+    def take_pass(self, result: StepResult) -> list[tuple[Row, Sequence]]:
+        """The (row, sequence) of each draw a pass's result reports, found by its sequence id,
+        once the result is checked against the step: passes come in order, the final one says
+        last_pass, each of the pass's draws is reported once, failed and masked draws are draws
+        of the result, and a masked draw's sequence no longer runs (the worker skips only a
+        sequence that stopped earlier in the window, which its earlier result ended). Raises
+        ValueError on a mismatch; else the pass counts as done."""
+        k = result.pass_index
+        where = f"step {self.step} pass {k}"
+        if k != self.num_passes_done or k >= self.num_steps:
             raise ValueError(f"{where}: expected pass {self.num_passes_done} of {self.num_steps}")
-        if pass_index == self.num_steps - 1 and not last_pass:
+        if k == self.num_steps - 1 and not result.last_pass:
             raise ValueError(f"{where}: the window's final pass does not say last_pass")
-        draws = list(self.draws(pass_index))
-        if num_ids != len(draws):
-            raise ValueError(f"{where}: {num_ids} ids for {len(draws)} draws")
-        for name, indices in (("failed", failed), ("masked", masked)):
-            if indices and not 0 <= min(indices) <= max(indices) < len(draws):
-                raise ValueError(f"{where}: {name} draws {sorted(indices)} outside its {len(draws)}")
-        for draw in masked or ():
+        expected = {seq.seq_id: (row, seq) for row, seq in self.draws(k)}
+        seq_ids, num_ids = result.seq_ids, len(result.sampled_token_ids)
+        if len(seq_ids) != num_ids or len(set(seq_ids)) != num_ids or expected.keys() != set(seq_ids):
+            raise ValueError(f"{where}: draws for sequences {seq_ids} ({num_ids} ids), expected {sorted(expected)}")
+        draws = [expected[seq_id] for seq_id in seq_ids]
+        for name, indices in (("failed", result.failed_draws), ("masked", result.masked_draws)):
+            if indices and not 0 <= min(indices) <= max(indices) < num_ids:
+                raise ValueError(f"{where}: {name} draws {sorted(indices)} outside its {num_ids}")
+        for draw in result.masked_draws:
             row, seq = draws[draw]
             if seq.status is SeqStatus.RUNNING and seq.num_preemptions == row.epoch:
                 raise ValueError(f"{where}: draw {draw} masked, but sequence {seq.seq_id} still runs")
+        if result.top_logprobs and len(result.top_logprobs) != num_ids:
+            raise ValueError(f"{where}: {len(result.top_logprobs)} top logprobs for {num_ids} draws")
         self.num_passes_done += 1
         return draws
 

@@ -1,35 +1,17 @@
 """Scheduler: which sequences run in the next forward pass, and how many tokens of each.
 
-Each step has one token budget (max_num_batched_tokens). Under the default policy, Dynamic
-SplitFuse, running sequences come first (decodes, then prompts under way) and waiting sequences
-are admitted in (priority, arrival) order into what is left, the last one's prompt split so the
-budget is met exactly. Two baselines exist for the simulator: prefill_first (whole prompts in
-steps of their own; vLLM before chunked prefill) and orca (decodes plus whole prompts).
+`schedule` spends one token budget (max_num_batched_tokens) per step. Under Dynamic SplitFuse,
+running sequences come first (decodes, then prompts under way), then waiting ones in (priority,
+arrival) order, the last prompt split so the budget is met exactly; prefill_first and orca are
+the simulator's baselines. `update` applies a pass's sampled ids. docs/architecture.md
+("Scheduler") walks through admission, the prefix cache, preemption, forks and windows.
 
-Memory: a sequence reuses every cached full block of its known tokens at admission (never the
-block of its last token, whose logits are needed); blocks are allocated as tokens are scheduled,
-named in the prefix cache as they fill, and freed when the sequence ends. A write into a block
-another sequence still holds first copies it (copy-on-write). The block manager keeps the block
-tables; this class decides. When not one token of a running sequence fits, the running sequence
-with the lowest priority and latest arrival is preempted by recomputation: its blocks are freed
-and it waits again with every token it has.
-
-Parallel samples: a request for k samples runs as one sequence until its prompt is computed; the
-step that samples its first token forks k-1 siblings sharing all its blocks.
-
-Token counts are committed when a step is planned (`schedule`); sampled ids arrive later
-(`update`). A driver may plan step n+1 before step n's ids are back (asynchronous scheduling):
-a sequence drawing in step n then decodes its pending token in step n+1, which the worker knows
-by then. Such a lookahead step can compute one token past an EOS or a stop string; its draw is
-dropped when it comes back. A sequence whose pending draws already reach max_tokens or the
-model's length is not scheduled again.
-
-Multi-step windows (num_scheduler_steps = K > 1, stages/scheduler/windows.py): a step that would
-only decode, with nothing waiting, becomes up to K decode passes in one plan; a waiting request
-gets a single step, so its time to first token does not wait for a window. A window's rows count
-all their passes as computed and pending when planned; each pass's result arrives on its own
-(`update(..., pass_index=k)`) and streams at once. A row the worker left out (it ended the
-window early) is rolled back and planned again. Pure Python: no torch, no zmq.
+Invariants: token counts are committed when a step is planned and ids arrive later, so draws may
+be pending (a step ahead under asynchronous scheduling, a window's passes under multi-step); a
+draw that comes back to a sequence finished or preempted since is dropped; a prefix-cache hit
+never covers a sequence's last known token; a block another sequence holds is copied before it
+is written; when not one token of a running sequence fits, the least important running sequence
+is preempted by recomputation. Pure Python: no torch, no zmq.
 """
 
 from __future__ import annotations
@@ -39,11 +21,12 @@ from collections.abc import Callable
 from conveyor.config import SchedulerConfig
 from conveyor.stages.scheduler.block_manager import BlockManager, kv_slots
 from conveyor.stages.scheduler.early_aborts import EarlyAborts
-from conveyor.stages.scheduler.scheduled_step import Row, ScheduledStep, SeqUpdate
+from conveyor.stages.scheduler.scheduled_step import ScheduledStep, SeqUpdate
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
+from conveyor.stages.scheduler.step_builder import StepBuilder
 from conveyor.stages.scheduler.waiting_queue import WaitingQueue
 from conveyor.stages.scheduler.windows import extend_rows, may_extend
-from conveyor.wire.messages import FinishReason, ScheduleRequest, TokenLogprob, TopLogprobs
+from conveyor.wire.messages import FinishReason, ScheduleRequest, StepResult, TokenLogprob
 
 
 class Scheduler:
@@ -132,7 +115,7 @@ class Scheduler:
         self.num_aborts += 1
         for seq in list(seqs):
             if not seq.is_finished:
-                self._finish(seq, FinishReason.ABORT, report=report)
+                self.finish(seq, FinishReason.ABORT, report=report)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -144,26 +127,23 @@ class Scheduler:
     # --- one step ------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledStep | None:
-        budget = self.config.max_num_batched_tokens
-        rows: list[Row] = []
-        copies: list[tuple[int, int]] = []
-        scheduled: set[int] = set()
+        """The next step (None: nothing to run or tell the worker), its token counts committed."""
+        build = StepBuilder(self)
         preemptions_before = self.num_preemptions
         policy = self.config.policy
         max_passes = self.config.num_scheduler_steps
         may_window = max_passes > 1 and not self.waiting  # nothing to admit: admission is a no-op
-
         if policy == "prefill_first":
-            budget = self._admit(budget, rows, chunk=False)
-            if not rows:  # no prompt could start: a decode-only (or prompt-continuation) step
-                budget = self._run_running(budget, rows, copies, scheduled)
+            build.admit(chunk=False)
+            if not build.rows:  # no prompt could start: a decode-only (or prompt-continuation) step
+                build.run_running()
         else:
-            budget = self._run_running(budget, rows, copies, scheduled)
+            build.run_running()
             # Admit only in a step that did not have to preempt: the pool is short, and the
             # victim would just bounce back in.
             if self.num_preemptions == preemptions_before:
-                budget = self._admit(budget, rows, chunk=policy == "splitfuse")
-
+                build.admit(chunk=policy == "splitfuse")
+        rows = build.rows
         if not rows and not self._finished_for_worker:
             return None
         num_steps = 1
@@ -204,69 +184,44 @@ class Scheduler:
             rows=rows,
             new_seqs=new_seqs,
             new_seqs_computed=new_seqs_computed,
-            copy_blocks=copies,
+            copy_blocks=build.copies,
             finished_seq_ids=finished,
-            num_tokens=self.config.max_num_batched_tokens - budget,
+            num_tokens=build.num_tokens,
             num_sampled=num_sampled,
             num_steps=num_steps,
         )
 
-    def update(
-        self,
-        step: ScheduledStep,
-        sampled_token_ids: list[int],
-        sampled_logprobs: list[float] | None = None,
-        top_logprobs: list[TopLogprobs] | None = None,
-        failed_draws: list[int] | None = None,
-        *,
-        pass_index: int = 0,
-        masked_draws: list[int] | None = None,
-        last_pass: bool = True,
-    ) -> list[SeqUpdate]:
-        """Apply one pass's sampled ids: one per sampling row, then one per fork of that row (in
-        a window's pass k, one per row with num_tokens > k). `top_logprobs` has one entry per draw
-        of a sequence that asked for logprobs. A draw in `failed_draws` (indices into the ids: its
-        logits were not finite) ends its sequence with FinishReason.ERROR and its blocks are
-        freed; the others go on. A window's passes come in order; a draw in `masked_draws` (the
-        worker skipped it: its sequence stopped earlier in the window) must be stale. On
-        `last_pass` before the window's end, rows still running with passes left roll back."""
-        draws = step.take_pass(pass_index, last_pass, len(sampled_token_ids), failed_draws, masked_draws)
-        failed = set(failed_draws or ())
+    def update(self, step: ScheduledStep, result: StepResult) -> list[SeqUpdate]:
+        """Apply one pass's result (ScheduledStep.take_pass checks it and finds each draw's row by
+        its sequence id). A failed draw (its logits were not finite) ends its sequence with
+        FinishReason.ERROR and frees its blocks; the others go on. On a window's last pass before
+        its end, rows still running with passes left roll back."""
+        draws = step.take_pass(result)
+        pass_index, last_pass = result.pass_index, result.last_pass
+        failed = set(result.failed_draws)
+        logprobs, tops = result.sampled_logprobs, result.top_logprobs
         updates, self._unsampled_updates = self._unsampled_updates, []
-        logprobs = iter(sampled_logprobs) if sampled_logprobs else None
-        tops = iter(top_logprobs or ())
         eos, max_model_len = self.eos_token_ids, self.max_model_len
         register_full_blocks, block_size = self.blocks.register_full_blocks, self.blocks.block_size
-        for draw, ((row, seq), token) in enumerate(zip(draws, sampled_token_ids)):
-            logprob = next(logprobs) if logprobs is not None else 0.0
-            top = next(tops) if seq.params.logprobs is not None else None
+        for draw, ((row, seq), token) in enumerate(zip(draws, result.sampled_token_ids)):
+            logprob = logprobs[draw] if logprobs else 0.0
+            top = tops[draw] if tops and seq.params.logprobs is not None else None
             if seq.status is not SeqStatus.RUNNING or seq.num_preemptions != row.epoch:
                 continue  # aborted, finished or preempted while the step ran: dropped
             if draw in failed:  # its placeholder id is no token of the sequence
-                self._finish(seq, FinishReason.ERROR, report=False)
+                self.finish(seq, FinishReason.ERROR, report=False)
                 updates.append(self._introduced(SeqUpdate(seq, [], FinishReason.ERROR)))
                 continue
             if last_pass and step.num_steps > 1 and row.num_tokens > pass_index + 1:
-                # The worker ended the window before this row's last passes: their tokens were
-                # neither computed nor drawn. The row keeps its blocks (the worker's table holds
-                # them too) and is planned again from here. Rolled back before any registration.
-                missing = row.num_tokens - pass_index - 1
-                seq.num_computed_tokens -= missing
-                seq.num_pending_tokens -= missing
-            seq.token_ids.append(token)
-            seq.num_pending_tokens -= 1
-            seq.cumulative_logprob += logprob
-            reason = seq.stop_reason(token, eos, max_model_len)
+                # The worker ended the window before this row's last passes: it keeps its blocks
+                # (the worker's table holds them too) and is planned again from here.
+                seq.roll_back(row.num_tokens - pass_index - 1)
+            reason = seq.take_draw(token, logprob, eos, max_model_len)
             if reason is not None:
-                self._finish(seq, reason, report=False)
+                self.finish(seq, reason, report=False)
             elif seq.num_registered_blocks < seq.num_computed_tokens // block_size:  # spares most draws the call
-                # Registration covers the known ids (min(computed, known)), so the newest id's KV
-                # may still be unwritten: a later pass, or the next plan, computes it. Both run
-                # before any plan that could hit the block, as the worker runs plans and passes in
-                # order: a pass that is not last promises the next, which computes this row unless
-                # its sequence stopped (then the scheduler finished it on that stop, first), and a
-                # last pass rolled its row back above. So every registered block's KV is written
-                # by a pass the worker really runs for this sequence.
+                # The newest id's KV may be unwritten yet, but the pass that writes it runs before
+                # any plan that could hit the block (block_manager.register_full_blocks says why).
                 register_full_blocks(seq)
             update = SeqUpdate(seq, [token], reason)
             if not seq.known_by_detokenizer:
@@ -282,103 +237,10 @@ class Scheduler:
         wanted = set(seq_ids)
         for seq in self.running:
             if seq.seq_id in wanted:
-                self._finish(seq, FinishReason.STOP, report=False)
+                self.finish(seq, FinishReason.STOP, report=False)
         self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
 
-    # --- the two halves of a step ----------------------------------------------------------
-
-    def _run_running(self, budget: int, rows: list[Row], copies: list, scheduled: set[int]) -> int:
-        """Decodes first (one token each), then prompts under way, in admission order."""
-        decodes: list[Sequence] = []
-        prompts: list[Sequence] = []
-        max_model_len = self.max_model_len
-        for seq in self.running:
-            if seq.status is not SeqStatus.RUNNING:
-                continue
-            if seq.num_pending_tokens and seq.at_length_limit(seq.num_tokens, max_model_len):
-                continue  # its pending draw is its last
-            (decodes if seq.num_uncomputed_tokens == 1 else prompts).append(seq)
-        can_append_in_place = self.blocks.can_append_in_place
-        for seq in decodes:
-            if budget == 0:
-                return 0
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted to make room for an earlier one
-            # The common case first: room left in its own last block.
-            row = Row(seq, 1, [], []) if can_append_in_place(seq) else self._reserve(seq, 1, scheduled, copies)
-            if row is None:
-                continue
-            rows.append(row)
-            scheduled.add(seq.seq_id)
-            budget -= 1
-        for seq in prompts:
-            if budget == 0:
-                return 0
-            if seq.status is not SeqStatus.RUNNING:
-                continue
-            row = self._reserve(seq, min(seq.num_uncomputed_tokens, budget), scheduled, copies)
-            if row is not None:
-                rows.append(row)
-                scheduled.add(seq.seq_id)
-                budget -= row.num_tokens
-        return budget
-
-    def _admit(self, budget: int, rows: list[Row], *, chunk: bool) -> int:
-        """Start waiting sequences while the budget, the seats and the pool allow."""
-        blocks = self.blocks
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting.peek()
-            if seq is None:
-                break
-            hits = blocks.match_prefix(seq)
-            num_uncached = seq.num_tokens - len(hits) * blocks.block_size
-            num = min(num_uncached, budget)
-            whole_prompt_fits = num == num_uncached
-            if not chunk and not whole_prompt_fits and (rows or budget < self.config.max_num_batched_tokens):
-                break  # no splitting: it waits for a step with room for all of it
-            num = min(num, blocks.num_admittable(hits))
-            if num < 1:
-                if not self.running and not rows:  # the whole pool is free and still too small
-                    self._finish(seq, FinishReason.LENGTH)
-                    continue
-                break
-            self.waiting.pop()
-            blocks.allocate_prompt(seq, hits, num)
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = seq.num_computed_tokens
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            rows.append(Row(seq, num, [], []))
-            budget -= num
-        return budget
-
-    # --- room, forks, endings -------------------------------------------------------------
-
-    def _reserve(self, seq: Sequence, num: int, scheduled: set[int], copies: list) -> Row | None:
-        """Blocks for up to `num` more tokens of a running sequence: a prompt chunk shrinks to
-        what fits; when not one token fits, others are preempted. None: nothing reserved."""
-        blocks = self.blocks
-        while (fit := min(num, blocks.num_appendable(seq))) < 1:
-            victim = max(
-                (s for s in self.running if s.status is SeqStatus.RUNNING and s.seq_id not in scheduled),
-                key=lambda s: s.sort_key,
-                default=None,
-            )
-            if victim is None or victim is seq:
-                if blocks.num_used == len(seq.block_ids):
-                    # It holds the whole pool and still needs more: it can never finish. It
-                    # leaves `running` now: the next plan may come before the next update().
-                    self._finish(seq, FinishReason.LENGTH)
-                    self.running.remove(seq)
-                elif victim is seq:  # the least important itself: it yields
-                    self._preempt(seq)
-                return None
-            self._preempt(victim)
-        copy = blocks.append(seq, fit)
-        if copy is None:
-            return Row(seq, fit, [], [])
-        copies.append((copy.src, copy.dst))
-        return Row(seq, fit, [], [(copy.position, copy.dst)])
+    # --- forks and endings -----------------------------------------------------------------
 
     def _fork(self, seq: Sequence) -> list[Sequence]:
         children = []
@@ -392,7 +254,8 @@ class Scheduler:
         seq.num_pending_forks = 0
         return children
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Free its blocks; it waits again with every token it has, to be computed again."""
         self.blocks.release(seq)
         seq.num_computed_tokens = 0
         seq.num_pending_tokens = 0  # in-flight draws come back to a waiting sequence: dropped
@@ -404,7 +267,7 @@ class Scheduler:
         self.waiting.push(seq)
         self.num_preemptions += 1
 
-    def _finish(self, seq: Sequence, reason: FinishReason, *, report: bool = True) -> None:
+    def finish(self, seq: Sequence, reason: FinishReason, *, report: bool = True) -> None:
         """End a sequence and free its blocks; `report` queues the update for the detokenizer
         (update() reports the sequences that finish on a sampled token itself)."""
         if seq.status is SeqStatus.WAITING:

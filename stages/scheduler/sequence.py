@@ -113,6 +113,18 @@ class Sequence:
             return FinishReason.LENGTH
         return None
 
+    def take_draw(self, token: int, logprob: float, eos_token_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
+        """A pending draw's id arrived: it joins the known ids; why the sequence ends on it."""
+        self.token_ids.append(token)
+        self.num_pending_tokens -= 1
+        self.cumulative_logprob += logprob
+        return self.stop_reason(token, eos_token_ids, max_model_len)
+
+    def roll_back(self, num_tokens: int) -> None:
+        """A window's last `num_tokens` passes never ran: those tokens were neither computed nor drawn."""
+        self.num_computed_tokens -= num_tokens
+        self.num_pending_tokens -= num_tokens
+
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED

@@ -8,7 +8,7 @@ never waits behind K passes; a prompt chunk under way likewise, so that it is no
 Row r of a window decodes one token per pass in passes 0 .. n_r - 1, where n_r = min(K, the
 tokens left before max_tokens or the model's length, pending draws counted), and fewer when the
 pool runs short. Blocks for all n_r tokens are taken when the window is planned; the window
-never preempts anyone: `Scheduler._run_running` first reserves one token per row exactly as a
+never preempts anyone: `StepBuilder.run_running` first reserves one token per row exactly as a
 single step would (copy-on-write and preemption included), then `extend_rows` grows each row
 into what the pool has left. Pure Python: no torch, no zmq.
 """

@@ -34,7 +34,7 @@ def test_greedy_matches_transformers(arch, engines, checkpoints, reference):
         assert out.outputs[0].token_ids == ref.greedy(out.prompt_token_ids, NUM_TOKENS), prompt
         assert out.outputs[0].finish_reason == "length"
         assert out.outputs[0].text == ref.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
-    assert llm.scheduler.blocks.num_used == 0
+    assert llm.core.scheduler.blocks.num_used == 0
 
 
 def test_token_id_prompts_and_chat(engines, checkpoints, reference):
@@ -103,4 +103,4 @@ def test_a_request_with_nothing_to_sample_finishes_with_error(engines):
     bad, good = llm.generate(["Nothing to draw", "Something to say"], [masked, normal])
     assert (bad.outputs[0].finish_reason, bad.outputs[0].token_ids) == ("error", [])
     assert good.outputs[0].finish_reason == "length" and len(good.outputs[0].token_ids) == 6
-    assert llm.scheduler.blocks.num_used == 0
+    assert llm.core.scheduler.blocks.num_used == 0

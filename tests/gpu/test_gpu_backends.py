@@ -14,12 +14,12 @@ import torch
 
 from conveyor.config.engine import ParallelConfig, SchedulerConfig
 from conveyor.config.model import ModelConfig
-from conveyor.gpu import runner as runner_module
+from conveyor.gpu import profile_steps as profile_module
 from conveyor.gpu.backends import select
 from conveyor.gpu.backends.cpu import CpuAttention, CpuOps
 from conveyor.gpu.backends.cpu.kernels import paged_attention_kernel
 from conveyor.gpu.backends.torch import TorchAttention, TorchOps
-from conveyor.gpu.profile_steps import profile_steps
+from conveyor.gpu.profile_steps import profile_run, profile_steps
 from conveyor.gpu.runner import ModelRunner
 from tests.gpu.test_gpu_model import drive_greedy, random_prompts
 from tests.gpu_checkpoints import checkpoint, engine_config
@@ -111,14 +111,14 @@ def test_the_profile_run_executes_those_steps(monkeypatch):
     config = dataclasses.replace(config, scheduler=SchedulerConfig(max_num_batched_tokens=96, max_num_seqs=12))
     runner = ModelRunner(config)
     seen = []
-    build = runner_module.first_pass_inputs
+    build = profile_module.first_pass_inputs
 
     def spy(rows, *args):
         seen.append(([r.end - r.start for r in rows], [r.end for r in rows]))
         return build(rows, *args)
 
-    monkeypatch.setattr(runner_module, "first_pass_inputs", spy)
-    runner._profile_run()  # CUDA-only in the worker; the same steps run on a CPU here
+    monkeypatch.setattr(profile_module, "first_pass_inputs", spy)
+    profile_run(runner)  # CUDA-only in the worker; the same steps run on a CPU here
     longest = config.model.max_model_len
     expected = profile_steps(96, 12, longest, config.cache.block_size)
     assert seen == [(s.query_lens, s.seq_lens) for s in expected]

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
 from conveyor.config.build import build_engine_config
+from conveyor.gpu.profile_steps import profile_run
 from conveyor.gpu.runner import ModelRunner
 from conveyor.gpu.sampling import SamplingRow, apply_penalties, sample, sample_step
 from conveyor.gpu.sampling.filters import filter_min_p
@@ -274,9 +275,9 @@ def test_top_logprobs_are_the_raw_logits_topk(checkpoint):
     _, results = generate(runner, requests, 4)
     for step_logits, result in zip(raw, results, strict=True):
         logprobs = torch.log_softmax(step_logits, -1)  # [S, V] before penalties and bias
-        tops = result.top_logprobs
-        assert [len(t.token_ids) for t in tops] == [5, 0, 20] and [len(t.logprobs) for t in tops] == [5, 0, 20]
-        for top, row in zip(tops, (0, 2, 3)):
+        tops = result.top_logprobs  # one per draw once any asked: empty where the draw's sequence did not
+        assert [len(t.token_ids) for t in tops] == [5, 0, 0, 20] and [len(t.logprobs) for t in tops] == [5, 0, 0, 20]
+        for top, row in zip(tops, range(4)):
             values, ids = logprobs[row].topk(len(top.token_ids))
             assert top.token_ids == ids.tolist()
             torch.testing.assert_close(torch.tensor(top.logprobs), values)
@@ -315,7 +316,7 @@ def test_default_rows_ignore_penalised_neighbours(checkpoint):
 def test_profile_run_exercises_every_feature(checkpoint):
     """The memory profile's sampling (every feature on) runs; on CPU it only needs no CUDA."""
     runner = new_runner(checkpoint)
-    runner._profile_run()
+    profile_run(runner)
 
 
 def test_runner_reports_a_failed_draw_and_goes_on(checkpoint):

@@ -88,7 +88,7 @@ def test_python_api_with_a_small_budget_and_pool(arch, tmp_path):
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     hf = hf_model(arch)
     assert [o.outputs[0].token_ids for o in outputs] == [hf_greedy(hf, prompt, 24) for prompt in prompts]
-    assert llm.scheduler.num_preemptions > 0 and llm.scheduler.blocks.num_used == 0
+    assert llm.core.scheduler.num_preemptions > 0 and llm.core.scheduler.blocks.num_used == 0
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])

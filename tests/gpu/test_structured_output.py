@@ -157,7 +157,7 @@ def test_preempted_sequences_resume_their_grammar(default_model):
     outputs = llm.generate(PROMPTS, constrained("json_schema", schema, temperature=1.0, seed=11, n=2))
     for text in texts(outputs):
         jsonschema.validate(loads(text), SCHEMAS["enum"])
-    assert llm.scheduler.num_preemptions > 0 and llm.scheduler.blocks.num_used == 0
+    assert llm.core.scheduler.num_preemptions > 0 and llm.core.scheduler.blocks.num_used == 0
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ table, prefix-cache hit, copy-on-write and fork is."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from conveyor.config import SchedulerConfig
@@ -46,7 +47,7 @@ def step_once(sched, runner):
     if step is None:
         return None, sched.take_unsampled_updates()
     result = runner.execute(step_plan(step))
-    return step, sched.update(step, result.sampled_token_ids, result.sampled_logprobs)
+    return step, sched.update(step, result)
 
 
 def drive(sched, runner, max_steps=20_000):
@@ -147,7 +148,7 @@ def test_abort_frees_blocks_and_reports_once():
     step = sched.schedule()
     sched.abort("req-0")  # while its step is in flight
     result = runner.execute(step_plan(step))
-    updates = sched.update(step, result.sampled_token_ids, result.sampled_logprobs)
+    updates = sched.update(step, result)
     assert [u.finish_reason for u in updates if u.seq is a] == [FinishReason.ABORT]
     assert a.block_ids == []
     drive(sched, runner)
@@ -351,13 +352,17 @@ def test_a_stop_string_finish_from_the_detokenizer_ends_the_sequence():
 
 
 def test_top_logprobs_reach_the_update_of_sequences_that_asked():
-    from conveyor.wire.messages import TopLogprobs
+    from conveyor.wire.messages import StepResult, TopLogprobs
 
     sched, runner = make()
     sched.add_request(request(0, prompt_of(1, 5), max_tokens=1, logprobs=2))
     sched.add_request(request(1, prompt_of(2, 5), max_tokens=1))
     step = sched.schedule()
-    updates = sched.update(step, [5, 6], [-0.5, -0.25], [TopLogprobs([5, 9], [-0.5, -1.5])])
+    (a, b) = (row.seq.seq_id for row in step.rows)
+    # Keyed by sequence, in any order: b's draw first. Top logprobs go with every draw once any
+    # sequence asked (empty entries for the others).
+    tops = [TopLogprobs([], []), TopLogprobs([5, 9], [-0.5, -1.5])]
+    updates = sched.update(step, StepResult(step.step, [6, 5], sampled_logprobs=[-0.25, -0.5], top_logprobs=tops, seq_ids=[b, a]))
     by_request = {u.seq.request_id: u for u in updates}
     assert by_request["req-0"].logprobs[0].top_token_ids == [5, 9]
     assert by_request["req-0"].logprobs[0].logprob == -0.5
@@ -375,7 +380,7 @@ def test_a_failed_draw_ends_its_sequence_with_error_and_frees_its_blocks():
     step = sched.schedule()
     result = runner.execute(step_plan(step))
     held_by_bad = list(bad.block_ids)
-    updates = sched.update(step, result.sampled_token_ids, result.sampled_logprobs, failed_draws=[1])
+    updates = sched.update(step, msgspec.structs.replace(result, failed_draws=[1]))
     by_seq = {u.seq.seq_id: u for u in updates}
     assert (by_seq[1].new_token_ids, by_seq[1].finish_reason) == ([], FinishReason.ERROR)
     assert bad.finish_reason is FinishReason.ERROR and bad.output_token_ids == [] and bad.block_ids == []
@@ -384,7 +389,7 @@ def test_a_failed_draw_ends_its_sequence_with_error_and_frees_its_blocks():
     step = sched.schedule()
     assert step.finished_seq_ids == [1]  # the worker forgets it with the next plan
     result = runner.execute(step_plan(step))
-    sched.update(step, result.sampled_token_ids, result.sampled_logprobs)
+    sched.update(step, result)
     drive(sched, runner)
     for s in (a, c):
         assert s.output_token_ids == expected_tokens(prompt_of(s.seq_id, 9), 6)
@@ -397,10 +402,10 @@ def test_a_failed_fork_ends_alone_and_a_lookahead_draw_is_dropped():
     first = sched.schedule()  # prompt + the first draw of each of the three samples
     second = sched.schedule()  # planned before the first's ids are back: asynchronous scheduling
     r1, r2 = runner.execute(step_plan(first)), runner.execute(step_plan(second))
-    updates = sched.update(first, r1.sampled_token_ids, r1.sampled_logprobs, failed_draws=[2])  # sample 2
+    updates = sched.update(first, msgspec.structs.replace(r1, failed_draws=[2]))  # sample 2
     failed = [u.seq for u in updates if u.finish_reason is FinishReason.ERROR]
     assert [s.index for s in failed] == [2]
-    later = sched.update(second, r2.sampled_token_ids, r2.sampled_logprobs, failed_draws=[0, 1, 2])
+    later = sched.update(second, msgspec.structs.replace(r2, failed_draws=[0, 1, 2]))
     assert failed[0] not in [u.seq for u in later]  # its lookahead draw is dropped, not failed twice
     assert {u.seq.index for u in later if u.finish_reason is FinishReason.ERROR} == {0, 1}
     assert sched.blocks.num_used == 0 and not sched.has_work()
@@ -412,7 +417,7 @@ def test_failed_draws_outside_the_step_are_refused():
     step = sched.schedule()
     result = runner.execute(step_plan(step))
     with pytest.raises(ValueError, match="failed draws"):
-        sched.update(step, result.sampled_token_ids, failed_draws=[1])
+        sched.update(step, msgspec.structs.replace(result, failed_draws=[1]))
 
 
 def test_drop_requests_frees_what_a_dead_stage_held_and_nothing_else():

@@ -11,6 +11,7 @@ import dataclasses
 import shutil
 from collections import deque
 
+import msgspec
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
@@ -122,8 +123,7 @@ class Driver:
         if r.last_pass:
             assert not results
             self.in_flight.popleft()
-        updates = self.sched.update(step, r.sampled_token_ids, r.sampled_logprobs, failed_draws=r.failed_draws,
-                                    pass_index=r.pass_index, masked_draws=r.masked_draws, last_pass=r.last_pass)  # fmt: skip
+        updates = self.sched.update(step, r)
         self.deliver(updates)
 
     def deliver(self, updates: list[SeqUpdate]) -> None:
@@ -391,7 +391,7 @@ def test_a_window_the_worker_ends_early_rolls_back_and_is_planned_again():
     step = sched.schedule()
     (pass0,) = runner.execute_passes(step_plan(step), end_after=0)
     assert pass0.last_pass and step.num_steps == 4
-    updates = sched.update(step, pass0.sampled_token_ids, pass0.sampled_logprobs, last_pass=True)
+    updates = sched.update(step, pass0)
     assert [u.new_token_ids for u in updates] == [pass0.sampled_token_ids]
     assert (len(seq.token_ids), seq.num_computed_tokens, seq.num_pending_tokens) == (8, 7, 0)
     assert seq.num_registered_blocks == 1 and runner.kv[seq.block_ids[1]][3] is None
@@ -420,18 +420,18 @@ def test_a_masked_draw_of_a_running_sequence_is_refused():
     sched, step, results = window_in_flight()
     r = results[0]
     with pytest.raises(ValueError, match="masked"):
-        sched.update(step, r.sampled_token_ids, pass_index=0, masked_draws=[1], last_pass=False)
+        sched.update(step, msgspec.structs.replace(r, masked_draws=[1]))
     assert step.num_passes_done == 0 and all(s.num_pending_tokens == 4 for s in sched.running)  # nothing applied
 
 
 def test_passes_out_of_order_or_a_final_pass_not_last_are_refused():
     sched, step, results = window_in_flight()
     with pytest.raises(ValueError, match="expected pass 0"):
-        sched.update(step, results[1].sampled_token_ids, pass_index=1, last_pass=False)
+        sched.update(step, results[1])
     for r in results[:3]:
-        sched.update(step, r.sampled_token_ids, pass_index=r.pass_index, last_pass=False)
+        sched.update(step, r)
     with pytest.raises(ValueError, match="last_pass"):
-        sched.update(step, results[3].sampled_token_ids, pass_index=3, last_pass=False)
+        sched.update(step, msgspec.structs.replace(results[3], last_pass=False))
 
 
 # --- the scheduler stage -------------------------------------------------------------------
@@ -480,12 +480,12 @@ def test_the_stage_keeps_a_window_in_flight_to_its_last_pass_and_streams_every_p
     window = plan()
     assert window.num_steps == 4
     ahead = plan()  # asynchronous scheduling: the next plan goes out while the window runs
-    assert ahead.num_steps == 4 and len(stage.in_flight) == 2 and not stage.may_plan()
+    assert ahead.num_steps == 4 and len(stage.core.in_flight) == 2 and not stage.may_plan()
     results = runner.execute_passes(window)
     for r in results:
-        assert stage.in_flight[0].step == window.step
+        assert stage.core.in_flight[0].step == window.step
         assert result_in(r) == r.sampled_token_ids  # each pass streams on its own
-    assert [s.step for s in stage.in_flight] == [ahead.step] and stage.may_plan()
+    assert [s.step for s in stage.core.in_flight] == [ahead.step] and stage.may_plan()
 
 
 def test_a_request_waiting_for_a_seat_keeps_steps_single():

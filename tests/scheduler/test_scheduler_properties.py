@@ -93,7 +93,7 @@ def test_random_streams_keep_every_invariant(reqs, block_size, num_blocks, budge
         updates = []
         if len(in_flight) >= depth or (in_flight and step is None):
             done, result = in_flight.popleft()
-            updates = sched.update(done, result.sampled_token_ids, result.sampled_logprobs)
+            updates = sched.update(done, result)
         updates += sched.take_unsampled_updates()
         for u in updates:
             seqs[u.seq.seq_id] = u.seq

@@ -43,7 +43,7 @@ def wired(tmp_path):
     sender(ctx, config, SCHEDULER).send(WorkerReady(rank=0, num_kv_blocks=64))
     stage.start()
     assert isinstance(worker.recv(timeout_ms=5000), InitializeCache)
-    assert stage.max_in_flight == 2  # asynchronous scheduling, the default
+    assert stage.core.max_in_flight == 2  # asynchronous scheduling, the default
     yield Wired(stage, worker)
     for r in [worker, *others]:
         r.close()
@@ -85,7 +85,7 @@ def test_the_first_step_after_idle_runs_alone_and_the_burst_joins_the_next(wired
     for n in (1, 2):  # the burst arrives while the first step computes
         stage.handle(request(n))
     assert turn(wired) is None
-    stage.handle(StepResult(first.step, sampled_token_ids=[7]))
+    stage.handle(StepResult(first.step, sampled_token_ids=[7], seq_ids=[0]))
     second = turn(wired)
     assert not second.after_idle
     assert rows(second) == [(0, 1), (1, 12), (2, 12)]  # the decode fused with the burst's prompts
@@ -99,12 +99,13 @@ def test_an_idle_spell_between_requests_runs_alone_again(wired):
     stage = wired.stage
     stage.handle(request(0))
     first = turn(wired)
-    stage.handle(StepResult(first.step, sampled_token_ids=[7]))
+    stage.handle(StepResult(first.step, sampled_token_ids=[7], seq_ids=[0]))
     assert turn(wired) is not None and turn(wired) is not None  # the lookahead is back
-    while stage.in_flight:  # run the request to its end, two steps in flight at most
-        assert len(stage.in_flight) <= 2
-        step = stage.in_flight[0]
-        stage.handle(StepResult(step.step, sampled_token_ids=[7] * step.num_sampled))
+    while stage.core.in_flight:  # run the request to its end, two steps in flight at most
+        assert len(stage.core.in_flight) <= 2
+        step = stage.core.in_flight[0]
+        seq_ids = [seq.seq_id for _, seq in step.draws()]
+        stage.handle(StepResult(step.step, sampled_token_ids=[7] * len(seq_ids), seq_ids=seq_ids))
         turn(wired)
     assert not stage.scheduler.has_work()
     stage.handle(request(1))

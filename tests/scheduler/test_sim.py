@@ -185,7 +185,7 @@ def test_fast_kv_count_matches_the_schedulers():
     stem = tuple(range(1, 65))
     reqs = [SimRequest(f"r{i}", stem + tuple(range(100 + i * 50, 100 + i * 50 + 10 + i)), 6, 0.01 * i) for i in range(12)]
     sched = build_scheduler(SimConfig(SchedulerConfig(max_num_batched_tokens=48), CacheConfig(block_size=16, num_kv_blocks=64)))
-    from conveyor.sim.simulator import _schedule_request, fake_tokens
+    from conveyor.sim.simulator import _schedule_request, fake_result
 
     for r in reqs:
         sched.add_request(_schedule_request(r))
@@ -195,13 +195,13 @@ def test_fast_kv_count_matches_the_schedulers():
         if step is None:
             break
         assert sched.kv_slots() == _kv_slots_block_by_block(sched)
-        sched.update(step, fake_tokens(step))
+        sched.update(step, fake_result(step))
         checked += 1
     assert checked > 10 and sched.blocks.num_cache_hits > 0
 
 
-def test_fake_tokens_cover_forks():
-    from conveyor.sim.simulator import fake_tokens
+def test_fake_results_cover_forks():
+    from conveyor.sim.simulator import fake_result
     from conveyor.wire.messages import SamplingParams, ScheduleRequest
 
     sched = build_scheduler(SimConfig(SchedulerConfig(max_num_batched_tokens=16)))
@@ -210,9 +210,9 @@ def test_fake_tokens_cover_forks():
     draws = 0
     while sched.has_work():
         step = sched.schedule()
-        ids = fake_tokens(step)
-        draws += len(ids)
-        sched.update(step, ids)  # one id per sampling row and per fork, or it raises
+        result = fake_result(step)
+        draws += len(result.sampled_token_ids)
+        sched.update(step, result)  # one id per sampling row and per fork, or it raises
     assert draws == 3 * 4
 
 
@@ -339,21 +339,21 @@ def test_async_never_slower_than_sync_with_host_work_and_faster_when_host_matche
     assert throughput(3e-3, True) > 1.4 * throughput(3e-3, False)
 
 
-def test_multi_step_pays_the_host_once_per_window_and_counts_wasted_rows():
+def test_multi_step_pays_the_host_once_per_window_and_each_row_its_own_passes():
     # Two requests, prompts together in one pass; a finishes after 5 tokens, b after 20. K = 8:
-    # the first window's passes 1-4 finish a (tokens 2-5), passes 5-8 still compute a's row.
+    # the scheduler gives a's row 4 passes of the first window (tokens 2-5) and b's row all 8, so
+    # passes 5-8 compute b alone: a finished row is never computed again.
     host = HostCost(per_plan_s=3e-3)
     config = SimConfig(SchedulerConfig(num_scheduler_steps=8, async_scheduling=False, enable_prefix_caching=False), host=host)
     result = simulate([request(0, 30, 5), request(1, 30, 20)], config, AFFINE)
     a, b = result.requests
-    assert result.num_wasted_tokens == 4
-    two_rows, one_row = 1e-3 + 2e-4, 1e-3 + 1e-4  # a wasted row costs like a live one
-    first_window = [3e-3 + two_rows] + [two_rows] * 7  # one host cost, then back-to-back passes
+    two_rows, one_row = 1e-3 + 2e-4, 1e-3 + 1e-4
+    first_window = [3e-3 + two_rows] + [two_rows] * 3 + [one_row] * 4  # one host cost, then back-to-back passes
     assert np.diff(b.token_times)[:8] == pytest.approx(first_window)
     assert np.diff(b.token_times)[8:] == pytest.approx([3e-3 + one_row] + [one_row] * 7 + [3e-3 + one_row] + [one_row] * 2)
     assert a.finish == pytest.approx(b.token_times[4])
     m = compute(result)
-    assert m.num_plans == 1 + 3 and m.num_wasted_tokens == 4  # the prompt plan, three windows
+    assert m.num_plans == 1 + 3 and m.num_steps == 1 + 8 + 8 + 3  # the prompt plan, three windows
 
 
 def test_multi_step_raises_decode_throughput_when_host_dominates_and_delays_late_arrivals():
@@ -369,7 +369,6 @@ def test_multi_step_raises_decode_throughput_when_host_dominates_and_delays_late
     assert m8.bubble < m1.bubble
     ttft = {k: np.mean([r.ttft for r in runs[k].requests[8:]]) for k in runs}
     assert ttft[8] > ttft[1] + 2e-3  # a late arrival waits for the window under way to end
-    assert m1.num_wasted_tokens == 0 and m8.num_wasted_tokens > 0
 
 
 def test_h100_preset_is_its_written_arithmetic():

@@ -1,0 +1,125 @@
+"""StepBuilder: one step's rows, as the Scheduler picks them within its token budget.
+
+`run_running` gives running sequences their rows (decodes first, one token each, then prompts
+under way, in admission order); `admit` starts waiting sequences in the budget, the seats and the
+pool left, each reusing its cached prefix; `reserve` finds blocks for a running sequence's next
+tokens, shrinking a prompt chunk to what fits and, when not one token fits, preempting the least
+important running sequence that has no row yet. The Scheduler owns the sequences and how they
+end (`preempt`, `finish`); a builder lives for one `Scheduler.schedule` call. Pure Python.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from conveyor.stages.scheduler.scheduled_step import Row
+from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
+from conveyor.wire.messages import FinishReason
+
+if TYPE_CHECKING:
+    from conveyor.stages.scheduler.scheduler import Scheduler
+
+
+class StepBuilder:
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.budget = sched.config.max_num_batched_tokens  # tokens the step may still compute
+        self.rows: list[Row] = []
+        self.copies: list[tuple[int, int]] = []  # (src, dst) block copies before the forward: copy-on-write
+        self.scheduled: set[int] = set()  # seq ids with a row: never preempted for another row
+
+    @property
+    def num_tokens(self) -> int:
+        return self.sched.config.max_num_batched_tokens - self.budget
+
+    def run_running(self) -> None:
+        """Decodes first (one token each), then prompts under way, in admission order."""
+        decodes: list[Sequence] = []
+        prompts: list[Sequence] = []
+        sched = self.sched
+        max_model_len = sched.max_model_len
+        for seq in sched.running:
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            if seq.num_pending_tokens and seq.at_length_limit(seq.num_tokens, max_model_len):
+                continue  # its pending draw is its last
+            (decodes if seq.num_uncomputed_tokens == 1 else prompts).append(seq)
+        can_append_in_place = sched.blocks.can_append_in_place
+        for seq in decodes:
+            if self.budget == 0:
+                return
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted to make room for an earlier one
+            # The common case first: room left in its own last block.
+            row = Row(seq, 1, [], []) if can_append_in_place(seq) else self.reserve(seq, 1)
+            if row is not None:
+                self.add(row)
+        for seq in prompts:
+            if self.budget == 0:
+                return
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            row = self.reserve(seq, min(seq.num_uncomputed_tokens, self.budget))
+            if row is not None:
+                self.add(row)
+
+    def admit(self, *, chunk: bool) -> None:
+        """Start waiting sequences while the budget, the seats and the pool allow; without
+        `chunk`, a prompt that does not fit whole waits for a step with room for all of it."""
+        sched = self.sched
+        blocks, config = sched.blocks, sched.config
+        while self.budget > 0 and len(sched.running) < config.max_num_seqs:
+            seq = sched.waiting.peek()
+            if seq is None:
+                break
+            hits = blocks.match_prefix(seq)
+            num_uncached = seq.num_tokens - len(hits) * blocks.block_size
+            num = min(num_uncached, self.budget)
+            if not chunk and num < num_uncached and (self.rows or self.budget < config.max_num_batched_tokens):
+                break
+            num = min(num, blocks.num_admittable(hits))
+            if num < 1:
+                if not sched.running and not self.rows:  # the whole pool is free and still too small
+                    sched.finish(seq, FinishReason.LENGTH)
+                    continue
+                break
+            sched.waiting.pop()
+            blocks.allocate_prompt(seq, hits, num)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            seq.status = SeqStatus.RUNNING
+            sched.running.append(seq)
+            self.rows.append(Row(seq, num, [], []))
+            self.budget -= num
+
+    def reserve(self, seq: Sequence, num: int) -> Row | None:
+        """Blocks for up to `num` more tokens of a running sequence: a prompt chunk shrinks to
+        what fits; when not one token fits, others are preempted. None: nothing reserved."""
+        sched = self.sched
+        blocks = sched.blocks
+        while (fit := min(num, blocks.num_appendable(seq))) < 1:
+            victim = max(
+                (s for s in sched.running if s.status is SeqStatus.RUNNING and s.seq_id not in self.scheduled),
+                key=lambda s: s.sort_key,
+                default=None,
+            )
+            if victim is None or victim is seq:
+                if blocks.num_used == len(seq.block_ids):
+                    # It holds the whole pool and still needs more: it can never finish. It
+                    # leaves `running` now: the next plan may come before the next update().
+                    sched.finish(seq, FinishReason.LENGTH)
+                    sched.running.remove(seq)
+                elif victim is seq:  # the least important itself: it yields
+                    sched.preempt(seq)
+                return None
+            sched.preempt(victim)
+        copy = blocks.append(seq, fit)
+        if copy is None:
+            return Row(seq, fit, [], [])
+        self.copies.append((copy.src, copy.dst))
+        return Row(seq, fit, [], [(copy.position, copy.dst)])
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+        self.scheduled.add(row.seq.seq_id)
+        self.budget -= row.num_tokens
