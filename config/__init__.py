@@ -15,14 +15,15 @@ from conveyor.config.engine import (
     config_to_json,
 )
 from conveyor.config.errors import ConfigError
-from conveyor.config.model import SUPPORTED_ARCHITECTURES, ModelConfig
+from conveyor.config.model import ModelConfig
+from conveyor.config.moe import MoeConfig
 
 __all__ = [
-    "SUPPORTED_ARCHITECTURES",
     "CacheConfig",
     "ConfigError",
     "EngineConfig",
     "ModelConfig",
+    "MoeConfig",
     "ParallelConfig",
     "SchedulerConfig",
     "SchedulingPolicy",

@@ -13,9 +13,10 @@ import logging
 import sys
 
 from conveyor.config import ConfigError, ServerConfig
-from conveyor.config.build import OPTION_CLASSES, build_engine_config
+from conveyor.config.engine_options import OPTION_CLASSES
 from conveyor.config.env import api_key_from_env, log_level
 from conveyor.config.options import DefaultsHelpFormatter, add_arguments, settings
+from conveyor.engine_config import build_engine_config
 
 
 def serve_parser(sub: argparse._SubParsersAction) -> None:

@@ -17,7 +17,7 @@ from typing import cast
 import msgspec
 from tokenizers import Tokenizer
 
-from conveyor.config.build import build_engine_config
+from conveyor.engine_config import build_engine_config
 from conveyor.stages.detokenizer.detokenizer import Detokenizer
 from conveyor.stages.scheduler.engine_core import EngineCore
 from conveyor.stages.scheduler.plan import token_batches

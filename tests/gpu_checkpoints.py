@@ -18,7 +18,8 @@ from typing import TypedDict
 import torch
 import transformers
 
-from conveyor.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from conveyor.config import CacheConfig, EngineConfig, ParallelConfig
+from conveyor.gpu.models.registry import read_model_config
 
 INITIALIZER_RANGE = 0.1
 VOCAB = 512
@@ -184,7 +185,7 @@ def engine_config(
     name: str, *, block_size: int = 4, num_blocks: int = 512, device: str = "cpu", dtype: str | None = None
 ) -> EngineConfig:
     return EngineConfig(
-        model=ModelConfig.from_pretrained(checkpoint(name), dtype=dtype),
+        model=read_model_config(checkpoint(name), dtype=dtype),
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_blocks),
         parallel=ParallelConfig(device=device),
     )

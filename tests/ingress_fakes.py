@@ -41,7 +41,8 @@ import requests
 import uvloop
 import zmq
 
-from conveyor.config import EngineConfig, ModelConfig, ServerConfig
+from conveyor.config import EngineConfig, ServerConfig
+from conveyor.gpu.models.registry import read_model_config
 from conveyor.stages.ingress.main import serve
 from conveyor.tiny import tokenizer as tiny_tokenizer
 from conveyor.tiny.checkpoint import make_checkpoint
@@ -83,7 +84,7 @@ def make_config(root: Path, run_dir: str, **server_fields: Any) -> EngineConfig:
         num_key_value_heads=2,
         max_position_embeddings=MAX_MODEL_LEN,
     )
-    model = ModelConfig.from_pretrained(ckpt, served_name=MODEL_NAME)
+    model = read_model_config(ckpt, served_name=MODEL_NAME)
     server = ServerConfig(host="127.0.0.1", port=free_port(), run_dir=run_dir, max_body_bytes=MAX_BODY_BYTES, **server_fields)
     return EngineConfig(model=model, server=server)
 

@@ -8,9 +8,8 @@ after construction: biases and norms too (HF initialises them to 0 and 1), and r
 scale so the top-k choices have clear margins (a near tie could flip between two correct
 implementations).
 
-ModelConfig.from_pretrained refuses these architectures until they are registered (config table
-and model registry), so `model_config` reads the dense fields through a twin config.json naming a
-dense architecture whose fields mean the same, then puts the real path and architecture back.
+`model_config` reads a saved checkpoint through the model registry, MoE fields included
+(ModelConfig.moe).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import transformers
 from safetensors.torch import load_file
 
 from conveyor.config import ModelConfig
+from conveyor.gpu.models.registry import read_model_config
 from conveyor.tiny.checkpoint import make_checkpoint
 from conveyor.tiny.tokenizer import VOCAB_SIZE
 from tests.gpu_checkpoints import COMMON_FIELDS, INITIALIZER_RANGE
@@ -100,7 +100,7 @@ def hf_model(name: str) -> transformers.PreTrainedModel:
 
 
 def model_config(name: str) -> ModelConfig:
-    return ModelConfig.from_pretrained(checkpoint(name))
+    return read_model_config(checkpoint(name))
 
 
 def checkpoint_tensors(name: str) -> list[tuple[str, torch.Tensor]]:

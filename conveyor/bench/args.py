@@ -7,7 +7,7 @@ import argparse
 import json
 import math
 
-from conveyor.config.build import option_settings
+from conveyor.config.engine_options import option_settings
 from conveyor.config.options import add_arguments
 
 # The engine options `bench offline` passes to LLM(...): flags, defaults and help are the config's.

@@ -43,7 +43,7 @@ class StepDriver:
     """One variant's runner, and plans over it that play the scheduler's part."""
 
     def __init__(self, variant: str, num_blocks: int) -> None:
-        from conveyor.config.build import build_engine_config
+        from conveyor.engine_config import build_engine_config
         from conveyor.gpu.runner import ModelRunner
 
         config = build_engine_config("tiny", device="cpu", num_kv_blocks=num_blocks)

@@ -103,7 +103,7 @@ def prepare_runner(device: str = "cpu"):
     waits for a core at every barrier (see conveyor.sim.measure)."""
     import torch
 
-    from conveyor.config.build import build_engine_config
+    from conveyor.engine_config import build_engine_config
     from conveyor.gpu.runner import ModelRunner
 
     if device == "cpu":

@@ -23,14 +23,14 @@ import msgspec
 
 def measure(num_rows: int, *, steps: int = 200, prompt_len: int = 100) -> dict:
     from conveyor.config import CacheConfig, EngineConfig, ParallelConfig
-    from conveyor.config.model import ModelConfig
+    from conveyor.gpu.models.registry import read_model_config
     from conveyor.gpu.runner import ModelRunner
     from conveyor.tiny.checkpoint import make_config
     from conveyor.tiny.generate import SHAPES
     from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan, WorkerInbound
 
     with tempfile.TemporaryDirectory() as path:
-        model = ModelConfig.from_pretrained(make_config(path, dtype="bfloat16", **SHAPES["llama3-8b"]))
+        model = read_model_config(make_config(path, dtype="bfloat16", **SHAPES["llama3-8b"]))
         config = EngineConfig(
             model, CacheConfig(num_kv_blocks=num_rows * 64), parallel=ParallelConfig(device="emulated", emulate="h100")
         )

@@ -49,7 +49,7 @@ def measure(grid: list[list[tuple[int, int]]], *, repeats: int = 5, threads: int
     """
     import torch
 
-    from conveyor.config.build import build_engine_config
+    from conveyor.engine_config import build_engine_config
     from conveyor.gpu.runner import ModelRunner
     from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
 

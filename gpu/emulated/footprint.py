@@ -49,11 +49,8 @@ def footprint(config: ModelConfig) -> Footprint:
         if ".experts." in name:
             experts += p.numel()
     active = params
-    if experts:
-        from conveyor.gpu.models.mixtral import read_moe_config
-
-        moe = read_moe_config(config)
-        active = params - experts + experts * moe.top_k // moe.num_experts
+    if experts and config.moe is not None:
+        active = params - experts + experts * config.moe.top_k // config.moe.num_experts
     dtype_bytes = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
     return Footprint(
         params=params,

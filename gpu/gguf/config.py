@@ -1,8 +1,9 @@
 """A GGUF file's metadata as config.json and generation_config.json.
 
 llama.cpp names hyperparameters `<arch>.<name>` (`llama.block_count`); this maps the ones our
-decoder reads onto transformers' config fields. An architecture not in ARCHITECTURES, or a rope
-scaling we cannot express, is a ConfigError naming it, at conversion, before any weight is read.
+decoder reads onto transformers' config fields. An architecture the model registry has no GGUF
+name for (gpu/models/registry.py GGUF_ARCHITECTURES), or a rope scaling we cannot express, is a
+ConfigError naming it, at conversion, before any weight is read.
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ import numpy as np
 from gguf import GGUFReader
 
 from conveyor.config.errors import ConfigError
+from conveyor.gpu.models.registry import GGUF_ARCHITECTURES
 
-# general.architecture -> the transformers class that holds the same weights. Mistral files use
-# `llama` (llama.cpp has no separate arch for them); SmolLM2 is `llama` with tied embeddings.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # Llama 3.1's rope scaling, which llama.cpp stores as a `rope_freqs` tensor of per-frequency
 # divisors instead of parameters: we check the tensor against these and recover the factor.
 LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -32,8 +31,8 @@ def value(reader: GGUFReader, key: str, default: Any = None) -> Any:
 def hf_config(reader: GGUFReader, dtype: str) -> dict[str, Any]:
     """config.json for the file, with `dtype` as the checkpoint's dtype (its weights are written in it)."""
     arch = value(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ConfigError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
+    if arch not in GGUF_ARCHITECTURES:  # general.architecture -> the transformers class with the same weights
+        raise ConfigError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ConfigError("malformed GGUF file: no token_embd.weight tensor")
@@ -47,7 +46,7 @@ def hf_config(reader: GGUFReader, dtype: str) -> dict[str, Any]:
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     max_pos = int(value(reader, f"{arch}.context_length", 2048))
     config: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [GGUF_ARCHITECTURES[arch]],
         "model_type": arch,
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),  # ggml order: [hidden, vocab]
         "hidden_size": hidden,

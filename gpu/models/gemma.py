@@ -16,18 +16,24 @@ What differs from llama.py, and where it is handled:
 - Sliding-window and global layers interleaved (config.layer_windows; each Attention asks the
   backend for its window's metadata), and Gemma 3's windowed layers rotate on their own rope base
   (config.local_rope_theta, gpu/rope.py `layer_tables`). Gemma 3's q/k norms are config.qk_norm.
+The config adapters (`gemma2_config`, `gemma3_config`) read these fields, which config.json names
+in Gemma's own way; soft-capping is refused for every family whose adapter does not take it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
-from conveyor.config.model import ModelConfig
+from conveyor.config.model import ModelConfig, implied_windows, number
 from conveyor.gpu.backends.base import Backend
-from conveyor.gpu.models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
+from conveyor.gpu.models.base import CausalLM
+from conveyor.gpu.models.layers import RMSNorm
+from conveyor.gpu.models.llama import MLP, Attention
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -53,8 +59,8 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
-class GemmaForCausalLM(LlamaForCausalLM):
-    """Serves Gemma2ForCausalLM and Gemma3ForCausalLM (models/__init__.py)."""
+class GemmaForCausalLM(CausalLM):
+    """Serves Gemma2ForCausalLM and Gemma3ForCausalLM (gpu/models/registry.py)."""
 
     layer_class = GemmaDecoderLayer
 
@@ -74,3 +80,30 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+
+def gemma2_config(hf: dict[str, Any], cfg: ModelConfig) -> ModelConfig:
+    """Gemma 2: query_pre_attn_scalar, both soft-caps, and (transformers 4) a window on every
+    other layer from the first."""
+    return implied_windows(hf, _gemma(hf, cfg), lambda i: i % 2 == 0)
+
+
+def gemma3_config(hf: dict[str, Any], cfg: ModelConfig) -> ModelConfig:
+    """Gemma 3: Gemma 2's fields, q/k norms, and (transformers 4) a window on all layers but every
+    sliding_window_pattern-th, whose rope bases are rope_theta (default 1e6, not 1e4) and
+    rope_local_base_freq (transformers 5 writes a rope per layer type, read generically)."""
+    cfg = _gemma(hf, dataclasses.replace(cfg, qk_norm=True))
+    if cfg.local_rope_theta is None:
+        params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        theta = params.get("rope_theta", hf.get("rope_theta", 1_000_000.0))
+        cfg = dataclasses.replace(cfg, rope_theta=float(theta), local_rope_theta=float(hf.get("rope_local_base_freq", 10000.0)))
+    return implied_windows(hf, cfg, lambda i: (i + 1) % int(hf.get("sliding_window_pattern", 6)) != 0)
+
+
+def _gemma(hf: dict[str, Any], cfg: ModelConfig) -> ModelConfig:
+    return dataclasses.replace(
+        cfg,
+        query_pre_attn_scalar=number(hf.get("query_pre_attn_scalar")),
+        attn_logit_softcap=number(hf.get("attn_logit_softcapping")),
+        final_logit_softcap=number(hf.get("final_logit_softcapping")),
+    )

@@ -1,4 +1,4 @@
-"""The model's linear and embedding layers, whole or split over tensor-parallel ranks (Megatron).
+"""The model's layers that hold weights, whole or split over tensor-parallel ranks (Megatron).
 
 Model code says which kind each projection is; nothing else decides it:
 - `Linear`: whole on every rank (an MoE router, the shared expert's gate);
@@ -10,7 +10,8 @@ Model code says which kind each projection is; nothing else decides it:
 - `VocabParallelEmbedding`: each rank holds a contiguous range of the (padded) vocabulary; ids
   outside it look up zeros, and an all-reduce sums the ranks' rows;
 - `ParallelLMHead`: column-parallel over the same vocabulary ranges, the logits gathered on rank
-  0 (the rank that samples) and the padding dropped. A tied head shares the embedding's shard.
+  0 (the rank that samples) and the padding dropped. A tied head shares the embedding's shard;
+- `RMSNorm`: whole on every rank, its residual add folded in (the ops' fused kernel).
 
 Each is built from the *whole* model's sizes (`parts`: (units, rows per unit) of each fused part,
 see gpu/parallel/shard.py) and the TensorParallel it runs in, and declares in `splits` how each
@@ -104,4 +105,20 @@ class ParallelLMHead(Linear):
         return logits[:, : self.vocab_size] if logits.shape[-1] > self.vocab_size else logits
 
 
-__all__ = ["ColumnParallelLinear", "Linear", "ParallelLMHead", "RowParallelLinear", "VocabParallelEmbedding"]
+class RMSNorm(nn.Module):
+    """x [T, H] -> norm(x); with `residual`, the pre-norm residual add is folded in: returns
+    (norm(x + residual), x + residual); the ops may add into `residual` in place."""
+
+    def __init__(self, hidden_size: int, eps: float, ops: Ops) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+__all__ = ["ColumnParallelLinear", "Linear", "ParallelLMHead", "RMSNorm", "RowParallelLinear", "VocabParallelEmbedding"]

@@ -1,49 +1,38 @@
-"""The decoder shared by LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM,
-and the pieces the other families (gemma.py, phi3.py, mixtral.py) build on.
+"""LlamaForCausalLM, which also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM, with
+their config adapters; and the layers the other families (gemma.py, phi3.py, mixtral.py) build on.
 
-The four differ only in what ModelConfig already says: biases on q/k/v (Qwen2) or on every
-projection (Llama attention_bias / mlp_bias), tied embeddings, sliding windows (Mistral: every
-layer; Qwen2/3: the layers from max_window_layers on), an RMSNorm over each q and k head before
-rotary (Qwen3: `qk_norm`), the head_dim, GQA and the rope type. Tokens are flattened across sequences ("varlen"): activations
-are [T, H] and attention finds each token's sequence through AttentionMetadata.
+The four differ only in what ModelConfig says, and the adapters here are where their config.json
+quirks become it: biases on q/k/v (Qwen2 always: `qwen2_config`) or on every projection (Llama
+attention_bias / mlp_bias), tied embeddings, sliding windows (Mistral: every layer; Qwen2/3: the
+layers from max_window_layers on, `qwen_windows`), an RMSNorm over each q and k head before rotary
+(Qwen3: `qk_norm`), the head_dim, GQA and the rope type. Tokens are flattened across sequences
+("varlen"): activations are [T, H] and attention finds each token's sequence through
+AttentionMetadata.
 
 No device or backend branches: every layer calls the backend's `ops.*` (norms, rotary, SiLU x
 up, linear) and `attn.forward(...)` (gpu/backends/base.py); the backend is chosen once, outside.
 Each attention layer asks the backend for the step's metadata of its own window
-(`attn.for_window`), and rotates with its own rope table (gpu/rope.py `layer_tables`).
-
-Parameter names equal the Hugging Face safetensors names (model.layers.0.self_attn.q_proj.weight,
-...), so loading is a name lookup. Projections are kept unfused for that reason.
+(`attn.for_window`). Parameter names equal the Hugging Face safetensors names
+(model.layers.0.self_attn.q_proj.weight, ...), so loading is CausalLM's name lookup; projections
+are kept unfused for that reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 from torch import nn
 
-from conveyor.config.model import ModelConfig
+from conveyor.config.model import ModelConfig, implied_windows
 from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Backend, Ops
-from conveyor.gpu.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from conveyor.gpu.models.base import CausalLM
+from conveyor.gpu.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from conveyor.gpu.models.layers import Linear as Linear  # re-exported: gpu/backends/cpu/ops.py imports it from here
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.shard import local_units
-from conveyor.gpu.rope import RotaryEmbedding, layer_tables
-
-
-class RMSNorm(nn.Module):
-    """With `residual`, the pre-norm residual add is folded in: returns (norm(x + residual),
-    x + residual); the ops may add into `residual` in place."""
-
-    def __init__(self, hidden_size: int, eps: float, ops: Ops) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-        self.ops = ops
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps)
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+from conveyor.gpu.rope import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -146,65 +135,31 @@ class DecoderLayer(nn.Module):
         return self.mlp(h)
 
 
-class DecoderModel(nn.Module):
-    """The `model.` prefix of the checkpoint: embeddings, layers, final norm."""
+class LlamaForCausalLM(CausalLM):
+    """CausalLM over DecoderLayer: Llama, Mistral, Qwen2 and Qwen3 (gpu/models/registry.py)."""
 
-    def __init__(self, config: ModelConfig, backend: Backend, layer_class: type[nn.Module] = DecoderLayer) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, backend.tp)
-        self.layers = nn.ModuleList(layer_class(config, backend, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
+    layer_class = DecoderLayer
 
 
-class LlamaForCausalLM(nn.Module):
-    """Also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM (see models/__init__.py),
-    and is the base of the Gemma and Phi-3 families, which name their `layer_class` and override
-    the hooks `embed`, `compute_logits` and `after_load`.
+def llama_config(hf: dict[str, Any], cfg: ModelConfig) -> ModelConfig:
+    """Llama and Mistral: the generic reading is the whole story."""
+    return cfg
 
-    `backend` (gpu/backends) does the layers' ops and attention; None: the torch backend on
-    `rope_device`. `rope_device` is explicit so the model can be built on the meta device (no
-    init cost) while the rope table, which is computed rather than loaded, lands on the real one.
-    """
 
-    layer_class: type[nn.Module] = DecoderLayer
+def qwen_windows(hf: dict[str, Any], cfg: ModelConfig) -> ModelConfig:
+    """Qwen's transformers 4 layout (its MoE models' too): the window on the layers from
+    max_window_layers on, full attention below."""
+    if "max_window_layers" not in hf:
+        return cfg
+    first = int(hf["max_window_layers"])
+    return implied_windows(hf, cfg, lambda i: i >= first)
 
-    def __init__(self, config: ModelConfig, rope_device: torch.device | str = "cpu", backend: Backend | None = None) -> None:
-        super().__init__()
-        if backend is None:
-            from conveyor.gpu.backends import torch_backend
 
-            backend = torch_backend(config, rope_device)
-        self.config = config
-        self.backend = backend
-        self.model = DecoderModel(config, backend, self.layer_class)
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, backend.ops, backend.tp)
-        if config.tie_word_embeddings:  # the same vocabulary shard on each rank
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.rope = RotaryEmbedding.from_config(config, rope_device)
-        self.layer_ropes = layer_tables(config, self.rope, rope_device)  # one per layer, shared
+def qwen2_config(hf: dict[str, Any], cfg: ModelConfig) -> ModelConfig:
+    """Qwen2: a bias on q/k/v whatever attention_bias says, and none on o_proj."""
+    return qwen_windows(hf, dataclasses.replace(cfg, qkv_bias=True, o_bias=False))
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        kv_caches: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """input_ids, positions [T] int64; kv_caches one per layer, [2, N, ...] in the attention backend's layout -> [T, H]."""
-        x, residual = self.embed(input_ids), None
-        for layer, rope, kv_cache in zip(self.model.layers, self.layer_ropes, kv_caches, strict=True):
-            x, residual = layer(x, residual, positions, rope, meta, kv_cache)
-        return self.model.norm(x, residual)[0]
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> the first layer's input [T, H]."""
-        return self.model.embed_tokens(input_ids)
-
-    def after_load(self) -> None:
-        """Once, after the checkpoint's weights are copied in (gpu/loader.py): a family's
-        one-time transform of them. Llama's weights serve as loaded."""
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] float32 (the matmul runs in the model dtype, as HF); with
-        several tensor-parallel ranks, [N, 0] on all but rank 0, which samples."""
-        return self.lm_head(hidden).float()
+def qwen3_config(hf: dict[str, Any], cfg: ModelConfig) -> ModelConfig:
+    """Qwen3: an RMSNorm over each query and key head before rope."""
+    return qwen_windows(hf, dataclasses.replace(cfg, qk_norm=True))

@@ -16,7 +16,8 @@ stacked, `experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up
 `experts.down_proj` [E, H, I], so one `ops.moe_experts` call (one grouped GEMM on a GPU) serves
 every expert. Checkpoints store one tensor per expert and projection: `expert_weight_target`
 says which rows of which stacked parameter each one fills, and `load_moe_weights` loads a whole
-model that way.
+model that way (an MoE model's `load_weights`). The fields all this reads are ModelConfig.moe
+(config/moe.py), which each family's config adapter fills.
 
 Tensor parallelism splits every expert's intermediate dim (Megatron's MLP split inside each
 expert): a rank holds I / tp of each expert's gate and up rows and the matching down columns
@@ -30,94 +31,18 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 from torch import nn
 
-from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
+from conveyor.config.moe import MoeConfig
 from conveyor.gpu.backends.base import Ops
+from conveyor.gpu.models.base import CausalLM, check_loaded, copy_weight
 from conveyor.gpu.models.layers import Linear
 from conveyor.gpu.models.llama import MLP
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.shard import Split, cut, local_units, splits_of
-
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
-# transformers' config defaults, which save_pretrained leaves out of config.json.
-_QWEN_DEFAULTS = {
-    "Qwen3MoeForCausalLM": dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768),
-    "Qwen2MoeForCausalLM": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class MoeConfig:
-    num_experts: int  # E
-    top_k: int  # K experts per token
-    moe_intermediate_size: int  # I of each routed expert
-    norm_topk_prob: bool  # renormalise the K chosen probabilities to sum 1
-    float32_weights: bool  # the routing weights scale the experts in float32 (Mixtral), else in the model dtype
-    shared_expert_intermediate_size: int  # 0: no shared expert
-    sparse_layers: tuple[int, ...]  # the layers with an MoE block; the others have a dense MLP
-    block_name: str  # the block's module name in the checkpoint: "block_sparse_moe" (Mixtral) or "mlp"
-    expert_projections: tuple[str, str, str]  # the checkpoint's names of each expert's gate, up and down
-
-
-def moe_fields(hf: dict[str, Any]) -> MoeConfig:
-    """The MoE part of a checkpoint's config.json (the rest is ModelConfig's). Missing keys take
-    transformers' defaults for the family (Mixtral: 8 experts, top 2)."""
-    arch = next((a for a in hf.get("architectures") or [] if a in MOE_ARCHITECTURES), None)
-    if arch is None:
-        raise ConfigError(
-            f"not a mixture-of-experts architecture: {hf.get('architectures')!r}; supported: {', '.join(MOE_ARCHITECTURES)}"
-        )
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{arch} with hidden_act {hf['hidden_act']!r} is not supported: only silu")
-    try:
-        num_layers = int(hf["num_hidden_layers"])
-        if arch == "MixtralForCausalLM":
-            cfg = MoeConfig(
-                num_experts=_num_experts(hf, 8),
-                top_k=int(hf.get("num_experts_per_tok", 2)),
-                moe_intermediate_size=int(hf["intermediate_size"]),
-                norm_topk_prob=True,
-                float32_weights=True,
-                shared_expert_intermediate_size=0,
-                sparse_layers=tuple(range(num_layers)),
-                block_name="block_sparse_moe",
-                expert_projections=("w1", "w3", "w2"),
-            )
-        else:
-            defaults = _QWEN_DEFAULTS[arch]
-            # Only Qwen2-MoE has a shared expert (transformers' default size: 5632).
-            shared = int(hf.get("shared_expert_intermediate_size", 5632)) if arch == "Qwen2MoeForCausalLM" else 0
-            step, dense = int(hf.get("decoder_sparse_step", 1)), set(hf.get("mlp_only_layers") or ())
-            num_experts = _num_experts(hf, defaults["num_experts"])
-            cfg = MoeConfig(
-                num_experts=num_experts,
-                top_k=int(hf.get("num_experts_per_tok", defaults["num_experts_per_tok"])),
-                moe_intermediate_size=int(hf.get("moe_intermediate_size", defaults["moe_intermediate_size"])),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                float32_weights=False,
-                shared_expert_intermediate_size=shared,
-                sparse_layers=tuple(i for i in range(num_layers) if num_experts > 0 and (i + 1) % step == 0 and i not in dense),
-                block_name="mlp",
-                expert_projections=("gate_proj", "up_proj", "down_proj"),
-            )
-    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise ConfigError(f"malformed mixture-of-experts fields in config.json ({arch}): {e!r}") from None
-    if cfg.sparse_layers and not 0 < cfg.top_k <= cfg.num_experts:
-        raise ConfigError(f"{arch}: num_experts_per_tok {cfg.top_k} must be in 1..num_experts ({cfg.num_experts})")
-    if cfg.sparse_layers and cfg.moe_intermediate_size <= 0:
-        raise ConfigError(f"{arch}: the experts' intermediate size must be positive, not {cfg.moe_intermediate_size}")
-    return cfg
-
-
-def _num_experts(hf: dict[str, Any], default: int) -> int:
-    # transformers 5 writes Mixtral's and Qwen3-MoE's count as num_local_experts, older files
-    # Qwen's as num_experts.
-    return int(hf.get("num_local_experts", hf.get("num_experts", default)))
 
 
 def route(router_logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,12 +113,12 @@ def expert_split(name: str, moe: MoeConfig) -> Split:
     return Split(1 if down else 0, ((moe.moe_intermediate_size, 1),))
 
 
-def load_moe_weights(
-    model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], moe: MoeConfig, tp: TensorParallel = SINGLE
-) -> None:
+def load_moe_weights(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Fill every parameter of `model` from checkpoint (name, tensor) pairs: experts' tensors into
-    their stacked rows, everything else by name, each cut to rank tp.rank's slice. ConfigError
+    their stacked rows, everything else by name, each cut to this rank's slice. ConfigError
     names a shape that disagrees or a tensor that never came."""
+    moe, tp = model.config.moe, model.backend.tp
+    assert moe is not None, "a mixture-of-experts model's config has its moe fields (its family's config adapter)"
     params = dict(model.named_parameters())
     splits = splits_of(model)
     local = dataclasses.replace(moe, moe_intermediate_size=local_units(moe.moe_intermediate_size, tp.size))
@@ -205,14 +130,8 @@ def load_moe_weights(
         if key not in params:
             continue  # extras (rotary inv_freq, a tied lm_head shipped anyway) are ignored
         tensor = cut(tensor, expert_split(name, moe) if target else splits.get(name), tp.rank, tp.size)
-        dest = params[key][target[1], target[2]] if target else params[key]
-        if tensor.shape != dest.shape:
-            raise ConfigError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-        with torch.no_grad():
-            dest.copy_(tensor)
+        copy_weight(name, tensor, params[key][target[1], target[2]] if target else params[key])
         num_filled[key] = num_filled.get(key, 0) + 1
         if not target or num_filled[key] == moe.num_experts * (2 if key.endswith("gate_up_proj") else 1):
             missing.discard(key)
-    if missing:
-        shown = ", ".join(sorted(missing)[:3]) + (" ..." if len(missing) > 3 else "")
-        raise ConfigError(f"checkpoint lacks {len(missing)} weight(s): {shown}")
+    check_loaded(missing, model.config.path)

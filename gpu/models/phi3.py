@@ -7,18 +7,23 @@ each is one GEMM; the outputs are split by columns. With tensor parallelism each
 projection is cut on its own (gpu/parallel/shard.py), so a rank's qkv_proj is its q heads, then
 its KV heads, and the split by columns below is the same with local widths. Everything else is llama.py's: RMSNorm,
 rotary (LongRoPE's tables are gpu/rope.py's), a sliding window on every layer where config.json
-sets one.
+sets one. Older Phi-3 files spell LongRoPE "su" or "yarn" (`phi3_config`).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
 
 from conveyor.config.model import ModelConfig
+from conveyor.config.rope_fields import original_max_position, rope_items
 from conveyor.gpu.backends.base import Ops
+from conveyor.gpu.models.base import CausalLM
 from conveyor.gpu.models.layers import ColumnParallelLinear, RowParallelLinear
-from conveyor.gpu.models.llama import Attention, DecoderLayer, LlamaForCausalLM
+from conveyor.gpu.models.llama import Attention, DecoderLayer
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 
 
@@ -53,5 +58,15 @@ class Phi3DecoderLayer(DecoderLayer):
     mlp_class = Phi3MLP
 
 
-class Phi3ForCausalLM(LlamaForCausalLM):
+class Phi3ForCausalLM(CausalLM):
     layer_class = Phi3DecoderLayer
+
+
+def phi3_config(hf: dict[str, Any], cfg: ModelConfig) -> ModelConfig:
+    """Phi-3's older rope spellings, "su" and "yarn", mean longrope (as transformers reads them)."""
+    scaling = dict(cfg.rope_scaling)
+    if scaling["rope_type"] not in ("su", "yarn"):
+        return cfg
+    scaling["rope_type"] = "longrope"
+    scaling["original_max_position_embeddings"] = original_max_position(hf, scaling, cfg.max_position_embeddings)
+    return dataclasses.replace(cfg, rope_scaling=rope_items(scaling))

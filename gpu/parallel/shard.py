@@ -6,7 +6,7 @@ ranks, rank r holds
 - n / size of them, units [r * n / size, (r + 1) * n / size), when size divides n;
 - one unit, number r * n // size, when n divides size: the unit is replicated on size / n
   ranks (KV heads when there are fewer than ranks: each rank's query heads read their own copy).
-Anything else is refused when the config is built (config/build.py) with one line.
+Anything else is refused when the config is built (conveyor/engine_config.py) with one line.
 
 A `Split` is declared by the layer that owns the parameter (gpu/models/layers.py): the dim it is
 cut along and the tensor's *parts* along it, in order (a fused projection has several: Phi-3's

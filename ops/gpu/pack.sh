@@ -49,7 +49,7 @@ install -m 644 ../shared/workloads/sharegpt_sample.json "$PACK/"
 cache=${CONVEYOR_CACHE_DIR:-$HOME/.cache/conveyor}
 smollm2=$(ls -d "$cache"/gguf/SmolLM2-135M-Instruct.Q4_1-float32-*/ 2>/dev/null | head -n 1 || true)
 if [ -z "$smollm2" ]; then  # fetch and convert the default model once (about 93 MB)
-  smollm2=$(python3 -c "from conveyor.config.build import resolve_model; print(resolve_model(None, 'cpu', 'auto')[0])")
+  smollm2=$(python3 -c "from conveyor.engine_config import resolve_model; print(resolve_model(None, 'cpu', 'auto')[0])")
 fi
 mkdir -p "$PACK/smollm2"
 # config.json too (578 bytes): --tokenizer-from reads its bos/eos ids.

@@ -19,8 +19,9 @@ from conveyor.config import (
     config_from_json,
     config_to_json,
 )
-from conveyor.config.build import OPTION_CLASSES, build_engine_config
+from conveyor.config.engine_options import OPTION_CLASSES
 from conveyor.config.options import settings
+from conveyor.engine_config import build_engine_config
 
 # Every flag `conveyor serve` had before the flags were generated; none may disappear.
 FLAGS = """model served-model-name host port dtype device max-model-len block-size num-kv-blocks kv-cache-gib

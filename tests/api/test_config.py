@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from conveyor.config import ConfigError, EngineConfig, ModelConfig, config_from_json, config_to_json
+from conveyor.config import ConfigError, EngineConfig, config_from_json, config_to_json
+from conveyor.gpu.models.registry import read_model_config
 
 BASE = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
@@ -17,7 +18,7 @@ BASE = {
 
 def load(tmp_path, **fields):
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **fields}))
-    return ModelConfig.from_pretrained(tmp_path)
+    return read_model_config(tmp_path)
 
 
 def test_transformers_4_and_5_spellings_agree(tmp_path):
@@ -38,7 +39,7 @@ def test_qwen2_biases_and_windows(tmp_path):
 def test_max_model_len_is_capped_by_the_model(tmp_path):
     assert load(tmp_path).max_model_len == 128
     (tmp_path / "config.json").write_text(json.dumps(BASE))
-    assert ModelConfig.from_pretrained(tmp_path, max_model_len=64).max_model_len == 64
+    assert read_model_config(tmp_path, max_model_len=64).max_model_len == 64
 
 
 @pytest.mark.parametrize(
@@ -62,3 +63,29 @@ def test_engine_config_round_trips_through_json(tmp_path):
         model=load(tmp_path, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0})
     )
     assert config_from_json(config_to_json(config)) == config
+
+
+def test_config_imports_neither_gpu_nor_the_front_door():
+    """config/ declares; reading a checkpoint with its family (gpu/models/registry.py) and resolving
+    --model (conveyor/engine_config.py, conveyor/default_model.py) happen above it. Lazy imports count."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "config"
+    for file in root.glob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            for name in names:
+                assert not name.startswith(("conveyor.gpu", "conveyor.default_model", "conveyor.engine_config")), (file.name, name)
+
+
+def test_family_fields_no_adapter_took_are_refused(tmp_path):
+    """Soft-capping is Gemma's: the generic check refuses it wherever the family's adapter left it."""
+    gemma = load(tmp_path, architectures=["Gemma2ForCausalLM"], attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    assert (gemma.attn_logit_softcap, gemma.final_logit_softcap) == (50.0, 30.0)
+    for arch in ("LlamaForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
+        with pytest.raises(ConfigError, match=f"unsupported logit soft-capping for {arch}") as info:
+            load(tmp_path, architectures=[arch], final_logit_softcapping=30.0)
+        assert "\n" not in str(info.value)

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from conveyor import default_model
-from conveyor.config.build import build_engine_config
 from conveyor.config.errors import ConfigError
+from conveyor.engine_config import build_engine_config
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -76,9 +76,9 @@ def test_daemon_serves_with_the_triton_backend(daemon_factory, models, torch_gre
 def test_triton_on_cpu_needs_the_interpreter(models, monkeypatch):
     import triton
 
-    from conveyor.config import ModelConfig
     from conveyor.gpu.backends.triton.backend import triton_backend
+    from conveyor.gpu.models.registry import read_model_config
 
     monkeypatch.setattr(triton.knobs.runtime, "interpret", False)
     with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
-        triton_backend(ModelConfig.from_pretrained(models["tiny-llama"]), torch.device("cpu"))
+        triton_backend(read_model_config(models["tiny-llama"]), torch.device("cpu"))

@@ -14,11 +14,12 @@ import random
 import pytest
 import torch
 
-from conveyor.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from conveyor.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from conveyor.gpu.backends import select, torch_backend
 from conveyor.gpu.backends.base import AttentionMetadata
 from conveyor.gpu.cuda_graphs import DecodeGraphs, bucket_sizes, buckets_for, can_capture
 from conveyor.gpu.loader import load_model
+from conveyor.gpu.models.registry import read_model_config
 from tests.gpu_checkpoints import VOCAB, checkpoint
 
 pytest.importorskip("triton")
@@ -31,7 +32,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # as tests/kernels/test
 
 def config_for(*, cap: int = 256, max_num_seqs: int = 256, eager: bool = False, device: str = "cpu", dtype: str | None = None):
     return EngineConfig(
-        model=ModelConfig.from_pretrained(checkpoint("llama"), max_model_len=32, dtype=dtype),
+        model=read_model_config(checkpoint("llama"), max_model_len=32, dtype=dtype),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
         parallel=ParallelConfig(device=device, enforce_eager=eager, max_cuda_graph_batch_size=cap, attention_backend="triton"),

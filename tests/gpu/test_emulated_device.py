@@ -21,6 +21,7 @@ from conveyor.gpu.emulated.draws import EmulatedDraws
 from conveyor.gpu.emulated.footprint import footprint, pass_cost
 from conveyor.gpu.emulated.platform import EmulatedPlatform, ordinary_ids
 from conveyor.gpu.emulated.stream import VirtualCopy, VirtualStream
+from conveyor.gpu.models.registry import read_model_config
 from conveyor.gpu.pass_clock import PassClock
 from conveyor.gpu.runner import ModelRunner
 from conveyor.gpu.sampling.draws import SamplingRow
@@ -127,7 +128,7 @@ def test_after_an_idle_spell_idle_counts_from_the_plans_arrival(stream, clock):
 @pytest.fixture(scope="module")
 def llama3_8b(tmp_path_factory) -> ModelConfig:
     path = make_config(tmp_path_factory.mktemp("l3"), dtype="bfloat16", **SHAPES["llama3-8b"])
-    return ModelConfig.from_pretrained(path)
+    return read_model_config(path)
 
 
 def test_llama3_8b_on_an_h100_is_the_simulators_preset(llama3_8b):
@@ -166,7 +167,7 @@ def test_kv_capacity_is_the_devices_memory_less_the_weights(llama3_8b):
 
 def test_a_model_too_big_for_the_device_is_a_config_error(tmp_path):
     shape = dict(SHAPES["llama3-8b"], num_hidden_layers=320)  # ~70B parameters: 140 GB of bf16
-    model = ModelConfig.from_pretrained(make_config(tmp_path, dtype="bfloat16", **shape))
+    model = read_model_config(make_config(tmp_path, dtype="bfloat16", **shape))
     platform = EmulatedPlatform(emulated_config(model, "a100-80g"), 1)
     with pytest.raises(ConfigError, match="does not fit an emulated a100-80g"):
         platform.kv_blocks(16 * footprint(model).kv_bytes_per_token, CacheConfig())
@@ -179,7 +180,7 @@ SMALL: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_l
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> ModelConfig:
-    return ModelConfig.from_pretrained(make_config(tmp_path_factory.mktemp("tiny"), **SMALL))
+    return read_model_config(make_config(tmp_path_factory.mktemp("tiny"), **SMALL))
 
 
 def row(prompt: list[int], outputs: int = 0, choices=(0,), **params) -> SamplingRow:

@@ -17,8 +17,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from conveyor import LLM, SamplingParams  # noqa: E402
-from conveyor.config.build import build_engine_config  # noqa: E402
 from conveyor.config.errors import ConfigError  # noqa: E402
+from conveyor.engine_config import build_engine_config  # noqa: E402
 from conveyor.gpu.gguf import ensure_checkpoint  # noqa: E402
 from conveyor.gpu.gguf.weights import unpermute  # noqa: E402
 from conveyor.stages.tokenizer.encoder import PromptEncoder  # noqa: E402

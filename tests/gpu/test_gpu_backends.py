@@ -19,6 +19,7 @@ from conveyor.gpu.backends import select
 from conveyor.gpu.backends.cpu import CpuAttention, CpuOps
 from conveyor.gpu.backends.cpu.kernels import paged_attention_kernel
 from conveyor.gpu.backends.torch import TorchAttention, TorchOps
+from conveyor.gpu.models.registry import read_model_config
 from conveyor.gpu.profile_steps import profile_run, profile_steps
 from conveyor.gpu.runner import ModelRunner
 from tests.gpu.test_gpu_model import drive_greedy, random_prompts
@@ -29,7 +30,7 @@ needs_kernel = pytest.mark.skipif(paged_attention_kernel() is None, reason="no C
 
 
 def model_config(dtype: str | None = None) -> ModelConfig:
-    return ModelConfig.from_pretrained(checkpoint("llama"), dtype=dtype)
+    return read_model_config(checkpoint("llama"), dtype=dtype)
 
 
 @needs_kernel
@@ -61,7 +62,7 @@ def test_the_cpu_path_never_imports_the_triton_backend():
     # Not `'triton' in sys.modules`: torch itself imports triton where it is installed.
     script = (
         "import sys\n"
-        "from conveyor.config.build import build_engine_config\n"
+        "from conveyor.engine_config import build_engine_config\n"
         "from conveyor.gpu.runner import ModelRunner\n"
         "ModelRunner(build_engine_config('tiny', device='cpu', num_kv_blocks=8)).initialize_cache(8)\n"
         "print('conveyor.gpu.backends.triton' in sys.modules)\n"

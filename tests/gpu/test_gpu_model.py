@@ -20,6 +20,7 @@ from conveyor.gpu.backends import Backend
 from conveyor.gpu.backends.cpu import CpuAttention, CpuOps
 from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
 from conveyor.gpu.loader import load_model
+from conveyor.gpu.models.registry import read_model_config
 from conveyor.gpu.runner import ModelRunner
 from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
 from tests.gpu_checkpoints import ARCHS, VOCAB, checkpoint, engine_config, hf_model
@@ -120,7 +121,7 @@ def forward_prompts(model, config: ModelConfig, prompts: list[list[int]], block_
 @pytest.mark.parametrize("cpu_kernels", [False, True], ids=["torch", "cpu-kernels"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prompt_logits_match_hf(arch, cpu_kernels):
-    config = ModelConfig.from_pretrained(checkpoint(arch))
+    config = read_model_config(checkpoint(arch))
     backend = None
     if cpu_kernels:  # every C++ op: attention, RMSNorm + residual, rotary, SiLU * up, narrow linears
         kernel, ops, small_linear = paged_attention_kernel(), cpu_fused_ops(), cpu_small_linear()
@@ -188,7 +189,7 @@ def test_loader_errors(tmp_path):
     source = checkpoint("llama")
     for name in ("config.json", "generation_config.json"):
         (tmp_path / name).write_text((source / name).read_text())
-    config = ModelConfig.from_pretrained(tmp_path)
+    config = read_model_config(tmp_path)
     with pytest.raises(ConfigError, match="model.safetensors"):
         load_model(config, "cpu")
 
@@ -214,7 +215,7 @@ def test_loader_reads_sharded_checkpoint(tmp_path):
         save_file({n: tensors[n] for n in part}, tmp_path / file)
     weight_map = {n: file for file, part in shards.items() for n in part}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    model = load_model(ModelConfig.from_pretrained(tmp_path), "cpu")
+    model = load_model(read_model_config(tmp_path), "cpu")
     assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
 
 
@@ -226,7 +227,7 @@ def test_bfloat16_cuda_matches_hf(arch):
     Tolerance: on the prompt, the log-prob of HF's top-1 token under our model is within 0.1 of
     HF's; while generating, every token we pick greedily is within 0.1 nats of HF's best choice."""
     prompts = random_prompts([30, 45], seed=4)
-    config = ModelConfig.from_pretrained(checkpoint(arch), dtype="bfloat16")
+    config = read_model_config(checkpoint(arch), dtype="bfloat16")
     ours = forward_prompts(load_model(config, "cuda"), config, prompts).log_softmax(-1)
     hf = hf_model(arch, torch.bfloat16, "cuda")
     start = 0

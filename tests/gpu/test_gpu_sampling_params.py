@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
-from conveyor.config.build import build_engine_config
+from conveyor.engine_config import build_engine_config
 from conveyor.gpu.profile_steps import profile_run
 from conveyor.gpu.runner import ModelRunner
 from conveyor.gpu.sampling import SamplingRow, apply_penalties, sample, sample_step

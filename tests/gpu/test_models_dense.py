@@ -20,6 +20,7 @@ import torch
 from conveyor.config import ConfigError, EngineConfig, ModelConfig, config_from_json, config_to_json
 from conveyor.gpu.backends import select
 from conveyor.gpu.loader import load_model
+from conveyor.gpu.models.registry import read_model_config
 from conveyor.gpu.runner import ModelRunner
 from tests.gpu.test_gpu_model import drive_greedy, forward_prompts, hf_greedy, random_prompts
 from tests.gpu_checkpoints import checkpoint, engine_config, hf_model
@@ -107,7 +108,7 @@ def test_longrope_switches_to_long_factors_past_the_original_context(backend):
 def test_layers_share_one_metadata_per_window(monkeypatch):
     """gemma2's layers are windowed (8), global, windowed: the step's metadata is the window's
     (config.sliding_window), and the global layer's is built once."""
-    config = ModelConfig.from_pretrained(checkpoint("gemma2"))
+    config = read_model_config(checkpoint("gemma2"))
     assert (config.sliding_window, config.layer_windows) == (8, (8, None, 8))
     model = load_model(config, "cpu")
     attn = model.backend.attn
@@ -121,7 +122,7 @@ def test_layers_share_one_metadata_per_window(monkeypatch):
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_attention_soft_cap_binds(backend):
     """Without the cap, gemma2's logits move: the tests above would notice a backend ignoring it."""
-    config = ModelConfig.from_pretrained(checkpoint("gemma2"))
+    config = read_model_config(checkpoint("gemma2"))
     model = load_model(config, "cpu", select(backend, "cpu", config))
     prompts = random_prompts([30])
     capped = forward_prompts(model, config, prompts)
@@ -152,7 +153,7 @@ def test_graph_metadata_variants_share_the_static_buffers():
     """A CUDA graph's metadata (gpu/cuda_graphs.py) is built once per bucket over static buffers;
     a layer of another window gets a variant over the same buffers, built once."""
     pytest.importorskip("triton")
-    config = ModelConfig.from_pretrained(checkpoint("gemma2"))
+    config = read_model_config(checkpoint("gemma2"))
     attn = select("triton", "cpu", config).attn
     meta = attn.build_graph_metadata(
         slot_mapping=torch.zeros(4, dtype=torch.int64),
@@ -174,7 +175,7 @@ def test_triton_backend_matches_hf(arch):
     soft-cap (gemma2), q/k norms (qwen3, gemma3), rotary and SiLU in place on views of Phi-3's
     fused projections."""
     pytest.importorskip("triton")
-    config = ModelConfig.from_pretrained(checkpoint(arch))
+    config = read_model_config(checkpoint(arch))
     model = load_model(config, "cpu", select("triton", "cpu", config))
     prompts = random_prompts([14, 3], seed=7)
     ours = forward_prompts(model, config, prompts, block_size=16)
@@ -197,7 +198,7 @@ BASE = {
 
 def load(tmp_path, **fields) -> ModelConfig:
     (tmp_path / "config.json").write_text(json.dumps({**BASE, **fields}))
-    return ModelConfig.from_pretrained(tmp_path)
+    return read_model_config(tmp_path)
 
 
 def test_transformers_4_configs_imply_the_layer_windows(tmp_path):
@@ -225,12 +226,12 @@ def test_gemma3_spellings_agree(tmp_path):
     )  # fmt: skip
     assert v4 == v5
     assert (v5.layer_windows, v5.local_rope_theta, v5.rope_theta, v5.rope_type) == ((16, None, 16, None), 1e4, 1e6, "linear")
-    assert (v5.qk_norm, v5.attention_scale, v5.family) == (True, 0.25, "gemma")
+    assert (v5.qk_norm, v5.attention_scale, v5.architecture) == (True, 0.25, "Gemma3ForCausalLM")
 
 
 def test_engine_config_with_new_fields_round_trips_through_json():
     for arch in ("gemma2", "phi3"):
-        config = EngineConfig(model=ModelConfig.from_pretrained(checkpoint(arch)))
+        config = EngineConfig(model=read_model_config(checkpoint(arch)))
         assert config_from_json(config_to_json(config)) == config
 
 

@@ -2,37 +2,44 @@
 checkpoints, and the pieces they are made of: config fields, routing, the grouped expert path,
 checkpoint name mapping.
 
-The runner-level and Python-API tests go through the registered families: config/model.py's
-table, gpu/models' registry and the loader's stacked-expert branch.
+The runner-level and Python-API tests go through the registered families: gpu/models/registry.py
+(each family's config adapter fills ModelConfig.moe) and the MoE models' own load_weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from conveyor.config import ConfigError
+from conveyor.config import ConfigError, EngineConfig, MoeConfig, config_from_json, config_to_json
 from conveyor.gpu.backends.torch.moe import grouped_moe, per_token_moe
+from conveyor.gpu.models import CausalLM, build_model, read_model_config
 from conveyor.gpu.models.mixtral import MixtralForCausalLM, MoeForCausalLM
-from conveyor.gpu.models.moe import expert_weight_target, load_moe_weights, moe_fields, route
-from conveyor.gpu.models.qwen3_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from conveyor.gpu.models.moe import expert_weight_target, route
+from conveyor.gpu.models.registry import ARCHITECTURES
 from tests.gpu.test_gpu_model import drive_greedy, forward_prompts, hf_greedy, random_prompts
 from tests.moe_checkpoints import MOE_ARCHS, checkpoint_tensors, hf_model, model_config
 
-OUR_CLASSES: dict[str, type[MoeForCausalLM]] = {
-    "MixtralForCausalLM": MixtralForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
-}
+DENSE = {"vocab_size": 64, "hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 2, "intermediate_size": 8}
 
 
-def build(name: str, backend=None) -> MoeForCausalLM:
+def build(name: str, backend=None) -> CausalLM:
     config = model_config(name)
-    model = OUR_CLASSES[config.architecture](config, "cpu", backend)
-    model.load_checkpoint_tensors(checkpoint_tensors(name))
+    model = build_model(config, "cpu", backend)
+    model.load_weights(checkpoint_tensors(name))
     return model.eval().requires_grad_(False)
+
+
+def moe_fields(root: Path, fields: dict) -> MoeConfig:
+    """The MoE fields of a config.json holding `fields` (over small dense ones), as the registry reads them."""
+    (root / "config.json").write_text(json.dumps({**DENSE, **fields}))
+    moe = read_model_config(root).moe
+    assert moe is not None
+    return moe
 
 
 def _random_routing(num_tokens: int, num_experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,15 +62,17 @@ def test_grouped_experts_equal_a_per_token_loop(num_tokens, num_experts, top_k):
     torch.testing.assert_close(out, per_token_moe(x, gate_up, down, weights, ids), rtol=1e-5, atol=1e-5)
 
 
-def test_routing_renormalises_as_each_family_does():
+def test_routing_renormalises_as_each_family_does(tmp_path):
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 0.0, 3.0, 1.0]], dtype=torch.float16)
     mixtral = moe_fields(
-        {"architectures": ["MixtralForCausalLM"], "num_hidden_layers": 2, "intermediate_size": 8, "num_local_experts": 4}
+        tmp_path, {"architectures": ["MixtralForCausalLM"], "num_hidden_layers": 2, "intermediate_size": 8, "num_local_experts": 4}
     )
     weights, ids = route(logits, mixtral)
     assert ids.tolist() == [[0, 1], [2, 3]] and weights.dtype == torch.float32
     torch.testing.assert_close(weights.sum(-1), torch.ones(2))
-    qwen = moe_fields({"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2})
+    qwen = moe_fields(
+        tmp_path, {"architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 2, "num_experts": 4, "num_experts_per_tok": 2}
+    )
     weights, _ = route(logits, qwen)  # no renormalisation, rounded to the logits' dtype
     probs = torch.softmax(logits.float(), -1)
     assert weights.dtype == torch.float16
@@ -72,11 +81,12 @@ def test_routing_renormalises_as_each_family_does():
     torch.testing.assert_close(weights.float().sum(-1), torch.ones(2), rtol=1e-3, atol=1e-3)
 
 
-def test_moe_fields_per_family():
-    mixtral = moe_fields({"architectures": ["MixtralForCausalLM"], "num_hidden_layers": 3, "intermediate_size": 14})
+def test_moe_fields_per_family(tmp_path):
+    mixtral = moe_fields(tmp_path, {"architectures": ["MixtralForCausalLM"], "num_hidden_layers": 3, "intermediate_size": 14})
     assert (mixtral.num_experts, mixtral.top_k, mixtral.moe_intermediate_size) == (8, 2, 14)  # transformers' defaults
     assert mixtral.sparse_layers == (0, 1, 2) and mixtral.block_name == "block_sparse_moe" and mixtral.norm_topk_prob
     qwen3 = moe_fields(
+        tmp_path,
         {
             "architectures": ["Qwen3MoeForCausalLM"],
             "num_hidden_layers": 6,
@@ -85,36 +95,40 @@ def test_moe_fields_per_family():
             "moe_intermediate_size": 8,
             "decoder_sparse_step": 2,
             "mlp_only_layers": [3],
-        }
+        },
     )
     assert qwen3.sparse_layers == (1, 5) and qwen3.shared_expert_intermediate_size == 0 and not qwen3.norm_topk_prob
-    qwen2 = moe_fields({"architectures": ["Qwen2MoeForCausalLM"], "num_hidden_layers": 2, "shared_expert_intermediate_size": 12})
+    qwen2 = moe_fields(
+        tmp_path, {"architectures": ["Qwen2MoeForCausalLM"], "num_hidden_layers": 2, "shared_expert_intermediate_size": 12}
+    )
     assert qwen2.shared_expert_intermediate_size == 12 and qwen2.sparse_layers == (0, 1)
+    (tmp_path / "config.json").write_text(json.dumps({**DENSE, "architectures": ["LlamaForCausalLM"], "num_experts": 8}))
+    assert read_model_config(tmp_path).moe is None  # a dense family's adapter takes no MoE fields
 
 
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"architectures": ["LlamaForCausalLM"]}, "not a mixture-of-experts architecture"),
         ({"architectures": ["MixtralForCausalLM"], "hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ({"architectures": ["Qwen2MoeForCausalLM"], "hidden_act": "gelu_pytorch_tanh"}, "hidden_act 'gelu_pytorch_tanh'"),
         ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 2, "num_experts_per_tok": 3}, "num_experts_per_tok 3"),
         ({"architectures": ["Qwen3MoeForCausalLM"], "decoder_sparse_step": 0}, "malformed"),
     ],
 )
-def test_moe_fields_refuse_with_one_line(fields, message):
+def test_moe_fields_refuse_with_one_line(tmp_path, fields, message):
     with pytest.raises(ConfigError, match=message) as info:
-        moe_fields({"num_hidden_layers": 2, "intermediate_size": 8, **fields})
+        moe_fields(tmp_path, fields)
     assert "\n" not in str(info.value)
 
 
-def test_checkpoint_names_map_to_stacked_rows():
-    mixtral = moe_fields({"architectures": ["MixtralForCausalLM"], "num_hidden_layers": 1, "intermediate_size": 5})
+def test_checkpoint_names_map_to_stacked_rows(tmp_path):
+    mixtral = moe_fields(tmp_path, {"architectures": ["MixtralForCausalLM"], "num_hidden_layers": 1, "intermediate_size": 5})
     prefix = "model.layers.0.block_sparse_moe.experts"
     assert expert_weight_target(f"{prefix}.3.w1.weight", mixtral) == (f"{prefix}.gate_up_proj", 3, slice(0, 5))
     assert expert_weight_target(f"{prefix}.3.w3.weight", mixtral) == (f"{prefix}.gate_up_proj", 3, slice(5, 10))
     assert expert_weight_target(f"{prefix}.7.w2.weight", mixtral) == (f"{prefix}.down_proj", 7, slice(None))
     assert expert_weight_target("model.layers.0.block_sparse_moe.gate.weight", mixtral) is None
-    qwen2 = moe_fields({"architectures": ["Qwen2MoeForCausalLM"], "num_hidden_layers": 1, "moe_intermediate_size": 4})
+    qwen2 = moe_fields(tmp_path, {"architectures": ["Qwen2MoeForCausalLM"], "num_hidden_layers": 1, "moe_intermediate_size": 4})
     assert expert_weight_target("model.layers.0.mlp.experts.0.up_proj.weight", qwen2) == (
         "model.layers.0.mlp.experts.gate_up_proj",
         0,
@@ -138,10 +152,26 @@ def test_loader_names_what_is_missing_or_misshapen():
     model = MixtralForCausalLM(config)
     tensors = [(n, t) for n, t in checkpoint_tensors("mixtral") if n != "model.layers.1.block_sparse_moe.experts.5.w3.weight"]
     with pytest.raises(ConfigError, match=r"lacks 1 weight\(s\): model.layers.1.block_sparse_moe.experts.gate_up_proj"):
-        load_moe_weights(model, tensors, model.moe)
+        model.load_weights(tensors)
     bad = [(n, torch.zeros(3, 3) if n.endswith("experts.2.w2.weight") else t) for n, t in checkpoint_tensors("mixtral")]
-    with pytest.raises(ConfigError, match=r"experts.2.w2.weight has shape \(3, 3\), expected \(64, 128\)"):
-        load_moe_weights(model, bad, model.moe)
+    with pytest.raises(ConfigError, match=r"experts.2.w2.weight has shape \(3, 3\), expected \(64, 128\)") as info:
+        model.load_weights(bad)
+    assert "\n" not in str(info.value)
+
+
+def test_every_family_runs_the_one_forward():
+    """MoE included: CausalLM's forward (per-layer rope tables, the embed hook), not a copy of it."""
+    for name, arch in ARCHITECTURES.items():
+        assert issubclass(arch.model, CausalLM) and arch.model.forward is CausalLM.forward, name
+    assert issubclass(MixtralForCausalLM, MoeForCausalLM)
+
+
+@pytest.mark.parametrize("name", MOE_ARCHS)
+def test_moe_fields_travel_in_the_json_config(name):
+    """Read once, with config.json: the stages get them in the engine config, not from the file again."""
+    config = EngineConfig(model=model_config(name))
+    assert config.model.moe is not None
+    assert config_from_json(config_to_json(config)) == config
 
 
 @pytest.mark.parametrize("name", MOE_ARCHS)

@@ -17,8 +17,9 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from conveyor.config import ConfigError, ModelConfig
+from conveyor.config import ConfigError
 from conveyor.gpu.loader import load_model
+from conveyor.gpu.models.registry import read_model_config
 from conveyor.gpu.rope import RotaryEmbedding, attention_factor, dynamic_ntk_frequencies, inverse_frequencies
 from tests.gpu.test_gpu_model import forward_prompts, random_prompts
 from tests.gpu_checkpoints import COMMON_FIELDS
@@ -102,23 +103,23 @@ def _write_config(path: Path, rope_parameters: dict, **extra) -> Path:
 
 
 def test_config_accepts_dynamic_and_yarn_and_names_missing_fields(tmp_path):
-    dynamic = ModelConfig.from_pretrained(_write_config(tmp_path / "d", {"rope_type": "dynamic", "factor": 2.0}))
+    dynamic = read_model_config(_write_config(tmp_path / "d", {"rope_type": "dynamic", "factor": 2.0}))
     # HF's dynamic NTK scales from max_position_embeddings: so does ours.
     assert dict(dynamic.rope_scaling)["original_max_position_embeddings"] == 128
-    yarn = ModelConfig.from_pretrained(_write_config(tmp_path / "y", {"type": "yarn", "factor": 4.0}))
+    yarn = read_model_config(_write_config(tmp_path / "y", {"type": "yarn", "factor": 4.0}))
     assert yarn.rope_type == "yarn" and dict(yarn.rope_scaling)["original_max_position_embeddings"] == 128
     phi3_style = _write_config(tmp_path / "p", {"rope_type": "yarn", "factor": 4.0}, original_max_position_embeddings=32)
-    assert dict(ModelConfig.from_pretrained(phi3_style).rope_scaling)["original_max_position_embeddings"] == 32
+    assert dict(read_model_config(phi3_style).rope_scaling)["original_max_position_embeddings"] == 32
     # The context the scaling exists for: dynamic to max_position_embeddings x factor, YaRN to
     # original_max_position_embeddings x factor (never below max_position_embeddings).
     assert dynamic.max_model_len == 256 and yarn.max_model_len == 512
-    assert ModelConfig.from_pretrained(phi3_style).max_model_len == 128
+    assert read_model_config(phi3_style).max_model_len == 128
     with pytest.raises(ConfigError, match="'yarn'.*needs a number for factor"):
-        ModelConfig.from_pretrained(_write_config(tmp_path / "m", {"rope_type": "yarn"}))
+        read_model_config(_write_config(tmp_path / "m", {"rope_type": "yarn"}))
     with pytest.raises(ConfigError, match="'llama3'.*low_freq_factor, high_freq_factor"):
-        ModelConfig.from_pretrained(_write_config(tmp_path / "l", {"rope_type": "llama3", "factor": 8.0}))
+        read_model_config(_write_config(tmp_path / "l", {"rope_type": "llama3", "factor": 8.0}))
     with pytest.raises(ConfigError, match="unsupported rope_type 'ntk-by-parts'"):
-        ModelConfig.from_pretrained(_write_config(tmp_path / "u", {"rope_type": "ntk-by-parts", "factor": 8.0}))
+        read_model_config(_write_config(tmp_path / "u", {"rope_type": "ntk-by-parts", "factor": 8.0}))
 
 
 def _tiny_llama(path: Path, rope_parameters: dict, max_position_embeddings: int) -> transformers.LlamaForCausalLM:
@@ -148,7 +149,7 @@ def _assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_yarn_llama_prompt_logits_match_hf(tmp_path, scaling):
     scaling = {**scaling, "original_max_position_embeddings": 16}  # prompts reach past it
     hf = _tiny_llama(tmp_path, scaling, 64)
-    config = ModelConfig.from_pretrained(tmp_path)
+    config = read_model_config(tmp_path)
     assert config.rope_type == "yarn"
     prompts = random_prompts([60, 5, 23], seed=5)
     ours = forward_prompts(load_model(config, "cpu"), config, prompts)
@@ -163,8 +164,8 @@ def test_yarn_llama_prompt_logits_match_hf(tmp_path, scaling):
 def test_dynamic_llama_matches_hf_inside_the_context_and_token_by_token_past_it(tmp_path):
     hf = _tiny_llama(tmp_path, {"rope_type": "dynamic", "factor": 2.0}, 32)
     # Dynamic NTK serves max_position_embeddings x factor (64) positions, as in vLLM.
-    assert ModelConfig.from_pretrained(tmp_path).max_model_len == 64
-    config = ModelConfig.from_pretrained(tmp_path, max_model_len=56)
+    assert read_model_config(tmp_path).max_model_len == 64
+    config = read_model_config(tmp_path, max_model_len=56)
     model = load_model(config, "cpu")
     short, long = random_prompts([30, 56], seed=6)
     with torch.no_grad():

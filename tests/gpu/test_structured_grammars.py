@@ -12,7 +12,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from conveyor.config.build import build_engine_config
+from conveyor.engine_config import build_engine_config
 from conveyor.gpu.structured import check, compiler, grammars_for, token_mask
 from conveyor.stages.tokenizer.preparation import Rejected
 from conveyor.stages.tokenizer.structured_check import check_structured

@@ -27,9 +27,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conveyor.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from conveyor.config import CacheConfig, EngineConfig, ParallelConfig
 from conveyor.gpu.backends import torch_backend
 from conveyor.gpu.loader import load_model
+from conveyor.gpu.models.registry import read_model_config
 from conveyor.gpu.parallel import rendezvous
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.shard import Split, cut, shard_model_config
@@ -61,7 +62,7 @@ def test_cut_splits_evenly_replicates_and_pads():
 
 
 def test_shard_model_config_gives_the_backend_the_ranks_kv_heads():
-    config = ModelConfig.from_pretrained(gpu_checkpoints.checkpoint("llama"))
+    config = read_model_config(gpu_checkpoints.checkpoint("llama"))
     assert (config.num_heads, config.num_kv_heads) == (4, 2)
     assert shard_model_config(config, 2).num_kv_heads == 1 and shard_model_config(config, 4).num_kv_heads == 1
     assert shard_model_config(config, 4).num_heads == 1 and shard_model_config(config, 1) is config
@@ -91,7 +92,7 @@ def run_checkpoints(tp: TensorParallel, checkpoints: dict[str, str]) -> dict[str
     """Each checkpoint's prompt logits (rank 0: [T, V]) and greedy outputs, on rank tp.rank."""
     results: dict[str, object] = {}
     for name, path in checkpoints.items():
-        config = ModelConfig.from_pretrained(path)
+        config = read_model_config(path)
         backend = dataclasses.replace(torch_backend(shard_model_config(config, tp.size), "cpu"), tp=tp)
         model = load_model(config, "cpu", backend)
         prompts = random_prompts(PROMPT_LENGTHS, seed=3)

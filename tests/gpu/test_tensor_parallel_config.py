@@ -1,5 +1,5 @@
 """--tensor-parallel-size is refused, with one line naming the reason, where the model cannot be
-split over that many ranks (config/build.py `check_tensor_parallel`), and accepted where it can:
+split over that many ranks (conveyor/engine_config.py `check_tensor_parallel`), and accepted where it can:
 KV heads split evenly or replicated (fewer KV heads than ranks, dividing them)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.config import ConfigError
-from conveyor.config.build import build_engine_config
+from conveyor.engine_config import build_engine_config
 
 
 def config_dir(root: Path, **fields) -> str:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conveyor.config.model import ModelConfig
+from conveyor.gpu.models.registry import read_model_config
 from conveyor.tiny.checkpoint import DEFAULT_SHAPE, TINY_MODEL_VERSION, ensure_default_model, make_checkpoint
 from conveyor.tiny.tokenizer import DEFAULT_CORPUS, SPECIAL_TOKEN_IDS, VOCAB_SIZE, train_tokenizer
 
@@ -104,12 +104,12 @@ def test_qwen2_has_qkv_biases_only(small):
 def test_tied_embeddings_leave_out_lm_head(tmp_path):
     path = make_checkpoint(tmp_path, tie_word_embeddings=True, **SMALL)
     assert "lm_head.weight" not in load_file(path / "model.safetensors")
-    assert ModelConfig.from_pretrained(path).tie_word_embeddings
+    assert read_model_config(path).tie_word_embeddings
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_model_config_reads_it(small, arch):
-    cfg = ModelConfig.from_pretrained(small[arch])
+    cfg = read_model_config(small[arch])
     shape = (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
     assert cfg.architecture == arch and shape == (64, 2, 4, 2, 16)
     assert cfg.qkv_bias == (arch == "Qwen2ForCausalLM")
@@ -122,7 +122,7 @@ def test_overrides_reach_config_and_tensors(tmp_path):
     path = make_checkpoint(
         tmp_path, rope_theta=500000.0, rope_scaling={"rope_type": "linear", "factor": 2.0}, dtype="bfloat16", **SMALL
     )
-    cfg = ModelConfig.from_pretrained(path)
+    cfg = read_model_config(path)
     assert cfg.rope_theta == 500000.0 and cfg.rope_type == "linear" and cfg.dtype == "bfloat16"
     assert all(t.dtype == torch.bfloat16 for t in load_file(path / "model.safetensors").values())
     with pytest.raises(ValueError):
@@ -222,4 +222,4 @@ def test_ensure_default_model_concurrent_first_use(tmp_path, monkeypatch):
         t.join()
     assert len(results) == 3 and len(set(results)) == 1
     assert [p.name for p in results[0].parent.iterdir()] == [results[0].name]
-    assert ModelConfig.from_pretrained(results[0]).num_layers == 4
+    assert read_model_config(results[0]).num_layers == 4

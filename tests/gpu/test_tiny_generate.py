@@ -9,7 +9,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from conveyor.config import ModelConfig
+from conveyor.gpu.models.registry import read_model_config
 from conveyor.tiny.generate import SHAPES, main
 
 
@@ -18,7 +18,7 @@ def test_generates_a_loadable_bfloat16_checkpoint(tmp_path):
     assert main([str(tmp_path / "fp32"), "--shape", "tiny", "--dtype", "float32", "--seed", "3"]) == 0
     config = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert config["dtype"] == "bfloat16" and config["hidden_size"] == SHAPES["tiny"]["hidden_size"]
-    assert ModelConfig.from_pretrained(tmp_path / "bf16").dtype == "bfloat16"
+    assert read_model_config(tmp_path / "bf16").dtype == "bfloat16"
 
     # Cast tensor by tensor as drawn: the same numbers as the float32 checkpoint, rounded once.
     bf16, fp32 = load_file(tmp_path / "bf16" / "model.safetensors"), load_file(tmp_path / "fp32" / "model.safetensors")

@@ -13,7 +13,8 @@ import torch
 from conveyor.gpu.backends.cpu import CpuOps
 from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops
 from conveyor.gpu.backends.torch import TorchOps
-from conveyor.gpu.models.llama import MLP, RMSNorm
+from conveyor.gpu.models.layers import RMSNorm
+from conveyor.gpu.models.llama import MLP
 from conveyor.gpu.rope import RotaryEmbedding
 
 ops = cpu_fused_ops()

@@ -87,14 +87,14 @@ def test_bad_arguments_raise():
 
 
 def test_a_head_tied_to_the_embedding_keeps_its_layout():
-    from conveyor.config.model import ModelConfig
     from conveyor.gpu.backends import Backend
     from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops
     from conveyor.gpu.backends.torch import TorchAttention
     from conveyor.gpu.loader import load_model
+    from conveyor.gpu.models.registry import read_model_config
     from tests.gpu_checkpoints import checkpoint
 
-    config = ModelConfig.from_pretrained(checkpoint("qwen2"))
+    config = read_model_config(checkpoint("qwen2"))
     backend = Backend("cpu", TorchAttention(config, torch.device("cpu")), CpuOps(cpu_fused_ops(), small), "small linears")
     model = load_model(config, "cpu", backend)  # prepared at load
     assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from conveyor import cli
-from conveyor.config.build import OPTION_CLASSES
+from conveyor.config.engine_options import OPTION_CLASSES
 from conveyor.config.options import collect, settings
 from conveyor.stages.replica_router.config import RouterConfig
 

@@ -14,7 +14,7 @@ import json
 import msgspec
 import pytest
 
-from conveyor.config.build import build_engine_config
+from conveyor.engine_config import build_engine_config
 from conveyor.stages.ingress.protocol import parse_chat
 from conveyor.stages.tokenizer.encoder import PromptEncoder, template_messages
 from conveyor.stages.tokenizer.preparation import prepare

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.config.build import build_engine_config
+from conveyor.engine_config import build_engine_config
 from conveyor.stages.tokenizer.encoder import PromptEncoder
 from conveyor.stages.tokenizer.length_limit import CHUNK_CHARS
 from conveyor.stages.tokenizer.preparation import Rejected, prepare

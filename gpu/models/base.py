@@ -1,0 +1,125 @@
+"""CausalLM: the interface every model family implements, over the decoder they all share.
+
+The loader and the runner know a model only through it: built as `cls(config, rope_device,
+backend)` (on the meta device when loading), filled by `load_weights(tensors)` from the
+checkpoint's (name, tensor) stream, adjusted once by `after_load()`, then run as
+`forward(input_ids, positions, meta, kv_caches)` -> hidden [T, H] and `compute_logits(hidden)`.
+
+The skeleton is the checkpoint's: `model.embed_tokens`, `model.layers` (config.num_layers of the
+family's `layer_class`), `model.norm`, `lm_head` (the embedding's weight where tied), plus one rope
+table per layer (gpu/rope.py `layer_tables`: Gemma 3's windowed layers have their own). There is
+one forward for every family, mixture-of-experts included; a family names its `layer_class` (built
+as (config, backend, layer_index), called as (x, residual, positions, rope, meta, kv_cache) ->
+(x, residual)) and overrides the hooks `embed`, `compute_logits`, `load_weights`, `after_load`.
+
+Parameter names equal the checkpoint's, so the default `load_weights` is a name lookup: each
+tensor cut to this rank's slice by the split its layer declares (gpu/parallel/shard.py), its shape
+checked, and every parameter required. Errors are one ConfigError line naming the weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from conveyor.config.errors import ConfigError
+from conveyor.config.model import ModelConfig
+from conveyor.gpu.backends.base import AttentionMetadata, Backend
+from conveyor.gpu.models.layers import ParallelLMHead, RMSNorm, VocabParallelEmbedding
+from conveyor.gpu.parallel.shard import cut, splits_of
+from conveyor.gpu.rope import RotaryEmbedding, layer_tables
+
+
+class DecoderModel(nn.Module):
+    """The `model.` prefix of the checkpoint: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig, backend: Backend, layer_class: type[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, backend.tp)
+        self.layers = nn.ModuleList(layer_class(config, backend, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
+
+
+class CausalLM(nn.Module):
+    """`backend` (gpu/backends) does the layers' ops and attention; None: the torch backend on
+    `rope_device`. `rope_device` is explicit so the model can be built on the meta device (no
+    init cost) while the rope tables, which are computed rather than loaded, land on the real one."""
+
+    layer_class: type[nn.Module]  # each family names its own
+
+    def __init__(self, config: ModelConfig, rope_device: torch.device | str = "cpu", backend: Backend | None = None) -> None:
+        super().__init__()
+        if backend is None:
+            from conveyor.gpu.backends import torch_backend
+
+            backend = torch_backend(config, rope_device)
+        self.config = config
+        self.backend = backend
+        self.model = DecoderModel(config, backend, self.layer_class)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, backend.ops, backend.tp)
+        if config.tie_word_embeddings:  # the same vocabulary shard on each rank
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope = RotaryEmbedding.from_config(config, rope_device)
+        self.layer_ropes = layer_tables(config, self.rope, rope_device)  # one per layer, shared
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """input_ids, positions [T] int64; kv_caches one per layer, [2, N, ...] in the attention backend's layout -> [T, H]."""
+        x, residual = self.embed(input_ids), None
+        for layer, rope, kv_cache in zip(self.model.layers, self.layer_ropes, kv_caches, strict=True):
+            x, residual = layer(x, residual, positions, rope, meta, kv_cache)
+        return self.model.norm(x, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the first layer's input [T, H]."""
+        return self.model.embed_tokens(input_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32 (the matmul runs in the model dtype, as HF); with
+        several tensor-parallel ranks, [N, 0] on all but rank 0, which samples."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill every parameter from the checkpoint's (name, tensor) pairs, which may stream, casting
+        dtype; each cut to this rank's slice where its layer splits it."""
+        params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
+        splits, tp = splits_of(self), self.backend.tp
+        missing = set(params)
+        for name, tensor in tensors:
+            if name not in params:
+                continue  # extras (a tied lm_head shipped anyway) are ignored
+            try:
+                tensor = cut(tensor, splits.get(name), tp.rank, tp.size)
+            except ValueError as e:
+                raise ConfigError(f"weight {name}: {e}: checkpoint and config.json disagree") from None
+            copy_weight(name, tensor, params[name])
+            missing.discard(name)
+        check_loaded(missing, self.config.path)
+
+    def after_load(self) -> None:
+        """Once, after the checkpoint's weights are copied in (gpu/loader.py): a family's one-time
+        transform of them (Gemma's norm offset). By default the weights serve as loaded."""
+
+
+def copy_weight(name: str, tensor: torch.Tensor, dest: torch.Tensor) -> None:
+    """dest <- tensor (cast to dest's dtype), or a ConfigError naming the weight whose shape disagrees."""
+    if tensor.shape != dest.shape:
+        raise ConfigError(
+            f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}: checkpoint and config.json disagree"
+        )
+    with torch.no_grad():
+        dest.copy_(tensor)
+
+
+def check_loaded(missing: set[str], path: str) -> None:
+    """A ConfigError naming the first few parameters that no checkpoint tensor filled."""
+    if missing:
+        shown = ", ".join(sorted(missing)[:3]) + (" ..." if len(missing) > 3 else "")
+        raise ConfigError(f"checkpoint {path} lacks {len(missing)} weight(s): {shown}")
