@@ -11,19 +11,13 @@ before step n's ids reach the scheduler, as the scheduler stage runs it).
 
 from __future__ import annotations
 
-from collections import Counter, deque
-
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conveyor.config import SchedulerConfig
-from conveyor.stages.scheduler.plan import step_plan
-from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.stages.scheduler.sequence import SeqStatus
 from conveyor.wire.messages import FinishReason, SamplingParams, ScheduleRequest
-from tests.fake_worker import FakeRunner, next_token
-
-EOS_IDS = tuple(range(0, 1000, 10))  # one fake-model token in ten ends a sequence that allows it
+from tests.fake_worker import next_token
+from tests.scheduler.engine_driver import EOS_IDS, Driver, make
 
 requests_strategy = st.lists(
     st.tuples(
@@ -40,15 +34,6 @@ requests_strategy = st.lists(
 )
 
 
-def check_invariants(sched: Scheduler) -> None:
-    holders = Counter(b for s in sched.running for b in s.block_ids)
-    for block in range(sched.blocks.num_blocks):
-        assert sched.blocks.ref_count(block) == holders[block], f"block {block}"
-    assert sched.blocks.num_used == len(holders)
-    for s in sched.running:
-        assert len(s.block_ids) * sched.blocks.block_size >= s.num_computed_tokens
-
-
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     reqs=requests_strategy,
@@ -63,43 +48,27 @@ def check_invariants(sched: Scheduler) -> None:
 )
 def test_random_streams_keep_every_invariant(reqs, block_size, num_blocks, budget, max_seqs, policy, caching,
                                              lookahead, eos):  # fmt: skip
-    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, policy=policy,
-                             enable_prefix_caching=caching)  # fmt: skip
-    sched = Scheduler.from_config(config, num_blocks=num_blocks, block_size=block_size, max_model_len=256,
-                                  eos_token_ids=EOS_IDS)  # fmt: skip
-    runner = FakeRunner(num_blocks, block_size)
+    sched, runner = make(1, num_blocks, block_size, budget, max_seqs, max_model_len=256, policy=policy,
+                         enable_prefix_caching=caching)  # fmt: skip
+    driver = Driver(sched, runner, depth=2 if lookahead else 1)
     prefixes = [[(p * 31 + j) % 500 for j in range(k)] for p, k in enumerate((0, 9, 20))]
     prompts = {f"r{i}": prefixes[pre] + [(i * 13 + j) % 500 + 1 for j in range(own)]
                for i, (pre, own, *_ ) in enumerate(reqs)}  # fmt: skip
-    seqs: dict[int, object] = {}
-    in_flight: deque = deque()  # (step, result): executed, ids not yet given to the scheduler
-    depth = 2 if lookahead else 1
-    for step_no in range(5000):
+    for tick in range(5000):
         for i, (_, _, max_tokens, n, arrival, abort, priority) in enumerate(reqs):
             rid = f"r{i}"
-            if arrival == step_no:
+            if arrival == tick:
                 params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=not eos)
-                sched.add_request(ScheduleRequest(rid, 0, prompts[rid], params, float(arrival), priority))
-            if abort and step_no == arrival + 3:
-                sched.abort(rid)
-        if step_no > 6 and not sched.has_work() and not in_flight:
+                driver.core.add_request(ScheduleRequest(rid, 0, prompts[rid], params, float(arrival), priority))
+            if abort and tick == arrival + 3:
+                driver.core.abort([rid])
+        if tick > 6 and not sched.has_work() and not driver.results:
             break
-        step = sched.schedule() if len(in_flight) < depth else None
-        if step is not None:
-            assert step.num_tokens <= budget
-            result = runner.execute(step_plan(step))  # the worker runs plans in order
-            if step.rows:
-                in_flight.append((step, result))
-        updates = []
-        if len(in_flight) >= depth or (in_flight and step is None):
-            done, result = in_flight.popleft()
-            updates = sched.update(done, result)
-        updates += sched.take_unsampled_updates()
-        for u in updates:
-            seqs[u.seq.seq_id] = u.seq
-        check_invariants(sched)
+        driver.tick()  # checks the invariants after every step
     else:
         raise AssertionError("requests never finished")
+    driver.deliver([])  # the last aborts' reports
+    seqs = driver.seqs
 
     assert sched.blocks.num_used == 0
     for seq in seqs.values():

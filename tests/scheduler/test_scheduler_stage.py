@@ -1,29 +1,36 @@
 """The scheduler stage's pacing of plans, on real sockets with the worker's end held by the test:
 with asynchronous scheduling two steps may be in flight, except while the first step after an
-idle spell computes, so that a burst arriving meanwhile fills the next step."""
+idle spell computes, so that a burst arriving meanwhile fills the next step; a multi-step window
+stays in flight to its last pass, and each pass streams on its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from typing import NamedTuple
 
 import pytest
 import zmq
 
+from conveyor.config import SchedulerConfig
 from conveyor.stages.scheduler.main import SchedulerStage
 from conveyor.wire.addresses import make_run_dir
 from conveyor.wire.channel import Receiver
 from conveyor.wire.messages import (
+    EngineStarted,
     InitializeCache,
     SamplingParams,
     ScheduleRequest,
     StepPlan,
     StepResult,
+    TokenBatch,
     WorkerInbound,
     WorkerReady,
 )
 from conveyor.wire.topology import DETOKENIZER, INGRESS, SCHEDULER, WORKER, receiver, sender
+from tests.fake_worker import FakeRunner
 from tests.ingress_fakes import make_config
+from tests.scheduler.engine_driver import prompt_of
 
 
 class Wired(NamedTuple):
@@ -112,3 +119,57 @@ def test_an_idle_spell_between_requests_runs_alone_again(wired):
     again = turn(wired)
     assert again.after_idle and rows(again) == [(1, 12)]
     assert turn(wired) is None
+
+
+# --- multi-step windows through the stage ------------------------------------------------
+
+
+@pytest.fixture
+def stage_with_windows(tmp_path):
+    run_dir = make_run_dir()
+    config = make_config(tmp_path, run_dir)
+    config = dataclasses.replace(config, scheduler=SchedulerConfig(num_scheduler_steps=4))
+    ctx = zmq.Context()
+    worker, detok = receiver(ctx, config, WORKER), receiver(ctx, config, DETOKENIZER)
+    ingress = receiver(ctx, config, INGRESS)  # bound so replies have somewhere to go
+    stage = SchedulerStage(config, ctx)
+    sender(ctx, config, SCHEDULER).send(WorkerReady(rank=0, num_kv_blocks=64))
+    stage.start()
+    worker.recv(timeout_ms=5000)  # InitializeCache
+    assert isinstance(detok.recv(timeout_ms=5000), EngineStarted)  # before any TokenBatch
+    yield stage, worker, detok
+    for r in (worker, detok, ingress):
+        r.close()
+    ctx.destroy(linger=0)
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_the_stage_keeps_a_window_in_flight_to_its_last_pass_and_streams_every_pass(stage_with_windows):
+    stage, worker, detok = stage_with_windows
+    runner = FakeRunner(64, stage.config.cache.block_size)
+    stage.handle(ScheduleRequest("r0", 0, prompt_of(0, 6), SamplingParams(max_tokens=20, ignore_eos=True), 0.0))
+
+    def plan() -> StepPlan:
+        stage.plan_next()
+        sent = worker.recv(timeout_ms=5000)
+        assert isinstance(sent, StepPlan)
+        return sent
+
+    def result_in(result) -> list[int]:
+        """The stage's loop body for one result: apply it, and the tokens it streams."""
+        stage.emit(stage.handle(result) + stage.scheduler.take_unsampled_updates())
+        batch = detok.recv(timeout_ms=5000)
+        assert isinstance(batch, TokenBatch)
+        return [t for u in batch.updates for t in u.token_ids]
+
+    (first,) = runner.execute_passes(plan())
+    assert result_in(first) == first.sampled_token_ids
+    window = plan()
+    assert window.num_steps == 4
+    ahead = plan()  # asynchronous scheduling: the next plan goes out while the window runs
+    assert ahead.num_steps == 4 and len(stage.core.in_flight) == 2 and not stage.may_plan()
+    results = runner.execute_passes(window)
+    for r in results:
+        assert stage.core.in_flight[0].step == window.step
+        assert result_in(r) == r.sampled_token_ids  # each pass streams on its own
+    assert [s.step for s in stage.core.in_flight] == [ahead.step] and stage.may_plan()
