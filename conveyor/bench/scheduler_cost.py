@@ -1,9 +1,10 @@
 """`conveyor bench step`: the CPU cost of one scheduler step over N running decodes.
 
 One step here is what the scheduler process does between two forward passes: `schedule()`,
-turning the decision into a StepPlan, encoding it for the wire, and `update()` with the sampled
-ids (plus the TokenBatch for the detokenizer). The worker is replaced by a stub that returns one
-id per sampling row, so only scheduler-side time is measured. Reported: the median over many
+turning the decision into a StepPlan, encoding it for the wire, and `update()` with the pass's
+StepResult as it comes off the wire (decoded here; plus the TokenBatch for the detokenizer). The
+worker is replaced by a stub that answers one id per draw, keyed by sequence, encoded outside the
+timing, so only scheduler-side time is measured. Reported: the median over many
 steps, in steady state (every sequence decoding, blocks allocated as they fill).
 
 With `--prepare`, a second table: one input preparation alone (`first_pass_inputs`, host
@@ -17,11 +18,20 @@ from __future__ import annotations
 import statistics
 import time
 
+import msgspec
+
 from conveyor.config import SchedulerConfig
 from conveyor.stages.scheduler.plan import step_plan, token_batches
+from conveyor.stages.scheduler.scheduled_step import ScheduledStep
 from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.wire.channel import encode
-from conveyor.wire.messages import SamplingParams, ScheduleRequest
+from conveyor.wire.messages import SamplingParams, ScheduleRequest, StepResult
+
+
+def answer(step: ScheduledStep) -> StepResult:
+    """The worker's result for a step: token 7 for each draw, keyed by sequence."""
+    seq_ids = [seq.seq_id for _, seq in step.draws()]
+    return StepResult(step.step, [7] * len(seq_ids), seq_ids=seq_ids)
 
 
 def measure(num_running: int, *, steps: int = 200, prompt_len: int = 200, block_size: int = 16) -> dict:
@@ -41,18 +51,22 @@ def measure(num_running: int, *, steps: int = 200, prompt_len: int = 200, block_
     while any(s.num_computed_tokens < s.num_tokens - 1 for s in sched.running) or sched.waiting:
         step = sched.schedule()  # prefill until everyone decodes
         assert step is not None  # the pool holds every sequence, so each step has rows
-        sched.update(step, [7] * step.num_sampled)
+        sched.update(step, answer(step))
 
     timings = []
+    decode = msgspec.msgpack.Decoder(StepResult).decode
     for _ in range(steps):
         start = time.perf_counter()
         step = sched.schedule()
         assert step is not None
         wire = encode(step_plan(step))
-        updates = sched.update(step, [7] * step.num_sampled)
+        planned = time.perf_counter()
+        result = encode(answer(step))  # the worker's part: not timed
+        received = time.perf_counter()
+        updates = sched.update(step, decode(result))
         for batch in token_batches(step.step, updates, 1):
             encode(batch)
-        timings.append(time.perf_counter() - start)
+        timings.append(planned - start + time.perf_counter() - received)
         assert len(step.rows) == num_running and len(wire) > 0
     return {
         "running": num_running,

@@ -10,16 +10,16 @@ PLAN_DELAY_S = 0.1
 
 
 def slow_down_planning() -> None:
-    from conveyor.stages.scheduler import main
+    from conveyor.stages.scheduler import engine_core
 
-    build = main.step_plan
+    build = engine_core.step_plan
 
     def step_plan(step):
         plan = build(step)
         time.sleep(PLAN_DELAY_S)
         return plan
 
-    main.step_plan = step_plan
+    engine_core.step_plan = step_plan
 
 
 # The launcher starts the scheduler as `python -m conveyor.stages scheduler 0 CONFIG_JSON ...`;
