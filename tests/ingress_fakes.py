@@ -20,8 +20,8 @@ then the scheduler's admission), deterministically:
 Every delta says num_prompt_tokens (the prompt's words) and, for a prompt containing CACHED,
 num_cached_tokens = num_prompt_tokens - 1.
 ServerThread runs the real `serve()` on uvloop in a thread of its own, `running_server` both of
-them over a tiny checkpoint (real tokenizer, so /tokenize works); `post`, `sse`, `assert_error`
-and `raw_post` are the tests' HTTP helpers.
+them over a tiny checkpoint (real tokenizer, so /tokenize works); `post`, `sse`, `assert_error`,
+`raw_post`, `with_prompt` and `usage_of` are the tests' HTTP helpers.
 """
 
 from __future__ import annotations
@@ -213,6 +213,23 @@ def raw_post(url: str, path: str, body: dict) -> socket.socket:
     head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
     sock.sendall(head.encode() + data)
     return sock
+
+
+def with_prompt(body: dict, chat: bool, prompt: str = "a b") -> tuple[str, dict]:
+    """The route and body of a completion, or of a chat whose one user message is the prompt."""
+    if chat:
+        return "/v1/chat/completions", body | {"messages": [{"role": "user", "content": prompt}]}
+    return "/v1/completions", body | {"prompt": prompt}
+
+
+def usage_of(prompt: int, completion: int, cached: int = 0) -> dict:
+    """An answer's `usage` object for these counts."""
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 class FakeEngine(threading.Thread):

@@ -18,7 +18,7 @@ import requests
 from conveyor.stages.ingress.errors import ApiError
 from conveyor.stages.ingress.protocol import Generation, Prompt, check_num_seqs
 from conveyor.wire.messages import SamplingParams
-from tests.ingress_fakes import assert_error, post, running_server
+from tests.ingress_fakes import assert_error, post
 
 GOOD: dict[str, dict[str, object]] = {  # route: a body it accepts
     "/v1/completions": {"prompt": "ok"},
@@ -26,12 +26,6 @@ GOOD: dict[str, dict[str, object]] = {  # route: a body it accepts
     "/tokenize": {"prompt": "ok"},
     "/detokenize": {"tokens": [1, 2]},
 }
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("ingress-input")) as running:
-        yield running
 
 
 @pytest.mark.parametrize(

@@ -29,12 +29,6 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("openapi")) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
 def document(server) -> dict:
     url, _, _ = server
     response = requests.get(f"{url}/openapi.json", timeout=5)

@@ -17,11 +17,7 @@ from conveyor.bench.dataset import DatasetConfig, make_dataset
 from conveyor.bench.prompts import special_tokens
 from conveyor.bench.server_metrics import PrefixCacheCounts, hit_rate, prefix_cache_counts
 from conveyor.bench.system_prompts import pick_system_prompts
-from tests.ops import test_bench
-from tests.ops.test_bench import SHAREGPT
-
-# The fake server and the tokenizer counter are test_bench's fixtures, shared rather than copied.
-fake, server, tiny_counter = test_bench.fake, test_bench.server, test_bench.tiny_counter
+from tests.ops.bench_fakes import SHAREGPT
 
 
 def test_system_prompts_open_every_request_and_follow_the_seed(tiny_counter):
