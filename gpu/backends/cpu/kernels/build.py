@@ -1,7 +1,7 @@
 """Build and load the C++ CPU kernels.
 
-Each .cpp here is compiled once per (source, flags, compiler, CPU) into the conveyor cache
-directory, keyed by a hash of all four, written under a temporary name and renamed into place, so
+Each .cpp here is compiled once per (source and the headers beside it, flags, compiler, CPU) into
+the conveyor cache directory, keyed by a hash of all of them, written under a temporary name and renamed into place, so
 processes that start together (a tensor-parallel group, a test suite) never load a half-written
 file. -march=native is why the CPU's flags are in the key: a cache directory shared with another
 machine must not hand it instructions it lacks. The libraries link against libgomp, which torch
@@ -55,7 +55,8 @@ def _build(source: Path) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256()
     flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
-    for part in (source.read_bytes(), flags.encode(), version.encode(), _cpu_flags().encode()):
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
+    for part in (source.read_bytes(), *headers, flags.encode(), version.encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
     out_dir = env.cache_dir() / "kernels"

@@ -16,25 +16,16 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vector_math.h"  // vectors as wide as the target's registers (a 64-byte vector on AVX2
+                          // spilled every accumulator: why this kernel once lost to sgemm there)
+
 namespace {
 
-// Vectors as wide as the target's registers: a 64-byte vector on AVX2 was lowered through the
-// stack (every accumulator spilled), which is why this kernel once lost to sgemm there.
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;
 constexpr int kMaxRows = 8;  // rows per pass: 8 x 2 accumulators + 2 weight vectors of 32 zmm
 #else
-constexpr int kLanes = 8;
 constexpr int kMaxRows = 6;  // 6 x 2 accumulators + 2 weight vectors + a broadcast of 16 ymm
 #endif
-typedef float v16 __attribute__((vector_size(kLanes * 4)));
-
-inline v16 load16(const float* p) {
-  v16 r;
-  std::memcpy(&r, p, sizeof r);
-  return r;
-}
-inline void store16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
 
 // Rows [0, MB) of x, columns [n0, n0 + NV * 16) of y.
 template <int MB, int NV>
