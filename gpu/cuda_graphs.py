@@ -1,53 +1,18 @@
-"""CUDA graphs for decode steps: one graph per padded batch size, replayed over static buffers.
+"""CUDA graphs of decode steps: one graph per bucket of rows, replayed over static buffers.
 
-A decode step (every row computes one token) launches hundreds of small kernels; on a GPU their
-launch cost, not their work, bounds small batches. So each batch size of a bucket list (1, 2,
-4, 8, then steps of 8 up to min(--max-cuda-graph-batch-size, --max-num-seqs): `buckets_for`) is
-captured once, and a step of B rows replays the smallest bucket >= B, its extra rows padding.
-Steps with prompt chunks or more rows than the largest bucket run eagerly, as before.
+A decode step launches hundreds of small kernels, and at small batches their launch cost, not
+their work, bounds it. This module owns the buckets (`buckets_for`), the static inputs every
+graph reads (`DecodeBuffers`), the captured graphs and their memory pool. A step of B decode
+rows replays the smallest bucket >= B; the caller runs a step with a prompt chunk, or with more
+rows than the largest bucket, eagerly. The runner's calling order is `DecodeGraphs`' docstring.
 
-Static buffers (`DecodeBuffers`), Bmax = the largest bucket, max_blocks = ceil(max_model_len /
-block_size): input_ids [Bmax] int64, positions [Bmax] int64, block_tables [Bmax, max_blocks]
-int32, seq_lens [Bmax] int32, slot_mapping [Bmax] int64. The graph of bucket b reads views
-[:b] of them through metadata built once (`attn.build_graph_metadata`: query_start_loc = arange,
-query_lens = 1, host sizes at their maxima), so no kernel grid depends on the step. Inside the
-graph the slot mapping is computed from the tables and positions, then the model runs, writing
-its hidden states [b, H] into memory the graph owns; a replay refills the inputs and returns a
-view of that.
-
-Padding rows decode token 0 at position 0 with seq_len 1 through a table of `scratch_block`
-only: a KV block the runner reserves and never gives a sequence. Their KV lands there, and they
-attend only to it, so they can never touch a real sequence's cache. Table columns past a row's
-given width are filled with the scratch block too (the kernels read none past seq_len).
-
-Only on CUDA, without --enforce-eager, and with a backend whose decode path reads no host data
-(`attn.supports_cuda_graphs`: the triton backend; torch and cpu plan from host lists): see
-`can_capture`. With capture=False, `run` goes through the same buffers and padding but calls
-the model eagerly: the bookkeeping is testable on a CPU (tests/gpu/test_cuda_graphs.py).
-
-Integration contract (gpu/runner.py):
-1. Start-up, model loaded: if not `can_capture(config, attn, device)`, never build this; every
-   step runs eagerly.
-2. KV sizing, BEFORE the profile run:
-       probe = DecodeGraphs.memory_probe(config, model, attn, device)
-       seconds, graph_bytes = probe.capture_all()
-   then the profile run and `num_blocks_for_memory` with `probe` alive: its graph pool (the
-   largest bucket's activations; graph_bytes, measured with torch.cuda.mem_get_info around the
-   capture) is in use then, so the KV budget leaves it out. The probe captures over a cache of
-   one block of its own: only padding rows run in a capture, and they touch the scratch block
-   only. Before, not after, the profile run: every capture begins with torch.cuda.empty_cache(),
-   which would hand back the profile's activation peak that the sizing must see in use.
-3. After the pool is allocated, with one block reserved as scratch:
-       graphs = DecodeGraphs.from_config(config, model, attn, kv_caches, scratch_block=scratch,
-                                         device=device, pool=probe.pool)
-       graphs.capture_all()  # logs the time and the memory of every bucket
-       del probe
-   Sharing the probe's pool lets the real graphs reuse the memory the probe measured (graphs of
-   one pool share their intermediates; only one runs at a time) instead of taking it again.
-4. Per step: if every row decodes and `graphs.bucket_for(B)` is not None, `hidden =
-   graphs.run(input_ids [B], positions [B], block_tables [B, <= max_blocks] int32, seq_lens [B]
-   int32)` -> [B, H] on the device; it stays valid until the next `run`, so compute the logits
-   from it first. Otherwise the eager path.
+Invariants:
+- no kernel grid depends on the step: graph b reads views [:b] of the buffers through metadata
+  built once (`attn.build_graph_metadata`), and computes the slot mapping inside the graph;
+- padding rows, and table columns past a row's width (no kernel reads past seq_len), name only
+  `scratch_block`, a KV block no sequence owns: a replay never touches a real sequence's cache;
+- built only where `can_capture` (CUDA, no --enforce-eager, `attn.supports_cuda_graphs`); with
+  capture=False the same buffers and padding run eagerly, so a CPU tests them.
 """
 
 from __future__ import annotations
@@ -96,7 +61,11 @@ def can_capture(config: EngineConfig, attn: AttentionBackend, device: torch.devi
 
 
 class DecodeBuffers:
-    """The static inputs every graph reads, for up to `max_rows` rows, and how a step fills them."""
+    """The static inputs every graph reads, for up to `max_rows` rows, and how a step fills them.
+    With Bmax = max_rows and max_blocks = ceil(max_model_len / block_size): input_ids [Bmax]
+    int64, positions [Bmax] int64, block_tables [Bmax, max_blocks] int32, seq_lens [Bmax] int32,
+    slot_mapping [Bmax] int64. Padding rows decode token 0 at position 0 with seq_len 1 through a
+    table of the scratch block only: their KV lands there and they attend only to it."""
 
     def __init__(self, max_rows: int, max_blocks: int, scratch_block: int, device: torch.device) -> None:
         self.max_rows, self.max_blocks, self.scratch_block = max_rows, max_blocks, scratch_block
@@ -137,13 +106,33 @@ class DecodeBuffers:
 
 
 class DecodeGraphs:
-    """The decode graphs of one model over one set of KV caches; see the module docstring.
+    """The decode graphs of one model over one set of KV caches.
 
     model: its forward (DecodeModel); attn: its attention backend (must support CUDA graphs);
     kv_caches: one per layer, as the model takes them; buckets: the batch sizes to capture;
     max_blocks_per_seq: the static tables' width; scratch_block: the padding rows' KV block;
     capture: False runs the model eagerly through the same buffers (any device); pool: a graph
-    memory pool to capture into (another DecodeGraphs' `pool`), None for a new one."""
+    memory pool to capture into (another DecodeGraphs' `pool`), None for a new one.
+
+    How the runner (gpu/runner.py) uses it:
+    1. Start-up, model loaded: if not `can_capture(config, attn, device)`, it never builds one;
+       every step runs eagerly.
+    2. KV sizing, BEFORE the profile run: `probe = DecodeGraphs.memory_probe(...)`, then
+       `probe.capture_all()` -> (seconds, graph_bytes); the profile run and
+       `num_blocks_for_memory` follow with `probe` alive, so its graph pool (the largest
+       bucket's activations, graph_bytes measured with torch.cuda.mem_get_info around the
+       capture) is in use then and the KV budget leaves it out. The probe captures over a cache
+       of one block of its own: only padding rows run in a capture, touching the scratch block
+       only. Before, not after, the profile run: every capture begins with
+       torch.cuda.empty_cache(), which would hand back the activation peak the sizing must see.
+    3. After the pool is allocated with one block reserved as scratch: `from_config(config,
+       model, attn, kv_caches, scratch_block=scratch, device=device, pool=probe.pool)`, then
+       `capture_all()` (it logs each bucket's time and memory), then the probe is dropped.
+       Sharing the probe's pool lets the real graphs reuse the memory the probe measured
+       (graphs of one pool share their intermediates; only one runs at a time).
+    4. Per step: if every row decodes and `bucket_for(B)` is not None, `run(...)` -> hidden
+       [B, H], valid until the next `run`, so the logits are computed from it first; otherwise
+       the eager path."""
 
     def __init__(
         self,
@@ -221,7 +210,7 @@ class DecodeGraphs:
     @classmethod
     def memory_probe(cls, config: EngineConfig, model: DecodeModel, attn: AttentionBackend, device: torch.device) -> DecodeGraphs:
         """The largest bucket alone over a one-block cache of its own, to measure with
-        `capture_all` what the graphs will take before the KV pool is sized (module docstring, 2)."""
+        `capture_all` what the graphs will take before the KV pool is sized (the class docstring, 2)."""
         cache = attn.allocate_kv_caches(1, config.cache.block_size)
         return cls.from_config(config, model, attn, cache, scratch_block=0, device=device, largest_only=True)
 

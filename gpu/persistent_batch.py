@@ -1,23 +1,18 @@
 """PersistentBatch: the device-resident state of every sequence the worker holds, one row each.
 
-A step's inputs used to be rebuilt from Python lists every step. Here each live sequence owns a
-row (a "slot") of tensors that persist across steps, and a plan's diffs touch only the rows it
-names:
+Each live sequence owns a row (a "slot") of tensors that persist across steps, so a plan's diffs
+touch only the rows it names instead of rebuilding a step's inputs from Python lists. The runner
+adds, removes, forks and updates rows; gpu/step_inputs.py reads them.
 
-- `block_tables` [R, M] int32: row s is slot s's block table, M = ceil(max_model_len /
-  block_size) wide, padded with block 0. The host keeps a mirror in pinned memory; a plan's new
-  or replaced entries are written there, and `sync()` copies the changed rows up with one
-  indexed, non-blocking copy (on a CPU the mirror *is* the table: nothing to copy).
-- `last_token` [R] int64: each slot's newest token id. The sampler writes it on the device
-  (`feed_back`), and the next step reads a decode row's input from it, so a sampled id never
-  has to visit the host before the step that consumes it.
+- `block_tables` [R, M] int32, M = ceil(max_model_len / block_size), padded with block 0: row s
+  is slot s's table. Writes go to a pinned host mirror, and `sync()` copies the changed rows up
+  in one indexed, non-blocking copy (on a CPU the mirror is the table);
+- `last_token` [R] int64: each slot's newest id, written on the device by `feed_back`, so a
+  sampled id never visits the host before the step that consumes it;
 - `params` (gpu/sampling/params_table.py): each slot's temperature, top_k, top_p and min_p,
   written once when the sequence gets its slot; a step's draws gather theirs on the device.
-
-Slots are recycled through a free list: adding, removing or forking a sequence is a handful of
-indexed copies, never a rebuild. When more sequences are live than rows exist (forks can take a
-request past --max-num-seqs for a moment), the tensors double. Rows are indexed, not kept
-contiguous: a step gathers its rows' block tables with one `index_select` of the step's slots.
+Slots come from a free list and are indexed, not contiguous; when more sequences are live than
+rows exist (forks can take a request past --max-num-seqs for a moment), the tensors double.
 """
 
 from __future__ import annotations

@@ -1,34 +1,17 @@
-"""Rotary position embeddings (RoPE) for the decoder: rope types "default", "linear", "dynamic",
-"yarn", "llama3" and "longrope" (Phi-3).
+"""Rotary position embeddings (RoPE): the cos/sin tables of rope types "default", "linear",
+"dynamic", "yarn", "llama3" and "longrope" (Phi-3). The rotation itself is the backend ops'
+(`ops.rotary`, in the "rotate half" (GPT-NeoX) layout of HF Llama, Mistral and Qwen2).
 
-The inverse frequencies follow Hugging Face's `modeling_rope_utils` formulas so that logits match
-HF numerically. cos/sin are precomputed once for every position up to `max_positions` in float32,
-with the same arithmetic HF uses per step (float32 position * float32 inv_freq, then cos and sin
-times YaRN's attention factor), then indexed by the flattened positions of a step. The rotation
-itself is the backend ops' (`ops.rotary`: the "rotate half" (GPT-NeoX) layout that HF Llama,
-Mistral and Qwen2 checkpoints use).
+Owns `RotaryEmbedding.cos_sin` [P, D] float32 on the model's device, P = max_model_len: row p
+holds position p's cos (first half) and sin (second half), times YaRN's or LongRoPE's attention
+factor, computed once with HF's `modeling_rope_utils` formulas and the arithmetic HF uses per
+step (float32 position * float32 inv_freq), so logits match HF's. A step indexes it by its
+flattened positions, which must lie in [0, P).
 
-Dynamic NTK has no single frequency set: HF recomputes inv_freq from the current sequence length
-once it exceeds the original maximum. The table gives row p the frequencies of
-seq_len = max(p + 1, original max), which is what HF computes when it decodes token by token (the
-keys cached at earlier positions keep the frequencies they were rotated with, here as in HF), and
-rows inside the original context are exactly the default table. Two other choices differ:
-- HF prefilling a prompt longer than the original maximum in one forward uses the whole prompt's
-  length for every position of it (and, in a batch, the longest row's), so its prompt logits
-  depend on how the prompt was chunked and batched; ours do not.
-- vLLM fixes the base at the longest length (max_position_embeddings * factor) for every position,
-  so it changes even the positions inside the original context; ours keep them exact.
-LongRoPE (Phi-3) is dynamic the same way: HF divides the frequencies by `short_factor` while the
-sequence fits the original context and by `long_factor` once it does not, so row p of the table
-uses long_factor where p + 1 exceeds original_max_position_embeddings (what HF's forward computes
-when called token by token), and every row is scaled by the attention factor. HF's `generate` for
-Phi-3 goes further: when a sequence first passes the original context it drops the KV cache and
-recomputes every earlier key with the long factors, so past that point its tokens can differ from
-ours (as from vLLM's, which does not recompute either). Prompts longer than the original context
-differ as under dynamic NTK.
-
-Gemma 3 rotates its windowed layers with a second, default-type table on its own base
-(`local_rope_theta`): `layer_tables` gives each layer its table, shared between layers.
+The table depends only on the config, never on a step, so prompt logits do not depend on how a
+prompt is chunked or batched; where that makes dynamic NTK and LongRoPE differ from HF is
+`RotaryEmbedding`'s docstring. Gemma 3's windowed layers rotate on a second, default-type table
+on their own base (`local_rope_theta`): `layer_tables` gives each layer its table, shared.
 """
 
 from __future__ import annotations
@@ -149,7 +132,26 @@ def _yarn_frequencies(head_dim: int, rope_theta: float, scaling: RopeScaling) ->
 
 class RotaryEmbedding:
     """Holds the cos/sin table on the model's device, which `ops.rotary` indexes in place of HF's
-    per-step computation. A plain object, not a module: it is derived from the config, never loaded."""
+    per-step computation. A plain object, not a module: it is derived from the config, never loaded.
+
+    Dynamic NTK has no single frequency set: HF recomputes inv_freq from the current sequence
+    length once it exceeds the original maximum. Row p gets the frequencies of seq_len =
+    max(p + 1, original max), which is what HF computes when it decodes token by token (the keys
+    cached at earlier positions keep the frequencies they were rotated with, here as in HF), and
+    rows inside the original context are exactly the default table. Two other choices differ:
+    - HF prefilling a prompt longer than the original maximum in one forward uses the whole
+      prompt's length for every position of it (and, in a batch, the longest row's), so its
+      prompt logits depend on how the prompt was chunked and batched; ours do not.
+    - vLLM fixes the base at the longest length (max_position_embeddings * factor) for every
+      position, so it changes even the positions inside the original context; ours keep them exact.
+    LongRoPE (Phi-3) is dynamic the same way: HF divides the frequencies by `short_factor` while
+    the sequence fits the original context and by `long_factor` once it does not, so row p uses
+    long_factor where p + 1 exceeds original_max_position_embeddings (what HF's forward computes
+    when called token by token), and every row is scaled by the attention factor. HF's `generate`
+    for Phi-3 goes further: when a sequence first passes the original context it drops the KV
+    cache and recomputes every earlier key with the long factors, so past that point its tokens
+    can differ from ours (as from vLLM's, which does not recompute either). Prompts longer than
+    the original context differ as under dynamic NTK."""
 
     def __init__(
         self,

@@ -1,46 +1,18 @@
-"""ModelRunner: runs StepPlans on the device, keeping the step state there between steps.
+"""ModelRunner: runs StepPlans on one device (one tensor-parallel rank), keeping step state there.
 
-Per plan: check it (gpu/plan_checks.py), drop finished sequences, register new ones (a known seq_id is replaced: a resume after
-preemption, computed again from 0 or from its prefix-cache hit), copy the plan's KV blocks
-(copy-on-write), rewrite then extend each row's block table, then run the plan's passes. A row
-whose computed count reaches its known tokens samples one more, and one per fork from the same
-logits (each fork starts as a copy of the sequence plus its own token). Sampling is
-conveyor.gpu.sampling's; a draw whose logits were not finite is named in StepResult.failed_draws.
+Owns the sequences the worker holds (`WorkerSeq`: tokens as the host knows them, computed count,
+block table, matcher), their persistent batch, the KV caches plus one scratch block, the decode
+CUDA graphs and the passes launched but not yet collected. Callers: `execute(plan)` runs a plan
+to its end (LLM, tests); the worker stage iterates `launch(plan)` (a pass each) and sends what
+`collect(keep)` and `collect_due()` return as the copies land (docs/architecture.md ("Overlap")).
 
-What stays on the device (gpu/persistent_batch.py): each sequence's row of the block tables,
-updated by the plan's diffs, and its newest sampled id. A decode row's input is read there, so
-with asynchronous scheduling step n + 1 is launched before step n's ids ever reach the host.
-Those ids come back on a side stream behind an event (HostCopy), and each pass becomes a
-StepResult once they land (`collect`), while later passes compute.
-
-Multi-step (StepPlan.num_steps = K > 1, every row decoding): pass k's inputs advance on the
-device from pass k - 1's (gpu/step_inputs.py). A row runs its first num_tokens passes; one whose
-sequence the host has seen stop (EOS or a stop token once min_tokens outputs exist, or a failed
-draw) leaves the later passes (a GPU sees it a pass late: its copy overlaps the next pass), and
-its draws there are reported in masked_draws. When no row is left the window ends early.
-
-Penalties read token histories on the host: a pass with such a row waits for the ids still in
-flight first (correct, and only that row's requests pay for it).
-
-Constrained decoding (params.structured, gpu/structured/): each such sequence owns a matcher that
-takes its ids as they reach the host (gpu/passes.py). A pass with a constrained sampling row
-launches its forward first, then waits for that row's ids in flight, fills the row's bitmask
-while the device computes, and masks its logits before drawing; passes without one pay nothing.
-
-A plan's passes and the StepResults they become are gpu/passes.py's.
-
-Tensor parallelism (gpu/parallel/): every rank runs every plan the same way, the model's
-collectives keeping them together, and rank 0 alone samples (gpu/parallel/sampling.py: the others
-take its ids); only its StepResults are sent. Every decision that changes which collectives a
-pass makes (rows left in a window, a void pass) must be the same on every rank, so it is made
-from state the ranks share: the host's ids, collected by count when tp > 1 (a copy's readiness
-is timing, which differs between ranks), and whether a row is constrained, not its matcher (only
-rank 0 keeps matchers). CUDA graphs are not captured when tp > 1: a graph around NCCL
-collectives is possible but has not been run here, so those steps run eagerly.
-
-Use: `execute(plan)` runs a plan to the end and returns its StepResults (one per pass). The
-worker stage overlaps instead: it iterates `launch(plan)` (each step of the iteration launches
-one pass) and sends what `collect(keep)` returns as the copies land.
+Invariants:
+- a plan that fails `check_plan` raises before any state changes; results come in launch
+  order, one StepResult per pass of a plan with rows; a known seq_id is replaced (a resume);
+- tensor parallelism: every rank runs every plan alike and rank 0 alone samples, so whatever
+  changes which collectives a pass makes (rows left in a window, a void pass) is decided from
+  state the ranks share: ids collected by count, never by a copy's readiness (timing differs
+  between ranks), and whether a row is constrained, never its matcher (only rank 0 has one).
 """
 
 from __future__ import annotations
@@ -139,7 +111,8 @@ class ModelRunner:
             self._graph_probe = None
 
     def _uses_graphs(self) -> bool:
-        """Whether decode steps take the CUDA-graph path (captured on CUDA; see the module docstring for tp)."""
+        """Whether decode steps take the CUDA-graph path (captured on CUDA). Not with tp > 1: a graph
+        around NCCL collectives is possible but has not been run here, so those steps run eagerly."""
         parallel = self.config.parallel
         return self.platform.runs_graphs and not parallel.enforce_eager and self.attn.supports_cuda_graphs and self.tp.size == 1
 
@@ -199,7 +172,8 @@ class ModelRunner:
             yield
 
     def _apply(self, plan: StepPlan) -> Window | None:
-        """Check the plan, then register, drop, copy and update block tables; the plan's window."""
+        """Check the plan, then drop finished sequences, register new ones, copy blocks (copy-on-write)
+        and rewrite, then extend, each row's block table; the plan's window."""
         check_plan(plan, self.seqs, self.config.model, self.num_blocks, self.block_size, self.max_blocks_per_seq)
         for seq_id in plan.finished_seq_ids:
             if self.seqs.pop(seq_id, None) is not None:
@@ -228,7 +202,8 @@ class ModelRunner:
         return Window(plan, rows, passes, max(passes))
 
     def _register(self, new: NewSeq) -> WorkerSeq:
-        # A prefix-cache hit: the leading num_computed_tokens already have KV in the row's blocks.
+        # A known seq_id is a resume after preemption, computed again from 0 or from a prefix-cache
+        # hit: then the leading num_computed_tokens already have KV in the row's blocks.
         seq = WorkerSeq(new.seq_id, list(new.token_ids), new.params, new.num_prompt_tokens, new.num_computed_tokens, index=new.index)
         seq.matcher = self._matcher(seq)  # a resumed sequence's outputs replayed into it
         return seq

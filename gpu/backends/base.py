@@ -1,36 +1,17 @@
-"""The seam between the model and the device: an attention backend and an ops object.
+"""The seam between the model and the device: an `AttentionBackend` and an `Ops` object, bundled
+as a `Backend` chosen once at start-up (gpu/backends/__init__.py `select`). The model calls only
+these and never asks which device it runs on. Implementations: gpu/backends/torch (the reference,
+any device), gpu/backends/cpu (C++ kernels and oneDNN, float32 CPU), gpu/backends/triton (CUDA;
+CPU tensors under TRITON_INTERPRET=1). Who calls which method, when: `AttentionBackend`.
 
-The model (gpu/models/llama.py) never asks which device it runs on. Every layer calls `ops.*`
-for elementwise and linear work and `attn.forward(...)` for attention; a `Backend` bundles the
-two, chosen once at start-up (gpu/backends/__init__.py `select`). Implementations:
-gpu/backends/torch (the reference, any device), gpu/backends/cpu (C++ kernels and oneDNN,
-float32 CPU), gpu/backends/triton (CUDA; CPU tensors under TRITON_INTERPRET=1).
-
-Who calls what, per step (gpu/runner.py, then the model):
-1. runner, once: `attn.allocate_kv_caches(num_blocks, block_size)` (sized with
-   `attn.bytes_per_block(block_size)`), and `ops.prepare(model)` after the weights are loaded;
-2. runner, per plan: `attn.copy_blocks(kv_caches, pairs)` (copy-on-write), then
-   `meta = attn.build_metadata(query_lens, seq_lens, block_tables, positions, block_size, sliding_window)`;
-3. each layer: `attn.forward(q, k, v, kv_caches[layer], attn.for_window(meta, window), scale)`,
-   which writes the step's new k/v (`write_kv`) and attends (`attend`) over a mixed step: decode
-   rows (one query) and prompt chunks (several, possibly after cached context) in one call.
-   `for_window` is `meta` itself for a layer whose window is the step's; a model whose layers
-   differ (Gemma 2/3, Qwen2 with max_window_layers) gets the metadata of each other window built
-   once per step, on its first layer's call, and kept on `meta` (`by_window`) for the others.
-A decode step replayed from a CUDA graph (gpu/cuda_graphs.py) skips 2's build_metadata: its
-metadata is built once per graph with `attn.build_graph_metadata(...)` over static buffers, and
-only where `attn.supports_cuda_graphs` (the triton backend).
-
-Tokens are flattened across rows ("varlen"): a step of B rows has T = sum(query_lens) tokens;
-row r owns tokens [query_start_loc[r], query_start_loc[r + 1]); its query j sits at position
-seq_lens[r] - query_lens[r] + j, attends causally to positions <= its own, and with a sliding
-window W sees only the W positions ending at its own (itself included). A backend reads the
-model's attention logit soft-cap (`softcap`, Gemma 2: scores -> cap * tanh(scores / cap) after the
-scale, before the mask and softmax) from the config it was built with.
-
-The KV cache is one tensor per layer whose dim 0 is keys/values and dim 1 is blocks
-([2, num_blocks, ...]): the layout inside a block is the backend's own (`kv_layout`), and only
-that backend reads or writes it. Block b of every layer belongs to the same sequence.
+Invariants every implementation keeps:
+- tokens are flattened across rows ("varlen"): a step of B rows has T = sum(query_lens) tokens;
+  row r owns tokens [query_start_loc[r], query_start_loc[r + 1]); its query j sits at position
+  seq_lens[r] - query_lens[r] + j and attends causally to positions <= its own, and with a
+  sliding window W only to the W positions ending at its own (itself included);
+- the KV cache is one tensor per layer, [2 (keys, values), num_blocks, ...]; the layout inside a
+  block is the backend's own (`kv_layout`) and only it reads or writes it; block b of every
+  layer belongs to the same sequence.
 """
 
 from __future__ import annotations
@@ -113,7 +94,22 @@ class AttentionMetadata:
 
 class AttentionBackend(abc.ABC):
     """Owns the paged KV cache in its own layout and attention over it. Built by `select` with
-    the model's config and device; `num_kv_heads`, `head_dim`, `dtype` come from that config."""
+    the model's config and device; `num_kv_heads`, `head_dim`, `dtype` come from that config.
+
+    Who calls what (gpu/runner.py, then the model):
+    1. runner, once: `allocate_kv_caches(num_blocks, block_size)` (sized with
+       `bytes_per_block(block_size)`), and `ops.prepare(model)` after the weights are loaded;
+    2. runner, per plan: `copy_blocks(kv_caches, pairs)` (copy-on-write), then
+       `meta = build_metadata(query_lens, seq_lens, block_tables, positions, block_size, sliding_window)`;
+    3. each layer: `forward(q, k, v, kv_caches[layer], for_window(meta, window), scale)`, which
+       writes the step's new k/v (`write_kv`) and attends (`attend`) over a mixed step: decode
+       rows (one query) and prompt chunks (several, possibly after cached context) in one call.
+       `for_window` is `meta` itself for a layer whose window is the step's; a model whose layers
+       differ (Gemma 2/3, Qwen2 with max_window_layers) gets each other window's metadata built
+       once per step, on its first layer's call, and kept on `meta` (`by_window`).
+    A decode step replayed from a CUDA graph (gpu/cuda_graphs.py) skips 2's build_metadata: its
+    metadata is built once per graph by `build_graph_metadata` over static buffers, and only
+    where `supports_cuda_graphs` (the triton backend)."""
 
     def __init__(self, model: ModelConfig, device: torch.device) -> None:
         self.model_config = model
@@ -122,6 +118,8 @@ class AttentionBackend(abc.ABC):
         self.num_kv_heads = model.num_kv_heads
         self.head_dim = model.head_dim
         self.dtype: torch.dtype = getattr(torch, model.dtype)
+        # The attention logit soft-cap (Gemma 2): scores -> cap * tanh(scores / cap) after the scale,
+        # before the mask and softmax. Every backend reads it from here.
         self.softcap: float | None = model.attn_logit_softcap
 
     kv_layout: str = "[2, num_blocks, block_size, Hkv, D]"  # for docs and logs; the backend's own

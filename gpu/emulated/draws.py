@@ -1,23 +1,18 @@
 """Emulated draws: deterministic ids from the tokenizer's ordinary vocabulary.
 
-A draw's id is the ordinary vocabulary's entry at a hash of (its sequence's key, its choice
-index, its output position). The ordinary vocabulary is every id of the tokenizer that is not a
-special token (so no EOS, no chat markup) and that the model's logits hold. A sequence's key
-hashes its request's seed (0 unseeded) and its prompt (its length, its first and last 16 ids),
-so a repeated request repeats its answer whatever the batch, as a greedy or seeded one does on a
-model, and the n choices of one request differ. Lengths therefore end requests (max_tokens,
-ignore_eos or not) and stop strings end them where the text happens to hold one.
+`EmulatedDraws` serves the emulated platform's `draw`: the same arguments and the same DeviceSamples
+as the sampler's, whose device work it replaces; its host work is one pass over the draws, as
+draw_step's own bookkeeping is (gpu/sampling/draws.py). The ordinary vocabulary is every id of
+the tokenizer that is not a special token (so no EOS, no chat markup) and that the logits hold.
 
-Structured outputs still constrain the ids: a constrained draw whose id its grammar's bitmask
-forbids takes the allowed id the same hash picks instead (a complete grammar allows only EOS, so
-the answer ends there). Before min_tokens outputs a draw never ends its sequence (no EOS, no
-stop id), and one with nothing left to draw fails, as on a model.
-
-Logprobs are those of a uniform draw over the ordinary vocabulary: -ln N for every id, the
-sampled one first among the top logprobs.
-
-What this replaces is the sampler's device work; its host work is one pass over the draws, as
-draw_step's own bookkeeping is (gpu/sampling/draws.py).
+Invariants:
+- a draw's id is the ordinary vocabulary's entry at a hash of (its sequence's key, its choice
+  index, its output position); the key hashes its request's seed (0 unseeded) and its prompt
+  (its length, its first and last _EDGE ids), so a repeated request repeats its answer whatever
+  the batch, and the n choices of one request differ;
+- a draw obeys its grammar's bitmask and min_tokens as on a model (no EOS, no stop id before
+  min_tokens outputs); one with nothing left to draw fails;
+- every logprob is a uniform draw's, -ln N, the sampled id first among the top logprobs.
 """
 
 from __future__ import annotations
@@ -36,6 +31,11 @@ _MAX_KEYS = 8192  # cached sequence keys before the cache starts again
 
 
 class EmulatedDraws:
+    """Draws for the emulated device. Lengths therefore end requests (max_tokens, ignore_eos or
+    not), and stop strings end them where the text happens to hold one. A constrained draw whose
+    id its grammar's bitmask forbids takes the allowed id the same hash picks instead (a complete
+    grammar allows only EOS, so the answer ends there)."""
+
     def __init__(self, ordinary_ids: np.ndarray, vocab_size: int) -> None:
         if len(ordinary_ids) == 0:
             raise ValueError("the tokenizer has no ordinary (non-special) ids to draw")

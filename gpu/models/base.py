@@ -5,16 +5,13 @@ backend)` (on the meta device when loading), filled by `load_weights(tensors)` f
 checkpoint's (name, tensor) stream, adjusted once by `after_load()`, then run as
 `forward(input_ids, positions, meta, kv_caches)` -> hidden [T, H] and `compute_logits(hidden)`.
 
-The skeleton is the checkpoint's: `model.embed_tokens`, `model.layers` (config.num_layers of the
-family's `layer_class`), `model.norm`, `lm_head` (the embedding's weight where tied), plus one rope
-table per layer (gpu/rope.py `layer_tables`: Gemma 3's windowed layers have their own). There is
-one forward for every family, mixture-of-experts included; a family names its `layer_class` (built
-as (config, backend, layer_index), called as (x, residual, positions, rope, meta, kv_cache) ->
-(x, residual)) and overrides the hooks `embed`, `compute_logits`, `load_weights`, `after_load`.
-
-Parameter names equal the checkpoint's, so the default `load_weights` is a name lookup: each
-tensor cut to this rank's slice by the split its layer declares (gpu/parallel/shard.py), its shape
-checked, and every parameter required. Errors are one ConfigError line naming the weight.
+Invariants: there is one forward for every family, mixture-of-experts included; a family names
+its `layer_class` (built as (config, backend, layer_index), called as (x, residual, positions,
+rope, meta, kv_cache) -> (x, residual)) and overrides only the hooks `embed`, `compute_logits`,
+`load_weights`, `after_load`. The skeleton and the parameter names are the checkpoint's
+(`model.embed_tokens`, `model.layers`, `model.norm`, `lm_head`, the embedding's weight where
+tied), so the default `load_weights` is a name lookup; every parameter is required, and an
+error is one ConfigError line naming the weight.
 """
 
 from __future__ import annotations
@@ -45,7 +42,8 @@ class DecoderModel(nn.Module):
 class CausalLM(nn.Module):
     """`backend` (gpu/backends) does the layers' ops and attention; None: the torch backend on
     `rope_device`. `rope_device` is explicit so the model can be built on the meta device (no
-    init cost) while the rope tables, which are computed rather than loaded, land on the real one."""
+    init cost) while the rope tables, which are computed rather than loaded, land on the real one:
+    one table per layer (gpu/rope.py `layer_tables`: Gemma 3's windowed layers have their own)."""
 
     layer_class: type[nn.Module]  # each family names its own
 
@@ -88,7 +86,8 @@ class CausalLM(nn.Module):
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from the checkpoint's (name, tensor) pairs, which may stream, casting
-        dtype; each cut to this rank's slice where its layer splits it."""
+        dtype; each cut to this rank's slice by the split its layer declares (gpu/parallel/shard.py),
+        its shape checked."""
         params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
         splits, tp = splits_of(self), self.backend.tp
         missing = set(params)

@@ -1,23 +1,16 @@
-"""Gemma2ForCausalLM and Gemma3ForCausalLM (text only): Llama's decoder with Gemma's differences.
+"""Gemma2ForCausalLM and Gemma3ForCausalLM (text only): Llama's decoder with Gemma's differences,
+and their config adapters (`gemma2_config`, `gemma3_config`), which read Gemma's own config.json
+names; soft-capping is refused for every family whose adapter does not take it.
 
-What differs from llama.py, and where it is handled:
-- RMSNorm scales by (1 + weight), every norm (q/k norms included): `after_load` adds the 1 to
-  the loaded weights once, so the norms are llama.py's and the ops' fused kernels serve them.
-  HF computes (1 + w) in float32 per call; in float32 the two agree bit for bit, in bf16 ours
-  rounds 1 + w to bf16 (one rounding more).
-- Four norms per layer: the attention and MLP outputs are normalised before the residual add
-  (post_attention_layernorm, post_feedforward_layernorm), and the MLP input by
-  pre_feedforward_layernorm.
-- Embeddings scaled by sqrt(hidden_size), the factor rounded to the model dtype first (as HF).
-- GeGLU: the MLP's activation is GELU with the tanh approximation (config.hidden_act).
-- Attention scale query_pre_attn_scalar^-1/2 (config.attention_scale), attention logit
-  soft-capping (Gemma 2: the backend reads config.attn_logit_softcap) and final logit soft-capping
-  (`compute_logits`).
-- Sliding-window and global layers interleaved (config.layer_windows; each Attention asks the
-  backend for its window's metadata), and Gemma 3's windowed layers rotate on their own rope base
-  (config.local_rope_theta, gpu/rope.py `layer_tables`). Gemma 3's q/k norms are config.qk_norm.
-The config adapters (`gemma2_config`, `gemma3_config`) read these fields, which config.json names
-in Gemma's own way; soft-capping is refused for every family whose adapter does not take it.
+Owns what differs from llama.py; the rest is llama.py's layers and CausalLM's one forward:
+- RMSNorm scales by (1 + weight), every norm (q/k norms included): `after_load` folds the 1 in;
+- four norms per layer (`GemmaDecoderLayer`): attention and MLP outputs are normalised before the
+  residual add, and the MLP input by pre_feedforward_layernorm;
+- embeddings scaled by sqrt(hidden_size) (`embed`), and final logit soft-capping (`compute_logits`);
+- read from ModelConfig, not coded here: GeGLU (hidden_act), the attention scale
+  query_pre_attn_scalar^-1/2, attention logit soft-capping (Gemma 2, read by the backend),
+  sliding-window and global layers interleaved (layer_windows), Gemma 3's q/k norms (qk_norm)
+  and its windowed layers' own rope base (local_rope_theta, gpu/rope.py `layer_tables`).
 """
 
 from __future__ import annotations
@@ -65,10 +58,14 @@ class GemmaForCausalLM(CausalLM):
     layer_class = GemmaDecoderLayer
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, H], scaled by sqrt(hidden_size), the factor rounded to the model dtype first (as HF)."""
         x = self.model.embed_tokens(input_ids)
         return x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
 
     def after_load(self) -> None:
+        """Add Gemma's 1 to every RMSNorm weight once, so the norms are llama.py's and the ops' fused
+        kernels serve them. HF computes (1 + w) in float32 per call; in float32 the two agree bit for
+        bit, in bf16 ours rounds 1 + w to bf16 (one rounding more)."""
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, RMSNorm):

@@ -1,22 +1,16 @@
 """The model's layers that hold weights, whole or split over tensor-parallel ranks (Megatron).
 
-Model code says which kind each projection is; nothing else decides it:
-- `Linear`: whole on every rank (an MoE router, the shared expert's gate);
-- `ColumnParallelLinear`: the output rows split (q/k/v, gate/up): each rank computes its own
-  heads or intermediate rows from the whole input, no communication;
-- `RowParallelLinear`: the input columns split (o_proj, down_proj), so each rank's product is a
-  partial sum: one all-reduce makes it whole (`reduce=False` leaves that to the caller, an MoE
-  block that sums its experts first). Its bias is added once, on rank 0 (the others have none);
-- `VocabParallelEmbedding`: each rank holds a contiguous range of the (padded) vocabulary; ids
-  outside it look up zeros, and an all-reduce sums the ranks' rows;
-- `ParallelLMHead`: column-parallel over the same vocabulary ranges, the logits gathered on rank
-  0 (the rank that samples) and the padding dropped. A tied head shares the embedding's shard;
-- `RMSNorm`: whole on every rank, its residual add folded in (the ops' fused kernel).
+Model code says which kind each projection is (nothing else decides it): `Linear` (whole on every
+rank), `ColumnParallelLinear` (output rows split, no communication), `RowParallelLinear` (input
+columns split, one all-reduce), `VocabParallelEmbedding`, `ParallelLMHead` and `RMSNorm` (whole,
+its residual add folded in). Each class's docstring gives its shapes and its collective.
 
-Each is built from the *whole* model's sizes (`parts`: (units, rows per unit) of each fused part,
-see gpu/parallel/shard.py) and the TensorParallel it runs in, and declares in `splits` how each
-of its parameters is cut from the checkpoint, which the loader applies. With one rank every layer
-is nn.Linear / nn.Embedding with the checkpoint's names and shapes.
+Invariants:
+- each is built from the *whole* model's sizes (`parts`: (units, rows per unit) of each fused
+  part, gpu/parallel/shard.py) and the TensorParallel it runs in, and declares in `splits` how
+  each of its parameters is cut from the checkpoint, which the loader applies;
+- with one rank every layer is nn.Linear / nn.Embedding with the checkpoint's names and shapes;
+- every product goes through the backend's ops (`ops.linear`), never a device branch.
 """
 
 from __future__ import annotations
@@ -33,7 +27,8 @@ Parts = tuple[tuple[int, int], ...]
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same names) whose product is the ops' (`ops.linear`).
+    """nn.Linear (same parameters, same names) whose product is the ops' (`ops.linear`); as such,
+    whole on every rank (an MoE router, the shared expert's gate).
     `prepared` is the ops' own form of the weight, set once by `ops.prepare(model)` (the cpu
     backend's narrow-linear re-layout); None: the weight as loaded."""
 
@@ -48,7 +43,8 @@ class Linear(nn.Linear):
 
 
 class ColumnParallelLinear(Linear):
-    """[T, in] -> [T, this rank's rows of `parts`]; the whole input on every rank."""
+    """[T, in] -> [T, this rank's rows of `parts`] (q/k/v, gate/up): each rank computes its own
+    heads or intermediate rows from the whole input, no communication."""
 
     def __init__(self, in_features: int, parts: Parts, bias: bool, ops: Ops, tp: TensorParallel = SINGLE) -> None:
         split = Split(0, parts)
@@ -57,7 +53,9 @@ class ColumnParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """[T, this rank's columns of `parts`] -> [T, out], summed over the ranks unless reduce=False."""
+    """[T, this rank's columns of `parts`] -> [T, out] (o_proj, down_proj): each rank's product is a
+    partial sum, which one all-reduce makes whole unless reduce=False (an MoE block that sums its
+    experts first). Its bias is added once, on rank 0 (the others have none)."""
 
     def __init__(
         self, parts: Parts, out_features: int, bias: bool, ops: Ops, tp: TensorParallel = SINGLE, reduce: bool = True
@@ -73,7 +71,8 @@ class RowParallelLinear(Linear):
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """ids [T] -> [T, H]; this rank holds rows [rank * n, (rank + 1) * n) of the padded vocabulary."""
+    """ids [T] -> [T, H]; this rank holds rows [rank * n, (rank + 1) * n) of the padded vocabulary.
+    Ids outside it look up zeros, and an all-reduce sums the ranks' rows."""
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE) -> None:
         split = Split(0, ((vocab_size, 1),), pad=True)
@@ -91,8 +90,9 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class ParallelLMHead(Linear):
-    """hidden [N, H] -> logits [N, V] on rank 0; the other ranks compute their vocabulary shard's
-    logits for the gather and get [N, 0] (they do not sample)."""
+    """hidden [N, H] -> logits [N, V] on rank 0 (the rank that samples), column-parallel over the
+    embedding's vocabulary ranges, gathered and the padding dropped; the other ranks compute their
+    shard's logits for the gather and get [N, 0]. A tied head shares the embedding's shard."""
 
     def __init__(self, hidden_size: int, vocab_size: int, ops: Ops, tp: TensorParallel = SINGLE) -> None:
         split = Split(0, ((vocab_size, 1),), pad=True)

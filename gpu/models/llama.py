@@ -1,20 +1,17 @@
 """LlamaForCausalLM, which also serves MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM, with
 their config adapters; and the layers the other families (gemma.py, phi3.py, mixtral.py) build on.
 
-The four differ only in what ModelConfig says, and the adapters here are where their config.json
-quirks become it: biases on q/k/v (Qwen2 always: `qwen2_config`) or on every projection (Llama
-attention_bias / mlp_bias), tied embeddings, sliding windows (Mistral: every layer; Qwen2/3: the
-layers from max_window_layers on, `qwen_windows`), an RMSNorm over each q and k head before rotary
-(Qwen3: `qk_norm`), the head_dim, GQA and the rope type. Tokens are flattened across sequences
-("varlen"): activations are [T, H] and attention finds each token's sequence through
-AttentionMetadata.
+The four differ only in what ModelConfig says, and the adapters here (`llama_config`,
+`qwen2_config`, `qwen3_config`, `qwen_windows`) are where their config.json quirks become it:
+q/k/v or per-projection biases, tied embeddings, sliding windows, q/k norms, head_dim, GQA, rope.
 
-No device or backend branches: every layer calls the backend's `ops.*` (norms, rotary, SiLU x
-up, linear) and `attn.forward(...)` (gpu/backends/base.py); the backend is chosen once, outside.
-Each attention layer asks the backend for the step's metadata of its own window
-(`attn.for_window`). Parameter names equal the Hugging Face safetensors names
-(model.layers.0.self_attn.q_proj.weight, ...), so loading is CausalLM's name lookup; projections
-are kept unfused for that reason.
+Invariants:
+- activations are [T, H], tokens flattened across sequences ("varlen"); attention finds each
+  token's sequence through AttentionMetadata, and each attention layer asks for the metadata of
+  its own window (`attn.for_window`);
+- no device or backend branches: every layer calls the backend's `ops.*` and `attn.forward(...)`;
+- parameter names equal the Hugging Face safetensors names (model.layers.0.self_attn.q_proj.weight,
+  ...), so loading is CausalLM's name lookup; projections are kept unfused for that reason.
 """
 
 from __future__ import annotations
@@ -142,7 +139,8 @@ class LlamaForCausalLM(CausalLM):
 
 
 def llama_config(hf: dict[str, Any], cfg: ModelConfig) -> ModelConfig:
-    """Llama and Mistral: the generic reading is the whole story."""
+    """Llama and Mistral: the generic reading is the whole story (Llama's attention_bias and
+    mlp_bias, Mistral's window on every layer)."""
     return cfg
 
 

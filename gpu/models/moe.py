@@ -1,29 +1,18 @@
 """Mixture-of-experts feed-forward: a router picks K of E experts per token, the ops run them.
 
-How each family routes (transformers' modeling code is the reference):
-- Mixtral: softmax over the E router logits in float32, the top K, always renormalised to sum 1;
-  the weights stay float32 when they scale the experts' outputs.
-- Qwen3-MoE and Qwen2-MoE: the same softmax and top K, renormalised only where
-  `norm_topk_prob`, then rounded to the model dtype.
-- Qwen2-MoE adds a shared expert: a dense SiLU MLP that every token runs, scaled by
-  sigmoid(shared_expert_gate(x)) and added to the routed experts' sum.
-Which layers are sparse: every layer in Mixtral; in Qwen MoE layer i where
-(i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers (the others keep a dense MLP
-of intermediate_size).
+Owns the layers every MoE family shares (`route`, `Experts`, `SparseMoeBlock`) and the loading
+of per-expert checkpoint tensors into stacked parameters (`expert_weight_target`,
+`load_moe_weights`). Which layers are sparse, and how a family routes, is ModelConfig.moe
+(config/moe.py), filled by the family's config adapter; transformers' modeling code is the
+reference for every family.
 
-Parameters: the block's router is `gate.weight` [E, H] (the checkpoint's name); the experts are
-stacked, `experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its up rows) and
-`experts.down_proj` [E, H, I], so one `ops.moe_experts` call (one grouped GEMM on a GPU) serves
-every expert. Checkpoints store one tensor per expert and projection: `expert_weight_target`
-says which rows of which stacked parameter each one fills, and `load_moe_weights` loads a whole
-model that way (an MoE model's `load_weights`). The fields all this reads are ModelConfig.moe
-(config/moe.py), which each family's config adapter fills.
-
-Tensor parallelism splits every expert's intermediate dim (Megatron's MLP split inside each
-expert): a rank holds I / tp of each expert's gate and up rows and the matching down columns
-(`expert_split`), so its experts' sum is a partial sum over the intermediate dim, and so is the
-shared expert's (its down_proj does not reduce); the block adds the two and all-reduces once. The
-router and the shared expert's gate are whole on every rank: each rank routes every token alike.
+Invariants:
+- the experts are stacked, `experts.gate_up_proj` [E, 2I, H] (each expert's gate rows, then its
+  up rows) and `experts.down_proj` [E, H, I], so one `ops.moe_experts` call serves them all; the
+  router is `gate.weight` [E, H], the checkpoint's name;
+- tensor parallelism splits each expert's intermediate dim (`expert_split`): a rank's experts,
+  and its shared expert, give partial sums that the block adds and all-reduces once; the router
+  and the shared expert's gate are whole on every rank, so every rank routes every token alike.
 """
 
 from __future__ import annotations
@@ -47,7 +36,10 @@ from conveyor.gpu.parallel.shard import Split, cut, local_units, splits_of
 
 def route(router_logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights [T, K], float32 or the logits' dtype as the family does;
-    expert ids [T, K] int64), as transformers' top-k routers compute them."""
+    expert ids [T, K] int64), as transformers' top-k routers compute them: a softmax over the E
+    logits in float32, then the top K. Mixtral always renormalises them to sum 1 and keeps them
+    float32 to scale the experts' outputs; Qwen3-MoE and Qwen2-MoE renormalise only where
+    `norm_topk_prob`, then round them to the model dtype."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, moe.top_k, dim=-1)
     if moe.norm_topk_prob:
@@ -66,7 +58,9 @@ class Experts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """The feed-forward of a sparse layer: [T, H] -> [T, H]. `moe` is the whole model's; each
-    expert holds this rank's I / tp intermediate rows."""
+    expert holds this rank's I / tp intermediate rows. A shared expert (Qwen2-MoE) is a dense
+    SiLU MLP every token runs, scaled by sigmoid(shared_expert_gate(x)) and added to the routed
+    experts' sum before the one all-reduce."""
 
     def __init__(self, config: ModelConfig, moe: MoeConfig, ops: Ops, tp: TensorParallel = SINGLE) -> None:
         super().__init__()

@@ -1,22 +1,17 @@
 """How an engine's worker ranks meet: `init_group(config, engine, rank)` -> TensorParallel.
 
-With tensor_parallel_size 1 nothing happens (SINGLE). Otherwise every rank of the engine calls
-torch.distributed.init_process_group (gloo on a CPU, NCCL on CUDA) at start-up, before the model
-is loaded, and meets the others:
-- through `CONVEYOR_DIST_INIT_METHOD` when it is set (`tcp://host:port`: the Ray placement hands
-  out a port on rank 0's node when the ranks run on several nodes);
-- else through a file store in the run directory (mode 0700), so nothing listens on the network
-  for the rendezvous, and gloo's own connections go over loopback (GLOO_SOCKET_IFNAME=lo unless
-  the caller chose an interface). An engine that is restarted must not meet its dead
-  predecessor's keys, so the store file is named after rank 0's pid, and rank 0 points the
-  engine's link `tp-engine-{engine}` at it; the other ranks follow the link once the pid it names
-  is alive (the launcher restarts an engine only after all of its old processes are gone).
+The worker stage calls it at start-up, before the model is loaded. With tensor_parallel_size 1
+nothing happens (SINGLE); otherwise every rank of the engine calls
+torch.distributed.init_process_group (gloo on a CPU, NCCL on CUDA) and meets the others through
+`CONVEYOR_DIST_INIT_METHOD` when it is set (`tcp://host:port`: the Ray placement hands out a
+port on rank 0's node when the ranks run on several nodes), else through a file store in the
+run directory (`_file_store`).
 
-A dead peer cannot hang a rank: gloo fails a collective whose peer closed its connection, and
-every collective has COLLECTIVE_TIMEOUT. The launcher stops an engine's other ranks with its STOP
-signal when one dies (wire/signals.py); a rank blocked in a collective never returns to the
-interpreter to run a Python handler, so ranks of a group take STOP's default action (they die at
-once: a worker has nothing to save) rather than the StageStopped a single worker raises.
+Invariants: nothing listens on the network for a local rendezvous (a 0700 run directory, gloo
+over loopback); a restarted engine never meets its dead predecessor's store; a dead peer cannot
+hang a rank: gloo fails a collective whose peer closed its connection, every collective has
+COLLECTIVE_TIMEOUT, and a rank of a group dies at once on the launcher's STOP (`init_group`
+says why it takes STOP's default action).
 """
 
 from __future__ import annotations
@@ -55,13 +50,23 @@ def init_group(config: EngineConfig, engine: int, rank: int) -> TensorParallel:
         method = _file_store(Path(config.server.run_dir), engine, rank)
     backend = "nccl" if config.parallel.device == "cuda" else "gloo"  # an emulated device's ranks are host processes
     dist.init_process_group(backend, init_method=method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    signal.signal(STOP, signal.SIG_DFL)  # see the module docstring
+    # The launcher stops an engine's other ranks with its STOP signal when one dies (wire/signals.py).
+    # A rank blocked in a collective never returns to the interpreter to run a Python handler, so
+    # ranks of a group take STOP's default action (they die at once: a worker has nothing to save)
+    # rather than the StageStopped a single worker raises.
+    signal.signal(STOP, signal.SIG_DFL)
     log.info("tensor-parallel rank %d of %d (engine %d, %s)", rank, size, engine, backend)
     return TensorParallel(rank, size, dist.group.WORLD)
 
 
 def _file_store(run_dir: Path, engine: int, rank: int) -> str:
-    """The file:// init method of this incarnation of the engine's group."""
+    """The file:// init method of this incarnation of the engine's group: a store in the run
+    directory (mode 0700), so nothing listens on the network for the rendezvous (and init_group
+    keeps gloo's own connections on loopback: GLOO_SOCKET_IFNAME=lo unless the caller chose an
+    interface). An engine that is restarted must not meet its dead predecessor's
+    keys, so the store file is named after rank 0's pid, and rank 0 points the engine's link
+    `tp-engine-{engine}` at it; the other ranks follow the link once the pid it names is alive
+    (the launcher restarts an engine only after all of its old processes are gone)."""
     link = run_dir / f"tp-engine-{engine}"
     if rank == 0:
         for stale in run_dir.glob(f"tp-engine-{engine}-*.store"):  # a dead incarnation's

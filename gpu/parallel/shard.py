@@ -1,22 +1,17 @@
 """Which slice of each checkpoint tensor a tensor-parallel rank holds (Megatron's split).
 
-A split dimension (q heads, KV heads, the MLP's intermediate rows, the vocabulary) is a number of
-*units* (a head of head_dim rows, one intermediate row, one token's row): with n units over `size`
-ranks, rank r holds
-- n / size of them, units [r * n / size, (r + 1) * n / size), when size divides n;
-- one unit, number r * n // size, when n divides size: the unit is replicated on size / n
-  ranks (KV heads when there are fewer than ranks: each rank's query heads read their own copy).
-Anything else is refused when the config is built (conveyor/engine_config.py) with one line.
+The layer that owns a parameter declares its `Split` (gpu/models/layers.py); the model's weight
+loading (`CausalLM.load_weights`, moe.py's `load_moe_weights`) calls `cut` on every tensor the
+loader streams, so a rank only ever holds its own slice. `shard_model_config` is one rank's
+ModelConfig, from which the attention backend sizes its KV layout and cache.
 
-A `Split` is declared by the layer that owns the parameter (gpu/models/layers.py): the dim it is
-cut along and the tensor's *parts* along it, in order (a fused projection has several: Phi-3's
-qkv_proj is q heads, then KV heads, then KV heads; gate_up_proj is gate rows, then up rows), each
-cut on its own. `pad` (the vocabulary) rounds the units up to a multiple of size with zero rows,
-dropped again after the logits are gathered. The loader (gpu/loader.py) calls `cut` on every
-tensor it reads, so a rank only ever holds its own slice.
-
-`shard_model_config` is the ModelConfig of one rank's shard, for the attention backend: its KV
-layout and cache size follow the rank's KV heads.
+Invariants: a split dimension is a number of *units* (a head of head_dim rows, one intermediate
+row, one token's row), and n units go over `size` ranks only evenly or replicated (`can_split`):
+- size divides n: rank r holds units [r * n / size, (r + 1) * n / size);
+- n divides size: rank r holds one unit, number r * n // size, replicated on size / n ranks (KV
+  heads when there are fewer than ranks: each rank's query heads read their own copy);
+anything else is refused when the config is built (conveyor/engine_config.py). A fused tensor's
+parts are cut each on its own (`Split.parts`).
 """
 
 from __future__ import annotations
@@ -59,8 +54,12 @@ class Split:
     concatenated in order."""
 
     dim: int
-    parts: tuple[tuple[int, int], ...]  # (units, rows per unit) of each part, in the tensor's order
-    pad: bool = False  # one part whose units are padded with zeros to a multiple of the ranks
+    # (units, rows per unit) of each part, in the tensor's order: a fused projection has several
+    # (Phi-3's qkv_proj is q heads, then KV heads, then KV heads; gate_up_proj gate rows, then up rows).
+    parts: tuple[tuple[int, int], ...]
+    # One part (the vocabulary) whose units are rounded up to a multiple of the ranks with zero
+    # rows, dropped again after the logits are gathered.
+    pad: bool = False
 
     def local_size(self, size: int) -> int:
         """The rank's length along `dim`."""

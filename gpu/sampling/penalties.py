@@ -6,15 +6,12 @@
    logit -= presence * (count > 0) + frequency * count;
 3. logit_bias, added;
 4. min_tokens: while the sequence has fewer outputs than min_tokens, its EOS ids (unless
-   ignore_eos) and stop_token_ids get -inf. Stop ids covering the vocabulary leave nothing to
-   draw: the sampler fails that draw rather than pick a masked id.
+   ignore_eos) and stop_token_ids get -inf; ids covering the vocabulary leave nothing to draw,
+   and the sampler fails that draw rather than pick a masked id.
 
-They depend only on the sequence, so they edit its logits row once, whatever its number of draws.
-Rows with default params cost nothing: the rows that need an edit are gathered into [P, V],
-edited and written back into a copy of the logits (the raw logits stay intact for logprobs), and
-a step where no row needs one returns its logits untouched. Token histories cross to the device
-as one padded [P, L] tensor that scatter_add turns into counts; bias and banned ids as one padded
-[P, B] pair of ids and values added by one scatter_add.
+Invariants: draws.py calls `apply_penalties` on a pass's logits; a row is edited once, whatever
+its number of draws; the raw logits stay intact (for logprobs), and a step where no row needs an
+edit gets them back untouched, so rows with default params cost nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +39,9 @@ def apply_penalties(
     vocab = logits.shape[-1]
     if num_outputs is None:
         num_outputs = [len(ids) - n for ids, n in zip(token_ids, num_prompt_tokens, strict=True)]
+    # Only the rows that need an edit are gathered into [P, V], edited and written back into a copy.
+    # Token histories cross to the device as one padded [P, L] tensor that scatter_add turns into
+    # counts; bias and banned ids as one padded [P, B] pair of ids and values added by one scatter_add.
     picked = [i for i, (p, n) in enumerate(zip(params, num_outputs, strict=True)) if _needs_edit(p, n, eos_token_ids)]
     if not picked:
         return logits

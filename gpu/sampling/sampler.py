@@ -1,25 +1,17 @@
 """Pick one token per draw from logits [S, V] float32, each draw with its own SamplingParams.
 
-The logits arrive already edited by penalties.py (penalties, bias, min_tokens), so greedy draws
-(temperature 0) take their argmax; when every draw is greedy that is the whole job (one argmax
-per row, no sort). Otherwise logits are divided by the temperature, filtered by top_k, top_p and
-min_p (filters.py; one descending sort shared by the batch, only if a draw uses top_k or top_p),
-and a token is drawn by inverting the CDF: one uniform u per draw, and the first token whose
-running sum of probabilities exceeds u times the row's total. That is one random number per draw
-rather than one per vocabulary entry (the exponential race's noise, [N, V] logarithms, cost more
-than the rest of sampling together on a CPU). Filtered tokens have probability 0, so the running
-sum never steps past u on them. A draw with a seed takes its u from a counter-based hash of
-(seed, output index, choice index) alone (seed_for, then its top 24 bits), so its token does not
-depend on what else is in the batch, nor on the device, while the n samples of one request differ;
-unseeded draws share one default-generator draw of the device. The hash is about a microsecond of
-host arithmetic per seeded draw (a torch.Generator per draw cost ten times that), with no device
-sync: its values go up with the step's other small inputs (transfer.py), behind no wait.
+draws.py calls `sample` with logits already edited by penalties.py (penalties, bias, min_tokens).
+Greedy draws (temperature 0) take their argmax; the others are divided by the temperature,
+filtered (filters.py) and drawn by inverting the CDF with one uniform per draw.
 
-A draw is valid when its row leaves something to draw: no NaN, no +inf, some entry above -inf
-(a subnormal temperature or an extreme penalty overflows, min_tokens with every id a stop id
-masks the whole row). Softmax turns any of these into NaN, so the row's total probability says
-it for free, and greedy rows get it from the max that their argmax comes with. An invalid draw
-returns id 0, never an id outside [0, V): the caller fails its request, the other draws stand.
+Invariants:
+- a seeded draw's token depends only on (seed, output index, choice index) and the logits, never
+  on the rest of the batch or the device (`seed_for`, `seeded_uniform`), while the n samples of
+  one request differ; unseeded draws share one default-generator draw of the device;
+- a draw is valid when its row leaves something to draw: no NaN, no +inf, some entry above -inf
+  (a subnormal temperature or an extreme penalty overflows; min_tokens with every id a stop id
+  masks the whole row). An invalid draw returns id 0, never an id outside [0, V): the caller
+  fails its request, the other draws stand. No device sync: seeded uniforms are host arithmetic.
 """
 
 from __future__ import annotations
@@ -49,6 +41,16 @@ def sample(
     of them goes up this step; None: copied up from `params`.
 
     Returns (ids [N] int64, valid [N] bool) on the logits' device; an invalid draw's id is 0.
+
+    When every draw is greedy that is the whole job: one argmax per row, no sort. Otherwise one
+    descending sort is shared by the batch, only if a draw uses top_k or top_p, and a token is
+    drawn by inverting the CDF: one uniform u per draw, and the first token whose running sum of
+    probabilities exceeds u times the row's total. That is one random number per draw rather than
+    one per vocabulary entry (the exponential race's noise, [N, V] logarithms, cost more than the
+    rest of sampling together on a CPU). Filtered tokens have probability 0, so the running sum
+    never steps past u on them. Validity comes for free: softmax turns NaN, +inf or a row of
+    -inf into NaN, so the row's total says it, and greedy rows get it from the max that their
+    argmax comes with.
     """
     greedy = [p.greedy for p in params]
     if all(greedy):
@@ -111,7 +113,9 @@ def _uniforms(
     params: list[SamplingParams], output_indices: list[int], choice_indices: list[int], device: torch.device
 ) -> torch.Tensor:
     """u [N] ~ U[0, 1): seeded draws from their hash (host integers, so a seed gives the same token
-    on any device), the rest from the default generator of the device."""
+    on any device), the rest from the default generator of the device. The hash is about a
+    microsecond of host arithmetic per seeded draw (a torch.Generator per draw cost ten times
+    that), with no device sync: its values go up with the step's other small inputs (transfer.py)."""
     u = torch.rand(len(params), device=device)
     seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]  # draw indices
     if seeded:

@@ -1,18 +1,16 @@
-"""The worker stage process: one per device (tensor-parallel rank). Runs the model.
+"""The worker stage process: one per device (tensor-parallel rank). Runs a ModelRunner.
 
 With tensor_parallel_size > 1 the ranks of an engine first form their group (gpu/parallel/), then
-each loads its shard; all of them run every plan, and rank 0 samples and answers.
+each loads its shard; all of them run every plan, and rank 0 alone answers.
 
 Takes (WorkerInbound): InitializeCache once, then StepPlan per step, from the scheduler.
 Sends: WorkerReady (its KV capacity) and, from rank 0, one StepResult per forward pass of a plan
 with rows (a multi-step plan has several), each as soon as its ids reach the host.
 
-The loop never lets the device wait for a result to be sent: it launches a plan's passes, then
-waits for whichever comes first, the next plan (asynchronous scheduling sends it while the device
-computes: it is launched at once, behind the passes in flight) or the oldest pass's ids (sent as
-they land). Where the device cannot say when a pass lands (a CUDA event can only be asked), it
-looks for a plan every POLL_MS. While a multi-step window runs, each pass's result goes out as
-soon as it lands, one pass behind the device at most (on a CPU, at once: compute is synchronous).
+The loop is receive, launch, send, and never lets the device wait for a result to be sent: it
+waits for whichever comes first, the next plan (launched at once, behind the passes in flight)
+or the oldest pass's ids (sent as they land), looking every POLL_MS where the device cannot say
+when a pass lands. Why a plan arrives while a pass computes: docs/architecture.md ("Overlap").
 """
 
 from __future__ import annotations
@@ -78,7 +76,9 @@ def run(config: EngineConfig, index: int) -> None:
                 case StepPlan() as plan:
                     started = time.time()
                     for _ in runner.launch(plan):
-                        send(runner.collect(keep=1))  # every landed pass; the one just launched may wait
+                        # Every landed pass; the one just launched may wait, so a multi-step window's results
+                        # trail the device by one pass at most (on a CPU, compute is synchronous: none).
+                        send(runner.collect(keep=1))
                     if log.isEnabledFor(logging.DEBUG):  # a step timeline, next to the ingress's arrivals
                         log.debug(
                             "step %d started=%.4f rows=%d tokens=%d new=%d passes=%d launch_ms=%.1f",

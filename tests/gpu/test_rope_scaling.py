@@ -4,7 +4,7 @@ The frequencies and YaRN's attention factor are compared with transformers' ROPE
 then a tiny random Llama with each scaling is compared end to end: prompt logits within the
 tolerance of tests/gpu/test_gpu_model.py (1e-4 of the largest logit). Dynamic NTK past the original
 context is compared with transformers decoding token by token, the case gpu/rope.py's per-position
-table reproduces (its docstring says how a one-shot HF prefill differs).
+table reproduces (`RotaryEmbedding`'s docstring says how a one-shot HF prefill differs).
 """
 
 from __future__ import annotations

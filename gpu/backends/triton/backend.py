@@ -1,23 +1,18 @@
 """TritonBackend: the seam of gpu/backends/base.py filled with this package's Triton kernels.
 
-Attention (TritonAttention):
-- KV cache: one zeroed tensor per layer, [2, num_blocks, block_size, Hkv, D] in the model dtype
-  (0 keys, 1 values): the layout of gpu/kv_cache.py, so `copy_blocks` is the base class's.
-- metadata: the base class's AttentionMetadata (query_start_loc, seq_lens, block tables, slot
-  mapping, on the device); the kernels need nothing more, so a step builds no masks.
-- write: kv_write.write_kv scatters the step's k/v [T, Hkv, D] through the slot mapping.
-- attend: one paged_attention launch for the whole mixed step (decode rows and prompt chunks),
-  reading K/V in place through the block tables.
-- CUDA graphs: supported (gpu/cuda_graphs.py). Grids and the split-K choice come from shapes
-  alone, so a decode step over static buffers (the base class's build_graph_metadata) captures.
+`triton_backend(model, device)` builds it for `select` (gpu/backends/__init__.py): TritonAttention
+(KV write, one paged_attention launch per mixed step) and TritonOps (add + RMSNorm, rotary,
+SiLU x up as Triton kernels; MoE experts as fused_moe.py's grouped GEMM; linear is torch's, as
+cuBLAS already does the GEMM).
 
-Ops (TritonOps): add + RMSNorm and RMSNorm (add_rms_norm.py), rotary in place (rotary.py) and
-SiLU x up (silu_mul.py) are Triton kernels; linear is torch's (cuBLAS already does the GEMM).
-
-Importing this module imports triton: gpu/backends/__init__.py imports it only when the triton
-backend is selected. On a CPU device the kernels run only under Triton's interpreter
-(TRITON_INTERPRET=1 set before triton is imported); without it `triton_backend` refuses with a
-ConfigError rather than failing at the first launch.
+Invariants:
+- the KV cache is one zeroed tensor per layer, [2, num_blocks, block_size, Hkv, D] in the model
+  dtype (0 keys, 1 values): gpu/kv_cache.py's layout, so `copy_blocks` is the base class's;
+- the metadata is the base class's AttentionMetadata: the kernels need no masks, and their grids
+  come from shapes alone, so decode steps capture in CUDA graphs (`supports_cuda_graphs`);
+- importing this module imports triton, so gpu/backends/__init__.py imports it only when the
+  backend is selected; on a CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1 set
+  before triton is imported), and `triton_backend` refuses otherwise with a ConfigError.
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
 """The routed experts of a mixture-of-experts block as a grouped GEMM over expert-sorted tokens.
 
-What it computes is `Ops.moe_experts` (gpu/backends/base.py; the torch reference is
-gpu/backends/torch/moe.py grouped_moe): x [T, H], gate_up [E, 2I, H], down [E, H, I],
-topk_weights [T, K], topk_ids [T, K] -> [T, H].
+Computes `Ops.moe_experts` (gpu/backends/base.py) for the triton backend: `fused_moe(x [T, H],
+gate_up [E, 2I, H], down [E, H, I], topk_weights [T, K], topk_ids [T, K])` -> [T, H] in x's
+dtype. Its reference is gpu/backends/torch/moe.py's grouped_moe, which its test compares with.
 
-Plan: a (token, choice) pair p = t * K + k goes to expert topk_ids[t, k]. `sort_by_expert` lays
-the T * K pairs out grouped by expert, each group padded to a multiple of BLOCK_M with an
-invalid id, so that every BLOCK_M slots belong to one expert (`block_experts`). Then:
-1. one grouped GEMM: inter[p] = gate_up[e] @ x[p // K]               [T * K, 2I]
-2. silu_mul.py on its halves: act[p] = silu(gate) * up                [T * K, I]
-3. the same grouped GEMM: y[p] = weight[p] * (down[e] @ act[p])        [T * K, H]
-4. out[t] = sum over k of y[t * K + k] (torch)                         [T, H]
-Everything is sized from shapes alone and the sort runs on the device: no host sync, so a decode
-step that calls it can be captured in a CUDA graph. Padding blocks past the last group return at
-once.
-
-Kernel grid: (P / BLOCK_M, cdiv(N, BLOCK_N)), P = T * K + min(E, T * K) * (BLOCK_M - 1) rounded
-up to BLOCK_M (the most padding the groups can need). A program multiplies BLOCK_M gathered rows
-of A by one expert's [N, K] weight (read transposed through its strides) in BLOCK_K steps, with
-float32 accumulation. Tuned for: nothing yet measured (no GPU here); BLOCK_M is 16 for decode-sized
-steps and 64 otherwise, the usual starting points for an H100.
-
-Roundings follow the torch path: each GEMM rounds to the activation dtype; the routing weight
-multiplies that rounded product in float32 and the result rounds again. The final sum over K
-rounds once (torch's sum), where the reference rounds after each add: fp16 results agree within
-about one ulp. bf16 loads are upcast at once under the interpreter, whose bf16 arithmetic is wrong.
+Invariants: x has unit stride along H and gate_up, down share its dtype (the wrapper checks);
+everything is sized from shapes alone and the expert sort runs on the device, so there is no host
+sync and a decode step that calls it can be captured in a CUDA graph; its roundings follow the
+reference's (`fused_moe` says where they differ). Tuned for: nothing yet measured (no GPU here).
 """
 
 from __future__ import annotations
@@ -111,6 +94,10 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tu
 
 
 def _grouped_gemm(a, b, c, weights, sorted_pairs, block_experts, pairs_per_row: int, block_m: int) -> None:
+    """Grid: (P / BLOCK_M, cdiv(N, BLOCK_N)), P = T * K + min(E, T * K) * (BLOCK_M - 1) rounded up
+    to BLOCK_M (the most padding the groups can need); padding blocks past the last group return
+    at once. A program multiplies BLOCK_M gathered rows of `a` by one expert's [N, K] weight (read
+    transposed through its strides) in BLOCK_K steps, accumulating in float32."""
     n, k = b.shape[1], b.shape[2]
     block_n = max(16, min(64, triton.next_power_of_2(n)))
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
@@ -146,7 +133,22 @@ def fused_moe(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
     """x [T, H], gate_up [E, 2I, H], down [E, H, I], topk_weights [T, K], topk_ids [T, K] -> [T, H]
-    in x's dtype: each token's K experts, weighted and summed."""
+    in x's dtype: each token's K experts, weighted and summed.
+
+    A (token, choice) pair p = t * K + k goes to expert topk_ids[t, k]. `sort_by_expert` lays the
+    T * K pairs out grouped by expert, each group padded to a multiple of BLOCK_M with an invalid
+    id, so that every BLOCK_M slots belong to one expert (`block_experts`). Then:
+    1. one grouped GEMM: inter[p] = gate_up[e] @ x[p // K]               [T * K, 2I]
+    2. silu_mul.py on its halves: act[p] = silu(gate) * up                [T * K, I]
+    3. the same grouped GEMM: y[p] = weight[p] * (down[e] @ act[p])        [T * K, H]
+    4. out[t] = sum over k of y[t * K + k] (torch)                         [T, H]
+    BLOCK_M is 16 for decode-sized steps and 64 otherwise, the usual starting points for an H100.
+
+    Roundings follow the torch path: each GEMM rounds to the activation dtype; the routing weight
+    multiplies that rounded product in float32 and the result rounds again. The final sum over K
+    rounds once (torch's sum), where the reference rounds after each add: fp16 results agree
+    within about one ulp. bf16 loads are upcast at once under the interpreter, whose bf16
+    arithmetic is wrong."""
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden, intermediate = down.shape
     if x.dim() != 2 or x.shape[1] != hidden or x.stride(1) != 1:

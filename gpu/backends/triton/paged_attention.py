@@ -1,28 +1,16 @@
 """Paged attention over a whole mixed step (decode rows and prompt chunks) in one Triton launch.
 
-Layout: q [T, Hq, D], the step's rotated queries, rows' tokens concatenated (row r owns tokens
-[query_start_loc[r], query_start_loc[r + 1])); kv_cache [2, num_blocks, block_size, Hkv, D] with
-this step's K/V already written (kv_write.py); block_tables [B, max_blocks] int32, padded;
-seq_lens [B] int32, each row's context after this step. Query j of a row with q_len queries sits
-at position seq_len - q_len + j, sees positions <= its own (so a chunk is causal within itself
-and sees all of its row's cached blocks), and with a sliding window W only the W positions
-ending at its own. With a soft-cap C, a score s (scaled) becomes C * tanh(s / C) first. Keys
-and values are read in place through the block table, one key's block at a time: no gather copy.
-Unit stride along D is required; other strides are free (q may be a view into a fused qkv
-buffer).
+`paged_attention(q [T, Hq, D], kv_cache [2, num_blocks, block_size, Hkv, D], block_tables [B,
+max_blocks] int32, query_start_loc [B + 1] int32, seq_lens [B] int32, ...)` -> [T, Hq, D], for
+the triton backend's `attend`. The step's K/V are already in the cache (kv_write.py); q holds its
+rotated queries, rows' tokens concatenated ("varlen", gpu/backends/base.py), and seq_lens each
+row's context after the step. With a soft-cap C, a scaled score s becomes C * tanh(s / C) first.
 
-Grid: (T // BLOCK_Q + B, Hkv). A program owns one tile (paged_attention_tile.py): BLOCK_Q tokens
-of one row times the Hq / Hkv query heads of one kv head, and runs the online softmax over the
-keys its tile can see, BLOCK_N at a time, accumulating in float32 whatever the input dtype.
-Programs whose tile lies past their row's end return at once.
-
-Few rows with long contexts leave most SMs idle on this grid; `choose_num_splits` then sends the
-step to split-K (paged_attention_split_k.py), which also spreads each row's keys over programs.
-
-Tuned for: nothing yet. The tile sizes (BLOCK_M 16 for decode-only steps, 64 with chunks;
-BLOCK_N = block size; 4 warps, 8 at D = 256) were checked under TRITON_INTERPRET=1 for
-correctness only, over head dims 16, 32, 64, 80, 128 and 256 and block sizes 16 and 32. Timing
-and tuning on a GPU (Llama-3-8B shapes: Hq 32, Hkv 8, D 128, block 16) wait for one.
+Invariants: unit stride along D (other strides are free: q may be a view into a fused qkv
+buffer; `check_inputs` says what else); keys and values are read in place through the block
+table, never gathered; the grid and the split-K choice (`choose_num_splits`, which hands steps of
+few rows with long contexts to paged_attention_split_k.py) come from shapes alone, so a decode
+step captures in a CUDA graph. The tile this kernel shares with split-K is paged_attention_tile.py's.
 """
 
 from __future__ import annotations
@@ -76,6 +64,15 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
+    # Grid: (T // BLOCK_Q + B, Hkv). A program owns one tile: BLOCK_Q tokens of one row times the
+    # Hq / Hkv query heads of one kv head, and runs the online softmax over the keys its tile can
+    # see, BLOCK_N at a time, accumulating in float32 whatever the input dtype. Programs whose tile
+    # lies past their row's end return at once.
+    #
+    # Tuned for: nothing yet. The tile sizes (BLOCK_M 16 for decode-only steps, 64 with chunks;
+    # BLOCK_N = block size; 4 warps, 8 at D = 256) were checked under TRITON_INTERPRET=1 for
+    # correctness only, over head dims 16, 32, 64, 80, 128 and 256 and block sizes 16 and 32.
+    # Timing and tuning on a GPU (Llama-3-8B shapes: Hq 32, Hkv 8, D 128, block 16) wait for one.
     kv_head = tl.program_id(1)
     row, q_start, q_len, tok0 = find_tile(query_start_loc_ptr, tl.program_id(0), num_rows, BLOCK_Q)
     if tok0 >= q_len:

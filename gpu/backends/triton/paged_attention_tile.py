@@ -1,20 +1,15 @@
-"""The pieces both paged attention kernels share, as Triton device functions (no kernel here).
+"""The pieces both paged attention kernels share: device functions and the launch shape, no kernel.
+
+paged_attention.py and paged_attention_split_k.py call them: `Tiling` (from tensor shapes
+alone, no device sync), `find_tile`, `load_queries`, `key_range`, `attend_keys`, and (the plain
+kernel's wrapper) `check_inputs`.
 
 A step's query tokens are cut into tiles per row and kv head: one tile is BLOCK_Q consecutive
 tokens of one row times the GROUP query heads that share one kv head, BLOCK_M = BLOCK_Q * GROUP
 rows of a [BLOCK_M, D] matrix (row m is token m // GROUP, head m % GROUP of the group), padded
 to a power of two >= 16 (what tl.dot needs). So GQA/MQA read each key once per tile, and a
-decode row's GROUP heads make up one tile.
-
-Tiles are numbered row by row without a host sync: row r's first tile is
-query_start_loc[r] // BLOCK_Q + r (vLLM's numbering), which never overlaps the next row's and
-bounds the count by T // BLOCK_Q + B; `find_tile` inverts it by binary search, and tiles past
-their row's end are empty.
-
-`attend_keys` runs the online softmax (in base 2: scores arrive pre-multiplied by
-scale * log2(e)) over keys [kv_lo, kv_hi) of one row, reading each key's block through the
-block table: no gather copy. It returns the unnormalised accumulator with its running max and
-denominator, which the plain kernel divides out and the split-K kernel stores for its reduce.
+decode row's GROUP heads make up one tile. Tiles are numbered without a host sync, at most
+T // BLOCK_Q + B of them (`find_tile`); tiles past their row's end are empty.
 """
 
 from __future__ import annotations
@@ -29,7 +24,10 @@ import triton.language as tl
 @triton.jit
 def find_tile(query_start_loc_ptr, tile, num_rows, BLOCK_Q: tl.constexpr):
     """-> (row, q_start, q_len, tok0): the tile's row, the row's first token in the step, its
-    query count, and the tile's first token within the row (>= q_len: an empty tile)."""
+    query count, and the tile's first token within the row (>= q_len: an empty tile). Tiles are
+    numbered row by row: row r's first tile is query_start_loc[r] // BLOCK_Q + r (vLLM's
+    numbering), which never overlaps the next row's and bounds the count by T // BLOCK_Q + B;
+    this inverts it by binary search."""
     lo = tile * 0  # the largest row whose first tile is <= tile lies in [lo, hi)
     hi = lo + num_rows
     while hi - lo > 1:
@@ -103,8 +101,11 @@ def attend_keys(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """-> (acc [BLOCK_M, BLOCK_D] float32 unnormalised, m [BLOCK_M] running max in base 2
-    (-inf where a query saw no key), denom [BLOCK_M] denominator)."""
+    """The online softmax over keys [kv_lo, kv_hi) of one row, in base 2 (the scale arrives as
+    scale * log2(e)), reading each key's block through the block table: no
+    gather copy. -> (acc [BLOCK_M, BLOCK_D] float32 unnormalised, m [BLOCK_M] running max in base
+    2 (-inf where a query saw no key), denom [BLOCK_M] denominator), which the plain kernel
+    divides out and the split-K kernel stores for its reduce."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM

@@ -1,21 +1,15 @@
 """Rotary position embedding applied in place to q and k, as one Triton kernel.
 
-Layout: q [T, Hq, D] and k [T, Hkv, D] with unit stride along D; token and head strides are free,
-so q and k may be views into one fused qkv buffer. positions [T] int64; cos_sin [P, R] float32 is
-gpu/rope.py's table, cat(cos, sin) of [P, R/2] each, where R <= D is the rotary width (R < D:
-partial rotary, the last D - R dims of each head pass through). Every rope scaling (default,
-linear, llama3, ...) lives in the table, so the kernel only applies it, in the "rotate half"
-(GPT-NeoX) convention: with x1, x2 the two halves of a head's first R dims,
-out = (x1 * cos - x2 * sin, x2 * cos + x1 * sin).
+`apply_rotary_(q [T, Hq, D], k [T, Hkv, D], positions [T] int64, cos_sin [P, R] float32)` serves
+TritonOps.rotary; `rotary_reference` is the torch rotation its test compares with. cos_sin is
+gpu/rope.py's table, cat(cos, sin) of [P, R/2] each, R <= D the rotary width (R < D: partial
+rotary, the last D - R dims of each head pass through). Every rope scaling lives in the table, so
+the kernel only applies it, in the "rotate half" (GPT-NeoX) convention: with x1, x2 the two
+halves of a head's first R dims, out = (x1 * cos - x2 * sin, x2 * cos + x1 * sin).
 
-Grid: (T,), one program per token rotating all its q heads and then all its k heads as
-[heads, R/2] tiles, so cos and sin are read once per token. Tuned for: nothing yet measured; the
-tiles are sized for Llama-3-8B (32 q heads, 8 kv heads, D = 128: 4 warps, 75 registers a thread
-and no spills for sm_90 by ptxas), and a warp per 1024 elements of a wider q half-tile (4 to 16).
-
-The rounding follows gpu/rope.py's torch path: cos and sin are cast to the activation dtype and
-each product and sum is rounded to it, so fp16 (and bf16 on a GPU) match it bit for bit. The
-Triton interpreter rounds float32 -> bf16 by truncation, so bf16 is checked on a GPU only.
+Invariants: unit stride along D (token and head strides are free: q and k may be views into one
+fused qkv buffer); positions lie in [0, P), unchecked on the device; the rounding is the torch
+backend's (gpu/backends/torch/ops.py `rotary`), so fp16 (and bf16 on a GPU) match it bit for bit.
 """
 
 from __future__ import annotations
@@ -74,7 +68,15 @@ def _rotary_kernel(
 
 def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by positions [T] int64 through cos_sin [P, R]
-    float32 (R <= D, even). Positions must lie in [0, P): they are not checked on the device."""
+    float32 (R <= D, even). Positions must lie in [0, P): they are not checked on the device.
+
+    Grid: (T,), one program per token rotating all its q heads and then all its k heads as
+    [heads, R/2] tiles, so cos and sin are read once per token. Tuned for: nothing yet measured;
+    the tiles are sized for Llama-3-8B (32 q heads, 8 kv heads, D = 128: 4 warps, 75 registers a
+    thread and no spills for sm_90 by ptxas), and a warp per 1024 elements of a wider q half-tile
+    (4 to 16). Rounding: cos and sin are cast to the activation dtype and each product and sum is
+    rounded to it, as the torch backend does. The Triton interpreter rounds float32 -> bf16 by
+    truncation, so bf16 is checked on a GPU only."""
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or k.dtype != q.dtype:
         raise ValueError(f"rotary: q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must be [T, H, D] alike")
     if q.stride(2) != 1 or k.stride(2) != 1:
@@ -112,14 +114,14 @@ def apply_rotary_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
 def rotary_reference(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """gpu/rope.py's torch rotation on the first R dims of each head, for tests: returns rotated
-    copies and leaves q and k alone."""
+    """The torch backend's rotation (gpu/backends/torch/ops.py) on the first R dims of each head,
+    for tests: returns rotated copies and leaves q and k alone."""
     rotary_dim = cos_sin.shape[1]
     cos, sin = cos_sin[positions].chunk(2, dim=-1)  # [T, R/2] each
     cos, sin = cos.to(q.dtype)[:, None, :], sin.to(q.dtype)[:, None, :]  # rounded to the dtype, as HF
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., :rotary_dim].chunk(2, dim=-1)  # rope.py's `_rotate`, the rest passed through
+        x1, x2 = x[..., :rotary_dim].chunk(2, dim=-1)  # torch/ops.py's `_rotate`, the rest passed through
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotary_dim:]), dim=-1)
 
     return rotate(q), rotate(k)
