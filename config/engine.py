@@ -50,13 +50,10 @@ class SchedulerConfig:
     policy: SchedulingPolicy = option(
         SchedulingPolicy.SPLITFUSE, "splitfuse, or the baselines prefill_first and orca", flag="scheduling-policy"
     )
-    # Plan step n+1 while step n computes, so the device never waits on the scheduler (vLLM's
-    # --async-scheduling, SGLang's overlap scheduler). Off: each plan waits for the last result.
+    # Two steps in flight: docs/architecture.md ("Overlap"). Off: each plan waits for the last result.
     async_scheduling: bool = option(True, "plan the next step while the current one computes")
     enable_prefix_caching: bool = option(True, "reuse the KV of cached full blocks across requests")
-    # Multi-step decoding (vLLM's --num-scheduler-steps): a plan whose rows all decode runs this
-    # many forward passes back to back on the worker, inputs advanced on the device between them.
-    # Plans with prompt work (a waiting request, a chunk under way) stay single steps.
+    # Multi-step windows (stages/scheduler/windows.py): docs/architecture.md ("Overlap").
     num_scheduler_steps: int = option(1, "decode passes per plan when every row decodes (multi-step)", minimum=1)
     # Admission bounds, on by default so one client cannot fill the server: past them new
     # requests get a 429 with Retry-After. None turns a bound off (0 on the command line).

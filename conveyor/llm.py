@@ -1,9 +1,9 @@
 """The offline Python API: `LLM(model=path).generate(prompts, SamplingParams(...))`.
 
 Runs the same code as the daemon, in this process: the tokenizer stage's PromptEncoder, the
-scheduler stage's Scheduler (continuous batching, chunked prefill, paged KV), the worker's
-ModelRunner, and the detokenizer stage's Detokenizer (stop strings, logprob text), one step at a
-time. No sockets, no child processes.
+scheduler stage's EngineCore (continuous batching, chunked prefill, paged KV), the worker's
+ModelRunner, and the detokenizer stage's Detokenizer (stop strings, logprob text), each plan run
+to its end. No sockets, no child processes.
 """
 
 from __future__ import annotations

@@ -5,28 +5,14 @@ Sends: EngineStatus to each ingress and the router (ready, not ready, draining; 
 data parallelism, stages/engines.py); StageFailed to each ingress and every scheduler when a stage
 process died and is being restarted.
 
-Supervision, once every stage is ready (a stage that dies while the daemon starts ends it):
-- A stage is dead when its process exits, or when it has sent no Heartbeat for --stage-timeout
-  (a hung kernel, SIGSTOP); a silent one is killed with SIGKILL first.
-- A dead tokenizer, detokenizer or ingress is restarted at once. StageFailed tells the ingresses
-  and the scheduler, which fail the requests that process held; every other request goes on.
-- A dead scheduler or worker is an engine failure: every ingress is told the engine is not ready
-  (requests in flight end with a clean error; new ones get 503 with Retry-After, /health 503),
-  the engine (scheduler, workers and the detokenizers, whose sequence state dies with it) is
-  stopped and started again, the model reloaded, after a backoff that doubles per failure.
-  With data parallelism only that engine's scheduler and workers are: the ingresses fail the
-  requests it admitted, the router those on their way to it, and the other engines keep serving
-  (new requests are taken while one is ready; /health is 503 until all are).
-- More than --max-engine-restarts failures (of any stage) within --restart-window: the daemon
-  gives up and exits 1, for the orchestrator to act.
-
-Shutdown: the first SIGTERM or SIGINT drains (new requests 503, in-flight ones finish, up to
---drain-timeout); a second one, or the end of the drain, stops every child (the STOP signal, then
-SIGKILL after a grace period) and removes the run directory. Stages ignore SIGTERM and SIGINT
-(wire/signals.py), so Ctrl-C, which signals the whole process group, drains too; a stage that
-dies during the drain is not restarted. Stages ask the kernel to send them SIGHUP if the launcher
-itself dies, and then remove the run directory themselves; a run directory left by a launcher that
-no longer exists is swept at the next start (wire/addresses.py).
+It owns the child processes (started in wire/topology.py's start_plan order), the run directory
+and the failure budget; what a death or a signal does to the requests in flight is told once, in
+docs/architecture.md, sections 0 and 0b. Invariants: a stage is dead when its process exits or,
+once ready, sends no Heartbeat for --stage-timeout; a death before the daemon is first ready ends
+it (exit 1); a scheduler's or worker's death restarts its whole engine (topology's engine_of),
+any other stage restarts alone, and nothing restarts during a drain; more than
+--max-engine-restarts deaths within --restart-window exit 1; `serve` stops every child and
+removes the run directory on its way out, whichever way that is.
 """
 
 from __future__ import annotations

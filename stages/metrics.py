@@ -1,27 +1,18 @@
 """Every Prometheus metric a stage records, defined once so names stay stable.
 
-Stage processes run in prometheus-client's multiprocess mode (the launcher sets
-PROMETHEUS_MULTIPROC_DIR to a folder in the run directory before they start); the ingress serves
-the merged view at /metrics. Names are `conveyor_*`, base units (seconds, bytes), `_total` on
-counters (the client adds it), ratios in 0..1, no per-request labels. Dashboards and alert rules
-in ops/ query these names: rename nothing without changing them.
+Each stage imports its metrics from here and records them itself; in an engine's processes (a
+scheduler, a worker rank) the stage entry point calls `bind_engine` first. Stages run in
+prometheus-client's multiprocess mode (the launcher sets PROMETHEUS_MULTIPROC_DIR to a folder of
+the run directory before they start); the ingress serves the merged view at /metrics.
 
-Who records what:
-- ingress: time to first token, inter-token latency, time per output token, end-to-end latency,
-  token counts per request, requests by finish reason, errors by type, the return hop.
-- scheduler: queue time, prefill and decode time, step CPU time, the gauges (running, waiting,
-  preempted, KV usage, free blocks), prompt/generation tokens, prefix cache, preemptions,
-  aborts, rejections, the scheduler-queue hop.
-- worker: GPU busy and idle time per step (the bubble), the worker hop.
-- tokenizer and detokenizer: their own hops.
-- router (data parallelism): requests routed, by engine and by reason.
-
-An engine's own metrics (the scheduler's and its workers', marked `_per_engine` below) carry an
-`engine` label, the data-parallel index of the engine whose process recorded them (0 with one
-engine): `bind_engine` sets it once at start. Their names are the same as before the label, so
-`sum(...)` and `sum by (le)` queries read the whole daemon, `sum by (engine)` each engine. The
-ingress's request histograms, the hops and the finish reasons stay unlabelled: stages that serve
-every engine record them, and the finish reasons' zero series come from every process.
+Invariants:
+- names are `conveyor_*`, base units (seconds, bytes), `_total` on counters (the client adds it),
+  ratios in 0..1, no per-request labels; dashboards and alert rules in ops/ query these names:
+  rename nothing without changing them.
+- an engine's own metrics (`_per_engine` below) carry an `engine` label (0 with one engine) under
+  their unlabelled names, so `sum(...)` reads the whole daemon and `sum by (engine)` each engine;
+  what stages serving every engine record (the ingress's request histograms, the hops) and the
+  finish reasons, whose zero series come from every process, stay unlabelled.
 """
 
 from __future__ import annotations
@@ -93,7 +84,7 @@ def _gauge(name: str, doc: str) -> Any:
     return _per_engine(Gauge, name, doc, multiprocess_mode="livemostrecent")
 
 
-# --- request lifecycle (histograms) -------------------------------------------------------
+# --- request lifecycle (histograms): the ingress's, and per engine the scheduler's --------
 queue_time = _per_engine(
     Histogram, "conveyor_request_queue_time_seconds", "Arrival at the ingress to first scheduled", buckets=_SECONDS
 )
@@ -128,7 +119,7 @@ scheduler_step_time = _per_engine(
     Histogram, "conveyor_scheduler_step_seconds", "Scheduler CPU time to plan one step", buckets=_STEP_SECONDS
 )
 
-# --- per-stage latency: the time each request spends in each hop --------------------------
+# --- per-stage latency: the time each request spends in each hop, each stage its own ------
 STAGE_HOPS = ("ingress", "tokenizer", "scheduler_queue", "worker", "detokenizer", "return")
 stage_latency = Histogram("conveyor_stage_latency_seconds", "Time a request spends in each stage hop", ["stage"], buckets=_SECONDS)
 
@@ -141,7 +132,7 @@ kv_blocks_free = _gauge("conveyor_kv_blocks_free", "KV blocks free (cached or em
 kv_blocks_used = _gauge("conveyor_kv_blocks_used", "KV cache blocks held by sequences")
 kv_blocks_capacity = _gauge("conveyor_kv_blocks_capacity", "KV cache blocks in the pool")
 
-# --- counters ------------------------------------------------------------------------------
+# --- counters (the scheduler's; errors the ingress's) --------------------------------------
 prompt_tokens = _per_engine(Counter, "conveyor_prompt_tokens", "Prompt tokens of admitted requests")
 generation_tokens = _per_engine(Counter, "conveyor_generation_tokens", "Tokens generated")
 steps = _per_engine(Counter, "conveyor_scheduler_steps", "Forward passes planned")

@@ -5,16 +5,10 @@ the forward pass, sampling (greedy, as `bench serve` asks). Shapes:
 - decode RxC: R sequences, each with C tokens of context, all decoding one token;
 - prefill RxL: R fresh prompts of L tokens in one step (dropped after, so every repeat is fresh).
 
-Variants, each its own ModelRunner on its own backend (gpu/backends; the cpu backend's cache has
-its own layout, so a cache is never shared between variants):
-- torch: the torch backend, the reference paths;
-- attention: the cpu backend's attention, the C++ paged attention (paged_attention.cpp), with torch ops;
-- fused: that plus the cpu ops' RMSNorm / rotary / SiLU * up in one pass each (fused_ops.cpp);
-- all: that plus the narrow linears (small_linear.cpp, oneDNN's packed weights for many rows)
-  instead of torch's sgemm, even where the cpu backend would not pick them (see `pays_on_this_cpu`);
-- cpu: the cpu backend exactly as the worker selects it on this machine (`--attention-backend cpu`).
-They are timed in interleaved rounds, so that a noisy machine slows all of them alike; the
-table gives each variant's median over rounds of its per-round median step time.
+Invariants: each variant (VARIANTS) is its own ModelRunner on its own backend (the cpu backend's
+cache has its own layout, so a cache is never shared between variants), fed by a `StepDriver`
+that plays the scheduler's part; the variants are timed in interleaved rounds (`measure`), so
+that a noisy machine slows all of them alike. The figures: docs/benchmarks.md, "One worker step".
 """
 
 from __future__ import annotations
@@ -26,6 +20,12 @@ import time
 
 from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
 
+# torch: the torch backend, the reference paths. attention: the cpu backend's attention, the C++
+# paged attention (paged_attention.cpp), with torch ops. fused: that plus the cpu ops' RMSNorm /
+# rotary / SiLU * up in one pass each (fused_ops.cpp). all: that plus the narrow linears
+# (small_linear.cpp, oneDNN's packed weights for many rows) instead of torch's sgemm, even where
+# the cpu backend would not pick them (see `pays_on_this_cpu`). cpu: the cpu backend exactly as
+# the worker selects it on this machine (`--attention-backend cpu`).
 VARIANTS = ("torch", "attention", "fused", "all", "cpu")
 
 
@@ -114,7 +114,9 @@ def variant_backend(variant: str, model):
 
 
 def measure(shapes: list[tuple[str, int, int]], rounds: int, repeats: int) -> dict[tuple[str, int, int, str], float]:
-    """(kind, rows, length) shapes -> {(kind, rows, length, variant): median seconds}."""
+    """(kind, rows, length) shapes -> {(kind, rows, length, variant): median seconds}: each
+    variant's median over `rounds` of its per-round median of `repeats` steps. Every round runs
+    every shape on every variant in turn, so that a noisy machine slows all of them alike."""
     import torch
 
     torch.manual_seed(0)

@@ -4,18 +4,13 @@
     conveyor bench offline --model /path/to/checkpoint --dataset sharegpt --dataset-path sg.json \\
         --num-prompts 200 --hf-batch-size 16
 
-The workload is bench serve's (dataset.py), its prompt lengths counted by the checkpoint's
-tokenizer.json. Both engines get the prompts as text, greedy, each asked for exactly its wanted
-output length:
-  conveyor      LLM(model).generate(prompts, one SamplingParams(max_tokens=n, ignore_eos) each):
-                continuous batching over the whole workload
-  transformers  static batches of --hf-batch-size prompts in workload order, padded on the left;
-                each batch generates the longest wanted output of its members (max_new_tokens
-                = min_new_tokens, so EOS never stops it early)
-Each engine does one short warm-up generation first, then is timed over the whole workload;
-conveyor is released before transformers loads, so they never share the device's memory.
-Throughput counts the wanted output tokens: what transformers computes for padding and for the
-shorter members of a batch is its waste, shown apart as generated tokens.
+What keeps the comparison fair: both engines get bench serve's workload (dataset.py, its lengths
+counted by the checkpoint's tokenizer.json) as text, greedy, each request held to exactly its
+wanted output length (`run_conveyor`, `run_transformers`); each does one short warm-up generation,
+then is timed over the whole workload; conveyor is released before transformers loads, so they
+never share the device's memory. Throughput counts the wanted output tokens: what transformers
+computes for padding and for the shorter members of a batch is its waste, shown apart as
+generated tokens.
 """
 
 from __future__ import annotations
@@ -62,7 +57,8 @@ class OfflineResult:
 
 
 def run_conveyor(requests: list[BenchRequest], model: str, **engine_options) -> tuple[OfflineResult, str, str]:
-    """Time LLM.generate over the workload; also returns the device and dtype it resolved."""
+    """Time LLM(model).generate(prompts, one SamplingParams(max_tokens=n, ignore_eos) each), continuous
+    batching over the whole workload; also returns the device and dtype it resolved."""
     from conveyor import LLM, SamplingParams
 
     llm = LLM(model=model, **engine_options)
@@ -84,7 +80,9 @@ def run_conveyor(requests: list[BenchRequest], model: str, **engine_options) -> 
 
 def run_transformers(requests: list[BenchRequest], model: str, *, device: str, dtype: str,
                      batch_size: int) -> OfflineResult:  # fmt: skip
-    """Time transformers' generate over the workload in static batches (module docstring)."""
+    """Time transformers' generate over the workload: static batches of `batch_size` prompts in
+    workload order, padded on the left; each batch generates the longest wanted output of its
+    members (max_new_tokens = min_new_tokens, so EOS never stops it early)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,6 +1,6 @@
 """The metrics of one benchmark run (one load point), from its RequestResults.
 
-The definitions are the simulator's (conveyor.sim.run_metrics), measured on the client's clock:
+The definitions are the simulator's (docs/simulator.md, "Metrics"), on the client's clock:
   throughput      completed requests, prompt tokens, output tokens, both: per second of the run
                   (first send to last finish); failed requests count in the run, not in these
   TTFT            first output chunk - send

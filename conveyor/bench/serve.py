@@ -5,18 +5,13 @@ HTTP and measure what its clients see.
         --dataset-path sharegpt.json --request-rate 8 --num-prompts 500
     conveyor bench serve --dataset fastgen-2600-60 --sweep-clients 1,2,4,8,16,32 \\
         --result-json out.json --plot-dir plots/
-    conveyor bench serve --dataset sharegpt --dataset-path sharegpt.json \
-        --num-system-prompts 8 --system-prompt-len 512 --request-rate 8
 
-One run: find the model (GET /v1/models unless named) and a token counter (prompts.py), build
-the dataset, send one short test request (a server that cannot answer stops the run here),
-then for each load point (one open-loop run, or one closed-loop run per client count, each
-with its own freshly drawn prompts so no point finds another's in a prefix cache) send every
-request, streamed, and compute its metrics (results.py), with the server's prefix cache hit
-rate over the point where its /metrics tells it (server_metrics.py). With
---num-system-prompts K every request opens with one of K shared system prompts
-(system_prompts.py), drawn afresh per point like the prompts. Everything runs on one event loop;
-the table goes to stdout, the figures and the JSON where asked.
+`run` is one run: one load point (open loop, load.py) or one per client count (closed loop), every
+request streamed on one event loop and measured by results.py; the table goes to stdout, the
+figures and the JSON where asked. Invariants: a server that cannot answer one short test request
+stops the run before any point; each point draws its own prompts (and, with --num-system-prompts,
+its own shared system prompts: system_prompts.py), so no point finds another's in a prefix cache;
+a point's prefix cache hit rate comes from the servers' /metrics around it (server_metrics.py).
 """
 
 from __future__ import annotations
@@ -114,6 +109,7 @@ async def run(config: ServeBenchConfig) -> ServeReport:
 
         points = []
         for i, (label, clients) in enumerate(_points(config)):
+            # Drawn afresh per point (seed + i), so that no point finds another's prompts cached.
             requests = await make_dataset(dataclasses.replace(config.dataset, seed=config.dataset.seed + i), counter)
             if not requests:
                 raise BenchError("the dataset is empty (a ShareGPT file with no usable conversation?)")

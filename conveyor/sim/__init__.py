@@ -1,10 +1,10 @@
-"""The scheduling simulator: the real Scheduler and block manager driven by a discrete-event
-clock, with a forward-pass cost model in place of the worker and a host cost for the engine's
-CPU work (synchronous or asynchronous scheduling, multi-step windows).
+"""The scheduling simulator: the engine's own EngineCore (Scheduler, block manager, overlap and
+multi-step pacing) driven by a discrete-event clock, with a forward-pass cost model in place of
+the worker and a host cost for the engine's CPU work.
 
 costmodel.py    step latency from a step's shape, least-squares fit, scaling
 roofline.py     step latency from hardware numbers: launch + max(memory, compute)
-hostcost.py     the host's work per plan, and how each scheduling mode spends it
+hostcost.py     the host's work per plan
 presets.py      shipped cost models (cpu-tiny measured, a100-* and h100-llama3-8b derived)
 measure.py      times the real ModelRunner on the tiny model and fits cpu-tiny
 workloads.py    ShareGPT and synthetic requests, Poisson or closed-loop arrivals

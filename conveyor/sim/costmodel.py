@@ -1,20 +1,16 @@
 """Forward-pass cost model: how long one step takes, from the shape of its batch.
 
-DeepSpeed-FastGen (section 3.1) observes that a forward pass's latency is set by the number of
-tokens in it, hardly by how those tokens split into sequences; below a knee the pass is bound by
-reading the weights (flat latency), above it by compute (latency linear in tokens). So:
-
     t = max(floor_s, intercept_s + per_token_s*T + per_seq_s*S + per_context_s*C + per_pair_s*P)
 
 T: tokens in the pass. S: rows (sequences). C: KV entries read, the sum over rows of the context
-length after the step (a decode row reads its whole cache; dominant for long decodes on a GPU).
-P: query-key pairs, the sum over rows of n*s + n*(n+1)/2 for n new tokens after s cached ones
-(attention's arithmetic; dominant for long prompts on a CPU). S, C and P are optional refinements:
-`fit` leaves out the terms it is not asked for.
+length after the step. P: query-key pairs, the sum over rows of n*s + n*(n+1)/2 for n new tokens
+after s cached ones. Why this shape (DeepSpeed-FastGen: flat while reading the weights dominates,
+then linear in tokens), how `fit` finds it and what `scaled` assumes: docs/simulator.md, "The
+cost model".
 
-`scaled` extrapolates to a bigger model or more GPUs under stated assumptions; `presets.py` holds
-the shipped parameters. `PassCost` is what the simulator asks of any cost model (this one, or
-roofline.RooflineCost).
+`PassCost` is all the simulator asks of a cost model (this one, or roofline.RooflineCost); the
+shipped parameters are presets.py's. S, C and P are optional refinements: `fit` leaves out the
+terms it is not asked for.
 """
 
 from __future__ import annotations

@@ -6,14 +6,10 @@ One plan's host work is: apply the previous plan's results (pythonize sampled id
 stream them out), run the scheduler, build the next inputs (block tables, positions, slot
 mappings). It grows with the batch because each of those loops over the rows.
 
-How the simulator spends it (simulator.py):
-  synchronous     host, then device, one after the other: a plan's wall time is host + device
-  asynchronous    the host plans step n+1 while step n computes: wall time max(host, device),
-                  except the first plan after an idle spell, which has nothing to overlap with
-  multi-step (K)  a plan whose rows all decode runs K passes on the device for one host cost;
-                  the inner passes' outputs are copied back on a side stream and processed while
-                  the next pass runs (the multi-step RFC), so they add no host time
-
+The simulator charges it to the host's clock once per plan, and a plan's passes start when both
+the plan and the device are ready (simulator.py); what overlaps is the engine's own pacing,
+docs/architecture.md ("Overlap"). A multi-step window pays it once for its K passes: the inner
+passes' outputs are processed while the next pass runs (the multi-step RFC), so they add none.
 The zero HostCost is the default: the cpu-tiny and a100-* presets fold host work into their
 per-pass intercept, so they keep their figures.
 """

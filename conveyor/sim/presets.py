@@ -1,24 +1,17 @@
-"""Shipped cost models: one measured ("cpu-tiny"), the others derived under stated assumptions.
+"""Shipped cost models (`--cost NAME`): one measured, the others derived under stated assumptions,
+and the host cost that goes with a device preset (HOST_COSTS).
 
-cpu-tiny   the embedded tiny Llama (4 layers, hidden 256) through the real ModelRunner on this
-           project's 2-core CPU host, float32, torch's reference attention, one thread; fitted
-           by `python -m conveyor.sim.measure` (relative least squares, see below).
-a100-7b    illustrative: a Llama-2-7B-like model on one A100-80GB, from roofline arithmetic, not
-           a measurement. Compute: 2 FLOPs per parameter per token at 60% of 312 TFLOP/s bf16.
-           Floor: the 13.5 GB of weights read once per pass at 80% of 2.0 TB/s, plus 1.5 ms of
-           launches and host work (also the intercept). KV read: 0.5 MiB per context token
-           (2 x 32 layers x 4096 x 2 bytes) at the same bandwidth. Attention arithmetic:
-           4 x 4096 x 32 FLOPs per query-key pair at the same 60%. Per row: 20 us of host work.
-a100-13b   a100-7b.scaled(13/6.74): compute and the weight-read floor grow with the parameters.
-a100-70b-tp4  a100-7b.scaled(69/6.74, gpus=4): split over 4 GPUs by tensor parallelism, plus
-           0.5 ms of all-reduces per pass (GQA's smaller KV is ignored: the KV terms are high).
-h100-llama3-8b  Llama-3-8B in bf16 on one H100 SXM, a RooflineCost (roofline.py) on the h100 row
-           of devices.py (the emulated device's too): ESTIMATES, not measurements; the
-           arithmetic is written out at H100_LLAMA3_8B below. Paired with
-           the host cost of vLLM before multi-step (VLLM_V05_HOST) in HOST_COSTS.
-The cpu-tiny numbers do not scale to a GPU by a factor: on the CPU the intercept is Python and
-dispatch overhead, and there is no weight-read floor, so the GPU presets start from a roofline.
-Every preset but h100-llama3-8b folds host work into its per-pass cost: their host cost is zero.
+    cpu-tiny        the embedded tiny Llama through the real ModelRunner on a 2-core CPU host,
+                    fitted by `python -m conveyor.sim.measure`
+    a100-7b         `roofline` arithmetic for a Llama-2-7B-like model on one A100-80GB
+    a100-13b        a100-7b scaled to 13B parameters
+    a100-70b-tp4    a100-7b scaled to 69B parameters on 4 GPUs, plus the all-reduces
+    h100-llama3-8b  a RooflineCost on devices.py's h100 row, paired with vLLM 0.5's host cost
+
+Invariants: every figure here is either fitted (cpu-tiny) or computed from the arithmetic written
+next to it (docs/simulator.md, "The cost model", walks through cpu-tiny and a100-7b), never a GPU
+measurement; a preset absent from HOST_COSTS folds its host work into its per-pass intercept, so its host cost
+is zero. `--cost` (cost_model) finds a preset only through PRESETS.
 """
 
 from __future__ import annotations
@@ -79,7 +72,8 @@ A100_7B = roofline(
 A100_13B = A100_7B.scaled(13.0 / 6.74, floor_factor=13.0 / 6.74, name="a100-13b")
 A100_70B_TP4 = A100_7B.scaled(69.0 / 6.74, 4, floor_factor=69.0 / 6.74 / 4, comm_s=0.5e-3, name="a100-70b-tp4")
 
-# Llama-3-8B, bf16, one H100 SXM (80 GB HBM3): its row of devices.py. Per pass: 0.4 ms + max(memory, compute).
+# Llama-3-8B, bf16, one H100 SXM (80 GB HBM3): its row of devices.py (the emulated device's too).
+# ESTIMATES, not measurements. Per pass: 0.4 ms + max(memory, compute).
 #   weights    8.03e9 params x 2 bytes = 16.06e9 bytes, read once per pass
 #   KV         2 (K, V) x 32 layers x 8 KV heads x 128 dims x 2 bytes = 131072 bytes per cached token
 #   memory     HBM3 3.35e12 B/s at 80% achievable = 2.68e12 B/s:
@@ -104,7 +98,8 @@ H100_LLAMA3_8B = RooflineCost.on(
 VLLM_V05_HOST = HostCost(per_plan_s=4e-3, per_row_s=35e-6, name="vllm-0.5")
 
 PRESETS: dict[str, PassCost] = {m.name: m for m in (CPU_TINY, A100_7B, A100_13B, A100_70B_TP4, H100_LLAMA3_8B)}
-HOST_COSTS: dict[str, HostCost] = {H100_LLAMA3_8B.name: VLLM_V05_HOST}  # device preset -> its host; else zero
+# Device preset -> its host cost. The others' per-pass intercepts already hold their host work (zero).
+HOST_COSTS: dict[str, HostCost] = {H100_LLAMA3_8B.name: VLLM_V05_HOST}
 
 
 def cost_model(name: str) -> PassCost:

@@ -1,22 +1,11 @@
 """Metrics of one simulated run: throughput, latency percentiles, FastGen's effective throughput,
-KV memory waste.
+KV memory waste, the device's bubble.
 
-Definitions (all times in seconds of simulated clock; a request's tokens are stamped at the end
-of the step that produced them):
-  TTFT           first token - arrival (queueing and every prompt step included)
-  token latency  the gap between consecutive output tokens of a request (FastGen's per-token
-                 generation latency, their token_gen_time[1:]), pooled over all requests; the
-                 first token is TTFT's, not counted here
-  TPOT           per request, (last token - first token) / (output tokens - 1) (vLLM's)
-  E2E            finish - arrival
-  throughput     finished requests (or tokens) / (last finish - first arrival)
-  effective      FastGen's SLA: TTFT <= prompt tokens / 512 tokens/s, and the exponential moving
-  throughput     average (span 16, pandas' ewm(span).mean()) of the token gaps stays below
-                 1 / N s for a generation rate of N tokens/s; requests meeting both, per second
-  KV waste       per step, 1 - (slots holding a token) / (slots in blocks held by sequences),
-                 averaged over steps: the memory lost inside partly filled blocks
-  bubble         1 - (device time of all passes) / duration: the share of the run the device
-                 sat idle, waiting on the host or on arrivals
+`compute` reads a SimResult (simulator.py) and nothing else; report.py prints its Metrics and
+`python -m conveyor.sim --json` writes them. Each metric's definition is docs/simulator.md's
+("Metrics"), and the code keeps to it: all times are seconds of simulated clock, a request's tokens
+stamped at the end of the step that produced them; the first token is TTFT's, never a token
+latency; FastGen's SLA is `meets_sla`'s.
 """
 
 from __future__ import annotations

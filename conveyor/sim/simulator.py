@@ -4,17 +4,14 @@ planning and the device's passes in place of the scheduler stage's CPU work and 
 
     arrivals -> EngineCore.plan (host cost) -> passes on a virtual device (device cost) -> apply
 
-The loop is the scheduler stage's: take every input that has come (arrivals by the host's clock,
-results whose pass has ended), plan while the core wants to, else wait for the next input. A
-plan costs `SimConfig.host` of host time; each of its passes takes the cost model's latency on
-the device, starting when both the plan is made and the device is free, and its result lands
-at its end. Every draw gets a fake id (requests carry max_tokens = their output length and
-ignore_eos, so nothing stops early), and every token is stamped with its pass's end. Nothing
-reads the wall clock: a run is a pure function of its inputs.
-
-Closed loop (`num_clients`): that many requests are in flight at once, each client sending its
-next request when the previous one finishes (FastGen's benchmark clients); the workload's own
-arrival times are then ignored.
+`simulate` runs a workload (__main__.py, the tests); run_metrics.py reads its SimResult.
+Invariants: the loop is the scheduler stage's (`_Run.loop`), so a run makes the decisions the
+server would; a pass starts once its plan is made and the device is free, and its result lands at
+its end, which stamps its tokens; draws are fake ids and requests carry max_tokens = their output
+length and ignore_eos, so every request must finish with exactly its tokens (`result` raises
+otherwise); nothing reads the wall clock: a run is a pure function of its inputs. With
+`num_clients` the loop is closed (FastGen's benchmark clients): that many requests in flight, each
+client sending its next when the previous one finishes, the workload's arrival times ignored.
 """
 
 from __future__ import annotations

@@ -2,21 +2,17 @@
 checkpoint of a real model's shape, for benchmarks on a GPU with nothing downloaded.
 
 The weights and the tokenizer are conveyor/tiny/checkpoint.py's (deterministic per --seed; the
-tokenizer is the tiny model's 4096-id BPE). A shape sets the config.json fields that decide the
-cost of a step; a vocabulary larger than the tokenizer's is padded the way real checkpoints pad
-theirs: the model may emit ids the tokenizer has no text for, which decode to nothing but count
-as tokens. Prompts are tokenized by the tiny tokenizer, which splits text more finely than Llama 3's
-128k-id one: 2.7 characters a token over the first 300 ShareGPT conversations of the shared sample.
-
-Llama-3-8B in bfloat16 is 16 GB on disk; generating it needs about twice that in host memory
-(the tensors, then safetensors' buffer) and minutes: a 4-layer cut of the shape (3.6 GiB) peaked
-at 6.9 GiB resident and took 55 s on a 2-core development machine.
+tokenizer is the tiny model's 4096-id BPE, which splits text more finely than Llama 3's). A shape
+(SHAPES) sets the config.json fields that decide the cost of a step; a vocabulary larger than the
+tokenizer's is padded as real checkpoints pad theirs: the model may emit ids the tokenizer has no
+text for, which decode to nothing but count as tokens. Llama-3-8B in bfloat16 is 16 GB on disk,
+twice that in host memory and minutes to write (docs/benchmarks.md has the measurements).
 
 `--no-weights` writes everything but the weights, at once: what `conveyor serve --device
 emulated` reads (it models the device and loads none). `--tokenizer-from DIR` takes another
 checkpoint's tokenizer, chat template and special ids (config.json's bos/eos, its
-generation_config.json) instead of the tiny BPE's: a real 49k-id BPE such as SmolLM2's counts
-ShareGPT's tokens much as Llama 3's does.
+generation_config.json) instead: a real 49k-id BPE such as SmolLM2's counts ShareGPT's tokens
+much as Llama 3's does.
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
-"""The GPU runbook: `python3 ops/gpu/runbook.py STEP [--emulated]`, one step per device call.
+"""The GPU runbook: `python3 ops/gpu/runbook.py STEP [--emulated]`, one step per device call, each
+recording its figures or its failure (exit status, last lines of output) in its reports.
 
-It owns the procedure of docs/benchmarks.md's H100 sections (issues 15 and 16): each step runs
-conveyor in subprocesses, records its figures or its failure (exit status, last lines of output)
-in the state (record.py), and writes gpu-runbook.json and gpu-runbook.md to $OUT (./gpu-runbook-out
-where $OUT is unset, or --out). ops/gpu/run.sh installs the packed wheels first; ops/gpu/README.md
-has the procedure. Every step is idempotent and stops itself inside --budget-s (540 s: a call
-has 600). Expected time of each on the H100 machine (ESTIMATES; nothing has run there yet):
-
-    setup        ~1 min    versions, the device, unmet requirements, every conveyor module imported (probe.py)
-    tests        3-6 min   pytest -m cuda over the test files that mark CUDA tests
-    checkpoint   3-5 min   the Llama-3-8B-shaped bf16 checkpoint, random weights, 16 GB (seconds when reused)
-    race-k1      4-6 min   ShareGPT 500 at once against K = 1, with CUDA graphs and --enforce-eager (race.py)
-    race-k8      4-6 min   the same with --num-scheduler-steps 8
-    report       seconds   the reports from the state alone
-    all          every step in order (--emulated; on the GPU each step is its own call)
-
-A machine is given back 30 s after a call: a race step on a fresh one generates the checkpoint
-first, and where too little time is left for a configuration it is recorded as not run; running
-the step again measures only the configurations still missing (--rerun measures all again).
-`--emulated` runs the same steps here against `conveyor serve --device emulated` on a config-only
-tiny checkpoint, at a tiny scale, and skips the GPU tests: tests/ops/test_gpu_runbook.py rehearses it.
-Stdlib only, so that it can report a machine where conveyor's imports fail.
+It owns the steps of ops/gpu/README.md's procedure, their time budget and the state across calls
+(record.py); the procedure itself, each step's time estimate and where the figures go afterwards
+are the README's. Each step runs conveyor in subprocesses. Invariants:
+- every step is idempotent, stops itself within --budget-s (540 s: a device call has 600) and
+  writes gpu-runbook.json and gpu-runbook.md to $OUT (./gpu-runbook-out where unset, or --out);
+- a race configuration that no longer fits in the call is recorded as not run, and running the
+  step again measures only the ones still missing (--rerun measures all again);
+- `--emulated` runs the same steps against `conveyor serve --device emulated` on a config-only
+  tiny checkpoint, at a tiny scale, without the GPU tests: tests/ops/test_gpu_runbook.py;
+- stdlib only, so that it can report a machine where conveyor's imports fail.
 """
 
 from __future__ import annotations
@@ -43,7 +33,7 @@ import record
 
 REPO = Path(__file__).resolve().parents[2]
 PACK = REPO / ".gpu-pack"
-STEPS = ("setup", "tests", "checkpoint", "race-k1", "race-k8", "report")
+STEPS = ("setup", "tests", "checkpoint", "race-k1", "race-k8", "report")  # report: from the state alone, in seconds
 COMPLETE = ".runbook-complete"  # written into a checkpoint once conveyor.tiny.generate has finished
 TAIL = 40
 
@@ -249,7 +239,7 @@ def finish(name: str, started: float, result: dict, opts: Options, state: dict) 
 
 def options(argv: list[str] | None) -> Options:
     p = argparse.ArgumentParser(prog="ops/gpu/runbook.py", description=" ".join((__doc__ or "").split("\n\n")[0].split()))
-    p.add_argument("step", choices=(*STEPS, "all"))
+    p.add_argument("step", choices=(*STEPS, "all"))  # all: every step in order (--emulated; on a GPU one call each)
     p.add_argument("--emulated", action="store_true", help="conveyor serve --device emulated, at a tiny scale, on any machine")
     p.add_argument("--out", type=Path, help="where the reports go (default: $OUT, else ./gpu-runbook-out)")
     p.add_argument("--work", type=Path, help="state, checkpoint and logs (default: /tmp/gpu-runbook, -emulated with --emulated)")

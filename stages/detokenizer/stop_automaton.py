@@ -1,20 +1,15 @@
 """StopAutomaton: an Aho–Corasick automaton over a set of stop strings, built once and shared.
 
-Fed text one character at a time, its state is the longest suffix of the text so far that is a
-prefix of some stop string (a node of the trie of stop strings). From the state alone come both
-answers StopMatcher needs: the longest stop string that ends at this character (if any), and
-how much of the text's tail could still grow into a stop string (what must be held back).
+StopMatcher (stop_strings.py) feeds it text one character at a time (`step`). Its state is the
+longest suffix of the text so far that is a prefix of some stop string (a node of the trie of
+stop strings), and from the state alone come both answers the matcher needs: the longest stop
+string that ends at this character (`matched`), and how much of the text's tail could still grow
+into a stop string (`held`: what must be held back).
 
-Memory and time are linear in the total length of the stop strings. Nodes are numbered so that
-almost no edge needs storing: each stop string adds its own chain of nodes, numbered
-consecutively, so a node's child along its chain is the next number, reached by the character
-`chain[node]`. Only the first edge of each chain (where a string leaves the part of the trie it
-shares with earlier strings) is stored, in `branch`; there are at most as many as strings. Per
-node, five 4-byte integers: a 200,000-character stop string is 4 MB, not the 20 GB a set of its
-prefixes would take.
-
-Automata are cached by their stop strings: every sample of a request (n, best_of) and every
-request with the same stop strings share one.
+Invariants: memory and time are linear in the total length of the stop strings (the node
+numbering that makes it so: `StopAutomaton`); automata are cached by their stop strings
+(`build`), so every sample of a request (n, best_of) and every request with the same stop strings
+share one, and nothing in one changes after it is built.
 """
 
 from __future__ import annotations
@@ -28,6 +23,13 @@ _ROOT = 0
 
 
 class StopAutomaton:
+    """Nodes are numbered so that almost no edge needs storing: each stop string adds its own chain
+    of nodes, numbered consecutively, so a node's child along its chain is the next number, reached
+    by the character `chain[node]`. Only the first edge of each chain (where a string leaves the
+    part of the trie it shares with earlier strings) is stored, in `branch`; there are at most as
+    many as strings. Per node, five 4-byte integers: a 200,000-character stop string is 4 MB, not
+    the 20 GB a set of its prefixes would take."""
+
     def __init__(self, stop: tuple[str, ...]) -> None:
         """`stop`: unique non-empty stop strings."""
         self.stop = stop

@@ -3,19 +3,15 @@
 Sends TokenizeRequest (to the tokenizer with the fewest requests awaiting a verdict from this
 ingress: a long prompt in one tokenizer does not hold up the others' queues), AbortRequest (to the
 scheduler, or with several engines to the router, which knows each request's engine) and Drained
-(to the launcher). Takes every IngressInbound message through `dispatch`: RequestAccepted (from
-the scheduler, after admission, naming its engine), RequestRejected (a 400 from a tokenizer, a
-429 from the scheduler, a 503 from the router) and each TextDelta go to their request's
-`RequestStream` (one stream serves every engine request of a batch of prompts: the events carry
-their request id); EngineStatus flips `draining` and the readiness of one engine or all (when an
-engine stops, every request in flight that it admitted gets a 503 rejection); StageFailed for a
-tokenizer fails the requests it held, for the router every request still awaiting a verdict.
+(to the launcher). Takes every IngressInbound message through `dispatch`, which puts each
+request's verdict (RequestAccepted, RequestRejected) and TextDeltas on its `RequestStream` (one
+stream serves every engine request of a batch of prompts: the events carry their request id).
 
-Readiness with data parallelism: new requests are taken while any engine is ready (`ready`);
-/health says 200 only while every engine is (`all_ready`). A message for a request that is no longer
-here is dropped; if it says the request still runs (it was admitted, or a delta without a finish
-reason), the scheduler is told to abort it, so no request runs without a client (a stale
-TokenizeRequest delivered after a restart, say).
+Invariants: new requests are taken while any engine is ready (`ready`), /health is 200 only while
+every engine is (`all_ready`); every request in flight gets an answer, a 503 when its engine
+stops or its tokenizer or the router dies before its verdict; a message for a request no longer
+here is dropped, and if it says the request still runs (admitted, or a delta without a finish
+reason) the scheduler is told to abort it, so no request runs without a client.
 """
 
 from __future__ import annotations
@@ -165,6 +161,12 @@ class EngineClient:
             self._scheduler.send(AbortRequest(request_ids=live))
 
     def dispatch(self, msg: object) -> None:
+        """RequestAccepted (from the scheduler, after admission, naming its engine), RequestRejected
+        (a tokenizer's 400, the scheduler's 429, the router's 503) and each TextDelta go to their
+        request's stream; EngineStatus sets `draining` and the readiness of one engine or all;
+        StageFailed for a tokenizer fails the requests it held, for the router every request still
+        awaiting a verdict. A message for a request no longer here may abort it (`_put`): a stale
+        TokenizeRequest delivered after a restart runs no orphan."""
         match msg:
             case DeltaBatch(deltas=deltas, sent_time=sent_time):
                 self.telemetry.batch_received(sent_time)

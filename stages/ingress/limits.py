@@ -2,23 +2,16 @@
 
 aiohttp bounds only idle keep-alive time; a client that trickles its headers or stops half way
 through its body would hold a connection (and a parser, and a handler) for as long as it likes.
-`LimitedHandler` is aiohttp's per-connection protocol with the bounds of `config.server`:
+`LimitedHandler`, aiohttp's per-connection protocol with the bounds of `config.server`, closes
+that gap; listener.py creates one per connection.
 
-- headers: complete within `header_timeout_s` of the connection being accepted, or of the first
-  byte of the next request on a kept-alive connection; else the connection is closed (there is
-  no request yet to answer).
-- body: complete within `body_timeout_s` of its headers; else the handler reading it gets a 408
-  in the OpenAI error shape and the connection closes.
-- keep-alive: idle for `keepalive_timeout_s` (aiohttp's own timer, given to the runner) or after
-  `max_keepalive_requests` answers (the last says `Connection: close`), the connection closes.
-- HTTP that aiohttp cannot parse (a malformed header, a Content-Encoding it cannot decode) gets a
-  400 in the OpenAI error shape and one log line, not aiohttp's text page and a traceback.
-
-It overrides the RequestHandler hooks aiohttp calls per connection (connection_made/lost,
-data_received), per answer (finish_response) and per unparseable request (handle_error), and
-reads the counters aiohttp keeps (`_request_count`: requests parsed; `_messages`: parsed, not yet
-handled; `_current_request`); listener.py creates it. Written against aiohttp 3.14; an upgrade that
-renames them fails tests/api/test_ingress_limits.py.
+Invariants (the bounds: docs/architecture.md, section 1): a connection whose headers are late is
+closed without an answer (there is no request yet to answer); a request whose body is late gets a
+408 in the OpenAI error shape from the handler reading it, and its connection closes after that;
+HTTP that aiohttp cannot parse (a malformed header, a Content-Encoding it cannot decode) gets a
+400 in the same shape and one log line, not aiohttp's text page and a traceback. The class leans
+on aiohttp's internals (its docstring names them): an upgrade that renames them fails
+tests/api/test_ingress_limits.py.
 """
 
 from __future__ import annotations
@@ -37,6 +30,17 @@ log = logging.getLogger(__name__)
 
 
 class LimitedHandler(RequestHandler):
+    """aiohttp's RequestHandler with deadlines. Headers: within header_timeout_s of the connection
+    being accepted, or of the first byte of the next request on a kept-alive connection. Body:
+    within body_timeout_s of its headers. Keep-alive: idle time is aiohttp's own timer
+    (keepalive_timeout_s, given to the runner); the max_keepalive_requests-th answer says
+    `Connection: close`.
+
+    It overrides the hooks aiohttp calls per connection (connection_made/lost, data_received), per
+    answer (finish_response) and per unparseable request (handle_error), and reads the counters
+    aiohttp keeps (`_request_count`: requests parsed; `_messages`: parsed, not yet handled;
+    `_current_request`). Written against aiohttp 3.14."""
+
     def __init__(self, manager: web.Server, *, limits: ServerConfig, on_closed=None, **kwargs):
         super().__init__(manager, **kwargs)
         self.limits = limits

@@ -1,21 +1,17 @@
 """OpenAI response bodies built from TextDelta events: one JSON answer, or server-sent events.
 
-A `ResponseBuilder` follows one HTTP request, which may fan out as several engine requests (a
-batch of prompts): `accept(p, ...)` records prompt p's length, `add(p, delta)` folds a TextDelta
-of prompt p into its choice (counts, logprobs and stop reason always, text and ids only for a
-non-stream answer), `body()` gives the whole answer, and `sse_chunks()` turns a batch of deltas
-into `data: {json}` events, one per choice, the chat role only in a choice's first chunk and
-finish_reason null until its terminal chunk. `usage_chunk()` and `DONE` end a stream.
+A `ResponseBuilder` follows one HTTP request (generate.py makes it), which may fan out as several
+engine requests (a batch of prompts): `accept(p, ...)` records prompt p's length, `add(p, delta)`
+folds in each TextDelta, then `body()` gives the whole answer, or per batch of deltas
+`sse_chunks()` the events of a stream, which `usage_chunk()` and `DONE` end.
 
-Each prompt generates `params.num_samples` choices; the answer's choice p * n + i is prompt p's
-i-th. With best_of > n (never streamed) the answer holds each prompt's n choices with the
-highest cumulative logprob, best first; usage counts every generated token and sums the prompts.
-With echo, each choice's text starts with its prompt's text.
-
-A chat request whose answer has a shape (tools/answer.py: tool calls, reasoning) parses each
-choice's text on its own: the message's content, reasoning_content and tool_calls, or in a
-stream the same as delta fields; finish_reason "stop" becomes "tool_calls" when the choice
-called tools. Without one, chat answers are plain text, exactly as before.
+Invariants: prompt p's i-th choice is the answer's choice p * n + i; with best_of > n (never
+streamed) the answer holds each prompt's n choices with the highest cumulative logprob, best
+first; usage counts every generated token and sums the prompts; with echo, each choice's text
+starts with its prompt's text. In a stream the chat role is only in a choice's first chunk and
+finish_reason null until its terminal chunk. A chat answer with a shape (tools/answer.py: tool
+calls, reasoning) is parsed per choice, its finish_reason "stop" becoming "tool_calls" when the
+choice called tools; without one, chat answers are plain text.
 """
 
 from __future__ import annotations
@@ -107,6 +103,8 @@ class ResponseBuilder:
         self.num_prompt_tokens[p] = num_prompt_tokens
 
     def add(self, p: int, delta: TextDelta) -> None:
+        """Fold a TextDelta of prompt p into its choice: counts, logprob sum and stop reason always,
+        text, ids and logprobs only for a non-stream answer (a stream sends them as they come)."""
         choice = self.choices[p * self.num_samples + delta.index]
         if delta.num_prompt_tokens:
             self.num_prompt_tokens[p] = delta.num_prompt_tokens

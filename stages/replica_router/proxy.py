@@ -1,24 +1,16 @@
 """The router's aiohttp app: every request but its own /health and /metrics goes to one replica
 and comes back unchanged, streamed as it arrives (SSE events keep their timing).
 
-  POST /v1/completions, /v1/chat/completions   routed by the prompt's chunk hashes (prompt.py)
-                                               and the replicas' load (replicas.py)
-  any other method and path                    routed by load alone (GET /v1/models, /tokenize,
-                                               /openapi.json, ...): any ready replica answers
-  GET /health    200 while at least one replica is ready (the router can serve), else 503; the
-                 body lists each replica's state. One ready replica is enough because the router
-                 is the load balancer: it routes around the others, and each replica's own
-                 probe speaks for that replica
-  GET /metrics   the router's own counters (metrics.py)
-
-Errors, in OpenAI's shape (stages/ingress/errors.py, as a replica's own):
-  413 request_too_large     a body past what a replica would take (read whole, to route it)
-  503 no_replica_ready      none is ready (Retry-After: the health interval)
-  502 no_replica_answered   each ready replica was tried and none could be reached
-A connection that fails before the replica answers marks it not ready and the request goes to
-the next one (it never reached a model, or the replica died under it: either way no answer was
-sent). A replica that breaks off mid-answer cannot be replaced: an SSE stream ends with an error
-event and [DONE], as conveyor ends its own; any other body is cut short.
+main.py serves it; replicas.py picks each request's replica (POST /v1/completions and
+/v1/chat/completions by their prompt's chunk hashes, prompt.py; any other request by load alone),
+and health.py keeps their readiness. Invariants:
+- /health is 200 while at least one replica is ready, else 503: the router is the load balancer
+  and routes around the others, and each replica's own probe speaks for that replica.
+- errors have OpenAI's shape (stages/ingress/errors.py): 413 request_too_large for a body past
+  what a replica would take (read whole, to route it), 503 no_replica_ready with Retry-After,
+  502 no_replica_answered when each ready replica was tried and none could be reached.
+- a request is sent to another replica only when the first failed before answering (`forward`);
+  once an answer began it is the client's, even if broken (`_end_broken`).
 """
 
 from __future__ import annotations
@@ -115,6 +107,8 @@ class Proxy:
                     request.method, replica.url + request.path_qs, data=body, headers=_pass_headers(request.headers)
                 )  # fmt: skip
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+                # It never reached a model, or the replica died under it: either way no answer was
+                # sent, so the replica is marked not ready and the request goes to the next one.
                 self.replicas.finish(index)
                 self._failed(index, e)
                 failure = f"{replica.url}: {type(e).__name__}"
@@ -155,6 +149,8 @@ class Proxy:
             return resp
 
     async def _end_broken(self, resp: web.StreamResponse, upstream: aiohttp.ClientResponse) -> None:
+        """The replica broke off mid-answer, which no other replica can take over: an SSE stream
+        ends with an error event and [DONE], as conveyor ends its own; any other body is cut short."""
         if upstream.content_type == "text/event-stream":
             error = ApiError(502, "the replica broke off the answer", code="replica_failed")
             with contextlib.suppress(ConnectionResetError):

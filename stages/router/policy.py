@@ -1,7 +1,7 @@
 """Routing: which engine (or replica) serves a request. Pure Python: no zmq, no msgspec, no torch.
 
-The router stage (main.py) drives one `RoutingPolicy` for the data-parallel engines of a daemon;
-an HTTP replica router can drive another for whole daemons. The interface, kept stable:
+The router stage (main.py) drives one for a daemon's data-parallel engines, the HTTP replica
+router (stages/replica_router/replicas.py) one for whole daemons. The interface, kept stable:
 
     policy = RoutingPolicy("cache_aware", num_engines=2)
     policy.set_ready(engine, True)                  # never route to an engine not ready
@@ -10,22 +10,9 @@ an HTTP replica router can drive another for whole daemons. The interface, kept 
     route.engine, route.reason                       # reason: affinity | least_loaded | round_robin
     policy.forget(engine)                            # it restarted: its cache and counts are gone
 
-`prefix_hashes` chains a hash over each full block of a prompt (any hashable items: token ids
-here, characters for a router that never tokenizes), so a block's hash names the whole prefix up
-to its end, as the scheduler's prefix cache names its blocks.
-
-Policies:
-- round_robin: the ready engines in turn.
-- least_loaded: the ready engine with the fewest requests (waiting + running + routed but not yet
-  received), then the lowest KV use, then the smallest prefix map (the most room for a new prefix,
-  as SGLang sends a cache miss to the smallest tree), then the fewest routed, then the lowest index.
-- cache_aware (SGLang's cache-aware router, without its radix tree): an approximate map per engine
-  of the block hashes it was sent, LRU-bounded by the engine's reported KV capacity. When the
-  ready engines' loads differ by more than `balance_abs_threshold` requests and the busiest has
-  more than `balance_rel_threshold` times the idlest's, the request goes to the least loaded (the
-  cache is worth less than a queue). Otherwise it goes to the engine whose map matches the longest
-  prefix of it, if that match covers at least `cache_threshold` of its blocks (ties to the less
-  loaded), else to the least loaded. Either way its hashes join the chosen engine's map.
+Invariants: a block's hash names the whole prefix up to its end, as the scheduler's prefix cache
+names its blocks; an engine's map never outgrows its reported KV capacity; a routed request counts
+against its engine until the engine reports it received. The policies: docs/architecture.md, 2b.
 """
 
 from __future__ import annotations
@@ -44,7 +31,9 @@ REASONS: tuple[Reason, ...] = ("affinity", "least_loaded", "round_robin")
 
 
 def prefix_hashes(items: Sequence[Hashable], block_size: int) -> list[int]:
-    """One chained hash per full block of `items`: hash i names items[: (i + 1) * block_size]."""
+    """One chained hash per full block of `items`: hash i names items[: (i + 1) * block_size].
+    Any hashable items: token ids for the router stage, characters for the replica router, which
+    never tokenizes."""
     hashes: list[int] = []
     parent = ROOT_HASH
     for start in range(0, len(items) - block_size + 1, block_size):
@@ -121,6 +110,13 @@ class _Engine:
 
 
 class RoutingPolicy:
+    """round_robin: the ready engines in turn. least_loaded: `_least_loaded`. cache_aware
+    (SGLang's cache-aware router, without its radix tree): an approximate map per engine of the
+    block hashes it was sent, LRU-bounded by its KV capacity; an imbalanced set of engines sends
+    the request to the least loaded, else the longest match (ties to the less loaded) wins if it
+    covers `cache_threshold` of the prompt's blocks, else the least loaded. Either way the
+    request's hashes join the chosen engine's map."""
+
     def __init__(self, policy: str, num_engines: int, settings: RoutingSettings = RoutingSettings()):
         if policy not in ("cache_aware", "round_robin", "least_loaded"):
             raise ValueError(f"unknown routing policy {policy!r}")
@@ -180,6 +176,10 @@ class RoutingPolicy:
         return route
 
     def _least_loaded(self, ready: list[int]) -> int:
+        """The fewest requests (waiting + running + routed but not yet received), then the lowest
+        KV use, then the smallest prefix map (the most room for a new prefix, as SGLang sends a
+        cache miss to the smallest tree), then the fewest routed, then the lowest index."""
+
         def load(i: int) -> tuple[int, float, int, int, int]:
             e = self._engines[i]
             return e.num_requests, e.kv_usage, len(e.blocks), e.num_routed, i
@@ -187,6 +187,8 @@ class RoutingPolicy:
         return min(ready, key=load)
 
     def _is_imbalanced(self, ready: list[int]) -> bool:
+        """Loads differ by more than balance_abs_threshold requests and the busiest holds more
+        than balance_rel_threshold times the idlest's: a cache hit is then worth less than a queue."""
         loads = [self._engines[i].num_requests for i in ready]
         busiest, idlest = max(loads), min(loads)
         s = self.settings

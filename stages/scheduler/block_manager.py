@@ -1,24 +1,17 @@
 """The KV block manager: reference-counted blocks, the automatic prefix cache, LRU eviction.
 
-A block id indexes the worker's cache tensors ([2, num_blocks, block_size, kv_heads, head_dim]
-per layer); this class only keeps the books. A block is held by every sequence whose block table
-names it (reference count = holders), so parallel samples share their prompt and the prefix
-cache shares full blocks between requests.
+It keeps the books on the worker's KV blocks (a block id indexes the cache tensors,
+[2, num_blocks, block_size, kv_heads, head_dim] per layer) and on each Sequence's block table
+(`block_ids`, as nano-vllm's block manager keeps it). The scheduler decides who runs and who is
+preempted; it asks here whether and how much fits (`num_admittable`, `num_appendable`) and has
+this class do the bookkeeping (`allocate_prompt`, `append`, `register_full_blocks`, `fork`,
+`release`). Pure Python: no torch, no zmq.
 
-Prefix cache: a full block is named by a chained hash, hash((hash of the block before it, its
-tokens)), so a name covers the whole prefix up to the block's end. When the last holder frees a
-named block it stays in the cache while free, and is only evicted (renamed) when the free list
-hands it out again: least recently freed first, unnamed blocks before named ones, and a
-sequence's later blocks before its earlier ones (a prefix's head is the likeliest to recur).
-Python's tuple hash is 64-bit and deterministic for ints; a collision would need two different
-chains to agree on all 64 bits.
-
-Sequences: the block table of a Sequence (`block_ids`) is kept here too, as nano-vllm's block
-manager keeps it. A table covers the sequence's computed tokens and those scheduled next;
-`num_registered_blocks` of its blocks are named in the prefix cache. The scheduler decides who
-runs and who is preempted; it asks this class whether and how much fits (`num_admittable`,
-`num_appendable`) and has it do the bookkeeping (`allocate_prompt`, `append`,
-`register_full_blocks`, `fork`, `release`). Pure Python: no torch, no zmq.
+Invariants: a block's reference count is the number of tables that name it (parallel samples
+share their prompt, the prefix cache full blocks across requests), and a block with count 0 is in
+the free list exactly once; a table covers its sequence's computed tokens and those scheduled
+next, its first `num_registered_blocks` named in the prefix cache (`chain_hash`); a free named
+block stays cached until the free list hands it out again (in the order `free` explains).
 """
 
 from __future__ import annotations
@@ -34,6 +27,9 @@ ROOT_HASH = 0x9E3779B97F4A7C15  # the "parent" of a sequence's first block
 
 
 def chain_hash(parent: int, tokens: Iterable[int]) -> int:
+    """A full block's name in the prefix cache: hash((the name of the block before it, its tokens)),
+    so a name covers the whole prefix up to the block's end. Python's tuple hash is 64-bit and
+    deterministic for ints; a collision would need two different chains to agree on all 64 bits."""
     return hash((parent, tuple(tokens)))
 
 
@@ -109,7 +105,11 @@ class BlockManager:
             self._ref_counts[block] += 1
 
     def free(self, blocks: list[int]) -> None:
-        """Drop one holder of each block; a sequence's table is released from its tail."""
+        """Drop one holder of each block. A block left with none is free: unnamed, it goes to the
+        head of the free list (nothing worth keeping); named, to its tail, keeping its prefix cache
+        entry until `allocate` hands it out again, least recently freed first. A table is released
+        from its tail, so a sequence's later blocks are evicted before its earlier ones (a
+        prefix's head is the likeliest to recur)."""
         for block in reversed(blocks):
             count = self._ref_counts[block]
             if count <= 0:

@@ -1,12 +1,11 @@
 """Sequence: the scheduler's state for one generated sequence (one sample of one request).
 
 Tokens are known (prompt plus sampled outputs) or computed (their KV is in the cache). Each step
-catches computed up to known; there is no separate prefill or decode phase. Under asynchronous
-scheduling a token can be known by count before its id is: a planned step draws it, and the id
-arrives with that step's result (`num_pending_tokens`: at most two, or two windows' passes
-under multi-step). The worker keeps its own copy of every sequence's ids, so a step may compute
-a token the scheduler has not seen yet. A request asking for several samples starts as one sequence that forks when its prompt is done
-(`num_pending_forks`).
+catches computed up to known; there is no separate prefill or decode phase. A token can be known
+by count before its id is: a planned step draws it and the id comes with that step's result
+(`num_pending_tokens`: at most two steps' draws, or two windows' passes under multi-step), which
+is asynchronous scheduling, docs/architecture.md ("Overlap"). A request asking for several
+samples starts as one sequence that forks when its prompt is done (`num_pending_forks`).
 """
 
 from __future__ import annotations

@@ -6,15 +6,9 @@ while the tokenizer process it runs in serves nobody else. So a text much longer
 could need is first counted in chunks, from the start, and refused (PromptTooLong) as soon as
 the chunks hold more tokens than the limit: the work is bounded by the limit, not by the text.
 
-A text that passes is encoded whole, exactly as without a limit (a chunked encoding could differ
-at the cuts), and is short by then: every chunk but the last counted, it has about `limit`
-tokens, so at most `limit` times the longest token's characters.
-
-Why counting chunks is sound: a cut just before a space that follows a non-space character is a
-pre-tokenizer boundary for the GPT-2/Llama 3/Qwen2 split rules and for Metaspace, so the
-chunks' tokens are exactly the whole text's. Where the chunk has no such space the cut falls
-anywhere, and the word it splits may encode to a few more tokens than it would whole:
-SLACK_PER_CUT tokens a chunk are not counted, so no prompt that fits is refused.
+encoder.py's PromptEncoder calls it for what it encodes. Invariants: no prompt that fits
+is refused (why counting chunks is sound: `_cut`); a text that passes is encoded whole, exactly
+as without a limit, and the caller still checks its length.
 """
 
 from __future__ import annotations
@@ -38,7 +32,11 @@ class PromptTooLong(Exception):
 
 def encode_within(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool, limit: int | None) -> list[int]:
     """`tokenizer`'s ids for `text`; with a `limit`, PromptTooLong instead when counting shows
-    more than `limit` tokens. A text that is not refused may still have more: the caller checks."""
+    more than `limit` tokens. A text that is not refused may still have more: the caller checks.
+
+    A text that passes is encoded whole, exactly as without a limit (a chunked encoding could
+    differ at the cuts), and is short by then: every chunk but the last counted, it has about
+    `limit` tokens, so at most `limit` times the longest token's characters."""
     if limit is not None and len(text) > max(limit, 1) * DIRECT_CHARS_PER_TOKEN:
         num_tokens, start = 0, 0
         while len(text) - start > CHUNK_CHARS:
@@ -51,7 +49,13 @@ def encode_within(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool, 
 
 
 def _cut(text: str, low: int, high: int) -> int:
-    """The last word end in text[low:high] (before a space, after a non-space), else `high`."""
+    """The last word end in text[low:high] (before a space, after a non-space), else `high`.
+
+    Why counting chunks is sound: a cut just before a space that follows a non-space character is
+    a pre-tokenizer boundary for the GPT-2/Llama 3/Qwen2 split rules and for Metaspace, so the
+    chunks' tokens are exactly the whole text's. Where the chunk has no such space the cut falls
+    anywhere, and the word it splits may encode to a few more tokens than it would whole:
+    SLACK_PER_CUT tokens a chunk are not counted, so no prompt that fits is refused."""
     i = text.rfind(" ", low, high)
     return i if i > low and not text[i - 1].isspace() else high
 
