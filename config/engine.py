@@ -83,16 +83,19 @@ class ParallelConfig:
     # detokenizer pool; with more than one, the router stage picks each request's engine.
     data_parallel_size: int = option(1, "engines serving behind one endpoint (each a scheduler and its ranks)", minimum=1)
     routing_policy: str = option(
-        "cache_aware", "how the router picks an engine: cache_aware (prefix affinity, then load), round_robin, "
-        "least_loaded", choices=ROUTING_POLICIES,
-    )  # fmt: skip
+        "cache_aware",
+        "how the router picks an engine: cache_aware (prefix affinity, then load), round_robin, least_loaded",
+        choices=ROUTING_POLICIES,
+    )
     # An existing Ray cluster to place engines on ("auto": the one this machine belongs to);
     # None: every process runs on this machine.
     ray_address: str | None = option(None, "place engine ranks on this Ray cluster ('auto': the local one's)", none="this machine")
     attention_backend: str = option(
-        "auto", "attention backend and ops: auto (triton on CUDA, cpu on a CPU), torch (reference), cpu (C++ kernels), "
-        "triton (Triton kernels; on a CPU only under TRITON_INTERPRET=1)", choices=ATTENTION_BACKENDS,
-    )  # fmt: skip
+        "auto",
+        "attention backend and ops: auto (triton on CUDA, cpu on a CPU), torch (reference), cpu (C++ kernels), "
+        "triton (Triton kernels; on a CPU only under TRITON_INTERPRET=1)",
+        choices=ATTENTION_BACKENDS,
+    )
     # CUDA graphs (gpu/cuda_graphs.py): decode-only steps replay a graph captured per padded
     # batch size (1, 2, 4, 8, then steps of 8 up to the cap or --max-num-seqs). CUDA only.
     enforce_eager: bool = option(False, "never capture CUDA graphs: every step runs eagerly")
@@ -123,9 +126,10 @@ class ServerConfig:
     # When set, every route but /health and /metrics requires it. The CLI also reads it from
     # --api-key-file or CONVEYOR_API_KEY (conveyor/cli.py).
     api_key: str | None = option(
-        None, "require this key (Authorization: Bearer or X-Api-Key); visible in ps: "
-        "prefer CONVEYOR_API_KEY or --api-key-file", none="none",
-    )  # fmt: skip
+        None,
+        "require this key (Authorization: Bearer or X-Api-Key); visible in ps: prefer CONVEYOR_API_KEY or --api-key-file",
+        none="none",
+    )
     allowed_origins: tuple[str, ...] = option((), "CORS origins allowed to call the API ('*' for any)", none="none")
     # Jinja text overriding the checkpoint's chat template; the option takes a file or the text.
     chat_template: str | None = option(None, "Jinja file (or text) overriding the checkpoint's chat template", none="the checkpoint's")
@@ -156,14 +160,18 @@ class ServerConfig:
     # Chat: special tokens written inside message content are encoded as plain text unless this
     # is set (then a user could forge `<|eot_id|>` and a role header).
     special_tokens_in_content: bool = option(
-        False, "encode special tokens written inside chat message content as special tokens "
-        "(off: they are plain text, so users cannot forge roles)", flag="chat-content-special-tokens",
-    )  # fmt: skip
+        False,
+        "encode special tokens written inside chat message content as special tokens "
+        "(off: they are plain text, so users cannot forge roles)",
+        flag="chat-content-special-tokens",
+    )
     # Liveness and shutdown (the launcher).
     stage_timeout_s: float = option(
-        30.0, "seconds of silence (no heartbeat) after which a stage is declared dead", flag="stage-timeout",
+        30.0,
+        "seconds of silence (no heartbeat) after which a stage is declared dead",
+        flag="stage-timeout",
         positive=True,
-    )  # fmt: skip
+    )
     drain_timeout_s: float = option(30.0, "on SIGTERM, seconds in-flight requests get to finish", flag="drain-timeout", positive=True)
     max_engine_restarts: int = option(3, "engine failures in --restart-window before the daemon exits", positive=True)
     restart_window_s: float = option(300.0, "seconds over which engine failures are counted", flag="restart-window", positive=True)

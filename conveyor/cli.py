@@ -35,21 +35,26 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("bench", help="benchmarks: an HTTP load generator, offline throughput, scheduler step cost")
     which = p.add_subparsers(dest="bench", required=True)
-    bench_args.add_serve(which.add_parser(
-        "serve", help="load an OpenAI-compatible server over HTTP: latency, throughput, effective throughput"
-    ))  # fmt: skip
-    bench_args.add_offline(which.add_parser(
-        "offline", help="offline tokens/s of conveyor's LLM API against transformers' generate",
-        formatter_class=DefaultsHelpFormatter,
-    ))  # fmt: skip
+    bench_args.add_serve(
+        which.add_parser("serve", help="load an OpenAI-compatible server over HTTP: latency, throughput, effective throughput")
+    )
+    bench_args.add_offline(
+        which.add_parser(
+            "offline",
+            help="offline tokens/s of conveyor's LLM API against transformers' generate",
+            formatter_class=DefaultsHelpFormatter,
+        )
+    )
     bench_args.add_step(which.add_parser("step", help="CPU cost of one scheduler (or, --worker, worker) step over N running decodes"))
-    bench_args.add_forward(which.add_parser(
-        "forward", help="one worker step on the CPU, with and without the C++ kernels, interleaved"
-    ))  # fmt: skip
+    bench_args.add_forward(
+        which.add_parser("forward", help="one worker step on the CPU, with and without the C++ kernels, interleaved")
+    )
     bench_args.add_sampling(which.add_parser("sampling", help="the sampler's draw against noise-tensor draws, interleaved"))
-    bench_args.add_cpu(which.add_parser(
-        "cpu", help="run a client command; the CPU each stage spent per 1,000 output tokens, the client's, the bubble"
-    ))  # fmt: skip
+    bench_args.add_cpu(
+        which.add_parser(
+            "cpu", help="run a client command; the CPU each stage spent per 1,000 output tokens, the client's, the bubble"
+        )
+    )
 
 
 def router_parser(sub: argparse._SubParsersAction) -> None:
@@ -58,15 +63,23 @@ def router_parser(sub: argparse._SubParsersAction) -> None:
     from conveyor.stages.replica_router.discovery import parse_dns_name
 
     p = sub.add_parser(
-        "router", help="an HTTP router in front of several conveyor daemons: prefix affinity, then load",
+        "router",
+        help="an HTTP router in front of several conveyor daemons: prefix affinity, then load",
         formatter_class=DefaultsHelpFormatter,
-    )  # fmt: skip
+    )
     replicas = p.add_mutually_exclusive_group(required=True)
-    replicas.add_argument("--backends", type=parse_backends, metavar="URL[,URL...]",
-                          help="the daemons' base URLs, e.g. http://10.0.0.1:8000,http://10.0.0.2:8000")  # fmt: skip
-    replicas.add_argument("--backends-dns", type=parse_dns_name, metavar="HOST:PORT",
-                          help="a name whose addresses are the daemons, asked again every --health-interval "
-                          "(a Kubernetes headless Service)")  # fmt: skip
+    replicas.add_argument(
+        "--backends",
+        type=parse_backends,
+        metavar="URL[,URL...]",
+        help="the daemons' base URLs, e.g. http://10.0.0.1:8000,http://10.0.0.2:8000",
+    )
+    replicas.add_argument(
+        "--backends-dns",
+        type=parse_dns_name,
+        metavar="HOST:PORT",
+        help="a name whose addresses are the daemons, asked again every --health-interval (a Kubernetes headless Service)",
+    )
     add_arguments(p, settings(RouterConfig))
 
 

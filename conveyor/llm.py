@@ -100,12 +100,15 @@ class LLM:
         conversations = cast(Seq[Seq[dict]], [messages] if single else messages)  # the check mypy cannot follow
         requests = [
             TokenizeRequest(
-                f"chat-{next(self._ids)}", 0, SamplingParams(), time.time(),
+                f"chat-{next(self._ids)}",
+                0,
+                SamplingParams(),
+                time.time(),
                 messages=[ChatMessage(m["role"], m["content"]) for m in conv],
                 add_generation_prompt=add_generation_prompt,
             )
             for conv in conversations
-        ]  # fmt: skip
+        ]
         return self._run(requests, [None] * len(requests), sampling_params)
 
     def _run(self, requests: list[TokenizeRequest], prompts: Seq, sampling_params) -> list[RequestOutput]:

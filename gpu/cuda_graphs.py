@@ -249,8 +249,12 @@ class DecodeGraphs:
         seconds = time.perf_counter() - started
         log.info(
             "captured %d decode CUDA graphs (batch sizes %d..%d) in %.1f s, %.0f MiB of graph memory",
-            len(self.buckets), self.buckets[0], self.buckets[-1], seconds, num_bytes / 2**20,
-        )  # fmt: skip
+            len(self.buckets),
+            self.buckets[0],
+            self.buckets[-1],
+            seconds,
+            num_bytes / 2**20,
+        )
         return seconds, num_bytes
 
     @torch.inference_mode()

@@ -71,9 +71,18 @@ def profile_run(runner: ModelRunner) -> None:
     steps = profile_steps(sched.max_num_batched_tokens, sched.max_num_seqs, model_cfg.max_model_len, block_size)
     # Every sampling feature at once, so that the peak covers their [S, V] temporaries.
     params = SamplingParams(
-        temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.5,
-        repetition_penalty=1.1, min_tokens=2, logit_bias={0: 1.0}, logprobs=MAX_LOGPROBS, max_tokens=None,
-    )  # fmt: skip
+        temperature=1.0,
+        top_p=0.9,
+        top_k=50,
+        min_p=0.05,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.1,
+        min_tokens=2,
+        logit_bias={0: 1.0},
+        logprobs=MAX_LOGPROBS,
+        max_tokens=None,
+    )
     kv_caches = runner.attn.allocate_kv_caches(max(step.num_blocks for step in steps), block_size)
     for step in steps:
         batch = PersistentBatch(len(step.query_lens), runner.max_blocks_per_seq, runner.device)

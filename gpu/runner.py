@@ -262,8 +262,16 @@ class ModelRunner:
         assert window.first is not None
         rows = [window.rows[i] for i in active]
         everyone = len(active) == len(window.rows)
-        inputs = next_pass_inputs(window.first, k, None if everyone else active, self.batch, self.attn, self.block_size,
-                                  self.config.model.sliding_window, not self._graphed(len(active), True))  # fmt: skip
+        inputs = next_pass_inputs(
+            window.first,
+            k,
+            None if everyone else active,
+            self.batch,
+            self.attn,
+            self.block_size,
+            self.config.model.sliding_window,
+            not self._graphed(len(active), True),
+        )
         return PassWork(inputs, rows, [1] * len(rows), list(range(len(rows))), [[] for _ in rows])
 
     def _sample(self, work: PassWork, hidden: torch.Tensor, window: Window, k: int) -> tuple[DeviceSamples, torch.Tensor] | None:
@@ -311,9 +319,13 @@ class ModelRunner:
             draw_slots.append(self.batch.slots[seq.seq_id])
             for fork in forks:  # a copy of the sequence after this pass, with its own draw
                 child = dataclasses.replace(
-                    seq, seq_id=fork.seq_id, token_ids=list(seq.token_ids), block_table=list(seq.block_table),
-                    index=fork.index, stopped=False,
-                )  # fmt: skip
+                    seq,
+                    seq_id=fork.seq_id,
+                    token_ids=list(seq.token_ids),
+                    block_table=list(seq.block_table),
+                    index=fork.index,
+                    stopped=False,
+                )
                 child.matcher = self._matcher(child)  # its own, where the parent's was for this draw
                 self.seqs[fork.seq_id] = child
                 if child.params.structured is not None:

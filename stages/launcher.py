@@ -210,9 +210,10 @@ class Launcher:
         """Ready stages that sent no heartbeat for --stage-timeout: killed, and returned."""
         now, timeout = time.monotonic(), self.server.stage_timeout_s
         silent = [
-            (c, c.process) for c in self.children.values()
+            (c, c.process)
+            for c in self.children.values()
             if c.ready and c.process is not None and c.process.poll() is None and now - c.last_beat > timeout
-        ]  # fmt: skip
+        ]
         for child, process in silent:
             log.error("stage %s sent no heartbeat for %.1f s; declaring it dead", child.name, now - child.last_beat)
             process.kill()
@@ -233,8 +234,10 @@ class Launcher:
         if len(self.failures) > self.server.max_engine_restarts:
             log.error(
                 "%d stage failures within %.0f s (--max-engine-restarts %d); giving up",
-                len(self.failures), self.server.restart_window_s, self.server.max_engine_restarts,
-            )  # fmt: skip
+                len(self.failures),
+                self.server.restart_window_s,
+                self.server.max_engine_restarts,
+            )
             return False
         self._forget(child)
         engine = engine_of(self.config, child.stage, child.index)

@@ -58,9 +58,13 @@ class FakeRunner:
             draws = [next_token(context, salt)] + [next_token(context, f.index) for f in row.forks]
             for fork, token in zip(row.forks, draws[1:]):
                 self.seqs[fork.seq_id] = {
-                    "tokens": seq["tokens"] + [token], "computed": end, "blocks": list(seq["blocks"]),
-                    "index": fork.index, "prompt": seq["prompt"], "params": seq["params"],
-                }  # fmt: skip
+                    "tokens": seq["tokens"] + [token],
+                    "computed": end,
+                    "blocks": list(seq["blocks"]),
+                    "index": fork.index,
+                    "prompt": seq["prompt"],
+                    "params": seq["params"],
+                }
             seq["tokens"].append(draws[0])
             sampled += draws
             logprobs += [-(t % 7) / 7 for t in draws]
@@ -106,8 +110,11 @@ class FakeRunner:
                     stopped.add(row.seq_id)
             last = k == plan.num_steps - 1 or k == end_after
             last = last or all(r.seq_id in stopped for r in plan.scheduled if r.num_tokens > k + 1)
-            results.append(StepResult(plan.step, sampled, sampled_logprobs=logprobs, pass_index=k, last_pass=last,
-                                      masked_draws=masked, seq_ids=seq_ids))  # fmt: skip
+            results.append(
+                StepResult(
+                    plan.step, sampled, sampled_logprobs=logprobs, pass_index=k, last_pass=last, masked_draws=masked, seq_ids=seq_ids
+                )
+            )
             if last:
                 return results
         raise AssertionError("unreachable: the final pass is last")
@@ -116,8 +123,14 @@ class FakeRunner:
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
         for new in plan.new_seqs:
-            self.seqs[new.seq_id] = {"tokens": list(new.token_ids), "computed": new.num_computed_tokens, "blocks": [],
-                                     "index": new.index, "prompt": new.num_prompt_tokens, "params": new.params}  # fmt: skip
+            self.seqs[new.seq_id] = {
+                "tokens": list(new.token_ids),
+                "computed": new.num_computed_tokens,
+                "blocks": [],
+                "index": new.index,
+                "prompt": new.num_prompt_tokens,
+                "params": new.params,
+            }
         for src, dst in plan.copy_blocks:
             self.kv[dst] = list(self.kv[src])
 

@@ -87,9 +87,12 @@ class SamplingParams(Struct):
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "must be at most max_tokens"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
             ("stop", len(self.stop) <= MAX_STOP_STRINGS, f"must have at most {MAX_STOP_STRINGS} strings"),
-            ("stop", all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
-             f"strings must be at most {MAX_STOP_STRING_CHARS} characters"),
-        )  # fmt: skip
+            (
+                "stop",
+                all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+                f"strings must be at most {MAX_STOP_STRING_CHARS} characters",
+            ),
+        )
         for field, ok, message in checks:
             if not ok:
                 raise ValueError(f"{field} {message}")

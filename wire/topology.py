@@ -60,13 +60,21 @@ class Stage(Generic[T]):
 
 # One scheduler per engine (index = engine); its worker ranks are workers engine * tp .. + tp - 1.
 SCHEDULER: Stage[SchedulerInbound] = Stage(
-    "scheduler", SchedulerInbound, "conveyor.stages.scheduler.main:run", lambda c: c.parallel.data_parallel_size,
-    fails_engine=True, restarts_with_engine=True,
-)  # fmt: skip
+    "scheduler",
+    SchedulerInbound,
+    "conveyor.stages.scheduler.main:run",
+    lambda c: c.parallel.data_parallel_size,
+    fails_engine=True,
+    restarts_with_engine=True,
+)
 WORKER: Stage[WorkerInbound] = Stage(
-    "worker", WorkerInbound, "conveyor.stages.worker.main:run",
-    lambda c: c.parallel.data_parallel_size * c.parallel.tensor_parallel_size, fails_engine=True, restarts_with_engine=True,
-)  # fmt: skip
+    "worker",
+    WorkerInbound,
+    "conveyor.stages.worker.main:run",
+    lambda c: c.parallel.data_parallel_size * c.parallel.tensor_parallel_size,
+    fails_engine=True,
+    restarts_with_engine=True,
+)
 # With data parallelism, one router picks each request's engine (stages/router/); none otherwise.
 ROUTER: Stage[RouterInbound] = Stage(
     "router", RouterInbound, "conveyor.stages.router.main:run", lambda c: 1 if c.parallel.data_parallel_size > 1 else 0
@@ -78,9 +86,12 @@ TOKENIZER: Stage[TokenizerInbound] = Stage(
 # data parallelism it serves every engine and outlives one's restart (`engine_of` says None):
 # the restarted scheduler's EngineStarted has it drop that engine's sequences instead.
 DETOKENIZER: Stage[DetokenizerInbound] = Stage(
-    "detokenizer", DetokenizerInbound, "conveyor.stages.detokenizer.main:run", lambda c: c.stages.num_detokenizers,
+    "detokenizer",
+    DetokenizerInbound,
+    "conveyor.stages.detokenizer.main:run",
+    lambda c: c.stages.num_detokenizers,
     restarts_with_engine=True,
-)  # fmt: skip
+)
 INGRESS: Stage[IngressInbound] = Stage("ingress", IngressInbound, "conveyor.stages.ingress.main:run", lambda c: c.stages.num_ingress)
 LAUNCHER: Stage[LauncherInbound] = Stage("launcher", LauncherInbound, "")  # the launcher's inbox: not a stage process
 

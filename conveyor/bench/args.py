@@ -11,8 +11,7 @@ from conveyor.config.engine_options import option_settings
 from conveyor.config.options import add_arguments
 
 # The engine options `bench offline` passes to LLM(...): flags, defaults and help are the config's.
-OFFLINE_ENGINE_OPTIONS = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks",
-                          "gpu_memory_utilization")  # fmt: skip
+OFFLINE_ENGINE_OPTIONS = ("device", "dtype", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "gpu_memory_utilization")
 
 DATASET_HELP = (
     "sharegpt (needs --dataset-path), random (--input-len/--output-len), prefill-heavy (~462 in, 16 out), "
@@ -28,8 +27,9 @@ def add_dataset(p: argparse.ArgumentParser, *, num_prompts: int | None, num_prom
     d.add_argument("--num-prompts", type=int, default=num_prompts, help=num_prompts_help)
     d.add_argument("--input-len", type=int, default=1024, help="prompt tokens (random, fixed, normal)")
     d.add_argument("--output-len", type=int, default=128, help="output tokens (random, fixed, normal)")
-    d.add_argument("--random-range-ratio", type=float, default=1.0,
-                   help="random: lengths uniform in [ratio * len, len] (1.0: exactly len)")  # fmt: skip
+    d.add_argument(
+        "--random-range-ratio", type=float, default=1.0, help="random: lengths uniform in [ratio * len, len] (1.0: exactly len)"
+    )
     d.add_argument("--seed", type=int, default=0)
 
 
@@ -39,8 +39,11 @@ def add_serve(p: argparse.ArgumentParser) -> None:
     s.add_argument("--endpoint", default="/v1/completions", help="or /v1/chat/completions")
     s.add_argument("--model", help="model name in the API (default: the first of GET /v1/models)")
     s.add_argument("--api-key", help="sent as Authorization: Bearer")
-    s.add_argument("--tokenizer", help="count prompt lengths here with this tokenizer.json (or a checkpoint directory's) "
-                   "(default: the server's POST /tokenize, else 4/3 tokens per word)")  # fmt: skip
+    s.add_argument(
+        "--tokenizer",
+        help="count prompt lengths here with this tokenizer.json (or a checkpoint directory's) "
+        "(default: the server's POST /tokenize, else 4/3 tokens per word)",
+    )
     s.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
@@ -53,25 +56,37 @@ def add_serve(p: argparse.ArgumentParser) -> None:
         default=True,
         help="ask for each chunk's token ids, to count tokens per chunk exactly",
     )
-    s.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")  # fmt: skip
-    s.add_argument("--metrics-url", type=_url_list, default=None, metavar="URL[,URL...]",
-                   help="servers whose /metrics give the prefix cache hit rate, e.g. the replicas behind a router "
-                   "(default: --base-url)")  # fmt: skip
-    s.add_argument("--extra-body", type=_json_object, default=None,
-                   help="JSON object merged into every request body, e.g. a response_format")  # fmt: skip
+    s.add_argument("--request-timeout", type=float, default=1800.0, help="seconds per request")
+    s.add_argument(
+        "--metrics-url",
+        type=_url_list,
+        default=None,
+        metavar="URL[,URL...]",
+        help="servers whose /metrics give the prefix cache hit rate, e.g. the replicas behind a router (default: --base-url)",
+    )
+    s.add_argument(
+        "--extra-body", type=_json_object, default=None, help="JSON object merged into every request body, e.g. a response_format"
+    )
     add_dataset(p, num_prompts=None, num_prompts_help="requests per run (default 500) or per sweep point (default 512)")
     shared = p.add_argument_group("shared system prompts (any dataset)")
-    shared.add_argument("--num-system-prompts", type=_count(0), default=0,
-                        help="K: open every request with one of K shared system prompts, picked by --seed (0: none)")  # fmt: skip
-    shared.add_argument("--system-prompt-len", type=_count(1), default=256,
-                        help="tokens of each system prompt (random words; the prompt length counts them too)")  # fmt: skip
+    shared.add_argument(
+        "--num-system-prompts",
+        type=_count(0),
+        default=0,
+        help="K: open every request with one of K shared system prompts, picked by --seed (0: none)",
+    )
+    shared.add_argument(
+        "--system-prompt-len",
+        type=_count(1),
+        default=256,
+        help="tokens of each system prompt (random words; the prompt length counts them too)",
+    )
     load = p.add_argument_group("load")
     load.add_argument(
         "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (default inf: every request at once)"
     )
     load.add_argument("--max-concurrency", type=int, help="requests in flight at most (open loop)")
-    load.add_argument("--sweep-clients", type=_int_list,
-                      help="closed loop, one run per count: e.g. 1,2,4,8,16,32 (FastGen's clients)")  # fmt: skip
+    load.add_argument("--sweep-clients", type=_int_list, help="closed loop, one run per count: e.g. 1,2,4,8,16,32 (FastGen's clients)")
     out = p.add_argument_group("output")
     out.add_argument("--result-json", help="write every metric of every point here")
     out.add_argument("--plot-dir", help="write throughput_latency.png, effective_throughput.png, token_latency.png")
@@ -92,7 +107,7 @@ def add_step(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--prepare", action="store_true", help="also time one ModelRunner input preparation alone (loads torch and the tiny model)"
     )
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="for --prepare")  # fmt: skip
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="for --prepare")
     p.add_argument("--worker", action="store_true", help="the worker's host work per decode step instead, on an emulated H100")
 
 
@@ -116,7 +131,7 @@ def add_forward(p: argparse.ArgumentParser) -> None:
         help="prefill steps: ROWS fresh prompts of LEN tokens (8x256 fills the default budget)",
     )
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the variants")
-    p.add_argument("--repeats", type=int, default=5, help="steps per variant and shape in a round")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=5, help="steps per variant and shape in a round")
 
 
 def add_sampling(p: argparse.ArgumentParser) -> None:
@@ -124,7 +139,7 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256], help="vocabulary sizes V")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds over the variants")
-    p.add_argument("--repeats", type=int, default=5, help="calls per variant and shape in a round")  # fmt: skip
+    p.add_argument("--repeats", type=int, default=5, help="calls per variant and shape in a round")
 
 
 def add_cpu(p: argparse.ArgumentParser) -> None:

@@ -59,9 +59,14 @@ class DatasetConfig:
 
     def workload(self) -> WorkloadConfig:
         return WorkloadConfig(
-            kind=self.name, num_requests=self.num_prompts, seed=self.seed, path=self.path,
-            prompt_len=self.input_len, output_len=self.output_len, range_ratio=self.range_ratio,
-        )  # fmt: skip
+            kind=self.name,
+            num_requests=self.num_prompts,
+            seed=self.seed,
+            path=self.path,
+            prompt_len=self.input_len,
+            output_len=self.output_len,
+            range_ratio=self.range_ratio,
+        )
 
 
 async def make_dataset(config: DatasetConfig, counter: TokenCounter) -> list[BenchRequest]:

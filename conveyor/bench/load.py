@@ -33,9 +33,14 @@ class _NoBar:
 
 
 async def open_loop(
-    requests: list[BenchRequest], send: Send, *, rate: float = math.inf, max_concurrency: int | None = None,
-    seed: int = 0, progress=None,
-) -> tuple[list[RequestResult], float]:  # fmt: skip
+    requests: list[BenchRequest],
+    send: Send,
+    *,
+    rate: float = math.inf,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    progress=None,
+) -> tuple[list[RequestResult], float]:
     progress = progress or _NoBar()
     offsets = arrival_times(len(requests), rate, np.random.default_rng(seed))
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None

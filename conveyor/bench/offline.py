@@ -52,8 +52,12 @@ class OfflineResult:
         return (self.num_prompt_tokens + self.num_output_tokens) / self.seconds
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "request_throughput": self.request_throughput,
-                "output_throughput": self.output_throughput, "total_throughput": self.total_throughput}  # fmt: skip
+        return {
+            **dataclasses.asdict(self),
+            "request_throughput": self.request_throughput,
+            "output_throughput": self.output_throughput,
+            "total_throughput": self.total_throughput,
+        }
 
 
 def run_conveyor(requests: list[BenchRequest], model: str, **engine_options) -> tuple[OfflineResult, str, str]:
@@ -71,15 +75,13 @@ def run_conveyor(requests: list[BenchRequest], model: str, **engine_options) -> 
     _synchronize(device)
     seconds = time.perf_counter() - start
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
-    result = OfflineResult("conveyor", len(requests), seconds, sum(len(o.prompt_token_ids) for o in outputs),
-                           num_output, num_output)  # fmt: skip
+    result = OfflineResult("conveyor", len(requests), seconds, sum(len(o.prompt_token_ids) for o in outputs), num_output, num_output)
     del llm, outputs
     _release(device)
     return result, device, dtype
 
 
-def run_transformers(requests: list[BenchRequest], model: str, *, device: str, dtype: str,
-                     batch_size: int) -> OfflineResult:  # fmt: skip
+def run_transformers(requests: list[BenchRequest], model: str, *, device: str, dtype: str, batch_size: int) -> OfflineResult:
     """Time transformers' generate over the workload: static batches of `batch_size` prompts in
     workload order, padded on the left; each batch generates the longest wanted output of its
     members (max_new_tokens = min_new_tokens, so EOS never stops it early)."""
@@ -95,8 +97,9 @@ def run_transformers(requests: list[BenchRequest], model: str, *, device: str, d
     def generate(prompts: list[str], num_tokens: int) -> tuple[int, int]:
         batch = tokenizer(prompts, return_tensors="pt", padding=True).to(device)
         with torch.inference_mode():
-            out = hf.generate(**batch, do_sample=False, max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                              pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+            out = hf.generate(
+                **batch, do_sample=False, max_new_tokens=num_tokens, min_new_tokens=num_tokens, pad_token_id=tokenizer.pad_token_id
+            )
         num_prompt = int(batch["attention_mask"].sum())
         return num_prompt, out.shape[0] * (out.shape[1] - batch["input_ids"].shape[1])
 
@@ -111,8 +114,7 @@ def run_transformers(requests: list[BenchRequest], model: str, *, device: str, d
     _synchronize(device)
     seconds = time.perf_counter() - start
     wanted = sum(r.output_len for r in requests)
-    return OfflineResult(f"transformers (batch {batch_size})", len(requests), seconds, num_prompt, wanted,
-                         num_generated)  # fmt: skip
+    return OfflineResult(f"transformers (batch {batch_size})", len(requests), seconds, num_prompt, wanted, num_generated)
 
 
 def _synchronize(device: str) -> None:
@@ -143,9 +145,14 @@ def _main(args: argparse.Namespace) -> int:
 
     model = str(args.model or ensure_default_model())
     config = DatasetConfig(
-        name=args.dataset, num_prompts=args.num_prompts, path=args.dataset_path, input_len=args.input_len,
-        output_len=args.output_len, range_ratio=args.random_range_ratio, seed=args.seed,
-    )  # fmt: skip
+        name=args.dataset,
+        num_prompts=args.num_prompts,
+        path=args.dataset_path,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.random_range_ratio,
+        seed=args.seed,
+    )
     requests = asyncio.run(make_dataset(config, FileCounter(Path(model) / "tokenizer.json")))
     if not requests:
         raise ValueError("the dataset is empty")
@@ -157,18 +164,35 @@ def _main(args: argparse.Namespace) -> int:
 
     prompt = sum(r.prompt_len for r in requests) / len(requests)
     output = sum(r.output_len for r in requests) / len(requests)
-    print(f"model {model} on {device} ({dtype})\ndataset {config.name}: {len(requests)} requests, "
-          f"mean prompt {prompt:.0f} / output {output:.0f} tokens\n")  # fmt: skip
+    print(
+        f"model {model} on {device} ({dtype})\ndataset {config.name}: {len(requests)} requests, "
+        f"mean prompt {prompt:.0f} / output {output:.0f} tokens\n"
+    )
     header = ["engine", "seconds", "requests/s", "output tokens/s", "total tokens/s", "generated tokens"]
-    body = [[r.engine, f"{r.seconds:.2f}", f"{r.request_throughput:.2f}", f"{r.output_throughput:.1f}",
-             f"{r.total_throughput:.1f}", str(r.num_generated_tokens)] for r in results]  # fmt: skip
+    body = [
+        [
+            r.engine,
+            f"{r.seconds:.2f}",
+            f"{r.request_throughput:.2f}",
+            f"{r.output_throughput:.1f}",
+            f"{r.total_throughput:.1f}",
+            str(r.num_generated_tokens),
+        ]
+        for r in results
+    ]
     print(markdown_table(header, body))
     ratio = results[0].output_throughput / results[1].output_throughput if len(results) > 1 else None
     if ratio is not None:
         print(f"\nconveyor / transformers: {ratio:.2f}x output tokens/s")
     if args.result_json:
-        report = {"model": model, "device": device, "dtype": dtype, "dataset": dataclasses.asdict(config),
-                  "results": [r.as_dict() for r in results], "ratio": ratio}  # fmt: skip
+        report = {
+            "model": model,
+            "device": device,
+            "dtype": dtype,
+            "dataset": dataclasses.asdict(config),
+            "results": [r.as_dict() for r in results],
+            "ratio": ratio,
+        }
         with open(args.result_json, "w") as f:
             json.dump(report, f, indent=2)
     return 0

@@ -46,8 +46,7 @@ def _throughput_latency(plt, points: list[ServeMetrics]):
     ax.plot(x, [m.e2e["mean"] for m in points], "o-", label="mean")
     ax.plot(x, [m.e2e["p90"] for m in points], "s--", label="P90")
     for m in points:
-        ax.annotate(m.label, (m.request_throughput, m.e2e["mean"]), textcoords="offset points", xytext=(4, 4),
-                    fontsize=8)  # fmt: skip
+        ax.annotate(m.label, (m.request_throughput, m.e2e["mean"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel("throughput (requests/s)")
     ax.set_ylabel("end-to-end latency (s)")
     ax.set_title("throughput vs latency")

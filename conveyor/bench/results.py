@@ -60,19 +60,21 @@ class ServeMetrics:
 
 
 def compute(
-    results: list[RequestResult], duration: float, *, label: str, num_clients: int | None = None,
-    request_rate: float | None = None, prefix_cache_hit_rate: float | None = None,
-) -> ServeMetrics:  # fmt: skip
+    results: list[RequestResult],
+    duration: float,
+    *,
+    label: str,
+    num_clients: int | None = None,
+    request_rate: float | None = None,
+    prefix_cache_hit_rate: float | None = None,
+) -> ServeMetrics:
     done = [r for r in results if r.success]
     failed = [r for r in results if not r.success]
     num_input = sum(r.prompt_len for r in done)
     num_output = sum(r.output_len for r in done)
     duration = max(duration, 1e-9)
     itl = np.concatenate([r.itl for r in done] + [np.zeros(0)])
-    records = [
-        RequestRecord(f"bench-{i}", r.start, r.prompt_len, r.output_len, r.token_times(), r.end)
-        for i, r in enumerate(done)
-    ]  # fmt: skip
+    records = [RequestRecord(f"bench-{i}", r.start, r.prompt_len, r.output_len, r.token_times(), r.end) for i, r in enumerate(done)]
     return ServeMetrics(
         label=label,
         num_clients=num_clients,
@@ -99,8 +101,7 @@ def compute(
 def _latency_rows(name: str, key: str, unit: str, scale: float, fmt: str) -> list[tuple]:
     """Rows for the mean and each percentile of one latency, e.g. "TTFT P90 (ms)"."""
     stats = ["mean", *(f"p{p}" for p in PERCENTILES)]
-    return [(f"{name} {s if s == 'mean' else s.upper()} ({unit})", lambda m, s=s: getattr(m, key)[s] * scale, fmt)
-            for s in stats]  # fmt: skip
+    return [(f"{name} {s if s == 'mean' else s.upper()} ({unit})", lambda m, s=s: getattr(m, key)[s] * scale, fmt) for s in stats]
 
 
 ROWS = [

@@ -87,10 +87,15 @@ def measure_prepare(runner, num_running: int, *, repeats: int = 200, context_len
     params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     batch = PersistentBatch(num_running, runner.max_blocks_per_seq, runner.device)
     rows = [
-        RowSpec(batch.add(i, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), params), context_len - 1, context_len,
-                [(i * 31 + j) % vocab for j in range(context_len)], samples=True)
+        RowSpec(
+            batch.add(i, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), params),
+            context_len - 1,
+            context_len,
+            [(i * 31 + j) % vocab for j in range(context_len)],
+            samples=True,
+        )
         for i in range(num_running)
-    ]  # fmt: skip
+    ]
     batch.sync()
     window = runner.config.model.sliding_window
     timings = []

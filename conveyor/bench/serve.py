@@ -65,12 +65,22 @@ class ServeBenchConfig:
         sweep = tuple(args.sweep_clients or ())
         num = args.num_prompts or (DEFAULT_PROMPTS_PER_POINT if sweep else DEFAULT_PROMPTS)
         return cls(
-            base_url=args.base_url.rstrip("/"), endpoint=args.endpoint, model=args.model, api_key=args.api_key,
-            tokenizer=args.tokenizer, dataset=_dataset(args, num), ignore_eos=args.ignore_eos,
-            return_token_ids=args.return_token_ids, request_rate=args.request_rate,
-            max_concurrency=args.max_concurrency, sweep_clients=sweep, request_timeout=args.request_timeout,
-            progress=not args.disable_tqdm, extra_body=args.extra_body, metrics_urls=args.metrics_url or (),
-        )  # fmt: skip
+            base_url=args.base_url.rstrip("/"),
+            endpoint=args.endpoint,
+            model=args.model,
+            api_key=args.api_key,
+            tokenizer=args.tokenizer,
+            dataset=_dataset(args, num),
+            ignore_eos=args.ignore_eos,
+            return_token_ids=args.return_token_ids,
+            request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency,
+            sweep_clients=sweep,
+            request_timeout=args.request_timeout,
+            progress=not args.disable_tqdm,
+            extra_body=args.extra_body,
+            metrics_urls=args.metrics_url or (),
+        )
 
 
 @dataclasses.dataclass
@@ -83,8 +93,7 @@ class ServeReport:
         settings = dataclasses.asdict(config)
         settings["request_rate"] = None if math.isinf(config.request_rate) else config.request_rate
         settings["api_key"] = "(set)" if config.api_key else None  # never written to a file
-        return {"config": settings, "model": self.model, "counter": self.counter,
-                "points": [m.as_dict() for m in self.points]}  # fmt: skip
+        return {"config": settings, "model": self.model, "counter": self.counter, "points": [m.as_dict() for m in self.points]}
 
 
 class BenchError(Exception):
@@ -102,8 +111,7 @@ async def run(config: ServeBenchConfig) -> ServeReport:
         url = config.base_url + config.endpoint
 
         async def send(request: BenchRequest) -> client.RequestResult:
-            body = client.payload(request, model, chat=config.chat, ignore_eos=ignore_eos,
-                                  return_token_ids=config.return_token_ids)  # fmt: skip
+            body = client.payload(request, model, chat=config.chat, ignore_eos=ignore_eos, return_token_ids=config.return_token_ids)
             body.update(config.extra_body or {})
             return await client.send(session, url, request, body)
 
@@ -120,15 +128,20 @@ async def run(config: ServeBenchConfig) -> ServeReport:
             with tqdm(total=len(requests), desc=label, disable=not config.progress, unit="req") as bar:
                 if clients is None:
                     results, duration = await load.open_loop(
-                        requests, send, rate=config.request_rate, max_concurrency=config.max_concurrency,
-                        seed=config.dataset.seed, progress=bar,
-                    )  # fmt: skip
+                        requests,
+                        send,
+                        rate=config.request_rate,
+                        max_concurrency=config.max_concurrency,
+                        seed=config.dataset.seed,
+                        progress=bar,
+                    )
                 else:
                     results, duration = await load.closed_loop(requests, send, num_clients=clients, progress=bar)
             hit_rate = server_metrics.hit_rate(before, await server_metrics.scrape_all(session, config.metrics_sources))
             rate = None if clients is not None or math.isinf(config.request_rate) else config.request_rate
-            points.append(compute(results, duration, label=label, num_clients=clients, request_rate=rate,
-                                  prefix_cache_hit_rate=hit_rate))  # fmt: skip
+            points.append(
+                compute(results, duration, label=label, num_clients=clients, request_rate=rate, prefix_cache_hit_rate=hit_rate)
+            )
         return ServeReport(model, counter.name, points)
 
 
@@ -176,10 +189,16 @@ def _shared_line(dataset: DatasetConfig) -> str:
 
 def _dataset(args: argparse.Namespace, num_prompts: int) -> DatasetConfig:
     return DatasetConfig(
-        name=args.dataset, num_prompts=num_prompts, path=args.dataset_path, input_len=args.input_len,
-        output_len=args.output_len, range_ratio=args.random_range_ratio, seed=args.seed,
-        num_system_prompts=args.num_system_prompts, system_prompt_len=args.system_prompt_len,
-    )  # fmt: skip
+        name=args.dataset,
+        num_prompts=num_prompts,
+        path=args.dataset_path,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.random_range_ratio,
+        seed=args.seed,
+        num_system_prompts=args.num_system_prompts,
+        system_prompt_len=args.system_prompt_len,
+    )
 
 
 def main(args: argparse.Namespace) -> int:

@@ -115,15 +115,17 @@ class HostCost:
     def table(self) -> str:
         rows = [f"| {stage} | {cpu:.2f} | {self.per_1000(cpu):.1f} |" for stage, cpu in sorted(self.stage_cpu_s.items())]
         bubble = "n/a" if self.bubble is None else f"{100 * self.bubble:.1f}%"
-        return "\n".join([
-            f"{self.output_tokens:.0f} output tokens in {self.wall_s:.2f} s; bubble {bubble} "
-            f"(device busy {self.busy_s:.2f} s, idle {self.idle_s:.2f} s)",
-            "| process | CPU s | ms per 1,000 output tokens |",
-            "|---|---:|---:|",
-            *rows,
-            f"| all stages (the host) | {self.host_cpu_s:.2f} | {self.per_1000(self.host_cpu_s):.1f} |",
-            f"| client | {self.client_cpu_s:.2f} | {self.per_1000(self.client_cpu_s):.1f} |",
-        ])  # fmt: skip
+        return "\n".join(
+            [
+                f"{self.output_tokens:.0f} output tokens in {self.wall_s:.2f} s; bubble {bubble} "
+                f"(device busy {self.busy_s:.2f} s, idle {self.idle_s:.2f} s)",
+                "| process | CPU s | ms per 1,000 output tokens |",
+                "|---|---:|---:|",
+                *rows,
+                f"| all stages (the host) | {self.host_cpu_s:.2f} | {self.per_1000(self.host_cpu_s):.1f} |",
+                f"| client | {self.client_cpu_s:.2f} | {self.per_1000(self.client_cpu_s):.1f} |",
+            ]
+        )
 
 
 def measure(command: list[str], base_url: str) -> tuple[HostCost, int]:

@@ -32,9 +32,11 @@ DEFAULT = SimConfig()  # the engine flags' defaults: the configs' own, and the s
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m conveyor.sim", description=" ".join((__doc__ or "").split("\n\n")[0].split()))
     w = p.add_argument_group("workload")
-    w.add_argument("--workload", default="sharegpt",
-                   help="sharegpt, fixed, random, normal, fastgen-PROMPT-OUTPUT (e.g. fastgen-2600-60), "
-                        "prefill-heavy, decode-heavy")  # fmt: skip
+    w.add_argument(
+        "--workload",
+        default="sharegpt",
+        help="sharegpt, fixed, random, normal, fastgen-PROMPT-OUTPUT (e.g. fastgen-2600-60), prefill-heavy, decode-heavy",
+    )
     w.add_argument("--path", help="ShareGPT JSON (for --workload sharegpt)")
     w.add_argument(
         "--tokens",
@@ -64,10 +66,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     e.add_argument("--block-size", type=int, default=DEFAULT.cache.block_size)
     e.add_argument("--max-model-len", type=int, default=DEFAULT.max_model_len)
     e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=DEFAULT.scheduler.async_scheduling,
-                   help="plan step n+1 while step n computes")  # fmt: skip
-    e.add_argument("--num-scheduler-steps", default=str(DEFAULT.scheduler.num_scheduler_steps),
-                   help="decode passes per plan (multi-step): one K, or several (1,8,16), one column each")  # fmt: skip
+    e.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=DEFAULT.scheduler.async_scheduling,
+        help="plan step n+1 while step n computes",
+    )
+    e.add_argument(
+        "--num-scheduler-steps",
+        default=str(DEFAULT.scheduler.num_scheduler_steps),
+        help="decode passes per plan (multi-step): one K, or several (1,8,16), one column each",
+    )
     e.add_argument("--host-ms", type=float, default=None, help="host work per plan in ms (default: the cost preset's)")
     e.add_argument("--host-row-us", type=float, default=None, help="host work per row of a plan in us (default: the preset's)")
     p.add_argument("--json", help="also write every metric here")
@@ -87,20 +96,29 @@ def main(argv: list[str] | None = None) -> int:
     cost = cost_model(args.cost)
     host = _host(args, cost.name)
     workload = WorkloadConfig(
-        kind=args.workload, num_requests=args.num_requests, rate=args.rate, seed=args.seed,
-        path=args.path, token_counts=args.tokens, prompt_len=args.prompt_len, output_len=args.output_len,
+        kind=args.workload,
+        num_requests=args.num_requests,
+        rate=args.rate,
+        seed=args.seed,
+        path=args.path,
+        token_counts=args.tokens,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
         tokenizer_path=None if args.tokenizer is None else str(Path(args.tokenizer) / "tokenizer.json"),
-    )  # fmt: skip
+    )
     requests = make_requests(workload)
     cache = CacheConfig(num_kv_blocks=args.num_kv_blocks, block_size=args.block_size)
     results = {}
     for policy in policies:
         for k in steps:
             scheduler = SchedulerConfig(
-                policy=SchedulingPolicy(policy), max_num_batched_tokens=budgets[policy], max_num_seqs=args.max_num_seqs,
-                enable_prefix_caching=not args.no_prefix_caching, async_scheduling=args.async_scheduling,
+                policy=SchedulingPolicy(policy),
+                max_num_batched_tokens=budgets[policy],
+                max_num_seqs=args.max_num_seqs,
+                enable_prefix_caching=not args.no_prefix_caching,
+                async_scheduling=args.async_scheduling,
                 num_scheduler_steps=k,
-            )  # fmt: skip
+            )
             config = SimConfig(scheduler, cache, max_model_len=args.max_model_len, num_clients=args.clients, host=host)
             label = " ".join([policy] * (len(policies) > 1) + [f"K={k}"] * (len(steps) > 1)) or policy
             results[label] = compute(simulate(requests, config, cost))

@@ -72,9 +72,9 @@ def measure(grid: list[list[tuple[int, int]]], *, repeats: int = 5, threads: int
             first += blocks
         cached = [ScheduledSeq(new.seq_id, s, table) for new, (s, _), table in zip(news, rows, tables) if s]
         runner.execute(StepPlan(next(step_ids), news, cached))
-        plan = StepPlan(next(step_ids), [], [
-            ScheduledSeq(new.seq_id, n, [] if s else table) for new, (s, n), table in zip(news, rows, tables)
-        ])  # fmt: skip
+        plan = StepPlan(
+            next(step_ids), [], [ScheduledSeq(new.seq_id, n, [] if s else table) for new, (s, n), table in zip(news, rows, tables)]
+        )
         started = time.perf_counter()
         runner.execute(plan)
         seconds = time.perf_counter() - started

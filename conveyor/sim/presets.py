@@ -65,10 +65,17 @@ def roofline(
 
 
 A100_7B = roofline(
-    6.74e9, peak_flops=312e12, mfu=0.6, mem_bw=2.0e12, bw_util=0.8,
-    kv_bytes_per_token=2 * 32 * 4096 * 2, pair_flops=4 * 4096 * 32,
-    launch_s=1.5e-3, per_seq_s=20e-6, name="a100-7b",
-)  # fmt: skip
+    6.74e9,
+    peak_flops=312e12,
+    mfu=0.6,
+    mem_bw=2.0e12,
+    bw_util=0.8,
+    kv_bytes_per_token=2 * 32 * 4096 * 2,
+    pair_flops=4 * 4096 * 32,
+    launch_s=1.5e-3,
+    per_seq_s=20e-6,
+    name="a100-7b",
+)
 A100_13B = A100_7B.scaled(13.0 / 6.74, floor_factor=13.0 / 6.74, name="a100-13b")
 A100_70B_TP4 = A100_7B.scaled(69.0 / 6.74, 4, floor_factor=69.0 / 6.74 / 4, comm_s=0.5e-3, name="a100-70b-tp4")
 
@@ -87,8 +94,12 @@ A100_70B_TP4 = A100_7B.scaled(69.0 / 6.74, 4, floor_factor=69.0 / 6.74 / 4, comm
 # = 12.4 ms against compute (16.06e9 x 256 + 524288 x 256 x 513) / 593.4e12 = 7.0 ms: memory-bound,
 # 12.8 ms with the launch floor. With no KV the knee is 5.99 ms / 27.1 us = 221 tokens per pass.
 H100_LLAMA3_8B = RooflineCost.on(
-    DEVICES["h100"], params=8.03e9, kv_bytes_per_token=2 * 32 * 8 * 128 * 2, pair_flops=4 * 128 * 32 * 32, name="h100-llama3-8b",
-)  # fmt: skip
+    DEVICES["h100"],
+    params=8.03e9,
+    kv_bytes_per_token=2 * 32 * 8 * 128 * 2,
+    pair_flops=4 * 128 * 32 * 32,
+    name="h100-llama3-8b",
+)
 
 # vLLM before multi-step (v0.5, synchronous) on that setup. The multi-step RFC (the seed document
 # behind issue 16) profiles Llama-3-8B on one H100: "about 4ms of GPU bubble" per decode in the

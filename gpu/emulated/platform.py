@@ -54,9 +54,12 @@ class EmulatedPlatform:
         log.warning(
             "EMULATED device: %s%s, modelled, not measured (roofline of conveyor/sim/devices.py: %.0f TFLOP/s, "
             "%.2f TB/s, %.1f ms launch floor); no weights loaded; every device time and figure is emulated",
-            self.spec.name, f" x {num_ranks} (tensor parallel)" if num_ranks > 1 else "", self.spec.peak_flops / 1e12,
-            self.spec.mem_bw / 1e12, self.spec.launch_s * 1e3,
-        )  # fmt: skip
+            self.spec.name,
+            f" x {num_ranks} (tensor parallel)" if num_ranks > 1 else "",
+            self.spec.peak_flops / 1e12,
+            self.spec.mem_bw / 1e12,
+            self.spec.launch_s * 1e3,
+        )
 
     def backend(self, name: str, model: ModelConfig) -> Backend:
         description = f"emulated {self.spec.name} (the CUDA-graph host path; device time from a roofline, no kernels)"
@@ -78,9 +81,12 @@ class EmulatedPlatform:
         num_blocks = int(budget // bytes_per_block)
         log.info(
             "emulated %s memory: %.1f GiB, weights %.2f GiB, activations %.2f GiB (assumed): %d KV blocks",
-            self.spec.name, self.spec.memory_bytes / 2**30, weights / 2**30, (activations + logits + CONTEXT_BYTES) / 2**30,
+            self.spec.name,
+            self.spec.memory_bytes / 2**30,
+            weights / 2**30,
+            (activations + logits + CONTEXT_BYTES) / 2**30,
             max(0, num_blocks),
-        )  # fmt: skip
+        )
         if num_blocks < 1:
             raise ConfigError(
                 f"the model does not fit an emulated {self.spec.name}: {weights / 2**30:.1f} GiB of weights per device "

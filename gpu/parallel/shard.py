@@ -64,7 +64,7 @@ class Split:
     def local_size(self, size: int) -> int:
         """The rank's length along `dim`."""
         if self.pad:
-            (n, unit), = self.parts  # fmt: skip
+            ((n, unit),) = self.parts
             return padded(n, size) // size * unit
         return sum(local_units(n, size) * unit for n, unit in self.parts)
 
@@ -74,7 +74,7 @@ def cut(full: torch.Tensor, split: Split | None, rank: int, size: int) -> torch.
     if split is None or size == 1 and not split.pad:
         return full
     if split.pad:
-        (n, unit), = split.parts  # fmt: skip
+        ((n, unit),) = split.parts
         extra = (padded(n, size) - n) * unit
         if extra:
             shape = list(full.shape)

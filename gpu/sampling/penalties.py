@@ -79,9 +79,8 @@ def _penalise_repeats(
     """Steps 1 and 2 on logits [P, V]. A row's history is the part of its tokens its penalties
     read: prompt and output with a repetition penalty, else the output alone, else nothing."""
     starts = [
-        0 if p.repetition_penalty != 1.0 else n if penalises_repeats(p) else len(h)
-        for p, h, n in zip(params, histories, num_prompt)
-    ]  # fmt: skip
+        0 if p.repetition_penalty != 1.0 else n if penalises_repeats(p) else len(h) for p, h, n in zip(params, histories, num_prompt)
+    ]
     lengths = [len(h) - s for h, s in zip(histories, starts)]
     if max(lengths) == 0:
         return logits  # nothing generated yet, and no prompt to penalise

@@ -21,25 +21,42 @@ def serve_figures(path: Path) -> dict[str, float]:
         (p,) = data["points"]
         ms = 1e3
         return {
-            "req/s": p["request_throughput"], "tok/s": p["output_throughput"],
-            "ttft50": p["ttft"]["p50"] * ms, "ttft99": p["ttft"]["p99"] * ms, "tpot50": p["tpot"]["p50"] * ms,
-            "itl50": p["itl"]["p50"] * ms, "itl99": p["itl"]["p99"] * ms, "failed": p["num_failed"],
-        }  # fmt: skip
+            "req/s": p["request_throughput"],
+            "tok/s": p["output_throughput"],
+            "ttft50": p["ttft"]["p50"] * ms,
+            "ttft99": p["ttft"]["p99"] * ms,
+            "tpot50": p["tpot"]["p50"] * ms,
+            "itl50": p["itl"]["p50"] * ms,
+            "itl99": p["itl"]["p99"] * ms,
+            "failed": p["num_failed"],
+        }
     return {  # vLLM's client: milliseconds
-        "req/s": data["request_throughput"], "tok/s": data["output_throughput"],
-        "ttft50": data["p50_ttft_ms"], "ttft99": data["p99_ttft_ms"], "tpot50": data["p50_tpot_ms"],
-        "itl50": data["p50_itl_ms"], "itl99": data["p99_itl_ms"], "failed": data.get("failed", 0),
-    }  # fmt: skip
+        "req/s": data["request_throughput"],
+        "tok/s": data["output_throughput"],
+        "ttft50": data["p50_ttft_ms"],
+        "ttft99": data["p99_ttft_ms"],
+        "tpot50": data["p50_tpot_ms"],
+        "itl50": data["p50_itl_ms"],
+        "itl99": data["p99_itl_ms"],
+        "failed": data.get("failed", 0),
+    }
 
 
 def row(name: str, serve: Path, cpu: Path) -> str:
     s, c = serve_figures(serve), json.loads(cpu.read_text())
     stages = c["stage_ms_per_1000_output_tokens"]
     cells = [
-        name, f"{s['req/s']:.2f}", f"{s['tok/s']:.0f}", f"{s['ttft50']:.0f} / {s['ttft99']:.0f}", f"{s['tpot50']:.2f}",
-        f"{s['itl50']:.2f} / {s['itl99']:.1f}", f"{100 * c['bubble']:.1f}%", f"{c['host_us_per_output_token']:.1f}",
-        *(f"{stages.get(stage, 0.0):.1f}" for stage in STAGES), f"{c['client_ms_per_1000_output_tokens']:.1f}",
-    ]  # fmt: skip
+        name,
+        f"{s['req/s']:.2f}",
+        f"{s['tok/s']:.0f}",
+        f"{s['ttft50']:.0f} / {s['ttft99']:.0f}",
+        f"{s['tpot50']:.2f}",
+        f"{s['itl50']:.2f} / {s['itl99']:.1f}",
+        f"{100 * c['bubble']:.1f}%",
+        f"{c['host_us_per_output_token']:.1f}",
+        *(f"{stages.get(stage, 0.0):.1f}" for stage in STAGES),
+        f"{c['client_ms_per_1000_output_tokens']:.1f}",
+    ]
     failed = f" ({s['failed']:.0f} failed)" if s["failed"] else ""
     return "| " + " | ".join(cells) + failed + " |"
 
@@ -47,8 +64,11 @@ def row(name: str, serve: Path, cpu: Path) -> str:
 def tables(out: Path, names: list[str]) -> str:
     header = (
         "| config | req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 ms | ITL p50 / p99 ms | bubble | host us/token | "
-        + " | ".join(STAGES) + " | client |\n|" + "---|" + "---:|" * (7 + len(STAGES) + 1)
-    )  # fmt: skip
+        + " | ".join(STAGES)
+        + " | client |\n|"
+        + "---|"
+        + "---:|" * (7 + len(STAGES) + 1)
+    )
     loads = sorted({p.name.split(".")[0] for p in out.glob("*/*.cpu.json")}, key=lambda x: (x.split("-")[0], _rate(x)))
     parts = []
     for load in loads:

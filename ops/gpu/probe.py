@@ -27,8 +27,25 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-VERSIONS = ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "aiohttp", "uvloop", "pyzmq", "msgspec",
-            "prometheus-client", "jinja2", "gguf", "xgrammar", "apache-tvm-ffi", "pydantic", "setuptools")  # fmt: skip
+VERSIONS = (
+    "torch",
+    "triton",
+    "transformers",
+    "tokenizers",
+    "safetensors",
+    "numpy",
+    "aiohttp",
+    "uvloop",
+    "pyzmq",
+    "msgspec",
+    "prometheus-client",
+    "jinja2",
+    "gguf",
+    "xgrammar",
+    "apache-tvm-ffi",
+    "pydantic",
+    "setuptools",
+)
 
 
 def canonical(name: str) -> str:
@@ -51,8 +68,13 @@ def device() -> dict:
     info: dict = {"torch_cuda": torch.version.cuda, "cuda_available": torch.cuda.is_available()}
     if info["cuda_available"]:
         props = torch.cuda.get_device_properties(0)
-        info |= {"name": props.name, "count": torch.cuda.device_count(), "capability": f"{props.major}.{props.minor}",
-                 "memory_gib": round(props.total_memory / 2**30, 1), "multiprocessors": props.multi_processor_count}  # fmt: skip
+        info |= {
+            "name": props.name,
+            "count": torch.cuda.device_count(),
+            "capability": f"{props.major}.{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "multiprocessors": props.multi_processor_count,
+        }
     return info
 
 

@@ -143,11 +143,10 @@ def measure(config: RaceConfig) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     serve = [sys.executable, "-m", "conveyor", "serve", "--model", str(config.model), "--port", str(port), *config.serve_args]
-    client = [sys.executable, "-m", "conveyor", "bench", "cpu", "--base-url", url, "--json", str(cpu_json), "--",
-              sys.executable, "-m", "conveyor", "bench", "serve", "--base-url", url, "--tokenizer", str(config.model),
-              "--request-rate", "inf", "--ignore-eos", "--seed", "0", "--disable-tqdm", "--dataset", "sharegpt",
-              "--dataset-path", str(config.sharegpt), "--num-prompts", str(config.num_prompts),
-              "--result-json", str(serve_json)]  # fmt: skip
+    client = [sys.executable, "-m", "conveyor", "bench", "cpu", "--base-url", url, "--json", str(cpu_json), "--"]
+    client += [sys.executable, "-m", "conveyor", "bench", "serve", "--base-url", url, "--tokenizer", str(config.model)]
+    client += ["--request-rate", "inf", "--ignore-eos", "--seed", "0", "--disable-tqdm", "--dataset", "sharegpt"]
+    client += ["--dataset-path", str(config.sharegpt), "--num-prompts", str(config.num_prompts), "--result-json", str(serve_json)]
     result: dict = {"command": " ".join(serve[1:])}
     failure: RaceFailed | None = None
     with daemon_log.open("wb") as log:

@@ -65,23 +65,34 @@ def race_tables(figures: dict, tag: str) -> list[str]:
     for label, f in ok.items():
         graphs = f.get("graph_capture")
         capture = f"{graphs['seconds']:.1f} s / {graphs['mib']} MiB" if graphs else "-"
-        lines.append(f"| {tag}: {label} | {f['req_per_s']:.2f} | {f['output_tok_per_s']:.0f} | "
-                     f"{_ms(f['ttft_p50_ms'], f['ttft_p99_ms'])} | {_ms(f['itl_p50_ms'], f['itl_p99_ms'])} | "
-                     f"{f['bubble']:.3f} | {capture} |")  # fmt: skip
+        lines.append(
+            f"| {tag}: {label} | {f['req_per_s']:.2f} | {f['output_tok_per_s']:.0f} | "
+            f"{_ms(f['ttft_p50_ms'], f['ttft_p99_ms'])} | {_ms(f['itl_p50_ms'], f['itl_p99_ms'])} | "
+            f"{f['bubble']:.3f} | {capture} |"
+        )
     stages = sorted({s for f in ok.values() for s in f["stage_ms_per_1000_output_tokens"]})
-    lines += ["", f"| {tag} | completed | TPOT p50 | start-up s | host us / output token | "
-              + " | ".join(f"{s} ms / 1k tok" for s in stages) + " |",
-              "|---|---:|---:|---:|---:|" + "---:|" * len(stages)]  # fmt: skip
+    lines += [
+        "",
+        f"| {tag} | completed | TPOT p50 | start-up s | host us / output token | "
+        + " | ".join(f"{s} ms / 1k tok" for s in stages)
+        + " |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(stages),
+    ]
     for label, f in ok.items():
         per_stage = " | ".join(f"{f['stage_ms_per_1000_output_tokens'].get(s, 0.0):.1f}" for s in stages)
-        lines.append(f"| {tag}: {label} | {f['completed']}/{f['completed'] + f['failed']} | {f['tpot_p50_ms']:.2f} ms | "
-                     f"{f['startup_s']:.1f} | {f['host_us_per_output_token']:.1f} | {per_stage} |")  # fmt: skip
+        lines.append(
+            f"| {tag}: {label} | {f['completed']}/{f['completed'] + f['failed']} | {f['tpot_p50_ms']:.2f} ms | "
+            f"{f['startup_s']:.1f} | {f['host_us_per_output_token']:.1f} | {per_stage} |"
+        )
     if "K = 1, CUDA graphs" in ok:  # issue 15's table: the daemon as it starts by default
         f = ok["K = 1, CUDA graphs"]
-        lines += ["", f"| ShareGPT {num_prompts}, all at once, {tag} | req/s | output tok/s | median TTFT | mean TPOT | bubble |",
-                  "|---|---:|---:|---:|---:|---:|",
-                  f"| {tag}: conveyor, K = 1, CUDA graphs | {f['req_per_s']:.2f} | {f['output_tok_per_s']:.0f} | "
-                  f"{f['ttft_p50_ms']:.1f} ms | {f['tpot_mean_ms']:.2f} ms | {f['bubble']:.3f} |"]  # fmt: skip
+        lines += [
+            "",
+            f"| ShareGPT {num_prompts}, all at once, {tag} | req/s | output tok/s | median TTFT | mean TPOT | bubble |",
+            "|---|---:|---:|---:|---:|---:|",
+            f"| {tag}: conveyor, K = 1, CUDA graphs | {f['req_per_s']:.2f} | {f['output_tok_per_s']:.0f} | "
+            f"{f['ttft_p50_ms']:.1f} ms | {f['tpot_mean_ms']:.2f} ms | {f['bubble']:.3f} |",
+        ]
     for label, f in ok.items():
         lines += [f"- {label}: `{line.split('] ', 1)[-1]}`" for line in f.get("log_lines", [])]
     return lines

@@ -165,8 +165,15 @@ def checkpoint(opts: Options, state: dict, deadline: float) -> dict:
             raise StepFailed("conveyor.tiny.generate failed", status, out)
         marker.write_text(" ".join(cmd[1:]))
     size = sum(f.stat().st_size for f in opts.model.iterdir())
-    return {"figures": {"path": str(opts.model), "command": " ".join(cmd[1:]), "reused": reused,
-                        "generate_s": time.monotonic() - started, "size_gb": size / 1e9}}  # fmt: skip
+    return {
+        "figures": {
+            "path": str(opts.model),
+            "command": " ".join(cmd[1:]),
+            "reused": reused,
+            "generate_s": time.monotonic() - started,
+            "size_gb": size / 1e9,
+        }
+    }
 
 
 def race_step(k: int):
@@ -190,8 +197,17 @@ def race_step(k: int):
             if deadline - time.monotonic() < opts.min_race_s:
                 failures.append(StepFailed(f"{label}: not run, too little of this call's time left; run {name} again").record)
                 continue
-            config = race.RaceConfig(label, opts.model, (*device, *steps, *graphs), opts.sharegpt, opts.num_prompts, opts.work,
-                                     deadline, opts.start_timeout_s, opts.reserve_s)  # fmt: skip
+            config = race.RaceConfig(
+                label,
+                opts.model,
+                (*device, *steps, *graphs),
+                opts.sharegpt,
+                opts.num_prompts,
+                opts.work,
+                deadline,
+                opts.start_timeout_s,
+                opts.reserve_s,
+            )
             print(f"{name}: {label}: serving {opts.model} ...", flush=True)
             try:
                 figures[label] = {**race.measure(config), "ok": True}
@@ -227,8 +243,14 @@ def run_step(name: str, opts: Options, state: dict, deadline: float | None = Non
 def finish(name: str, started: float, result: dict, opts: Options, state: dict) -> bool:
     failures = result.get("failures", [])
     status = "failed" if failures else result.get("status", "ok")
-    state["steps"][name] = {"status": status, "seconds": time.monotonic() - started, "commit": state["commit"],
-                            "figures": result.get("figures", {}), "failures": failures, "note": result.get("note", "")}  # fmt: skip
+    state["steps"][name] = {
+        "status": status,
+        "seconds": time.monotonic() - started,
+        "commit": state["commit"],
+        "figures": result.get("figures", {}),
+        "failures": failures,
+        "note": result.get("note", ""),
+    }
     record.save(state, opts.work / "state.json")
     record.write(state, opts.out)
     for failure in failures:

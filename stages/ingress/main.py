@@ -46,9 +46,12 @@ async def serve(config: EngineConfig, index: int) -> None:
     scheduler = admission(sync_ctx, config)  # the scheduler, or the router with several engines
     launcher = sender(sync_ctx, config, LAUNCHER)
     engine = EngineClient(
-        index, tokenizers, scheduler, on_drained=lambda: launcher.send(Drained(index)),
+        index,
+        tokenizers,
+        scheduler,
+        on_drained=lambda: launcher.send(Drained(index)),
         num_engines=config.parallel.data_parallel_size,
-    )  # fmt: skip
+    )
     pump = asyncio.create_task(_receive(receiver, engine), name=f"ingress-{index}-receive")
     pulse = Pulse(sync_ctx, config, INGRESS, index)  # the launcher heeds beats once we are ready
     beating = asyncio.create_task(pulse.run(), name=f"ingress-{index}-heartbeat")

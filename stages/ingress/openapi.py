@@ -38,22 +38,30 @@ def document(config: EngineConfig, version: str) -> dict[str, Any]:
     _, schemas = msgspec.json.schema_components(REQUEST_BODIES + RESPONSE_BODIES, ref_template=_REF)
     generation = {"application/json": _OBJECT, "text/event-stream": _SSE_EVENT}
     paths = {
-        "/health": {"get": _operation("health", "Readiness: 200 once the engine serves, 503 before", {
-            "application/json": _OBJECT}, also={"503": _ok({"application/json": _OBJECT}, "Not ready")})},
-        "/metrics": {"get": _operation(
-            "metrics", "Prometheus metrics of every stage", {"text/plain": {"type": "string"}})},
+        "/health": {
+            "get": _operation(
+                "health",
+                "Readiness: 200 once the engine serves, 503 before",
+                {"application/json": _OBJECT},
+                also={"503": _ok({"application/json": _OBJECT}, "Not ready")},
+            )
+        },
+        "/metrics": {"get": _operation("metrics", "Prometheus metrics of every stage", {"text/plain": {"type": "string"}})},
         "/openapi.json": {"get": _operation("openapi", "This document", {"application/json": _OBJECT})},
         "/v1/models": {"get": _operation("listModels", "The served model", {"application/json": _OBJECT})},
-        "/v1/completions": {"post": _operation(
-            "createCompletion", "Complete a prompt, or a batch of prompts", generation, CompletionBody)},
-        "/v1/chat/completions": {"post": _operation(
-            "createChatCompletion", "Answer a conversation", generation, ChatBody)},
-        "/tokenize": {"post": _operation(
-            "tokenize", "Token ids of a prompt or a conversation", {"application/json": _ref(TokenizeResult)},
-            TokenizeBody)},
-        "/detokenize": {"post": _operation(
-            "detokenize", "Text of token ids", {"application/json": _ref(DetokenizeResult)}, DetokenizeBody)},
-    }  # fmt: skip
+        "/v1/completions": {
+            "post": _operation("createCompletion", "Complete a prompt, or a batch of prompts", generation, CompletionBody)
+        },
+        "/v1/chat/completions": {"post": _operation("createChatCompletion", "Answer a conversation", generation, ChatBody)},
+        "/tokenize": {
+            "post": _operation(
+                "tokenize", "Token ids of a prompt or a conversation", {"application/json": _ref(TokenizeResult)}, TokenizeBody
+            )
+        },
+        "/detokenize": {
+            "post": _operation("detokenize", "Text of token ids", {"application/json": _ref(DetokenizeResult)}, DetokenizeBody)
+        },
+    }
     doc: dict[str, Any] = {
         "openapi": OPENAPI_VERSION,
         "info": {"title": "conveyor", "version": version, "description": f"Serving `{config.model.served_name}`"},

@@ -84,5 +84,12 @@ class Telemetry:
         log.info(
             "request finished id=%s arrival=%.4f prompt_tokens=%d output_tokens=%d "
             "queue_time=%.4f ttft=%.4f e2e=%.4f finish_reason=%s",
-            request_id, t.arrival, t.num_prompt_tokens, t.num_output_tokens, t.queue_time, ttft, e2e, ",".join(t.finish_reasons),
-        )  # fmt: skip
+            request_id,
+            t.arrival,
+            t.num_prompt_tokens,
+            t.num_output_tokens,
+            t.queue_time,
+            ttft,
+            e2e,
+            ",".join(t.finish_reasons),
+        )

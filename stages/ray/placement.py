@@ -60,20 +60,24 @@ def place_engines(config: EngineConfig, run_id: str) -> list[EnginePlacement]:
         roomy = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(resource, 0) >= tp]
         target = min(roomy, key=lambda node: engines_on[node]) if roomy else None
         group = placement_group(
-            [{resource: 1}] * tp, strategy="STRICT_PACK" if roomy else "PACK", name=f"{run_id}-engine{engine}",
+            [{resource: 1}] * tp,
+            strategy="STRICT_PACK" if roomy else "PACK",
+            name=f"{run_id}-engine{engine}",
             _soft_target_node_id=target,
-        )  # fmt: skip
+        )
         if not group.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
             remove_placement_group(group)
             raise ConfigError(f"the Ray cluster has no room for engine {engine}: {tp} bundle(s) of 1 {resource}")
         hosts: list[RemoteHost] = [
             host_class.options(
-                name=f"{run_id}-engine{engine}-rank{rank}", namespace=NAMESPACE,
-                num_cpus=1 if resource == "CPU" else 0, num_gpus=1 if resource == "GPU" else 0,
+                name=f"{run_id}-engine{engine}-rank{rank}",
+                namespace=NAMESPACE,
+                num_cpus=1 if resource == "CPU" else 0,
+                num_gpus=1 if resource == "GPU" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
             ).remote()
             for rank in range(tp)
-        ]  # fmt: skip
+        ]
         where = ray.get([host.where.remote() for host in hosts])
         ports = ray.get([host.free_ports.remote(3 if rank == 0 else 1) for rank, host in enumerate(hosts)])
         placements.append(EnginePlacement(group, hosts, [w[0] for w in where], [w[1] for w in where], ports))

@@ -27,19 +27,18 @@ class RouterConfig:
     host: str = option("127.0.0.1", "address the router listens on")
     port: int = option(8080, "TCP port of the router")
     routing_policy: str = option(
-        "cache_aware", "how a replica is picked: cache_aware (prefix affinity, then load), round_robin, least_loaded",
+        "cache_aware",
+        "how a replica is picked: cache_aware (prefix affinity, then load), round_robin, least_loaded",
         choices=ROUTING_POLICIES,
-    )  # fmt: skip
+    )
     chunk_chars: int = option(64, "prompt characters per hashed chunk (about a KV block of 16 tokens)", minimum=1)
-    cache_threshold: float = option(
-        _DEFAULTS.cache_threshold, "share of a prompt's chunks a replica must hold to win by affinity"
-    )  # fmt: skip
+    cache_threshold: float = option(_DEFAULTS.cache_threshold, "share of a prompt's chunks a replica must hold to win by affinity")
     balance_abs_threshold: int = option(
         _DEFAULTS.balance_abs_threshold, "in-flight difference (requests) below which loads count as balanced", minimum=0
-    )  # fmt: skip
+    )
     balance_rel_threshold: float = option(
         _DEFAULTS.balance_rel_threshold, "and the busiest must hold more than this times the idlest's requests"
-    )  # fmt: skip
+    )
     max_replicas: int = option(64, "replicas --backends-dns may find at most", minimum=1)
     health_interval: float = option(2.0, "seconds between /health checks of each replica", positive=True)
     connect_timeout: float = option(5.0, "seconds to open a connection to a replica before trying another", positive=True)

@@ -18,6 +18,5 @@ log = logging.getLogger(__name__)
 def serve(config: RouterConfig) -> int:
     replicas = f"the replicas {config.backends_dns} resolves to" if config.backends_dns else f"{len(config.backends)} replicas"
     log.info("routing to %s (%s) on http://%s:%d", replicas, config.routing_policy, config.host, config.port)
-    web.run_app(make_app(config), host=config.host, port=config.port, access_log=None, print=None,
-                shutdown_timeout=SHUTDOWN_TIMEOUT_S)  # fmt: skip
+    web.run_app(make_app(config), host=config.host, port=config.port, access_log=None, print=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     return 0

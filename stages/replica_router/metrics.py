@@ -22,8 +22,9 @@ class RouterMetrics:
     def __init__(self, replicas: Replicas):
         self.replicas = replicas
         self.registry = CollectorRegistry()
-        self.requests = Counter("conveyor_replica_router_requests", "Requests routed, by replica and reason", ["replica", "reason"],
-                                registry=self.registry)  # fmt: skip
+        self.requests = Counter(
+            "conveyor_replica_router_requests", "Requests routed, by replica and reason", ["replica", "reason"], registry=self.registry
+        )
         self.failures = Counter(
             "conveyor_replica_router_failures", "Failed connections to a replica", ["replica"], registry=self.registry
         )

@@ -38,10 +38,21 @@ MAX_BODY_BYTES = ServerConfig.max_body_bytes
 REPLICA_HEADER = "X-Conveyor-Replica"  # the index of the replica that answered, for debugging
 # Headers that describe one connection, not the message (RFC 9110 7.6.1), and the ones aiohttp
 # sets itself from what it sends.
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te", "trailer",
-    "transfer-encoding", "upgrade", "host", "content-length",
-})  # fmt: skip
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
 
 
 class Proxy:
@@ -95,8 +106,9 @@ class Proxy:
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
-            return ApiError(413, f"request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large",
-                            close_connection=True).response()  # fmt: skip
+            return ApiError(
+                413, f"request body is larger than {MAX_BODY_BYTES} bytes", code="request_too_large", close_connection=True
+            ).response()
         hashes = prompt_hashes(request.path, body, self.config.chunk_chars)
         failure = None
         while (route := self.replicas.route(hashes)) is not None:
@@ -105,7 +117,7 @@ class Proxy:
             try:
                 upstream = await self.session.request(
                     request.method, replica.url + request.path_qs, data=body, headers=_pass_headers(request.headers)
-                )  # fmt: skip
+                )
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 # It never reached a model, or the replica died under it: either way no answer was
                 # sent, so the replica is marked not ready and the request goes to the next one.

@@ -42,9 +42,12 @@ class Replica:
 
 class Replicas:
     def __init__(
-        self, urls: Sequence[str], policy: str = "cache_aware", settings: RoutingSettings = DEFAULT_SETTINGS,
+        self,
+        urls: Sequence[str],
+        policy: str = "cache_aware",
+        settings: RoutingSettings = DEFAULT_SETTINGS,
         num_slots: int = 0,
-    ):  # fmt: skip
+    ):
         """`urls` from the start; room for `num_slots` replicas in all (at least as many as urls)."""
         self.replicas = [Replica(url) for url in urls]
         self.policy = RoutingPolicy(policy, max(num_slots, len(self.replicas), 1), settings)
@@ -121,6 +124,7 @@ class Replicas:
     def _report(self, index: int) -> None:
         r = self.replicas[index]
         num_mapped = self.policy.num_mapped_blocks(index)
-        load = EngineLoad(num_running=r.num_in_flight, num_received=r.num_routed, num_kv_blocks_used=num_mapped,
-                          num_kv_blocks=MAP_CHUNKS)  # fmt: skip
+        load = EngineLoad(
+            num_running=r.num_in_flight, num_received=r.num_routed, num_kv_blocks_used=num_mapped, num_kv_blocks=MAP_CHUNKS
+        )
         self.policy.report(index, load)

@@ -60,9 +60,12 @@ class RouterStage:
                 # A report from an engine not ready is from a process that died, or from one
                 # that is starting: it counts from the launcher's word on.
                 if self.policy.is_ready(msg.engine):
-                    self.policy.report(msg.engine, policy.EngineLoad(msg.num_waiting, msg.num_running,
-                                                                     msg.num_kv_blocks_used, msg.num_kv_blocks,
-                                                                     msg.num_received))  # fmt: skip
+                    self.policy.report(
+                        msg.engine,
+                        policy.EngineLoad(
+                            msg.num_waiting, msg.num_running, msg.num_kv_blocks_used, msg.num_kv_blocks, msg.num_received
+                        ),
+                    )
                     self.books.received(msg.engine, msg.num_received)
             case EngineStatus(ready=ready, engine=engine):
                 for e in range(len(self.schedulers)) if engine is None else [engine]:

@@ -163,8 +163,11 @@ class SchedulerStage:
         except QueueFull as e:
             queued = self.scheduler.waiting.num_tokens
             retry_after = min(60.0, max(1.0, queued / max(self.prompt_tokens_per_s, 1.0)))
-            reply_to.send(RequestRejected(request.request_id, 429, f"the server is busy: {e}",
-                                          error_type="rate_limit_error", retry_after=retry_after))  # fmt: skip
+            reply_to.send(
+                RequestRejected(
+                    request.request_id, 429, f"the server is busy: {e}", error_type="rate_limit_error", retry_after=retry_after
+                )
+            )
             metrics.rejections.inc()
             return
         self.num_requests += 1
@@ -212,8 +215,7 @@ class SchedulerStage:
             if u.finish_reason is not None:
                 metrics.requests_finished.labels(u.finish_reason.openai).inc()
                 if u.finish_reason is FinishReason.ERROR:
-                    log.warning("request %s failed: its logits were not finite (sampling params: %s)",
-                                seq.request_id, seq.params)  # fmt: skip
+                    log.warning("request %s failed: its logits were not finite (sampling params: %s)", seq.request_id, seq.params)
                 if seq.first_token_time is not None:
                     metrics.decode_time.observe(now - seq.first_token_time)
 

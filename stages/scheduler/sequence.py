@@ -24,13 +24,34 @@ class SeqStatus(enum.Enum):
 
 class Sequence:
     __slots__ = (
-        "seq_id", "request_id", "index", "ingress", "detokenizer", "params", "arrival_time",
-        "priority", "token_ids", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens",
-        "block_ids", "block_hashes", "num_registered_blocks", "num_blocks_sent",
-        "known_by_worker", "known_by_detokenizer", "status", "finish_reason",
-        "num_preemptions", "num_pending_forks", "num_pending_tokens", "cumulative_logprob",
-        "enqueue_time", "first_scheduled_time", "first_token_time",
-    )  # fmt: skip
+        "seq_id",
+        "request_id",
+        "index",
+        "ingress",
+        "detokenizer",
+        "params",
+        "arrival_time",
+        "priority",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "block_ids",
+        "block_hashes",
+        "num_registered_blocks",
+        "num_blocks_sent",
+        "known_by_worker",
+        "known_by_detokenizer",
+        "status",
+        "finish_reason",
+        "num_preemptions",
+        "num_pending_forks",
+        "num_pending_tokens",
+        "cumulative_logprob",
+        "enqueue_time",
+        "first_scheduled_time",
+        "first_token_time",
+    )
 
     def __init__(
         self,
@@ -77,8 +98,16 @@ class Sequence:
     @classmethod
     def from_request(cls, seq_id: int, request: ScheduleRequest, detokenizer: int = 0) -> Sequence:
         """A request's first sequence (it forks later for several samples)."""
-        return cls(seq_id, request.request_id, request.prompt_token_ids, request.params, ingress=request.ingress,
-                   detokenizer=detokenizer, arrival_time=request.arrival_time, priority=request.priority)  # fmt: skip
+        return cls(
+            seq_id,
+            request.request_id,
+            request.prompt_token_ids,
+            request.params,
+            ingress=request.ingress,
+            detokenizer=detokenizer,
+            arrival_time=request.arrival_time,
+            priority=request.priority,
+        )
 
     @property
     def num_tokens(self) -> int:

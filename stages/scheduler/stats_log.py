@@ -38,7 +38,11 @@ class StatsLog:
             bubble = self.idle / (self.idle + self.busy) if self.idle + self.busy else 0.0
             log.info(
                 "stats prompt_tokens_per_s=%.1f generation_tokens_per_s=%.1f running=%d waiting=%d kv_usage=%.3f bubble=%.3f",
-                self.prompt_tokens / elapsed, self.generated / elapsed, len(scheduler.running),
-                len(scheduler.waiting), blocks.num_used / blocks.num_blocks, bubble,
-            )  # fmt: skip
+                self.prompt_tokens / elapsed,
+                self.generated / elapsed,
+                len(scheduler.running),
+                len(scheduler.waiting),
+                blocks.num_used / blocks.num_blocks,
+                bubble,
+            )
         self._reset(now)

@@ -82,9 +82,14 @@ def run(config: EngineConfig, index: int) -> None:
                     if log.isEnabledFor(logging.DEBUG):  # a step timeline, next to the ingress's arrivals
                         log.debug(
                             "step %d started=%.4f rows=%d tokens=%d new=%d passes=%d launch_ms=%.1f",
-                            plan.step, started, len(plan.scheduled), sum(row.num_tokens for row in plan.scheduled),
-                            len(plan.new_seqs), plan.num_steps, 1000 * (time.time() - started),
-                        )  # fmt: skip
+                            plan.step,
+                            started,
+                            len(plan.scheduled),
+                            sum(row.num_tokens for row in plan.scheduled),
+                            len(plan.new_seqs),
+                            plan.num_steps,
+                            1000 * (time.time() - started),
+                        )
                 case None:  # no plan came while the oldest pass computed
                     send(runner.collect_due())
     finally:

@@ -118,12 +118,15 @@ def test_a_rejected_prompt_fails_the_batch_before_any_byte(server):
 
 
 @pytest.mark.parametrize("chat", [False, True])
-@pytest.mark.parametrize("stop, keep, text, reason", [
-    ("1 t", False, " t0 t", "1 t"),  # matched across " t1" + " t2"
-    (["t3", "t1"], False, " t0 ", "t1"),  # the earliest match wins
-    ("1 t", True, " t0 t1 t", "1 t"),
-    ("nowhere", False, " t0 t1 t2 t3 t4", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "stop, keep, text, reason",
+    [
+        ("1 t", False, " t0 t", "1 t"),  # matched across " t1" + " t2"
+        (["t3", "t1"], False, " t0 ", "t1"),  # the earliest match wins
+        ("1 t", True, " t0 t1 t", "1 t"),
+        ("nowhere", False, " t0 t1 t2 t3 t4", None),
+    ],
+)
 def test_stop_strings(server, chat, stop, keep, text, reason):
     url, _, _ = server
     path, body = with_prompt({"stop": stop, "include_stop_str_in_output": keep, "max_tokens": 20}, chat)

@@ -56,15 +56,18 @@ def test_flag_defaults_are_the_fields_defaults():
         for s in settings(cls):
             field_default = {f.name: f.default for f in dataclasses.fields(cls)}[s.field]
             assert getattr(args, s.name) == (list(field_default) if s.type is tuple else field_default), s.flag
-    assert (args.max_num_seqs, args.scheduling_policy, args.host, args.max_queued_tokens) == (
-        256, "splitfuse", "127.0.0.1", 1 << 20
-    )  # fmt: skip
+    assert (args.max_num_seqs, args.scheduling_policy, args.host, args.max_queued_tokens) == (256, "splitfuse", "127.0.0.1", 1 << 20)
 
 
 def test_flag_types_choices_and_switches():
     parse = serve_parser().parse_args
-    args = parse(["serve", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.5", "--no-enable-prefix-caching",
-                  "--chat-content-special-tokens", "--allowed-origins", "a", "b", "--scheduling-policy", "orca"])  # fmt: skip
+    args = parse(
+        (
+            "serve --max-num-seqs 8 --gpu-memory-utilization 0.5 "
+            "--no-enable-prefix-caching --chat-content-special-tokens "
+            "--allowed-origins a b --scheduling-policy orca"
+        ).split()
+    )
     assert (args.max_num_seqs, args.gpu_memory_utilization, args.enable_prefix_caching) == (8, 0.5, False)
     assert args.chat_content_special_tokens and args.allowed_origins == ["a", "b"] and args.scheduling_policy == "orca"
     assert isinstance(serve_action("--async-scheduling"), argparse.BooleanOptionalAction)
@@ -78,8 +81,14 @@ def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for shown in ("sequences running at once (default: 256)", "(default: splitfuse)", "(default: from free memory)",
-                  "(0: no bound) (default: 1024)", "(default: smollm2: SmolLM2-135M-Instruct", "--api-key-file"):  # fmt: skip
+    for shown in (
+        "sequences running at once (default: 256)",
+        "(default: splitfuse)",
+        "(default: from free memory)",
+        "(0: no bound) (default: 1024)",
+        "(default: smollm2: SmolLM2-135M-Instruct",
+        "--api-key-file",
+    ):
         assert shown in text
 
 
@@ -95,10 +104,17 @@ def test_serve_passes_every_flag_through(monkeypatch):
 
     monkeypatch.setattr("conveyor.stages.launcher.Launcher", Launcher)
     monkeypatch.delenv("CONVEYOR_API_KEY", raising=False)
-    assert cli.main(["serve", "--model", "tiny", "--device", "cpu", "--max-num-seqs", "8", "--scheduling-policy", "orca",
-                     "--no-async-scheduling", "--max-queued-tokens", "0", "--kv-cache-gib", "0.25",
-                     "--http-header-timeout", "3", "--chat-content-special-tokens", "--ingress-workers", "2",
-                     "--allowed-origins", "*", "--api-key", "k"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            (
+                "serve --model tiny --device cpu --max-num-seqs 8 --scheduling-policy orca "
+                "--no-async-scheduling --max-queued-tokens 0 --kv-cache-gib 0.25 "
+                "--http-header-timeout 3 --chat-content-special-tokens --ingress-workers 2 "
+                "--allowed-origins * --api-key k"
+            ).split()
+        )
+        == 0
+    )
     c = built["config"]
     assert (c.scheduler.max_num_seqs, c.scheduler.policy, c.scheduler.async_scheduling) == (8, "orca", False)
     assert (c.scheduler.max_queued_tokens, c.scheduler.max_queued_requests) == (None, 1024)
@@ -117,7 +133,7 @@ def test_build_takes_the_flag_names_and_checks_them():
         ({"device": "tpu"}, "--device must be one of auto, cpu, cuda"),
         ({"data_parallel_size": 0}, "--data-parallel-size must be at least 1, got 0"),
         ({"routing_policy": "random"}, "--routing-policy must be one of cache_aware, round_robin, least_loaded"),
-    ):  # fmt: skip
+    ):
         with pytest.raises(ConfigError, match=message):
             build_engine_config("tiny", **options)
 

@@ -11,9 +11,14 @@ from conveyor.config import ConfigError, EngineConfig, config_from_json, config_
 from conveyor.gpu.models.registry import read_model_config
 
 BASE = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 128,
-}  # fmt: skip
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 128,
+}
 
 
 def load(tmp_path, **fields):

@@ -22,9 +22,15 @@ from conveyor.wire.messages import REPETITION_PENALTY_RANGE
 from tests.ingress_fakes import running_server
 
 ROUTES = {
-    ("get", "/health"), ("get", "/metrics"), ("get", "/openapi.json"), ("get", "/v1/models"),
-    ("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("post", "/tokenize"), ("post", "/detokenize"),
-}  # fmt: skip
+    ("get", "/health"),
+    ("get", "/metrics"),
+    ("get", "/openapi.json"),
+    ("get", "/v1/models"),
+    ("post", "/v1/completions"),
+    ("post", "/v1/chat/completions"),
+    ("post", "/tokenize"),
+    ("post", "/detokenize"),
+}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
 

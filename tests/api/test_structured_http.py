@@ -52,7 +52,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "tags": {"type": "array", "items": NAME, "maxItems": 2},
         },
         "required": ["id"],
-    },  # fmt: skip
+    },
     "anyOf": {
         "type": "object",
         "properties": {"value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, NAME, {"type": "null"}]}},
@@ -101,11 +101,26 @@ def schema_requests(schema: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return [
         ("/v1/completions", {"prompt": "JSON:", "temperature": 0, "response_format": response_format}),
         ("/v1/completions", {"prompt": "Data", "temperature": 1, "n": 2, "stream": True, "guided_json": schema}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Answer in JSON"}], "temperature": 1,
-                                  "seed": 7, "response_format": response_format}),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}], "temperature": 1, "n": 2,
-                                  "stream": True, "structured_outputs": {"json": json.dumps(schema)}}),
-    ]  # fmt: skip
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "Answer in JSON"}],
+                "temperature": 1,
+                "seed": 7,
+                "response_format": response_format,
+            },
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "go"}],
+                "temperature": 1,
+                "n": 2,
+                "stream": True,
+                "structured_outputs": {"json": json.dumps(schema)},
+            },
+        ),
+    ]
 
 
 def run_all(daemon: Daemon, requests: list[tuple[str, dict[str, Any]]]) -> list[list[str]]:
@@ -188,13 +203,14 @@ def test_concurrent_mixed_constraints_each_keep_their_own(daemon):
 
 
 BAD_SPECS = [  # (body fields, the param the 400 names)
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-     "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/gone"}}}},
-     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, "response_format"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/gone"}}}},
+        "response_format",
+    ),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("stream", [False, True])

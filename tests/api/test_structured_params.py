@@ -42,8 +42,10 @@ def refused(parse, **body) -> ApiError:
 CONSTRAINTS = [  # (body fields, the StructuredOutput they ask for)
     ({"response_format": {"type": "text"}}, None),
     ({"response_format": {"type": "json_object"}}, StructuredOutput("json_object", "")),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}},
-     StructuredOutput("json_schema", SORTED)),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}},
+        StructuredOutput("json_schema", SORTED),
+    ),
     ({"guided_json": SCHEMA}, StructuredOutput("json_schema", SORTED)),
     ({"guided_json": json.dumps(SCHEMA)}, StructuredOutput("json_schema", SORTED)),
     ({"guided_regex": "[a-z]+@[a-z]+\\.com"}, StructuredOutput("regex", "[a-z]+@[a-z]+\\.com")),
@@ -58,7 +60,7 @@ CONSTRAINTS = [  # (body fields, the StructuredOutput they ask for)
     ({"structured_outputs": {"json_object": False, "disable_any_whitespace": True}}, None),
     ({"response_format": {"type": "text"}, "guided_regex": "a"}, StructuredOutput("regex", "a")),  # text is no constraint
     ({}, None),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("parse", [chat, completion])
@@ -81,8 +83,7 @@ SHAPE_ERRORS = [  # (body fields, the param the 400 names)
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": "string"}}},
-     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": "string"}}}, "response_format.json_schema.schema"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_choice": ["a", 1]}, "guided_choice[1]"),
     ({"guided_choice": "a"}, "guided_choice"),
@@ -95,7 +96,7 @@ SHAPE_ERRORS = [  # (body fields, the param the 400 names)
     ({"structured_outputs": {"json": "nope"}}, "structured_outputs.json"),
     ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("parse", [chat, completion])
@@ -106,13 +107,12 @@ def test_malformed_constraints_are_a_400_naming_the_param(parse, fields, param):
 
 TWO_CONSTRAINTS = [  # (body fields, the param the 400 names: the second in the order checked)
     ({"response_format": {"type": "json_object"}, "guided_json": SCHEMA}, "guided_json"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}, "guided_regex": "a"},
-     "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}, "guided_regex": "a"}, "guided_regex"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
-    ({"guided_json": SCHEMA, "guided_grammar": "root ::= \"a\""}, "guided_grammar"),
+    ({"guided_json": SCHEMA, "guided_grammar": 'root ::= "a"'}, "guided_grammar"),
     ({"structured_outputs": {"choice": ["a"]}, "guided_choice": ["a"]}, "guided_choice"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("parse", [chat, completion])
@@ -171,12 +171,11 @@ TOOL_ERRORS = [  # (body fields, the param the 400 names)
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}, "guided_json": SCHEMA},
-     "guided_json"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}}, "guided_json": SCHEMA}, "guided_json"),
     ({"tools": TOOLS + [{"type": "function", "function": {"name": "add"}}]}, "tools[2].function.name"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("fields, param", TOOL_ERRORS)
@@ -196,12 +195,17 @@ def test_tools_on_completions_are_a_400():
 def test_tool_calls_and_tool_turns_become_chat_messages():
     messages = [
         {"role": "user", "content": "add 1 and 2"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"x": 1}'}},
-            {"id": "c2", "type": "function", "function": {"name": "now", "arguments": {"tz": "UTC"}}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"x": 1}'}},
+                {"id": "c2", "type": "function", "function": {"name": "now", "arguments": {"tz": "UTC"}}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "3"},
         {"role": "tool", "tool_call_id": "c2", "name": "clock", "content": [{"type": "text", "text": "noon"}]},
-    ]  # fmt: skip
+    ]
     (prompt,) = parse_chat(json.dumps({"messages": messages}).encode(), VOCAB).prompts
     assert prompt.messages == [
         ChatMessage("user", "add 1 and 2"),
@@ -216,10 +220,12 @@ def test_tool_calls_and_tool_turns_become_chat_messages():
     [
         ({"role": "user", "content": "x", "tool_calls": [{"id": "a", "function": {"name": "f"}}]}, "messages[0].tool_calls"),
         ({"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}, "messages[0].tool_calls[0].id"),
-        ({"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": 5}}]},
-         "messages[0].tool_calls[0].function.arguments"),
+        (
+            {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": 5}}]},
+            "messages[0].tool_calls[0].function.arguments",
+        ),
         ({"role": "function", "content": "x"}, "messages[0].role"),
     ],
-)  # fmt: skip
+)
 def test_malformed_tool_messages_are_a_400(message, param):
     assert refused(chat, messages=[message]).param == param

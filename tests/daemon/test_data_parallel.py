@@ -27,9 +27,7 @@ PREFIX = " ".join(f"w{i}" for i in range(120))  # the tiny tokenizer's bytes: we
 
 @pytest.fixture(scope="module")
 def daemon(daemon_factory):
-    return daemon_factory(
-        "--data-parallel-size", "2", "--num-kv-blocks", "256", "--stage-timeout", "3", "--max-engine-restarts", "10"
-    )  # fmt: skip
+    return daemon_factory("--data-parallel-size", "2", "--num-kv-blocks", "256", "--stage-timeout", "3", "--max-engine-restarts", "10")
 
 
 def per_engine(daemon: Daemon, name: str, **labels: str) -> dict[int, float]:

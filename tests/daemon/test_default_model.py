@@ -23,8 +23,9 @@ def test_serve_offline_without_a_model_is_one_line(tmp_path):
         "PIP_CONFIG_FILE": os.devnull,
         "PIP_INDEX_URL": "http://127.0.0.1:9/simple",  # nothing listens there: an offline index
     }
-    done = subprocess.run([sys.executable, "-m", "conveyor", "serve", "--device", "cpu"],
-                          capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "conveyor", "serve", "--device", "cpu"], capture_output=True, text=True, timeout=300, env=env
+    )
     assert done.returncode == 2, done.stderr
     line = done.stderr.strip()
     assert "\n" not in line and "Traceback" not in line

@@ -63,10 +63,8 @@ def prompts() -> list[list[int]]:
     ],
 )
 def test_daemon_on_cuda_agrees_with_transformers_in_bf16(backend, extra, daemon_factory, bf16_checkpoint, hf_bf16):
-    daemon = daemon_factory(
-        "--model", str(bf16_checkpoint), "--device", "cuda", "--attention-backend", backend, "--max-num-batched-tokens", "64",
-        *extra,
-    )  # fmt: skip
+    args = f"--model {bf16_checkpoint} --device cuda --attention-backend {backend} --max-num-batched-tokens 64".split()
+    daemon = daemon_factory(*args, *extra)
     assert "attention backend: triton (" in daemon.output()  # auto is triton on CUDA
     assert ("CUDA graphs:" in daemon.output()) == ("--enforce-eager" not in extra)
     body = {"max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True, "logprobs": 0}

@@ -87,10 +87,15 @@ def test_every_dashboard_and_alert_expression_has_data(loaded_daemon, tmp_path):
     }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     prometheus = subprocess.Popen(
-        ["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            "prometheus",
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         api = f"http://127.0.0.1:{port}/api/v1/query"
         # Keep load going while Prometheus collects enough samples for rate() over [1m].

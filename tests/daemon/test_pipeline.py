@@ -19,8 +19,15 @@ PROMPTS = ["The capital of France", "Tell me a long story about a river, a boat 
 
 
 def complete(daemon, prompt, *, stream: bool, max_tokens=NUM_TOKENS, **extra):
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True, "stream": stream, **extra}  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+        **extra,
+    }
     r = daemon.post("/v1/completions", body, stream=stream)
     assert r.status_code == 200, r.text
     if not stream:

@@ -59,8 +59,9 @@ def test_n_logprobs_and_stop(client, model):
     for c in out.choices:
         assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == len(c.logprobs.top_logprobs)
         assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
-                                          temperature=0, logprobs=True, top_logprobs=3)  # fmt: skip
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = chat.choices[0].logprobs.content
     assert content and all(len(t.top_logprobs) == 3 and t.bytes for t in content)
     # Token bytes are exact even where a token holds part of a character.

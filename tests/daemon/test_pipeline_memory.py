@@ -54,8 +54,15 @@ def test_a_repeated_prompt_reports_cached_tokens(daemon):
 
 
 def test_parallel_samples(daemon):
-    body = {"prompt": "Four different endings:", "max_tokens": 12, "n": 4, "temperature": 1.0, "seed": 7,
-            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    body = {
+        "prompt": "Four different endings:",
+        "max_tokens": 12,
+        "n": 4,
+        "temperature": 1.0,
+        "seed": 7,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     r = daemon.post("/v1/completions", body)
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]

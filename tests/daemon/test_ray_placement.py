@@ -39,10 +39,12 @@ def cluster():
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
-            "num_cpus": 0, "include_dashboard": False, "object_store_memory": OBJECT_STORE_BYTES,
+            "num_cpus": 0,
+            "include_dashboard": False,
+            "object_store_memory": OBJECT_STORE_BYTES,
             "_system_config": FAST_HEALTH_CHECKS,
         },
-    )  # fmt: skip
+    )
     nodes = {
         name: cluster.add_node(num_cpus=1, resources={name: 1}, object_store_memory=OBJECT_STORE_BYTES)
         for name in ("node_a", "node_b")

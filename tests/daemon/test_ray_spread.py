@@ -35,10 +35,8 @@ def roomy_cluster():
 
 
 def test_engines_spread_over_nodes_with_room_for_both(roomy_cluster, checkpoints):
-    daemon = Daemon(
-        "--ray-address", roomy_cluster.address, "--model", str(checkpoints[MODEL]), "--num-kv-blocks", "64",
-        "--data-parallel-size", "2", timeout=180,
-    )  # fmt: skip
+    args = f"--ray-address {roomy_cluster.address} --model {checkpoints[MODEL]} --num-kv-blocks 64 --data-parallel-size 2".split()
+    daemon = Daemon(*args, timeout=180)
     try:
         placed = engine_nodes()
         assert {placed.get("engine0-rank0"), placed.get("engine1-rank0")} == {"node_a", "node_b"}, placed

@@ -23,8 +23,18 @@ class Router:
     def __init__(self, backends: list[str]):
         self.url = f"http://127.0.0.1:{free_port()}"
         port = self.url.rsplit(":", 1)[1]
-        cmd = [sys.executable, "-m", "conveyor", "router", "--port", port, "--backends", ",".join(backends),
-               "--health-interval", "0.5"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "conveyor",
+            "router",
+            "--port",
+            port,
+            "--backends",
+            ",".join(backends),
+            "--health-interval",
+            "0.5",
+        ]
         self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60

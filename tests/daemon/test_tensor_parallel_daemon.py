@@ -32,18 +32,24 @@ NUM_TOKENS = 8
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"], "additionalProperties": False}
 SAMPLED = [
     {"prompt": "Answer:", "temperature": 1, "n": 2, "seed": 5, "max_tokens": 48, "guided_json": SCHEMA},
-    {"prompt": "Once", "temperature": 0.8, "seed": 9, "max_tokens": NUM_TOKENS, "ignore_eos": True, "logprobs": 2,
-     "presence_penalty": 0.5, "repetition_penalty": 1.2},
-]  # fmt: skip
+    {
+        "prompt": "Once",
+        "temperature": 0.8,
+        "seed": 9,
+        "max_tokens": NUM_TOKENS,
+        "ignore_eos": True,
+        "logprobs": 2,
+        "presence_penalty": 0.5,
+        "repetition_penalty": 1.2,
+    },
+]
 
 
 @pytest.mark.parametrize(("tp", "extra"), [(2, ()), (4, ("--num-scheduler-steps", "4"))], ids=["tp2", "tp4-multistep"])
 def test_tensor_parallel_greedy_matches_transformers(tp, extra, checkpoints, reference, daemon_factory):
     path = checkpoints[ARCH]
-    daemon = daemon_factory(
-        "--model", str(path), "--tensor-parallel-size", str(tp), "--max-num-batched-tokens", "32", "--num-kv-blocks", "128",
-        *extra,
-    )  # fmt: skip
+    args = f"--model {path} --tensor-parallel-size {tp} --max-num-batched-tokens 32 --num-kv-blocks 128".split()
+    daemon = daemon_factory(*args, *extra)
     assert len(daemon.stage_pids("worker")) == tp
     ref = reference(path)
     expected = {prompt: ref.greedy(ref.encode(prompt), NUM_TOKENS) for prompt in PROMPTS}
@@ -58,9 +64,10 @@ def check_concurrent_requests(daemon, expected: dict[str, list[int]]) -> None:
     jobs = [(prompt, stream) for prompt in PROMPTS for stream in (False, True)]
     with concurrent.futures.ThreadPoolExecutor(len(jobs) + 1 + len(SAMPLED)) as pool:
         forked = pool.submit(
-            daemon.post, "/v1/completions",
+            daemon.post,
+            "/v1/completions",
             {"prompt": PROMPTS[0], "n": 2, "max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True},
-        )  # fmt: skip
+        )
         sampled = [pool.submit(daemon.post, "/v1/completions", body) for body in SAMPLED]
         results = list(pool.map(lambda job: complete(daemon, job[0], stream=job[1], max_tokens=NUM_TOKENS), jobs))
     for (prompt, stream), (ids, _, _) in zip(jobs, results):
@@ -79,10 +86,8 @@ def check_concurrent_requests(daemon, expected: dict[str, list[int]]) -> None:
 
 
 def test_a_dead_rank_takes_the_engine_down_cleanly_and_it_comes_back(checkpoints, daemon_factory):
-    daemon = daemon_factory(
-        "--model", str(checkpoints[ARCH]), "--tensor-parallel-size", "2", "--num-kv-blocks", "256", "--stage-timeout", "5",
-        "--max-engine-restarts", "10",
-    )  # fmt: skip
+    args = "--tensor-parallel-size 2 --num-kv-blocks 256 --stage-timeout 5 --max-engine-restarts 10".split()
+    daemon = daemon_factory("--model", str(checkpoints[ARCH]), *args)
     for victim in (1, 0):  # a rank that does not sample, then the one that does
         workers = sorted(daemon.stage_pids("worker"))
         stream = streaming(daemon, LONG)

@@ -64,9 +64,17 @@ def recorded_graphs(config: EngineConfig, buckets: list[int]) -> tuple[DecodeGra
     model = Recorder()
     kv = attn.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
     graphs = DecodeGraphs(
-        model, attn, kv, buckets=buckets, max_blocks_per_seq=8, block_size=BLOCK_SIZE, sliding_window=None,
-        scratch_block=SCRATCH, device=torch.device("cpu"), capture=False,
-    )  # fmt: skip
+        model,
+        attn,
+        kv,
+        buckets=buckets,
+        max_blocks_per_seq=8,
+        block_size=BLOCK_SIZE,
+        sliding_window=None,
+        scratch_block=SCRATCH,
+        device=torch.device("cpu"),
+        capture=False,
+    )
     return graphs, model
 
 
@@ -158,9 +166,17 @@ def test_run_equals_the_eager_forward_and_padding_writes_only_the_scratch_block(
     with torch.inference_mode():
         want = model(input_ids, positions, meta, eager_kv)
     graphs = DecodeGraphs(
-        model, attn, graph_kv, buckets=[1, 4, 10], max_blocks_per_seq=8, block_size=BLOCK_SIZE, sliding_window=None,
-        scratch_block=SCRATCH, device=torch.device("cpu"), capture=False,
-    )  # fmt: skip
+        model,
+        attn,
+        graph_kv,
+        buckets=[1, 4, 10],
+        max_blocks_per_seq=8,
+        block_size=BLOCK_SIZE,
+        sliding_window=None,
+        scratch_block=SCRATCH,
+        device=torch.device("cpu"),
+        capture=False,
+    )
     got = graphs.run(input_ids, positions, tables, seq_lens)
 
     assert got.shape == want.shape == (num_rows, config_for().model.hidden_size)
@@ -185,9 +201,17 @@ def test_only_the_triton_backend_supports_graphs(config):
     kv = torch_attn.allocate_kv_caches(2, BLOCK_SIZE)
     with pytest.raises(ValueError, match="cannot be captured"):
         DecodeGraphs(
-            Recorder(), torch_attn, kv, buckets=[1], max_blocks_per_seq=8, block_size=BLOCK_SIZE, sliding_window=None,
-            scratch_block=0, device=torch.device("cpu"), capture=False,
-        )  # fmt: skip
+            Recorder(),
+            torch_attn,
+            kv,
+            buckets=[1],
+            max_blocks_per_seq=8,
+            block_size=BLOCK_SIZE,
+            sliding_window=None,
+            scratch_block=0,
+            device=torch.device("cpu"),
+            capture=False,
+        )
 
 
 def test_capture_only_on_cuda_without_enforce_eager(config):
@@ -202,9 +226,17 @@ def test_capture_only_on_cuda_without_enforce_eager(config):
     assert graphs.buffers.block_tables.shape == (256, 8)  # ceil(max_model_len 32 / block size 4)
     with pytest.raises(ValueError, match="need a CUDA device"):
         DecodeGraphs(
-            Recorder(), attn, kv, buckets=[1], max_blocks_per_seq=8, block_size=BLOCK_SIZE, sliding_window=None,
-            scratch_block=0, device=torch.device("cpu"), capture=True,
-        )  # fmt: skip
+            Recorder(),
+            attn,
+            kv,
+            buckets=[1],
+            max_blocks_per_seq=8,
+            block_size=BLOCK_SIZE,
+            sliding_window=None,
+            scratch_block=0,
+            device=torch.device("cpu"),
+            capture=True,
+        )
 
 
 @pytest.mark.cuda

@@ -29,10 +29,16 @@ NUM_TOKENS = 10
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog, and then " * 3, "a"]
 GGML = gguf.GGMLQuantizationType
 LAYER_PARTS = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}  # fmt: skip
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
 
 
 def llama_cpp_order(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -74,8 +80,11 @@ def write_gguf(path: Path, checkpoint: Path, qtype, arch: str = "llama", rope_fr
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     for name, tensor in load_file(checkpoint / "model.safetensors").items():
         w = tensor.float().numpy()
-        gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}.get(name)  # fmt: skip
+        gguf_name = {
+            "model.embed_tokens.weight": "token_embd.weight",
+            "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight",
+        }.get(name)
         if gguf_name is None:
             _, _, layer, rest = name.split(".", 3)
             part, kind = rest.rsplit(".", 1)
@@ -189,8 +198,14 @@ def test_llama3_rope_scaling_is_read_from_rope_freqs(gguf_files, tmp_path):
 
     hf = Path(gguf_files["F32"]).parent.parent / "hf-untied"
     theta, head_dim = 10000.0, SMALL["hidden_size"] // SMALL["num_attention_heads"]
-    llama3 = {"rope_type": "llama3", "rope_theta": theta, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 8192}  # fmt: skip
+    llama3 = {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     hf_config = LlamaConfig(**SMALL, rope_parameters=llama3, max_position_embeddings=131072)
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
     divisors = (1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim) / scaled).numpy()
@@ -205,8 +220,12 @@ def test_llama3_rope_scaling_is_read_from_rope_freqs(gguf_files, tmp_path):
 def test_unsupported_architecture_is_one_line(gguf_files, tmp_path):
     hf = Path(gguf_files["F32"]).parent.parent / "hf-untied"
     file = write_gguf(tmp_path / "gpt2.gguf", hf, GGML.F32, arch="gpt2")
-    done = subprocess.run([sys.executable, "-m", "conveyor", "serve", "--device", "cpu", "--model", str(file)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "conveyor", "serve", "--device", "cpu", "--model", str(file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert done.stderr.strip() == "conveyor: error: unsupported GGUF architecture 'gpt2'; supported: llama, qwen2"
 

@@ -153,7 +153,7 @@ def test_a_window_ends_early_when_every_row_stopped():
     requests = [
         (p, SamplingParams(temperature=0.0, max_tokens=None, stop_token_ids=[reference[i][1]]), 8)
         for i, p in enumerate(prompts(2, seed=11))
-    ]  # fmt: skip
+    ]
     driver = WindowDriver(new_runner("llama"), 8)
     outputs = driver.run(requests)
     assert all(outputs[i] == reference[i][: reference[i].index(reference[i][1]) + 1] for i in range(2))
@@ -234,9 +234,17 @@ def test_decode_passes_replay_through_the_graph_buffers():
         r.initialize_cache(16)
         if graphs:
             r.graphs = DecodeGraphs(
-                r.model, r.attn, r.kv_caches, buckets=[1, 2, 4], max_blocks_per_seq=r.max_blocks_per_seq,
-                block_size=BLOCK_SIZE, sliding_window=None, scratch_block=16, device=r.device, capture=False,
-            )  # fmt: skip
+                r.model,
+                r.attn,
+                r.kv_caches,
+                buckets=[1, 2, 4],
+                max_blocks_per_seq=r.max_blocks_per_seq,
+                block_size=BLOCK_SIZE,
+                sliding_window=None,
+                scratch_block=16,
+                device=r.device,
+                capture=False,
+            )
         return r
 
     requests = [(p, GREEDY, 5) for p in prompts(3, seed=19)]

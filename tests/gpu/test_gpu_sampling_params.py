@@ -252,9 +252,14 @@ def test_greedy_repetition_penalty_matches_transformers_generate(checkpoint):
     for p, got, unpenalised in zip(prompts, ours, plain):
         with torch.no_grad():
             out = hf.generate(
-                torch.tensor([p]), do_sample=False, repetition_penalty=1.8, max_new_tokens=num_new,
-                min_new_tokens=num_new, eos_token_id=list(eos), pad_token_id=eos[0],
-            )  # fmt: skip
+                torch.tensor([p]),
+                do_sample=False,
+                repetition_penalty=1.8,
+                max_new_tokens=num_new,
+                min_new_tokens=num_new,
+                eos_token_id=list(eos),
+                pad_token_id=eos[0],
+            )
         assert got == out[0, len(p) :].tolist()
         assert got != unpenalised  # the penalty changed the continuation
 

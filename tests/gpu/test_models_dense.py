@@ -191,9 +191,13 @@ def test_triton_backend_matches_hf(arch):
 # --- config.json ----------------------------------------------------------------------------
 
 BASE = {
-    "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "max_position_embeddings": 128,
-}  # fmt: skip
+    "vocab_size": 100,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 128,
+}
 
 
 def load(tmp_path, **fields) -> ModelConfig:
@@ -212,18 +216,28 @@ def test_transformers_4_configs_imply_the_layer_windows(tmp_path):
 
 def test_gemma3_spellings_agree(tmp_path):
     v4 = load(
-        tmp_path, architectures=["Gemma3ForCausalLM"], sliding_window=16, sliding_window_pattern=2,
-        rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
-        query_pre_attn_scalar=16, hidden_activation="gelu_pytorch_tanh",
-    )  # fmt: skip
+        tmp_path,
+        architectures=["Gemma3ForCausalLM"],
+        sliding_window=16,
+        sliding_window_pattern=2,
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        query_pre_attn_scalar=16,
+        hidden_activation="gelu_pytorch_tanh",
+    )
     v5 = load(
-        tmp_path, architectures=["Gemma3ForCausalLM"], sliding_window=16, query_pre_attn_scalar=16,
-        layer_types=["sliding_attention", "full_attention"] * 2, hidden_activation="gelu_pytorch_tanh",
+        tmp_path,
+        architectures=["Gemma3ForCausalLM"],
+        sliding_window=16,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        hidden_activation="gelu_pytorch_tanh",
         rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
-    )  # fmt: skip
+    )
     assert v4 == v5
     assert (v5.layer_windows, v5.local_rope_theta, v5.rope_theta, v5.rope_type) == ((16, None, 16, None), 1e4, 1e6, "linear")
     assert (v5.qk_norm, v5.attention_scale, v5.architecture) == (True, 0.25, "Gemma3ForCausalLM")

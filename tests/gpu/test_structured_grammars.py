@@ -116,8 +116,13 @@ def test_the_tokenizer_stage_refuses_a_bad_spec_naming_its_field(model, kind, sp
 
 
 def test_good_specs_pass(model):
-    for kind, spec in [("json_object", ""), ("json_schema", '{"type": "integer"}'), ("choice", '["", "é\\n\\"x"]'),
-                       ("grammar", 'root ::= "a"+'), ("regex", "\\d{3}")]:  # fmt: skip
+    for kind, spec in [
+        ("json_object", ""),
+        ("json_schema", '{"type": "integer"}'),
+        ("choice", '["", "é\\n\\"x"]'),
+        ("grammar", 'root ::= "a"+'),
+        ("regex", "\\d{3}"),
+    ]:
         check_structured(SamplingParams(structured=StructuredOutput(kind, spec)), model)
     check_structured(SamplingParams(), model)
 

@@ -16,9 +16,15 @@ from conveyor.engine_config import build_engine_config
 def config_dir(root: Path, **fields) -> str:
     """A checkpoint directory holding only config.json: building the config reads nothing else."""
     hf = {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 509, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, **fields,
-    }  # fmt: skip
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 509,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        **fields,
+    }
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps(hf))
     return str(root)
@@ -32,16 +38,25 @@ def config_dir(root: Path, **fields) -> str:
         ({"intermediate_size": 90}, 4, "cpu", "the model's intermediate_size 90 does not split evenly over 4 ranks"),
         (
             {"architectures": ["Qwen3MoeForCausalLM"], "moe_intermediate_size": 30, "num_experts": 4, "num_experts_per_tok": 2},
-            4, "cpu", "the model's moe_intermediate_size 30 does not split evenly over 4 ranks",
+            4,
+            "cpu",
+            "the model's moe_intermediate_size 30 does not split evenly over 4 ranks",
         ),
         (
-            {"architectures": ["Qwen2MoeForCausalLM"], "moe_intermediate_size": 32, "shared_expert_intermediate_size": 50,
-             "num_experts": 4, "num_experts_per_tok": 2},
-            4, "cpu", "the model's shared_expert_intermediate_size 50 does not split evenly over 4 ranks",
+            {
+                "architectures": ["Qwen2MoeForCausalLM"],
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 50,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+            },
+            4,
+            "cpu",
+            "the model's shared_expert_intermediate_size 50 does not split evenly over 4 ranks",
         ),
         ({}, 2, "cuda", "--tensor-parallel-size 2: only"),
     ],
-)  # fmt: skip
+)
 def test_impossible_splits_are_refused_in_one_line(tmp_path, fields, tp, device, message):
     import torch
 

@@ -135,9 +135,14 @@ def test_cpu_kernel_matches_reference(num_heads, num_kv_heads, head_dim, window)
     kernel = paged_attention_kernel()
     # decode, chunk after context, fresh prompt, decode, one-token prompt, last chunk of one token
     meta = run_case(
-        [9, 23, 11, 30, 1, 14], [1, 7, 11, 1, 1, 1], num_heads, num_kv_heads, window,
-        head_dim=head_dim, kernel=kernel,
-    )  # fmt: skip
+        [9, 23, 11, 30, 1, 14],
+        [1, 7, 11, 1, 1, 1],
+        num_heads,
+        num_kv_heads,
+        window,
+        head_dim=head_dim,
+        kernel=kernel,
+    )
     assert not isinstance(meta, TorchMetadata)  # no masks built
 
 
@@ -158,9 +163,16 @@ def test_cpu_kernel_prompt_tiles(num_heads, num_kv_heads, head_dim, window):
     Chunk lengths that are and are not multiples of the tile, chunks after cached context,
     tiles straddling a block edge, windows inside one block and across several."""
     run_case(
-        [9, 23, 11, 30, 1, 14, 200, 70, 17, 6], [1, 7, 11, 1, 1, 1, 200, 33, 2, 5], num_heads, num_kv_heads, window,
-        block_size=16, head_dim=head_dim, seed=num_heads + head_dim, kernel=paged_attention_kernel(),
-    )  # fmt: skip
+        [9, 23, 11, 30, 1, 14, 200, 70, 17, 6],
+        [1, 7, 11, 1, 1, 1, 200, 33, 2, 5],
+        num_heads,
+        num_kv_heads,
+        window,
+        block_size=16,
+        head_dim=head_dim,
+        seed=num_heads + head_dim,
+        kernel=paged_attention_kernel(),
+    )
 
 
 @needs_kernel

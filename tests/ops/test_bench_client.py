@@ -61,8 +61,7 @@ def test_chat_endpoint_reads_deltas(server):
 
 
 def test_token_times_spread_usage_over_chunks_without_token_ids():
-    r = RequestResult(prompt_len=4, output_len=7, start=0.0, end=1.0, chunk_times=[0.1, 0.2, 0.3],
-                      chunk_tokens=[1, 1, 1])  # fmt: skip
+    r = RequestResult(prompt_len=4, output_len=7, start=0.0, end=1.0, chunk_times=[0.1, 0.2, 0.3], chunk_tokens=[1, 1, 1])
     assert r.token_times() == [0.1, 0.1, 0.1, 0.2, 0.2, 0.3, 0.3]
 
 

@@ -59,7 +59,6 @@ def test_counter_falls_back_without_tokenize():
 def test_sharegpt_follows_the_vllm_filter(tiny_counter):
     requests = asyncio.run(make_dataset(DatasetConfig("sharegpt", 50, path=SHAREGPT, seed=1), tiny_counter))
     assert len(requests) == 50 and len({r.prompt for r in requests}) == 50
-    assert all(4 <= r.prompt_len <= 1024 and r.output_len >= 4 and r.prompt_len + r.output_len <= 2048
-               for r in requests)  # fmt: skip
+    assert all(4 <= r.prompt_len <= 1024 and r.output_len >= 4 and r.prompt_len + r.output_len <= 2048 for r in requests)
     with pytest.raises(ValueError, match="dataset-path"):
         asyncio.run(make_dataset(DatasetConfig("sharegpt", 5), tiny_counter))

@@ -14,8 +14,7 @@ from conveyor.bench.results import compute
 
 def _result(ttft: float, gaps: list[float], prompt_len: int = 100, start: float = 0.0) -> RequestResult:
     times = list(start + ttft + np.concatenate([[0.0], np.cumsum(gaps)]))
-    return RequestResult(prompt_len, len(times), start, end=times[-1] + 0.001, chunk_times=times,
-                         chunk_tokens=[1] * len(times))  # fmt: skip
+    return RequestResult(prompt_len, len(times), start, end=times[-1] + 0.001, chunk_times=times, chunk_tokens=[1] * len(times))
 
 
 def test_metrics_on_a_hand_made_schedule():

@@ -13,10 +13,13 @@ from conveyor import cli
 
 def test_offline_reports_both_engines(tmp_path, capsys):
     out = tmp_path / "offline.json"
-    rc = cli.main([
-        "bench", "offline", "--dataset", "random", "--input-len", "16", "--output-len", "4", "--num-prompts", "4",
-        "--device", "cpu", "--hf-batch-size", "2", "--num-kv-blocks", "64", "--result-json", str(out),
-    ])  # fmt: skip
+    rc = cli.main(
+        (
+            "bench offline --dataset random --input-len 16 --output-len 4 "
+            "--num-prompts 4 --device cpu --hf-batch-size 2 --num-kv-blocks 64 "
+            f"--result-json {out}"
+        ).split()
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     ours, hf = report["results"]

@@ -12,11 +12,13 @@ from conveyor import cli
 
 def test_sweep_writes_json_and_figures(server, tmp_path, capsys):
     out, plots = tmp_path / "sweep.json", tmp_path / "plots"
-    rc = cli.main([
-        "bench", "serve", "--base-url", server.url, "--dataset", "random", "--input-len", "20",
-        "--output-len", "3", "--num-prompts", "4", "--sweep-clients", "1,2", "--disable-tqdm",
-        "--result-json", str(out), "--plot-dir", str(plots),
-    ])  # fmt: skip
+    rc = cli.main(
+        (
+            f"bench serve --base-url {server.url} --dataset random --input-len 20 "
+            "--output-len 3 --num-prompts 4 --sweep-clients 1,2 --disable-tqdm "
+            f"--result-json {out} --plot-dir {plots}"
+        ).split()
+    )
     assert rc == 0
     report = json.loads(out.read_text())
     assert report["model"] == "fake-model" and report["counter"] == "server /tokenize"
@@ -33,10 +35,8 @@ def test_sweep_writes_json_and_figures(server, tmp_path, capsys):
 
 def test_extra_body_reaches_every_request(server, capsys):
     extra = {"response_format": {"type": "json_object"}, "temperature": 0.5}
-    rc = cli.main([
-        "bench", "serve", "--base-url", server.url, "--dataset", "random", "--input-len", "8",
-        "--output-len", "2", "--num-prompts", "3", "--disable-tqdm", "--extra-body", json.dumps(extra),
-    ])  # fmt: skip
+    args = f"bench serve --base-url {server.url} --dataset random --input-len 8 --output-len 2 --num-prompts 3 --disable-tqdm"
+    rc = cli.main([*args.split(), "--extra-body", json.dumps(extra)])
     assert rc == 0 and len(server.bodies) == 1 + 3
     assert all(body["response_format"] == {"type": "json_object"} and body["temperature"] == 0.5 for body in server.bodies)
     with pytest.raises(SystemExit):

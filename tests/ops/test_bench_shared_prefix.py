@@ -54,11 +54,13 @@ def test_picks_are_uniform_and_seeded():
 
 def test_serve_sends_shared_prompts_and_reports_the_hit_rate(server, tmp_path, capsys):
     out = tmp_path / "shared.json"
-    rc = cli.main([
-        "bench", "serve", "--base-url", server.url, "--dataset", "random", "--input-len", "10", "--output-len", "2",
-        "--num-prompts", "12", "--num-system-prompts", "2", "--system-prompt-len", "24", "--disable-tqdm",
-        "--result-json", str(out),
-    ])  # fmt: skip
+    rc = cli.main(
+        (
+            f"bench serve --base-url {server.url} --dataset random --input-len 10 "
+            "--output-len 2 --num-prompts 12 --num-system-prompts 2 "
+            f"--system-prompt-len 24 --disable-tqdm --result-json {out}"
+        ).split()
+    )
     assert rc == 0
     prompts = [body["prompt"] for body in server.bodies[1:]]  # after the test request
     systems = collections.Counter(p.split("\n\n")[0] for p in prompts)
@@ -75,8 +77,11 @@ def test_serve_sends_shared_prompts_and_reports_the_hit_rate(server, tmp_path, c
 
 
 def test_metrics_urls_add_up_replicas_and_all_must_answer(server, tmp_path):
-    args = ["bench", "serve", "--base-url", server.url, "--input-len", "10", "--output-len", "2", "--num-prompts", "12",
-            "--num-system-prompts", "2", "--system-prompt-len", "24", "--disable-tqdm"]  # fmt: skip
+    args = (
+        f"bench serve --base-url {server.url} --input-len 10 --output-len 2 "
+        "--num-prompts 12 --num-system-prompts 2 --system-prompt-len 24 "
+        "--disable-tqdm"
+    ).split()
     for metrics_url, expected in ((f"{server.url},{server.url}/", 0.625), (f"{server.url},http://127.0.0.1:9", None)):
         server.reset()
         out = tmp_path / "point.json"
@@ -86,11 +91,13 @@ def test_metrics_urls_add_up_replicas_and_all_must_answer(server, tmp_path):
 
 
 def test_chat_sends_the_system_prompt_as_a_system_message(server):
-    rc = cli.main([
-        "bench", "serve", "--base-url", server.url, "--endpoint", "/v1/chat/completions", "--input-len", "6",
-        "--output-len", "2", "--num-prompts", "3", "--num-system-prompts", "1", "--system-prompt-len", "16",
-        "--disable-tqdm",
-    ])  # fmt: skip
+    rc = cli.main(
+        (
+            f"bench serve --base-url {server.url} --endpoint /v1/chat/completions "
+            "--input-len 6 --output-len 2 --num-prompts 3 --num-system-prompts 1 "
+            "--system-prompt-len 16 --disable-tqdm"
+        ).split()
+    )
     assert rc == 0
     messages = [body["messages"] for body in server.bodies[1:]]
     assert all([m["role"] for m in ms] == ["system", "user"] for ms in messages)
@@ -119,7 +126,9 @@ def test_hit_rate_sums_labels_and_knows_when_it_cannot_tell():
     assert hit_rate(after, after) is None  # no lookups in between
     assert hit_rate(after, PrefixCacheCounts(1.0, 0.0)) is None  # the server restarted
     assert hit_rate(None, after) is None
-    vllm = "# TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total 100.0\n" \
-           "# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total 25.0\n"  # fmt: skip
+    vllm = (
+        "# TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total 100.0\n"
+        "# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total 25.0\n"
+    )
     assert prefix_cache_counts(vllm) == PrefixCacheCounts(100.0, 25.0)
     assert prefix_cache_counts("<html>404</html>") is None and prefix_cache_counts("# TYPE x counter\nx_total 1\n") is None

@@ -20,19 +20,22 @@ RACES = {"race-k1": ("K = 1, CUDA graphs", "K = 1, eager"), "race-k8": ("K = 8, 
 def sharegpt(path: Path, num: int = 12) -> Path:
     words = "the river runs past the old mill and under the stone bridge toward the sea".split()
     conversations = [
-        {"conversations": [{"from": "human", "value": " ".join(words[: 5 + i % 9]) + f" (question {i})?"},
-                           {"from": "gpt", "value": " ".join(words * (1 + i % 4))}]}
+        {
+            "conversations": [
+                {"from": "human", "value": " ".join(words[: 5 + i % 9]) + f" (question {i})?"},
+                {"from": "gpt", "value": " ".join(words * (1 + i % 4))},
+            ]
+        }
         for i in range(num)
-    ]  # fmt: skip
+    ]
     path.write_text(json.dumps(conversations))
     return path
 
 
 def runbook(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict, str]:
     out = tmp_path / "out"
-    cmd = ["bash", "ops/gpu/run.sh", *args, "--emulated", "--out", str(out), "--work", str(tmp_path / "work"),
-           "--sharegpt", str(sharegpt(tmp_path / "sharegpt.json")), "--num-prompts", "8",
-           "--resume", str(tmp_path / "none.json")]  # fmt: skip
+    cmd = ["bash", "ops/gpu/run.sh", *args, "--emulated", "--out", str(out), "--work", str(tmp_path / "work")]
+    cmd += ["--sharegpt", str(sharegpt(tmp_path / "sharegpt.json")), "--num-prompts", "8", "--resume", str(tmp_path / "none.json")]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     return done, json.loads((out / "gpu-runbook.json").read_text()), (out / "gpu-runbook.md").read_text()
 

@@ -121,9 +121,8 @@ def test_probes_ask_routes_that_exist_on_the_port_served(tmp_path):
 def test_services_select_pods_and_name_their_ports():
     for service in by_kind("Service"):
         selected = [
-            w for w in workloads()
-            if service["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
-        ]  # fmt: skip
+            w for w in workloads() if service["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+        ]
         assert len(selected) == 1, service["metadata"]["name"]
         names = {p["name"] for c in selected[0]["spec"]["template"]["spec"]["containers"] for p in c["ports"]}
         assert all(p["targetPort"] in names for p in service["spec"]["ports"])

@@ -172,9 +172,12 @@ def test_panel_queries_the_provisioned_datasource(panel):
 
 def test_alert_rules_of_the_issue():
     assert [r["alert"] for r in alert_rules()] == [
-        "ConveyorDown", "ConveyorGpuBubbleHigh", "ConveyorQueueTimeHigh", "ConveyorKvCacheExhausted",
+        "ConveyorDown",
+        "ConveyorGpuBubbleHigh",
+        "ConveyorQueueTimeHigh",
+        "ConveyorKvCacheExhausted",
         "ConveyorStageRestarted",
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.parametrize(("where", "expr"), all_exprs(), ids=[w for w, _ in all_exprs()])

@@ -39,7 +39,10 @@ def test_a_conveyor_folder_in_the_working_directory_does_not_shadow_the_install(
     (tmp_path / "conveyor").mkdir()
     done = subprocess.run(
         [sys.executable, "-c", "from conveyor import LLM; import conveyor.stages.scheduler.main as m; print(m.__file__)"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert Path(done.stdout.strip()).resolve() == (ROOT / "stages" / "scheduler" / "main.py").resolve()

@@ -46,14 +46,11 @@ requests_strategy = st.lists(
     lookahead=st.booleans(),
     eos=st.booleans(),
 )
-def test_random_streams_keep_every_invariant(reqs, block_size, num_blocks, budget, max_seqs, policy, caching,
-                                             lookahead, eos):  # fmt: skip
-    sched, runner = make(1, num_blocks, block_size, budget, max_seqs, max_model_len=256, policy=policy,
-                         enable_prefix_caching=caching)  # fmt: skip
+def test_random_streams_keep_every_invariant(reqs, block_size, num_blocks, budget, max_seqs, policy, caching, lookahead, eos):
+    sched, runner = make(1, num_blocks, block_size, budget, max_seqs, max_model_len=256, policy=policy, enable_prefix_caching=caching)
     driver = Driver(sched, runner, depth=2 if lookahead else 1)
     prefixes = [[(p * 31 + j) % 500 for j in range(k)] for p, k in enumerate((0, 9, 20))]
-    prompts = {f"r{i}": prefixes[pre] + [(i * 13 + j) % 500 + 1 for j in range(own)]
-               for i, (pre, own, *_ ) in enumerate(reqs)}  # fmt: skip
+    prompts = {f"r{i}": prefixes[pre] + [(i * 13 + j) % 500 + 1 for j in range(own)] for i, (pre, own, *_) in enumerate(reqs)}
     for tick in range(5000):
         for i, (_, _, max_tokens, n, arrival, abort, priority) in enumerate(reqs):
             rid = f"r{i}"

@@ -31,21 +31,22 @@ def request(i: int, prompt_len: int, output_len: int, arrival: float = 0.0) -> S
 
 def test_step_shape_counts_tokens_rows_context_and_pairs():
     shape = StepShape.of_rows([(0, 4), (10, 1), (8, 2)])  # a fresh prompt, a decode, a chunk
-    assert shape == StepShape(num_tokens=7, num_seqs=3, context_tokens=4 + 11 + 10,
-                              attention_pairs=(4 * 5 // 2) + 11 + (2 * 8 + 3))  # fmt: skip
+    assert shape == StepShape(num_tokens=7, num_seqs=3, context_tokens=4 + 11 + 10, attention_pairs=(4 * 5 // 2) + 11 + (2 * 8 + 3))
 
 
 def test_fit_recovers_known_parameters_with_floor():
-    truth = CostModel(intercept_s=2e-3, per_token_s=5e-5, per_seq_s=3e-5, per_context_s=2e-7,
-                      per_pair_s=1e-9, floor_s=8e-3)  # fmt: skip
+    truth = CostModel(intercept_s=2e-3, per_token_s=5e-5, per_seq_s=3e-5, per_context_s=2e-7, per_pair_s=1e-9, floor_s=8e-3)
     rng = np.random.default_rng(1)
     samples = []
     for _ in range(200):
-        rows = [(int(rng.integers(0, 1500)), int(rng.choice([1, 1, 1, int(rng.integers(1, 700))])))
-                for _ in range(int(rng.integers(1, 40)))]  # fmt: skip
+        rows = [
+            (int(rng.integers(0, 1500)), int(rng.choice([1, 1, 1, int(rng.integers(1, 700))])))
+            for _ in range(int(rng.integers(1, 40)))
+        ]
         shape = StepShape.of_rows(rows)
-        samples.append(Measurement(shape.num_tokens, shape.num_seqs, shape.context_tokens,
-                                   truth.latency(shape), shape.attention_pairs))  # fmt: skip
+        samples.append(
+            Measurement(shape.num_tokens, shape.num_seqs, shape.context_tokens, truth.latency(shape), shape.attention_pairs)
+        )
     samples += [Measurement(n, 1, n, truth.latency(StepShape(n, 1, n)), 0) for n in (1, 2, 4, 8)]
     got = fit(samples)
     for field in ("intercept_s", "per_token_s", "per_seq_s", "per_context_s", "per_pair_s", "floor_s"):
@@ -70,8 +71,7 @@ def test_fit_rejects_too_few_samples_and_unknown_terms():
 
 
 def test_scaled_multiplies_compute_and_keeps_launch_costs():
-    base = CostModel(intercept_s=1e-3, per_token_s=1e-4, per_seq_s=2e-5, per_context_s=1e-7,
-                     per_pair_s=1e-9, floor_s=5e-3)  # fmt: skip
+    base = CostModel(intercept_s=1e-3, per_token_s=1e-4, per_seq_s=2e-5, per_context_s=1e-7, per_pair_s=1e-9, floor_s=5e-3)
     big = base.scaled(8.0, gpus=4, floor_factor=2.0, comm_s=5e-4)
     assert big.per_token_s == pytest.approx(2e-4) and big.per_context_s == pytest.approx(2e-7)
     assert big.per_pair_s == pytest.approx(2e-9) and big.per_seq_s == base.per_seq_s
@@ -139,8 +139,11 @@ def test_sharegpt_tokenizer_is_the_tiny_models():
 def test_one_request_alone_is_hand_checkable():
     # 100 prompt tokens in chunks of 32, 32, 32, 4, then 4 decodes: 5 tokens in all.
     late = 10.0
-    result = simulate([request(0, 100, 5), request(1, 100, 5, arrival=late)],
-                      SimConfig(SchedulerConfig(max_num_batched_tokens=32, enable_prefix_caching=False)), AFFINE)  # fmt: skip
+    result = simulate(
+        [request(0, 100, 5), request(1, 100, 5, arrival=late)],
+        SimConfig(SchedulerConfig(max_num_batched_tokens=32, enable_prefix_caching=False)),
+        AFFINE,
+    )
     prompt_steps = 4 * 1e-3 + 100 * 1e-4
     decode = 1e-3 + 1e-4
     for rec, start in zip(result.requests, (0.0, late)):  # the second finds an idle engine
@@ -171,8 +174,7 @@ def test_every_request_finishes_with_all_its_tokens_even_when_preempted(policy):
 
 def test_same_seed_same_metrics():
     def run(seed):
-        reqs = make_requests(WorkloadConfig(kind="normal", num_requests=80, prompt_len=400, output_len=40,
-                                            rate=20.0, seed=seed))  # fmt: skip
+        reqs = make_requests(WorkloadConfig(kind="normal", num_requests=80, prompt_len=400, output_len=40, rate=20.0, seed=seed))
         return compute(simulate(reqs, SimConfig(SchedulerConfig(max_num_batched_tokens=512)), A100_7B)).as_dict()
 
     assert run(7) == run(7)
@@ -262,8 +264,7 @@ def test_splitfuse_cuts_tail_token_latency_on_long_prompts():
 
 def test_cli_prints_one_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "out.json"
-    assert cli.main(["--workload", "sharegpt", "--path", SHAREGPT, "--num-requests", "40", "--rate", "4",
-                     "--cost", "a100-7b", "--json", str(out)]) == 0  # fmt: skip
+    assert cli.main((f"--workload sharegpt --path {SHAREGPT} --num-requests 40 --rate 4 --cost a100-7b --json {out}").split()) == 0
     text = capsys.readouterr().out
     header = next(line for line in text.splitlines() if line.startswith("| metric"))
     assert all(p in header for p in ("splitfuse", "prefill_first", "orca"))
@@ -277,9 +278,7 @@ def test_measure_times_the_real_runner():
 
     grid = [[(0, 8)], [(0, 64)], [(32, 1)] * 3, [(16, 1)] * 2 + [(0, 30)]]
     samples = measure(grid, repeats=1, model="tiny")
-    assert [(m.num_tokens, m.num_seqs, m.context_tokens) for m in samples] == [
-        (8, 1, 8), (64, 1, 64), (3, 3, 99), (32, 3, 64)
-    ]  # fmt: skip
+    assert [(m.num_tokens, m.num_seqs, m.context_tokens) for m in samples] == [(8, 1, 8), (64, 1, 64), (3, 3, 99), (32, 3, 64)]
     assert all(0 < m.seconds < 5 for m in samples)
     assert all(s + n <= 2048 for rows in default_grid() for s, n in rows)
 

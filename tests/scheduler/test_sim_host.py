@@ -107,9 +107,16 @@ def test_h100_preset_is_its_written_arithmetic():
 
 def test_cli_columns_per_k_marked_as_estimates(tmp_path, capsys):
     out = tmp_path / "out.json"
-    assert cli.main(["--workload", "fixed", "--num-requests", "24", "--prompt-len", "64", "--output-len", "40",
-                     "--policies", "prefill_first", "--cost", "h100-llama3-8b", "--num-scheduler-steps", "1,8",
-                     "--no-async-scheduling", "--json", str(out)]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            (
+                "--workload fixed --num-requests 24 --prompt-len 64 --output-len 40 "
+                "--policies prefill_first --cost h100-llama3-8b --num-scheduler-steps 1,8 "
+                f"--no-async-scheduling --json {out}"
+            ).split()
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "ESTIMATE" in text and "async scheduling off" in text and "4 ms per plan" in text
     data = json.loads(out.read_text())

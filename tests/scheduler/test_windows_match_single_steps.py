@@ -38,8 +38,14 @@ def run_workload(k, reqs, block_size, num_blocks, budget, max_model_len, depth, 
     arrivals = {}
     for i, (pre, own, max_tokens, n, arrival, abort, min_tokens, ignore_eos, stop_ids, _) in enumerate(reqs):
         prompt = prefixes[pre] + [(i * 13 + j) % 500 + 1 for j in range(own)]
-        params = SamplingParams(n=n, max_tokens=max_tokens, min_tokens=min(min_tokens, max_tokens), ignore_eos=ignore_eos,
-                                stop_token_ids=STOP_IDS if stop_ids else [], temperature=0.0)  # fmt: skip
+        params = SamplingParams(
+            n=n,
+            max_tokens=max_tokens,
+            min_tokens=min(min_tokens, max_tokens),
+            ignore_eos=ignore_eos,
+            stop_token_ids=STOP_IDS if stop_ids else [],
+            temperature=0.0,
+        )
         arrivals.setdefault(arrival, []).append(ScheduleRequest(f"r{i}", 0, prompt, params, float(arrival)))
         if abort is not None:
             arrivals.setdefault(arrival + abort, []).append(f"r{i}")
@@ -86,8 +92,9 @@ def test_windows_generate_the_tokens_single_steps_do(reqs, block_size, extra_blo
             else:
                 assert seen == expected, f"K={k} {seq}"
         # Aborts land at different points of the output under different K: compared above only.
-        got[k] = {(s.request_id, s.index): driver.seen[sid] for sid, s in driver.seqs.items()
-                  if reqs[int(s.request_id[1:])][5] is None}  # fmt: skip
+        got[k] = {
+            (s.request_id, s.index): driver.seen[sid] for sid, s in driver.seqs.items() if reqs[int(s.request_id[1:])][5] is None
+        }
         never_aborted = {(f"r{i}", j) for i, r in enumerate(reqs) if r[5] is None for j in range(r[3])}
         assert got[k].keys() == never_aborted, "a request never finished"
     assert got[1] == got[4] == got[8]
@@ -96,8 +103,7 @@ def test_windows_generate_the_tokens_single_steps_do(reqs, block_size, extra_blo
 def test_a_fixed_workload_plans_windows_preempts_and_matches_single_steps():
     """The random test above, pinned: windows are really planned (and preemption happens) in a
     workload whose outputs K = 1 and K = 8 agree on."""
-    reqs = [(i % 3, 5 + 4 * i, 20 + 3 * i, 1 + (i % 3 == 1), i % 2, None, i % 2, i % 3 != 0, i % 4 == 1, i % 5 == 2)
-            for i in range(8)]  # fmt: skip
+    reqs = [(i % 3, 5 + 4 * i, 20 + 3 * i, 1 + (i % 3 == 1), i % 2, None, i % 2, i % 3 != 0, i % 4 == 1, i % 5 == 2) for i in range(8)]
     single = run_workload(1, reqs, 4, 50, 32, 512, 2, True)
     multi = run_workload(8, reqs, 4, 50, 32, 512, 2, True)
     assert sum(s.num_steps > 1 for s in multi.steps) >= 5 and multi.sched.num_preemptions > 0

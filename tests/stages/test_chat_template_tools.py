@@ -163,9 +163,12 @@ def test_special_text_in_arguments_and_tools_is_plain_text(checkpoint, where):
     tools = [{"type": "function", "function": {"name": "f", "description": description}}]
     messages = [
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "a", "type": "function", "function": {"name": "f", "arguments": {"q": argument}}}]},
-    ]  # fmt: skip
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "a", "type": "function", "function": {"name": "f", "arguments": {"q": argument}}}],
+        },
+    ]
     ids = encoder.encode_chat(messages, tools=tools)
     trusting = PromptEncoder(checkpoint, special_tokens_in_content=True).encode_chat(messages, tools=tools)
     specials = set(encoder._special_ids.values())

@@ -19,9 +19,13 @@ from conveyor.wire.messages import DetokSeq, FinishReason, SeqTokens, TextDelta,
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory) -> Tokenizer:
     root = make_checkpoint(
-        tmp_path_factory.mktemp("tiny"), hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
+        tmp_path_factory.mktemp("tiny"),
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return Tokenizer.from_file(str(root / "tokenizer.json"))
 
 

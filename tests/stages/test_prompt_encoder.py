@@ -168,9 +168,13 @@ def test_special_token_text_in_content_is_plain_text(pair):
     # <|begin_of_text|> <|start_header_id|> user <|end_header_id|> \n\n [content] <|eot_id|>
     # <|start_header_id|> assistant <|end_header_id|> \n\n: seven special tokens, all the template's.
     assert [ours.decode([i], skip_special_tokens=False) for i in ids if i in specials] == [
-        "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-        "<|start_header_id|>", "<|end_header_id|>",
-    ]  # fmt: skip
+        "<|begin_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+    ]
     assert ours.decode(ids, skip_special_tokens=False) == ours.render_chat(messages)  # no text lost
     # Between the user header and the template's <|eot_id|>: the content, as plain text.
     first, last = ids.index(ours._special_ids["<|end_header_id|>"]), ids.index(ours._special_ids["<|eot_id|>"])

@@ -43,25 +43,35 @@ def test_the_start_plan_is_scheduler_then_workers_tokenizers_detokenizers_ingres
     config = engine(num_workers=2, num_tokenizers=3, num_detokenizers=2, num_ingress=2)
     assert names(start_plan(config)) == [
         "scheduler-0",
-        "worker-0", "worker-1",
-        "tokenizer-0", "tokenizer-1", "tokenizer-2",
-        "detokenizer-0", "detokenizer-1",
-        "ingress-0", "ingress-1",
-    ]  # fmt: skip
+        "worker-0",
+        "worker-1",
+        "tokenizer-0",
+        "tokenizer-1",
+        "tokenizer-2",
+        "detokenizer-0",
+        "detokenizer-1",
+        "ingress-0",
+        "ingress-1",
+    ]
 
 
 def test_data_parallel_engines_get_a_router_before_the_pools():
     config = engine(num_workers=2, num_engines=2, num_tokenizers=1, num_detokenizers=1, num_ingress=1)
     assert names(start_plan(config)) == [
-        "scheduler-0", "scheduler-1",
-        "worker-0", "worker-1", "worker-2", "worker-3",
-        "router-0", "tokenizer-0", "detokenizer-0", "ingress-0",
-    ]  # fmt: skip
+        "scheduler-0",
+        "scheduler-1",
+        "worker-0",
+        "worker-1",
+        "worker-2",
+        "worker-3",
+        "router-0",
+        "tokenizer-0",
+        "detokenizer-0",
+        "ingress-0",
+    ]
     # Engine 1 is scheduler 1 and workers 2, 3; the detokenizers serve both, and outlive either.
     plan = start_plan(config)
-    assert [(s.name, i) for s, i in plan if topology.engine_of(config, s, i) == 1] == [
-        ("scheduler", 1), ("worker", 2), ("worker", 3)
-    ]  # fmt: skip
+    assert [(s.name, i) for s, i in plan if topology.engine_of(config, s, i) == 1] == [("scheduler", 1), ("worker", 2), ("worker", 3)]
     assert topology.engine_of(config, topology.DETOKENIZER, 0) is None
     assert topology.engine_of(engine(), topology.DETOKENIZER, 0) == 0  # one engine: they restart with it
     assert [topology.engine_of_seq(config, seq_id) for seq_id in range(5)] == [0, 1, 0, 1, 0]

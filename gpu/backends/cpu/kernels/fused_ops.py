@@ -40,9 +40,14 @@ class CpuFusedOps:
             raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)} do not match")
         out = torch.empty_like(x)
         self._rms_norm(
-            x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-            tokens, hidden, eps,
-        )  # fmt: skip
+            x.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            tokens,
+            hidden,
+            eps,
+        )
         return out
 
     def rotary(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:

@@ -48,9 +48,16 @@ class PagedAttentionKernel:
         if not kv_cache.is_contiguous():
             raise ValueError("the KV cache must be contiguous")
         self._write(
-            k.data_ptr(), v.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), slot_mapping.data_ptr(),
-            k.shape[0], num_kv_heads, head_dim, block_size,
-        )  # fmt: skip
+            k.data_ptr(),
+            v.data_ptr(),
+            kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr(),
+            slot_mapping.data_ptr(),
+            k.shape[0],
+            num_kv_heads,
+            head_dim,
+            block_size,
+        )
 
     def __call__(
         self,
@@ -80,10 +87,23 @@ class PagedAttentionKernel:
             raise ValueError("query_start_loc must be [B + 1] and seq_lens [B]")
         out = torch.empty_like(q)
         status = self._fn(
-            q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
-            query_start_loc.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-            num_rows, max_blocks, num_heads, num_kv_heads, head_dim, block_size, sliding_window or 0, scale, softcap or 0.0,
-        )  # fmt: skip
+            q.data_ptr(),
+            kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr(),
+            block_tables.data_ptr(),
+            query_start_loc.data_ptr(),
+            seq_lens.data_ptr(),
+            out.data_ptr(),
+            num_rows,
+            max_blocks,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+            sliding_window or 0,
+            scale,
+            softcap or 0.0,
+        )
         if status != 0:
             raise ValueError(
                 f"CPU paged attention does not handle {num_heads} heads over {num_kv_heads} kv heads with blocks of {block_size}"

@@ -50,9 +50,13 @@ class CpuSmallLinear:
         """weight_t [K, N]: float32, contiguous, on the CPU, K <= MAX_IN_FEATURES, N a multiple
         of 16."""
         return (
-            weight_t.dtype == torch.float32 and weight_t.device.type == "cpu" and weight_t.is_contiguous()
-            and weight_t.dim() == 2 and weight_t.shape[0] <= MAX_IN_FEATURES and weight_t.shape[1] % 16 == 0
-        )  # fmt: skip
+            weight_t.dtype == torch.float32
+            and weight_t.device.type == "cpu"
+            and weight_t.is_contiguous()
+            and weight_t.dim() == 2
+            and weight_t.shape[0] <= MAX_IN_FEATURES
+            and weight_t.shape[1] % 16 == 0
+        )
 
     def __call__(self, x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] contiguous float32, weight_t [K, N] (supports_weight), bias [N] contiguous ->
@@ -65,9 +69,14 @@ class CpuSmallLinear:
             raise ValueError("small_linear takes contiguous float32 CPU tensors and N a multiple of 16")
         y = torch.empty(rows, weight_t.shape[1], dtype=torch.float32)
         self._fn(
-            x.data_ptr(), weight_t.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-            rows, k, weight_t.shape[1],
-        )  # fmt: skip
+            x.data_ptr(),
+            weight_t.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            rows,
+            k,
+            weight_t.shape[1],
+        )
         return y
 
 
