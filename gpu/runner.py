@@ -262,15 +262,9 @@ class ModelRunner:
         assert window.first is not None
         rows = [window.rows[i] for i in active]
         everyone = len(active) == len(window.rows)
+        rows_left, eager = None if everyone else active, not self._graphed(len(active), True)
         inputs = next_pass_inputs(
-            window.first,
-            k,
-            None if everyone else active,
-            self.batch,
-            self.attn,
-            self.block_size,
-            self.config.model.sliding_window,
-            not self._graphed(len(active), True),
+            window.first, k, rows_left, self.batch, self.attn, self.block_size, self.config.model.sliding_window, eager
         )
         return PassWork(inputs, rows, [1] * len(rows), list(range(len(rows))), [[] for _ in rows])
 
@@ -318,14 +312,8 @@ class ModelRunner:
             draw_seqs.append(seq)
             draw_slots.append(self.batch.slots[seq.seq_id])
             for fork in forks:  # a copy of the sequence after this pass, with its own draw
-                child = dataclasses.replace(
-                    seq,
-                    seq_id=fork.seq_id,
-                    token_ids=list(seq.token_ids),
-                    block_table=list(seq.block_table),
-                    index=fork.index,
-                    stopped=False,
-                )
+                child = dataclasses.replace(seq, seq_id=fork.seq_id, index=fork.index, stopped=False)
+                child.token_ids, child.block_table = list(seq.token_ids), list(seq.block_table)
                 child.matcher = self._matcher(child)  # its own, where the parent's was for this draw
                 self.seqs[fork.seq_id] = child
                 if child.params.structured is not None:
