@@ -36,7 +36,17 @@ from conveyor.config.env import API_KEY_VARIABLE
 from conveyor.stages.engines import Engines
 from conveyor.stages.processes import ProcessHandle, processes_for
 from conveyor.wire.addresses import make_run_dir, sweep_stale_run_dirs
-from conveyor.wire.messages import Drained, EngineStatus, Heartbeat, LauncherInbound, StageFailed, StageReady
+from conveyor.wire.channel import Sender
+from conveyor.wire.messages import (
+    Drained,
+    EngineStatus,
+    Heartbeat,
+    IngressInbound,
+    LauncherInbound,
+    RouterInbound,
+    StageFailed,
+    StageReady,
+)
 from conveyor.wire.signals import STOP
 from conveyor.wire.topology import INGRESS, LAUNCHER, ROUTER, SCHEDULER, Stage, engine_of, receiver, senders, start_plan
 
@@ -72,6 +82,9 @@ class Launcher:
         self.drain_deadline: float | None = None
         self.drained: set[int] = set()
         self.ctx = zmq.Context()
+        # Senders to the ingresses and the router (_open_sockets): none until the sockets open.
+        self.ingresses: list[Sender[IngressInbound]] = []
+        self.router: list[Sender[RouterInbound]] = []
         self.processes = processes_for(self.config)  # where stage processes run (stages/processes.py)
         self.config = self.processes.place(self.config)  # Ray: tcp:// endpoints for what other nodes reach
 
@@ -316,7 +329,7 @@ class Launcher:
             router.send(status)
 
     def _stop_children(self) -> None:
-        if hasattr(self, "ingresses"):
+        if self.ingresses:
             self._tell(EngineStatus(ready=False))
             time.sleep(0.05)  # let the ingresses end open streams with an error event first
         self._kill(list(self.children.values()))
