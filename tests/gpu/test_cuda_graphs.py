@@ -190,6 +190,23 @@ def test_run_equals_the_eager_forward_and_padding_writes_only_the_scratch_block(
         assert bool(changed[:, 0].all()) == padded
 
 
+def one_bucket_on_cpu(attn, kv, *, capture: bool) -> DecodeGraphs:
+    """DecodeGraphs of one bucket on the CPU device: what its constructor refuses is tested."""
+    cpu = torch.device("cpu")
+    return DecodeGraphs(
+        Recorder(),
+        attn,
+        kv,
+        buckets=[1],
+        max_blocks_per_seq=8,
+        block_size=BLOCK_SIZE,
+        sliding_window=None,
+        scratch_block=0,
+        device=cpu,
+        capture=capture,
+    )
+
+
 def test_only_the_triton_backend_supports_graphs(config):
     from conveyor.gpu.backends.cpu import CpuAttention
 
@@ -200,18 +217,7 @@ def test_only_the_triton_backend_supports_graphs(config):
     assert not can_capture(config, torch_attn, torch.device("cuda"))
     kv = torch_attn.allocate_kv_caches(2, BLOCK_SIZE)
     with pytest.raises(ValueError, match="cannot be captured"):
-        DecodeGraphs(
-            Recorder(),
-            torch_attn,
-            kv,
-            buckets=[1],
-            max_blocks_per_seq=8,
-            block_size=BLOCK_SIZE,
-            sliding_window=None,
-            scratch_block=0,
-            device=torch.device("cpu"),
-            capture=False,
-        )
+        one_bucket_on_cpu(torch_attn, kv, capture=False)
 
 
 def test_capture_only_on_cuda_without_enforce_eager(config):
@@ -225,18 +231,7 @@ def test_capture_only_on_cuda_without_enforce_eager(config):
     assert graphs.capture_all() == (0.0, 0)
     assert graphs.buffers.block_tables.shape == (256, 8)  # ceil(max_model_len 32 / block size 4)
     with pytest.raises(ValueError, match="need a CUDA device"):
-        DecodeGraphs(
-            Recorder(),
-            attn,
-            kv,
-            buckets=[1],
-            max_blocks_per_seq=8,
-            block_size=BLOCK_SIZE,
-            sliding_window=None,
-            scratch_block=0,
-            device=torch.device("cpu"),
-            capture=True,
-        )
+        one_bucket_on_cpu(attn, kv, capture=True)
 
 
 @pytest.mark.cuda
