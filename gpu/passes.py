@@ -89,12 +89,12 @@ def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
     host = launched.samples.on_host(launched.copy.wait()) if launched.samples is not None and launched.copy else None
     ids: list[int] = []
     logprobs: list[float] = []
-    tops: list[TopLogprobs] = []
+    tops: dict[int, TopLogprobs] = {}  # by draw, where its sequence asked and it was not masked
     failed: list[int] = []
     masked: list[int] = []
     top_iter = iter(host.top_logprobs if host else [])
     failed_computed = set(host.failed_draws if host else [])
-    no_top, any_top = TopLogprobs([], []), False
+    any_top = False
     for d, (seq, c) in enumerate(zip(launched.draws, launched.computed)):
         wants_top = seq.params.logprobs is not None
         any_top |= wants_top
@@ -108,11 +108,11 @@ def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
             masked.append(d)
             ids.append(0)
             logprobs.append(0.0)
-            tops.append(no_top)
             continue
         ids.append(token)
         logprobs.append(host.logprobs[c])
-        tops.append(top or no_top)
+        if top is not None:
+            tops[d] = top
         if c in failed_computed:  # its id is the placeholder 0, as on the device
             failed.append(d)
             seq.stopped = True
@@ -129,13 +129,19 @@ def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
         busy_time=clock.busy(),
         idle_time=clock.idle(),
         sampled_logprobs=logprobs,
-        top_logprobs=tops if any_top else [],  # empty unless a draw's sequence asked
+        top_logprobs=_dense(tops, len(ids)) if any_top else [],  # empty unless a draw's sequence asked
         failed_draws=failed,
         pass_index=k,
         last_pass=last,
         masked_draws=masked,
         seq_ids=[seq.seq_id for seq in launched.draws],
     )
+
+
+def _dense(tops: dict[int, TopLogprobs], num_draws: int) -> list[TopLogprobs]:
+    """One entry per draw: its top logprobs, or empty ones."""
+    none = TopLogprobs([], [])
+    return [tops.get(d, none) for d in range(num_draws)]
 
 
 def _stops(seq: WorkerSeq, token: int, eos_token_ids: tuple[int, ...]) -> bool:

@@ -228,13 +228,13 @@ class ModelRunner:
         clock = PassClock(self.platform.mark, arrival if arrival is not None else self._last_clock)
         work = self._first_pass(window) if k == 0 else self._next_pass(window, k, active)
         hidden = self._forward(work.inputs)  # [T, H]
-        samples, draw_slots = None, None
+        samples, param_slots = None, None
         if work.sampling:
             drawn = self._sample(work, hidden[work.inputs.logit_index], window, k)
             if drawn is None:  # every row stopped in the pass before: this one is void
                 return False
-            samples, draw_slots = drawn
-        draw_seqs = self._advance(work, samples, draw_slots)
+            samples, param_slots = drawn
+        draw_seqs = self._advance(work, samples, param_slots)
         clock.stop()
         self._report(window, k, active, draw_seqs, samples, clock)
         return True

@@ -21,17 +21,11 @@ import time
 import msgspec
 
 from conveyor.config import SchedulerConfig
+from conveyor.sim.simulator import fake_result
 from conveyor.stages.scheduler.plan import step_plan, token_batches
-from conveyor.stages.scheduler.scheduled_step import ScheduledStep
 from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.wire.channel import encode
 from conveyor.wire.messages import SamplingParams, ScheduleRequest, StepResult
-
-
-def answer(step: ScheduledStep) -> StepResult:
-    """The worker's result for a step: token 7 for each draw, keyed by sequence."""
-    seq_ids = [seq.seq_id for _, seq in step.draws()]
-    return StepResult(step.step, [7] * len(seq_ids), seq_ids=seq_ids)
 
 
 def measure(num_running: int, *, steps: int = 200, prompt_len: int = 200, block_size: int = 16) -> dict:
@@ -51,7 +45,7 @@ def measure(num_running: int, *, steps: int = 200, prompt_len: int = 200, block_
     while any(s.num_computed_tokens < s.num_tokens - 1 for s in sched.running) or sched.waiting:
         step = sched.schedule()  # prefill until everyone decodes
         assert step is not None  # the pool holds every sequence, so each step has rows
-        sched.update(step, answer(step))
+        sched.update(step, fake_result(step))
 
     timings = []
     decode = msgspec.msgpack.Decoder(StepResult).decode
@@ -61,7 +55,7 @@ def measure(num_running: int, *, steps: int = 200, prompt_len: int = 200, block_
         assert step is not None
         wire = encode(step_plan(step))
         planned = time.perf_counter()
-        result = encode(answer(step))  # the worker's part: not timed
+        result = encode(fake_result(step))  # the worker's part: not timed
         received = time.perf_counter()
         updates = sched.update(step, decode(result))
         for batch in token_batches(step.step, updates, 1):

@@ -69,7 +69,7 @@ class ScheduledStep:
             raise ValueError(f"{where}: the window's final pass does not say last_pass")
         expected = {seq.seq_id: (row, seq) for row, seq in self.draws(k)}
         seq_ids, num_ids = result.seq_ids, len(result.sampled_token_ids)
-        if len(seq_ids) != num_ids or len(set(seq_ids)) != num_ids or expected.keys() != set(seq_ids):
+        if len(seq_ids) != num_ids or len(expected) != num_ids or expected.keys() != set(seq_ids):  # once each
             raise ValueError(f"{where}: draws for sequences {seq_ids} ({num_ids} ids), expected {sorted(expected)}")
         draws = [expected[seq_id] for seq_id in seq_ids]
         for name, indices in (("failed", result.failed_draws), ("masked", result.masked_draws)):

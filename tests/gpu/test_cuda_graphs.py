@@ -59,11 +59,9 @@ class Recorder:
         return (input_ids * 100 + positions).float()[:, None]
 
 
-def recorded_graphs(config: EngineConfig, buckets: list[int]) -> tuple[DecodeGraphs, Recorder]:
-    attn = triton_attn(config)
-    model = Recorder()
-    kv = attn.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
-    graphs = DecodeGraphs(
+def graphs_on_cpu(model, attn, kv, buckets: list[int], *, scratch_block: int = SCRATCH, capture: bool = False) -> DecodeGraphs:
+    """DecodeGraphs over `kv` on the CPU device, tables 8 blocks wide, no sliding window."""
+    return DecodeGraphs(
         model,
         attn,
         kv,
@@ -71,10 +69,17 @@ def recorded_graphs(config: EngineConfig, buckets: list[int]) -> tuple[DecodeGra
         max_blocks_per_seq=8,
         block_size=BLOCK_SIZE,
         sliding_window=None,
-        scratch_block=SCRATCH,
+        scratch_block=scratch_block,
         device=torch.device("cpu"),
-        capture=False,
+        capture=capture,
     )
+
+
+def recorded_graphs(config: EngineConfig, buckets: list[int]) -> tuple[DecodeGraphs, Recorder]:
+    attn = triton_attn(config)
+    model = Recorder()
+    kv = attn.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+    graphs = graphs_on_cpu(model, attn, kv, buckets)
     return graphs, model
 
 
@@ -165,18 +170,7 @@ def test_run_equals_the_eager_forward_and_padding_writes_only_the_scratch_block(
     meta = attn.build_metadata([1] * num_rows, seq_lens.tolist(), tables, positions, BLOCK_SIZE, None)
     with torch.inference_mode():
         want = model(input_ids, positions, meta, eager_kv)
-    graphs = DecodeGraphs(
-        model,
-        attn,
-        graph_kv,
-        buckets=[1, 4, 10],
-        max_blocks_per_seq=8,
-        block_size=BLOCK_SIZE,
-        sliding_window=None,
-        scratch_block=SCRATCH,
-        device=torch.device("cpu"),
-        capture=False,
-    )
+    graphs = graphs_on_cpu(model, attn, graph_kv, [1, 4, 10])
     got = graphs.run(input_ids, positions, tables, seq_lens)
 
     assert got.shape == want.shape == (num_rows, config_for().model.hidden_size)
@@ -190,23 +184,6 @@ def test_run_equals_the_eager_forward_and_padding_writes_only_the_scratch_block(
         assert bool(changed[:, 0].all()) == padded
 
 
-def one_bucket_on_cpu(attn, kv, *, capture: bool) -> DecodeGraphs:
-    """DecodeGraphs of one bucket on the CPU device: what its constructor refuses is tested."""
-    cpu = torch.device("cpu")
-    return DecodeGraphs(
-        Recorder(),
-        attn,
-        kv,
-        buckets=[1],
-        max_blocks_per_seq=8,
-        block_size=BLOCK_SIZE,
-        sliding_window=None,
-        scratch_block=0,
-        device=cpu,
-        capture=capture,
-    )
-
-
 def test_only_the_triton_backend_supports_graphs(config):
     from conveyor.gpu.backends.cpu import CpuAttention
 
@@ -217,7 +194,7 @@ def test_only_the_triton_backend_supports_graphs(config):
     assert not can_capture(config, torch_attn, torch.device("cuda"))
     kv = torch_attn.allocate_kv_caches(2, BLOCK_SIZE)
     with pytest.raises(ValueError, match="cannot be captured"):
-        one_bucket_on_cpu(torch_attn, kv, capture=False)
+        graphs_on_cpu(Recorder(), torch_attn, kv, [1], scratch_block=0)
 
 
 def test_capture_only_on_cuda_without_enforce_eager(config):
@@ -231,7 +208,7 @@ def test_capture_only_on_cuda_without_enforce_eager(config):
     assert graphs.capture_all() == (0.0, 0)
     assert graphs.buffers.block_tables.shape == (256, 8)  # ceil(max_model_len 32 / block size 4)
     with pytest.raises(ValueError, match="need a CUDA device"):
-        one_bucket_on_cpu(attn, kv, capture=True)
+        graphs_on_cpu(Recorder(), attn, kv, [1], scratch_block=0, capture=True)
 
 
 @pytest.mark.cuda
