@@ -19,6 +19,7 @@ from conveyor.config.engine import (
     StagesConfig,
 )
 from conveyor.config.model import DTYPES
+from conveyor.config.quant import ONLINE_METHODS
 from conveyor.config.options import Setting, option, settings
 
 DEVICES = ("auto", "cpu", "cuda", "emulated")
@@ -40,6 +41,12 @@ class ModelOptions:
         "auto", "auto: cuda when available, else cpu; emulated: a modelled GPU (--emulate), no weights loaded", choices=DEVICES
     )
     max_model_len: int | None = option(None, "context length", none="the model's")
+    quantization: str | None = option(
+        None,
+        "quantize a float checkpoint as it loads: int8 (weight-only, any device) or fp8 (e4m3)",
+        choices=ONLINE_METHODS,
+        none="a quantized checkpoint is served as published, a float one as it is",
+    )
 
 
 # The classes whose option() fields are the options, in `conveyor serve --help` order, with the

@@ -24,6 +24,7 @@ from typing import Any
 
 from conveyor.config.errors import ConfigError
 from conveyor.config.moe import MoeConfig
+from conveyor.config.quant import QuantConfig, read_quantization
 from conveyor.config.rope_fields import check_rope_scaling, context_limit, read_rope_scaling, rope_parameters
 
 # MLP activations the ops implement (hidden_act / hidden_activation in config.json).
@@ -75,6 +76,8 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # the same on the LM head's logits (Gemma 2)
     local_rope_theta: float | None = None  # Gemma 3: the windowed layers' rope base (default rope type)
     moe: MoeConfig | None = None  # a mixture-of-experts model's routing and experts (config/moe.py); None: dense
+    # How the linear weights are stored (config/quant.py); None: in `dtype`, as loaded.
+    quantization: QuantConfig | None = None
 
     @property
     def rope_type(self) -> str:
@@ -97,10 +100,12 @@ class ModelConfig:
         dtype: str | None = None,
         max_model_len: int | None = None,
         served_name: str | None = None,
+        quantization: str | None = None,
     ) -> ModelConfig:
         """The checkpoint's config, read generically, then by the adapter of the first of its
         `architectures` that `adapters` names (the registry's: gpu/models/registry.py
-        `read_model_config`). `dtype`, `max_model_len` and `served_name` override the file's."""
+        `read_model_config`). `dtype`, `max_model_len` and `served_name` override the file's;
+        `quantization` is --quantization (config/quant.py)."""
         root = Path(path).expanduser()
         if not root.is_dir():
             raise ConfigError(f"model path {str(path)!r} is not a directory")
@@ -115,7 +120,9 @@ class ModelConfig:
         try:
             cfg = adapters[arch](hf, _generic(hf, gen, arch, root, dtype, served_name))
             limit = context_limit(cfg.max_position_embeddings, dict(cfg.rope_scaling))
-            cfg = dataclasses.replace(cfg, max_model_len=min(max_model_len or limit, limit))
+            cfg = dataclasses.replace(
+                cfg, max_model_len=min(max_model_len or limit, limit), quantization=read_quantization(hf, quantization)
+            )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ConfigError):
                 raise

@@ -52,6 +52,7 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
         dtype=None if load.dtype == "auto" else load.dtype,
         max_model_len=load.max_model_len,
         served_name=load.served_model_name or served_name,
+        quantization=load.quantization,
     )
     if device == "cpu" and model_config.dtype == "float16":
         # Half-precision matmuls on CPU are slow or missing; bf16 and fp32 are fine.

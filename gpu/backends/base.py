@@ -26,6 +26,7 @@ from torch import nn
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.kv_cache import copy_blocks
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
+from conveyor.gpu.quant.weight import QuantizedWeight
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -272,6 +273,12 @@ class Ops(abc.ABC):
     @abc.abstractmethod
     def linear(self, x: torch.Tensor, layer: LinearLayer) -> torch.Tensor:
         """x [T, in] -> x @ layer.weight.T + layer.bias, [T, out]."""
+
+    def quant_linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [T, K] -> x @ W^T + bias [T, N] in x's dtype, W the quantized weight's [N, K]
+        (gpu/quant/weight.py). The default dequantizes the whole weight on every call: the
+        reference, on any device; backends override it with kernels that read it packed."""
+        return torch.nn.functional.linear(x, weight.dequantize(dtype=x.dtype), bias)
 
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate, up [T, I] -> gelu(gate, tanh approximation) * up [T, I] (Gemma's GeGLU, HF's

@@ -1,7 +1,10 @@
-"""A GGUF file's tensors as Hugging Face-named torch tensors in the serving dtype.
+"""A GGUF file's tensors as Hugging Face-named torch tensors: packed, or in the serving dtype.
 
-Every tensor is dequantized to float32 with the `gguf` package, reshaped from ggml's dimension
-order (innermost first) to torch's, and cast. llama.cpp stores a Llama model's q and k
+With `packed`, a tensor of one of PACKED_TYPES is kept as its raw blocks, one row of blocks per
+output row: `<layer>.gguf_blocks` [N, bytes per row] uint8 and `<layer>.gguf_type` [1] int64,
+which gpu/quant/formats/gguf.py reads into the kernels' form at load. Every other tensor (and
+every tensor without `packed`) is dequantized to float32 with the `gguf` package, reshaped from
+ggml's dimension order (innermost first) to torch's, and cast. llama.cpp stores a Llama model's q and k
 projections with the rows of each head reordered for its rotary kernel (the two halves of a
 head interleaved pair by pair); `unpermute` restores transformers' order. Qwen2 files are not
 reordered (llama.cpp runs them with the half-split rotary that transformers uses).
@@ -18,6 +21,16 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 
 from conveyor.config.errors import ConfigError
+
+# The GGML types whose blocks the kernels read (gpu/quant/formats/gguf.py).
+PACKED_TYPES = (
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
+)
 
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
@@ -50,8 +63,9 @@ def hf_name(name: str) -> str:
     raise ConfigError(f"unsupported tensor {name!r} in the GGUF file")
 
 
-def read_weights(reader: GGUFReader, config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """{HF name: tensor in config["dtype"]} for every tensor of the file."""
+def read_weights(reader: GGUFReader, config: dict[str, Any], packed: bool = False) -> dict[str, torch.Tensor]:
+    """{HF name: tensor in config["dtype"]} for every tensor of the file; with `packed`, a
+    PACKED_TYPES tensor as its blocks (module docstring)."""
     dtype = getattr(torch, config["dtype"])
     llama_order = config["model_type"] == "llama"
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
@@ -60,11 +74,17 @@ def read_weights(reader: GGUFReader, config: dict[str, Any]) -> dict[str, torch.
         if t.name in CONFIG_TENSORS:
             continue
         name = hf_name(t.name)
-        w = torch.from_numpy(dequantized(t))
+        keep = packed and int(t.tensor_type) in PACKED_TYPES and len(t.shape) == 2
+        w = torch.from_numpy(np.array(t.data)) if keep else torch.from_numpy(dequantized(t))  # blocks: [N, bytes per row]
         part = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-        if llama_order and part in heads:
+        if llama_order and part in heads:  # whole rows move, so a row of blocks moves as one
             w = unpermute(w, heads[part])
-        out[name] = w.to(dtype)
+        if keep:
+            prefix = name.removesuffix(".weight")
+            out[f"{prefix}.gguf_blocks"] = w.contiguous()
+            out[f"{prefix}.gguf_type"] = torch.tensor([int(t.tensor_type)])
+        else:
+            out[name] = w.to(dtype)
     return out
 
 

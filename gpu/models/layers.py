@@ -10,7 +10,10 @@ Invariants:
   part, gpu/parallel/shard.py) and the TensorParallel it runs in, and declares in `splits` how
   each of its parameters is cut from the checkpoint, which the loader applies;
 - with one rank every layer is nn.Linear / nn.Embedding with the checkpoint's names and shapes;
-- every product goes through the backend's ops (`ops.linear`), never a device branch.
+- every product goes through the backend's ops (`ops.linear`), never a device branch;
+- a layer the checkpoint stores quantized (gpu/quant/load.py) has no float `weight`: its
+  `quantized` (gpu/quant/weight.py) is that weight, cut along the same `splits`, and its product
+  is the ops' `quant_linear`; which format it came from is not the layer's business.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import nn
 from conveyor.gpu.backends.base import Ops
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.shard import Split
+from conveyor.gpu.quant.weight import QuantizedWeight
 
 Parts = tuple[tuple[int, int], ...]
 
@@ -37,8 +41,15 @@ class Linear(nn.Linear):
         self.ops = ops
         self.prepared: object | None = None
         self.splits: dict[str, Split] = {}  # parameter name -> how it is cut; absent: whole on every rank
+        self.quantized: QuantizedWeight | None = None  # set by the loader where the checkpoint stores it so
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> x W^T (+ bias) [T, out], by the ops' kernel for the weight's form."""
+        if self.quantized is not None:
+            return self.ops.quant_linear(x, self.quantized, self.bias)
         return self.ops.linear(x, self)
 
 
@@ -66,7 +77,7 @@ class RowParallelLinear(Linear):
         self.tp, self.reduce = tp, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.ops.linear(x, self)  # [T, out]: this rank's partial sum
+        out = self.product(x)  # [T, out]: this rank's partial sum
         return self.tp.all_reduce(out) if self.reduce else out
 
 
@@ -79,14 +90,22 @@ class VocabParallelEmbedding(nn.Embedding):
         super().__init__(split.local_size(tp.size), hidden_size)
         self.splits = {"weight": split}
         self.tp, self.first = tp, tp.rank * split.local_size(tp.size)
+        self.quantized: QuantizedWeight | None = None  # a GGUF table, kept packed (gpu/quant/load.py)
+        self.dtype = torch.float32  # the activations', for a quantized table's rows: set by the loader
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         local = input_ids - self.first
         outside = (local < 0) | (local >= self.num_embeddings)  # [T]: another rank's ids
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
+        out = self.lookup(local.masked_fill(outside, 0))  # [T, H]
         return self.tp.all_reduce(out.masked_fill_(outside.unsqueeze(-1), 0))
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] of this rank's rows -> [T, H]; a quantized table's rows are dequantized."""
+        if self.quantized is not None:
+            return self.quantized.dequantize(rows=ids, dtype=self.dtype)
+        return F.embedding(ids, self.weight)
 
 
 class ParallelLMHead(Linear):
@@ -101,7 +120,7 @@ class ParallelLMHead(Linear):
         self.tp, self.vocab_size = tp, vocab_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.gather_first(self.ops.linear(hidden, self), dim=-1)  # [N, padded V] on rank 0
+        logits = self.tp.gather_first(self.product(hidden), dim=-1)  # [N, padded V] on rank 0
         return logits[:, : self.vocab_size] if logits.shape[-1] > self.vocab_size else logits
 
 

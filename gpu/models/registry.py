@@ -50,11 +50,18 @@ GGUF_ARCHITECTURES: dict[str, str] = {arch.gguf: name for name, arch in ARCHITEC
 
 
 def read_model_config(
-    path: str | Path, *, dtype: str | None = None, max_model_len: int | None = None, served_name: str | None = None
+    path: str | Path,
+    *,
+    dtype: str | None = None,
+    max_model_len: int | None = None,
+    served_name: str | None = None,
+    quantization: str | None = None,
 ) -> ModelConfig:
     """The ModelConfig of the checkpoint directory `path`, its family's quirks read by its adapter
     (config/model.py `ModelConfig.from_checkpoint`); the keywords override the file's values."""
-    return ModelConfig.from_checkpoint(path, ADAPTERS, dtype=dtype, max_model_len=max_model_len, served_name=served_name)
+    return ModelConfig.from_checkpoint(
+        path, ADAPTERS, dtype=dtype, max_model_len=max_model_len, served_name=served_name, quantization=quantization
+    )
 
 
 def build_model(config: ModelConfig, rope_device: torch.device | str = "cpu", backend: Backend | None = None) -> CausalLM:

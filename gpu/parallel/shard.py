@@ -80,15 +80,26 @@ def cut(full: torch.Tensor, split: Split | None, rank: int, size: int) -> torch.
             shape = list(full.shape)
             shape[split.dim] = extra
             full = torch.cat([full, full.new_zeros(shape)], dim=split.dim)
-        split = Split(split.dim, ((padded(n, size), unit),))
-    pieces, start = [], 0
-    for n, unit in split.parts:
+    ranges = pieces(split, rank, size, full.shape[split.dim])
+    slices = [full.narrow(split.dim, start, length) for start, length in ranges]
+    return torch.cat(slices, dim=split.dim) if len(slices) > 1 else slices[0]
+
+
+def pieces(split: Split, rank: int, size: int, length: int) -> list[tuple[int, int]]:
+    """(start, length) along split.dim of each part's slice that rank `rank` holds, in a tensor
+    `length` long there (padded already where split.pad); a ValueError if the parts disagree."""
+    parts = split.parts
+    if split.pad:
+        ((n, unit),) = parts
+        parts = ((padded(n, size), unit),)
+    ranges, start = [], 0
+    for n, unit in parts:
         units = unit_range(n, size, rank)
-        pieces.append(full.narrow(split.dim, start + units.start * unit, len(units) * unit))
+        ranges.append((start + units.start * unit, len(units) * unit))
         start += n * unit
-    if start != full.shape[split.dim]:
-        raise ValueError(f"a tensor of {full.shape[split.dim]} along dim {split.dim} is not {split.parts}")
-    return torch.cat(pieces, dim=split.dim) if len(pieces) > 1 else pieces[0]
+    if start != length:
+        raise ValueError(f"a tensor of {length} along dim {split.dim} is not {split.parts}")
+    return ranges
 
 
 def shard_model_config(config: ModelConfig, size: int) -> ModelConfig:

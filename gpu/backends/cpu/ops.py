@@ -46,10 +46,10 @@ class CpuOps(TorchOps):
 
     def prepare(self, model: nn.Module) -> None:
         small = self.small_linear
-        tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is not None}
         for layer in model.modules():
-            if not isinstance(layer, Linear) or id(layer.weight) in tied:
-                continue
+            if not isinstance(layer, Linear) or layer.weight is None or id(layer.weight) in tied:
+                continue  # a quantized layer (weight None) is read packed by quant_linear
             weight_t = layer.weight.data.t().contiguous()  # no copy when already moved
             if small is not None and small.supports_weight(weight_t):
                 layer.weight.data = weight_t.t()  # [out, in] view of [in, out] storage
