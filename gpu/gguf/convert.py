@@ -53,7 +53,7 @@ def write_checkpoint(source: Path, out_dir: Path, dtype: str, packed: bool = Tru
     try:
         reader = GGUFReader(source)
     except (ValueError, OSError) as e:  # not a GGUF file, or a truncated one
-        raise ConfigError(f"cannot read GGUF file {str(source)!r}: {e}") from None
+        raise ConfigError(f"cannot read GGUF file {str(source)!r}: {short_of(source) or e}") from None
     config = hf_config(reader, dtype)  # first: an architecture we cannot serve is refused before any work
     log.info("converting %s (%s) to a %s checkpoint in %s, once", source.name, config["architectures"][0], form_name(dtype, packed), out_dir.parent)
     tensors = read_weights(reader, config, packed)
@@ -67,3 +67,31 @@ def write_checkpoint(source: Path, out_dir: Path, dtype: str, packed: bool = Tru
 
 def form_name(dtype: str, packed: bool) -> str:
     return f"packed ({dtype} activations)" if packed else dtype
+
+
+def short_of(source: Path) -> str | None:
+    """Where a GGUF file whose header reads ends too soon: the first tensor whose data runs past
+    the end of the file, named; None if the header itself is unreadable or nothing runs past."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    ends: list[tuple[str, int]] = []
+
+    class TensorInfos(GGUFReader):  # the header's tensor table, without mapping the data
+        def _build_tensors(self, start_offs, fields) -> None:
+            for field in fields:
+                _, name, _, dims, raw_type, offset = field.parts
+                block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+                count = 1
+                for d in dims.tolist():
+                    count *= int(d)
+                ends.append((bytes(name).decode(errors="replace"), int(start_offs + offset[0]) + count * size // block))
+
+    try:
+        TensorInfos(source)
+    except (ValueError, OSError, KeyError):
+        return None
+    size = source.stat().st_size
+    short = next(((name, end) for name, end in ends if end > size), None)
+    if short is None:
+        return None
+    return f"truncated: tensor {short[0]!r} ends at byte {short[1]}, the file has {size}"

@@ -86,3 +86,22 @@ def test_the_default_model_answers_and_matches_transformers(smollm2, monkeypatch
     # Cached: a second resolution fetches nothing.
     monkeypatch.setattr(default_model.subprocess, "run", lambda *a, **k: pytest.fail("fetched again"))
     assert build_engine_config(device="cpu").model.path == llm.config.model.path
+
+
+def test_the_default_model_is_served_packed_with_its_dequantized_tokens(smollm2):
+    """SmolLM2's Q4_1 file kept packed: every projection quantized, the weights at most 35% of the
+    float32 form's bytes, and the same greedy tokens as the float32 checkpoint dequantized from it."""
+    from conveyor import LLM, SamplingParams
+    from conveyor.gpu.gguf import ensure_checkpoint
+    from conveyor.gpu.loader import stored_bytes
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    runs = {}
+    for form, path in (("packed", ensure_checkpoint(smollm2, "float32")), ("float", ensure_checkpoint(smollm2, "float32", packed=False))):
+        llm = LLM(str(path), device="cpu", num_kv_blocks=64)
+        model = llm.runner.model
+        runs[form] = (stored_bytes(model), [o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        del llm
+    assert runs["packed"][0] <= 0.35 * runs["float"][0]
+    assert runs["packed"][1] == runs["float"][1]

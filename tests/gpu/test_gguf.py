@@ -46,9 +46,12 @@ def llama_cpp_order(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path: Path, checkpoint: Path, qtype, arch: str = "llama", rope_freqs: np.ndarray | None = None) -> Path:
+def write_gguf(
+    path: Path, checkpoint: Path, qtype, arch: str = "llama", rope_freqs: np.ndarray | None = None, encode=None
+) -> Path:
     """The HF checkpoint as llama.cpp's converter would write it: metadata, tokenizer, tensors
-    (matrices in `qtype`, norms in F32, q/k rows in llama.cpp's order)."""
+    (matrices in `qtype`, norms in F32, q/k rows in llama.cpp's order). `encode(gguf_name, w)`,
+    where given, returns a matrix's (blocks, GGML type) instead, or None for `qtype`."""
     from safetensors.torch import load_file
 
     config = json.loads((checkpoint / "config.json").read_text())
@@ -91,7 +94,10 @@ def write_gguf(path: Path, checkpoint: Path, qtype, arch: str = "llama", rope_fr
             gguf_name = f"blk.{layer}.{LAYER_PARTS[part]}.{kind}"
             if LAYER_PARTS[part] in heads and arch == "llama":  # llama.cpp leaves Qwen2's rows alone
                 w = llama_cpp_order(w, heads[LAYER_PARTS[part]])
-        if w.ndim == 1 or qtype == GGML.F32:
+        encoded = encode(gguf_name, w) if encode is not None and w.ndim == 2 else None
+        if encoded is not None:
+            writer.add_tensor(gguf_name, encoded[0], raw_shape=encoded[0].shape, raw_dtype=encoded[1])
+        elif w.ndim == 1 or qtype == GGML.F32:
             writer.add_tensor(gguf_name, np.ascontiguousarray(w))
         elif qtype == GGML.Q8_1:  # a type the gguf package cannot quantize or dequantize: any bytes will do
             block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
