@@ -19,8 +19,8 @@ from conveyor.config.engine import (
     StagesConfig,
 )
 from conveyor.config.model import DTYPES
-from conveyor.config.quant import ONLINE_METHODS
 from conveyor.config.options import Setting, option, settings
+from conveyor.config.quant import ONLINE_METHODS
 
 DEVICES = ("auto", "cpu", "cuda", "emulated")
 

@@ -26,6 +26,7 @@ from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends import Backend, torch_backend
 from conveyor.gpu.models import CausalLM, build_model
+from conveyor.gpu.models.layers import Linear, VocabParallelEmbedding
 from conveyor.gpu.quant.load import QuantLoad
 from conveyor.gpu.quant.scheme import scheme_for
 
@@ -67,7 +68,8 @@ def stored_bytes(model: CausalLM) -> int:
     """The model's weights in bytes as they sit in memory: float parameters, and quantized weights
     as packed (a tied head counted once)."""
     tensors = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
-    packed = {id(m.quantized): m.quantized.nbytes for m in model.modules() if getattr(m, "quantized", None) is not None}
+    weights = [m.quantized for m in model.modules() if isinstance(m, (Linear, VocabParallelEmbedding)) and m.quantized is not None]
+    packed = {id(w): w.nbytes for w in weights}
     return sum(tensors.values()) + sum(packed.values())
 
 

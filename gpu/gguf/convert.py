@@ -55,7 +55,13 @@ def write_checkpoint(source: Path, out_dir: Path, dtype: str, packed: bool = Tru
     except (ValueError, OSError) as e:  # not a GGUF file, or a truncated one
         raise ConfigError(f"cannot read GGUF file {str(source)!r}: {short_of(source) or e}") from None
     config = hf_config(reader, dtype)  # first: an architecture we cannot serve is refused before any work
-    log.info("converting %s (%s) to a %s checkpoint in %s, once", source.name, config["architectures"][0], form_name(dtype, packed), out_dir.parent)
+    log.info(
+        "converting %s (%s) to a %s checkpoint in %s, once",
+        source.name,
+        config["architectures"][0],
+        form_name(dtype, packed),
+        out_dir.parent,
+    )
     tensors = read_weights(reader, config, packed)
     if any(name.endswith(".gguf_blocks") for name in tensors):
         config["quantization_config"] = {"quant_method": "gguf"}

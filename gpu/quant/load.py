@@ -3,11 +3,12 @@ tensors to its scheme.
 
 `QuantLoad(model, scheme, header)` is made after the model is built on the meta device and
 before it is materialised: it drops the float weight of every layer the checkpoint stores
-quantized (so none is ever allocated), marking it with `stores_quantized`. During
+quantized (so none is ever allocated). During
 `CausalLM.load_weights`, `take(name, tensor)` keeps each such layer's tensors until its scheme's
 required ones are all there, then converts them (gpu/quant/scheme.py), cuts this rank's slice
 along the layer's own Split, and sets the layer's `quantized` on the model's device; `finish()`
-ties a quantized lm_head to its embedding and names the first tensor that never came.
+ties a quantized lm_head to its embedding and names the first tensor that never came. A
+quantized layer's `weight` is None from then on.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
-from torch import nn
 
 from conveyor.config.errors import ConfigError
+from conveyor.gpu.models.base import CausalLM
 from conveyor.gpu.models.layers import Linear, VocabParallelEmbedding
 from conveyor.gpu.parallel.group import TensorParallel
 from conveyor.gpu.quant.scheme import QuantScheme
@@ -40,26 +41,27 @@ def full_shape(layer: Quantizable) -> tuple[int, int]:
 
 
 class QuantLoad:
-    def __init__(self, model: nn.Module, scheme: QuantScheme, header: Mapping[str, torch.dtype], tp: TensorParallel) -> None:
+    def __init__(self, model: CausalLM, scheme: QuantScheme, header: Mapping[str, torch.dtype], tp: TensorParallel) -> None:
         self.scheme, self.tp = scheme, tp
         modules = dict(model.named_modules())
         candidates = {p for p, m in modules.items() if isinstance(m, Linear)}
         if scheme.quantizes_embedding:
             candidates |= {p for p, m in modules.items() if isinstance(m, VocabParallelEmbedding)}
-        tied = getattr(model.config, "tie_word_embeddings", False)
+        tied = model.config.tie_word_embeddings
         if tied:
             candidates.discard("lm_head")  # it shares the embedding's weight, whichever form
-        self.layers: dict[str, Quantizable] = {p: modules[p] for p in sorted(scheme.quantized_layers(header, candidates))}
-        if self.layers and getattr(model.config, "moe", None) is not None:
+        self.layers: dict[str, Quantizable] = {}
+        for prefix in sorted(scheme.quantized_layers(header, candidates)):
+            layer = modules[prefix]
+            assert isinstance(layer, (Linear, VocabParallelEmbedding))  # a candidate
+            self.layers[prefix] = layer
+        if self.layers and model.config.moe is not None:
             raise ConfigError("quantized mixture-of-experts checkpoints are not served yet")
         self.tied = tied and "model.embed_tokens" in self.layers
-        for layer in self.layers.values():
+        head = modules.get("lm_head") if self.tied else None
+        self.head = head if isinstance(head, Linear) else None
+        for layer in [*self.layers.values(), *([self.head] if self.head is not None else [])]:
             layer.register_parameter("weight", None)
-            layer.stores_quantized = True
-        self.head = modules.get("lm_head") if self.tied else None
-        if self.head is not None:
-            self.head.register_parameter("weight", None)
-            self.head.stores_quantized = True
         embedding = modules["model.embed_tokens"]
         if isinstance(embedding, VocabParallelEmbedding):  # a quantized table's rows come out in the model dtype
             embedding.dtype = getattr(torch, model.config.dtype)

@@ -86,9 +86,10 @@ class QuantizedWeight:
         return w.to(dtype)
 
     def to(self, device: torch.device | str) -> QuantizedWeight:
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        mins = None if self.mins is None else self.mins.to(device)
+        perm = None if self.perm is None else self.perm.to(device)
         return dataclasses.replace(
-            self, qweight=move(self.qweight), scales=move(self.scales), mins=move(self.mins), perm=move(self.perm), prepared=None
+            self, qweight=self.qweight.to(device), scales=self.scales.to(device), mins=mins, perm=perm, prepared=None
         )
 
     def cut(self, split: Split | None, rank: int, size: int, name: str) -> QuantizedWeight:

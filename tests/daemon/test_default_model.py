@@ -98,7 +98,10 @@ def test_the_default_model_is_served_packed_with_its_dequantized_tokens(smollm2)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     runs = {}
-    for form, path in (("packed", ensure_checkpoint(smollm2, "float32")), ("float", ensure_checkpoint(smollm2, "float32", packed=False))):
+    for form, path in (
+        ("packed", ensure_checkpoint(smollm2, "float32")),
+        ("float", ensure_checkpoint(smollm2, "float32", packed=False)),
+    ):
         llm = LLM(str(path), device="cpu", num_kv_blocks=64)
         model = llm.runner.model
         runs[form] = (stored_bytes(model), [o.outputs[0].token_ids for o in llm.generate(prompts, params)])

@@ -46,9 +46,7 @@ def llama_cpp_order(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(
-    path: Path, checkpoint: Path, qtype, arch: str = "llama", rope_freqs: np.ndarray | None = None, encode=None
-) -> Path:
+def write_gguf(path: Path, checkpoint: Path, qtype, arch: str = "llama", rope_freqs: np.ndarray | None = None, encode=None) -> Path:
     """The HF checkpoint as llama.cpp's converter would write it: metadata, tokenizer, tensors
     (matrices in `qtype`, norms in F32, q/k rows in llama.cpp's order). `encode(gguf_name, w)`,
     where given, returns a matrix's (blocks, GGML type) instead, or None for `qtype`."""

@@ -143,8 +143,8 @@ def test_packed_layers_hold_no_float_weight(packed_files):
 def test_tensor_parallel_cuts_packed_weights(packed_files, tmp_path):
     """Two gloo ranks serve the packed K-quant and tied Q4_1 models with the logits and greedy
     tokens of one process (tests/gpu/test_tensor_parallel.py's harness)."""
-    from tests.gpu.test_tensor_parallel import run_checkpoints, run_ranks
     from conveyor.gpu.parallel.group import SINGLE
+    from tests.gpu.test_tensor_parallel import run_checkpoints, run_ranks
 
     checkpoints = {key: str(ensure_checkpoint(file, "float32")) for key, file in packed_files.items()}
     whole = run_checkpoints(SINGLE, checkpoints)

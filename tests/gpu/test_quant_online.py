@@ -77,5 +77,8 @@ def test_a_quantized_layer_without_its_tensors_is_named(checkpoint, tmp_path):
     del tensors["model.layers.0.self_attn.q_proj.weight"]
     tensors["model.layers.0.self_attn.q_proj.gguf_blocks"] = torch.zeros(128, 72, dtype=torch.uint8)
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=r"quantized layer model\.layers\.0\.self_attn\.q_proj lacks tensor model\.layers\.0\.self_attn\.q_proj\.gguf_type"):
+    with pytest.raises(
+        ConfigError,
+        match=r"quantized layer model\.layers\.0\.self_attn\.q_proj lacks tensor model\.layers\.0\.self_attn\.q_proj\.gguf_type",
+    ):
         LLM(str(bad), device="cpu", num_kv_blocks=16)

@@ -46,7 +46,9 @@ def test_act_order_puts_each_input_back():
 
 
 @pytest.mark.parametrize("kind", ["u4", "u8"])
-@pytest.mark.parametrize("split", [Split(0, ((4, 8),)), Split(0, ((2, 8), (2, 8))), Split(1, ((4, 32),)), Split(0, ((30, 1),), pad=True)])
+@pytest.mark.parametrize(
+    "split", [Split(0, ((4, 8),)), Split(0, ((2, 8), (2, 8))), Split(1, ((4, 32),)), Split(0, ((30, 1),), pad=True)]
+)
 def test_the_cut_equals_cutting_the_float_weight(kind, split):
     rows = 30 if split.pad else 32
     w = torch.randn(rows, 128, generator=torch.Generator().manual_seed(3))

@@ -46,9 +46,7 @@ class GgufScheme(QuantScheme):
             raise ConfigError(f"tensor {prefix}.gguf_blocks: GGML type {type_id} is not kept packed")
         n, k = shape
         if k % BLOCK_SIZE[qtype] or tuple(blocks.shape) != (n, k // BLOCK_SIZE[qtype] * BLOCK_BYTES[qtype]):
-            raise ConfigError(
-                f"tensor {prefix}.gguf_blocks has shape {tuple(blocks.shape)}, not {n} rows of {k} {qtype.name} weights"
-            )
+            raise ConfigError(f"tensor {prefix}.gguf_blocks has shape {tuple(blocks.shape)}, not {n} rows of {k} {qtype.name} weights")
         b = blocks.numpy().reshape(n * k // BLOCK_SIZE[qtype], BLOCK_BYTES[qtype])
         kind, group, codes, scales, mins = _READERS[qtype](b)
         q = torch.from_numpy(np.ascontiguousarray(codes)).reshape(n, k)
