@@ -25,6 +25,8 @@ from conveyor.gpu.quant.weight import QuantizedWeight
 # package, such as compressed-tensors, is needed only by its checkpoints).
 SCHEMES = {
     "gguf": "gguf:GgufScheme",
+    "awq": "awq:AwqScheme",
+    "gptq": "gptq:GptqScheme",
     "online-int8": "online:OnlineInt8",
     "online-fp8": "online:OnlineFp8",
 }
