@@ -1,1 +1,1 @@
-"""One checkpoint format's reader per file (gpu/quant/scheme.py SCHEMES names them)."""
+"""One checkpoint format's reader per file; SCHEMES in the parent package's scheme module names them."""
