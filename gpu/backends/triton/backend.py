@@ -72,7 +72,7 @@ class TritonOps(Ops):
         kernel's, with float16 scales and mins for 16-bit activations; else none (the reference)."""
         config = getattr(model, "config", None)
         dtype = getattr(torch, config.dtype) if config is not None else torch.float32
-        weights = {id(m.quantized): m.quantized for m in model.modules() if getattr(m, "quantized", None) is not None}
+        weights = {id(w): w for w in (getattr(m, "quantized", None) for m in model.modules()) if isinstance(w, QuantizedWeight)}
         for weight in weights.values():
             if can_multiply_in_fp8(weight):
                 weight.prepared = fp8_weight(weight)
