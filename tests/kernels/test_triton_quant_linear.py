@@ -98,6 +98,14 @@ def test_mins_bias_and_act_order(kind, mins, bias, perm):
     assert_matches(quant_linear(x, kernel_weight(weight, torch.float16), b), reference(x, weight, b), torch.float16)
 
 
+@pytest.mark.parametrize("kind", ["u4", "u8", "e4m3"])
+def test_prefill_sized_steps_take_the_wide_tiles(kind):
+    """More than 64 rows: 64 x 64 tiles, K whole (masked rows and columns at both ends)."""
+    weight = random_weight(kind, 80, 128, 64, seed=70)
+    x, bias = inputs(70, 128, 80, torch.float16, seed=70)
+    assert_matches(quant_linear(x, kernel_weight(weight, torch.float16), bias), reference(x, weight, bias), torch.float16)
+
+
 def test_nibble_order_is_the_chunk_layout():
     """One code set per input: the output names which input each nibble fed (input i of a
     one-row weight gets code i % 16 with a scale of 1, x is one-hot)."""
@@ -302,7 +310,8 @@ def test_fp8_scaled_mm_matches_its_reference(m, n, k, dtype):
     assert can_multiply_in_fp8(weight)
     x, bias = inputs(m, k, n, dtype, seed=k)
     y = fp8_linear(x, fp8_weight(weight), bias)
-    assert_matches(y, fp8_reference(x, weight, bias), dtype, tolerance=1e-3)  # the same products, summed by cuBLAS
+    # The same exact FP8 products, summed by the tensor cores (FP8 accumulation keeps fewer bits than float32).
+    assert_matches(y, fp8_reference(x, weight, bias), dtype, tolerance=max(TOLERANCE[dtype], 1e-3))
     ops = TritonOps()
     layer = Linear(k, n, True, ops)
     layer.quantized, layer.bias.data = weight, bias
@@ -332,4 +341,5 @@ def test_a_quantized_linear_captures_in_a_cuda_graph(kind):
     fresh = torch.randn(4, k, device=DEVICE, dtype=torch.bfloat16)
     static.copy_(fresh)
     graph.replay()
-    torch.testing.assert_close(out, layer(fresh), rtol=0, atol=0)
+    exact = kind == "u4"  # the Triton kernels are deterministic; cuBLAS may pick another algorithm when capturing
+    torch.testing.assert_close(out, layer(fresh), rtol=0 if exact else 1.6e-2, atol=0 if exact else 1e-3)

@@ -68,7 +68,7 @@ def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = N
 
 
 def fp8_reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What fp8_linear computes, in float32 torch on any device: for its tests."""
+    """What fp8_linear computes, before its rounding to x's dtype: [M, N] float32, on any device."""
     xq, x_scale = quantize_per_token(x)
     y = (xq.float() * x_scale) @ weight.dequantize().t()
-    return (y if bias is None else y + bias.float()).to(x.dtype)
+    return y if bias is None else y + bias.float()
