@@ -4,6 +4,7 @@ the worker and a host cost for the engine's CPU work.
 
 costmodel.py    step latency from a step's shape, least-squares fit, scaling
 roofline.py     step latency from hardware numbers: launch + max(memory, compute)
+gemm_roofline.py  one (quantized) linear layer's roofline: the issue-29 estimates
 hostcost.py     the host's work per plan
 presets.py      shipped cost models (cpu-tiny measured, a100-* and h100-llama3-8b derived)
 measure.py      times the real ModelRunner on the tiny model and fits cpu-tiny

@@ -30,6 +30,7 @@ class DeviceSpec:
     # of gap each, with CUDA graphs (0.4 ms; 0.5 ms on the A100's slower clocks).
     launch_s: float
     link_bw: float  # NVLink bytes/s per direction, for tensor-parallel all-reduces
+    peak_fp8_flops: float = 0.0  # dense FP8 FLOP/s (0: no FP8 tensor cores); gemm_roofline.py's W8A8
 
     def allreduce_s(self, num_bytes: float, ranks: int) -> float:
         """One ring all-reduce of `num_bytes` over `ranks` devices (0 on one device)."""
@@ -43,8 +44,8 @@ class DeviceSpec:
 DEVICES: dict[str, DeviceSpec] = {
     d.name: d
     for d in (
-        DeviceSpec("h100", 989e12, 3.35e12, 81559 * MIB, 0.4e-3, 450e9),
-        DeviceSpec("h200", 989e12, 4.8e12, 143771 * MIB, 0.4e-3, 450e9),
+        DeviceSpec("h100", 989e12, 3.35e12, 81559 * MIB, 0.4e-3, 450e9, 1979e12),
+        DeviceSpec("h200", 989e12, 4.8e12, 143771 * MIB, 0.4e-3, 450e9, 1979e12),
         DeviceSpec("a100-80g", 312e12, 2.039e12, 81920 * MIB, 0.5e-3, 300e9),
     )
 }

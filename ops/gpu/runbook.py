@@ -33,7 +33,7 @@ import record
 
 REPO = Path(__file__).resolve().parents[2]
 PACK = REPO / ".gpu-pack"
-STEPS = ("setup", "tests", "checkpoint", "race-k1", "race-k8", "report")  # report: from the state alone, in seconds
+STEPS = ("setup", "tests", "kernels", "checkpoint", "race-k1", "race-k8", "report")  # report: from the state alone, in seconds
 COMPLETE = ".runbook-complete"  # written into a checkpoint once conveyor.tiny.generate has finished
 TAIL = 40
 
@@ -120,10 +120,15 @@ def setup(opts: Options, state: dict, deadline: float) -> dict:
     return {"figures": figures, "failures": failures, "note": "; ".join(warnings)}
 
 
+def gpu_test_files() -> list[str]:
+    """Every test file that marks a test cuda (the quantized kernels' among them), repository-relative."""
+    return sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py") if "mark.cuda" in p.read_text())
+
+
 def tests(opts: Options, state: dict, deadline: float) -> dict:
     if not probe(opts, "--device-only")["device"]["cuda_available"]:
         return {"status": "skipped", "note": "skipped: no CUDA device here (the GPU-marked tests skip without one)"}
-    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py") if "mark.cuda" in p.read_text())
+    files = gpu_test_files()
     junit = opts.work / "tests.xml"
     junit.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
@@ -142,6 +147,18 @@ def tests(opts: Options, state: dict, deadline: float) -> dict:
     what = f"{len(names)} GPU tests failed: {', '.join(names)}" if names else f"pytest exited with {status}"
     failures = [StepFailed(what, status, out).record] if names or status != 0 else []
     return {"figures": {**counts, "failed_tests": names, "files": files}, "failures": failures}
+
+
+def kernels(opts: Options, state: dict, deadline: float) -> dict:
+    """ops/gpu/kernel_bench.py: the quantized GEMMs against bf16 and their roofline estimates."""
+    if not probe(opts, "--device-only")["device"]["cuda_available"]:
+        return {"status": "skipped", "note": "skipped: no CUDA device here (its times would be the interpreter's)"}
+    status, out = run([sys.executable, str(REPO / "ops/gpu/kernel_bench.py"), "--json"], deadline - time.monotonic() - 5, cwd=REPO)
+    print(out[-6000:])
+    if status != 0:
+        raise StepFailed("ops/gpu/kernel_bench.py failed", status, out)
+    note = "times: do_bench medians, L2 cleared before each run; estimates: the ideal roofline"
+    return {"figures": json.loads(out.strip().splitlines()[-1]), "note": note}
 
 
 def checkpoint_command(opts: Options) -> list[str]:
@@ -220,7 +237,14 @@ def race_step(k: int):
     return step
 
 
-STEP_FUNCTIONS = {"setup": setup, "tests": tests, "checkpoint": checkpoint, "race-k1": race_step(1), "race-k8": race_step(8)}
+STEP_FUNCTIONS = {
+    "setup": setup,
+    "tests": tests,
+    "kernels": kernels,
+    "checkpoint": checkpoint,
+    "race-k1": race_step(1),
+    "race-k8": race_step(8),
+}
 
 
 def run_step(name: str, opts: Options, state: dict, deadline: float | None = None) -> bool:

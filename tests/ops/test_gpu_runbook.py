@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,11 +46,12 @@ def test_every_step_runs_emulated_and_reports(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert report["emulated"] is True and report["device"] == "EMULATED h100"
     steps = report["steps"]
-    assert set(steps) == {"setup", "tests", "checkpoint", "race-k1", "race-k8"}
+    assert set(steps) == {"setup", "tests", "kernels", "checkpoint", "race-k1", "race-k8"}
     assert all(step["failures"] == [] for step in steps.values())
     assert steps["setup"]["figures"]["modules_imported"] > 100 and steps["setup"]["figures"]["torch"]
     tests = steps["tests"]
     assert tests["status"] == "ok" and tests["figures"]["failed"] == 0 or tests["status"] == "skipped" and "no CUDA" in tests["note"]
+    assert steps["kernels"]["status"] == "skipped" and "no CUDA" in steps["kernels"]["note"]
     assert steps["checkpoint"]["status"] == "ok" and (Path(steps["checkpoint"]["figures"]["path"]) / "config.json").is_file()
     for name, labels in RACES.items():
         assert steps[name]["status"] == "ok" and set(steps[name]["figures"]) == set(labels)
@@ -84,3 +86,21 @@ def test_a_failing_step_is_recorded_and_fails_the_run(tmp_path):
     done, report, _ = runbook(tmp_path, "checkpoint", "--model", str(missing))
     assert done.returncode != 0 and report["steps"]["checkpoint"]["failures"][0]["what"].endswith("no config.json there")
     assert report["steps"]["race-k1"]["status"] == "failed"  # earlier calls' results stay in the report
+
+
+def test_the_tests_step_runs_the_quantized_kernels_gpu_tests(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "ops/gpu"))
+    import runbook
+
+    assert "tests/kernels/test_triton_quant_linear.py" in runbook.gpu_test_files()
+
+
+def test_the_kernel_benchmark_runs_every_case(tmp_path):
+    """ops/gpu/kernel_bench.py, the kernels step's script, here under the interpreter on shapes cut
+    to 1/64 (its times mean nothing): every layer, M and path the GPU will time has a row."""
+    done = subprocess.run([sys.executable, "ops/gpu/kernel_bench.py", "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures.pop("device").startswith("no CUDA device")
+    assert len(figures) == 4 * 3 * 3  # layers x M x (bf16, W4A16, W8A16); FP8 needs a GPU
+    assert all(" us (" in row and "estimate" in row for row in figures.values())

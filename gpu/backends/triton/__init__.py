@@ -6,7 +6,9 @@ layer of [2, num_blocks, block_size, Hkv, D] (keys, then values); the per-step m
 through the slot mapping (kv_write.py); one paged attention launch over a whole mixed step of
 decode rows and prompt chunks, reading K/V in place through the block tables (paged_attention.py);
 and the ops: residual add + RMSNorm (add_rms_norm.py), rotary embedding in place on q and k
-(rotary.py), with linear and SiLU x up in torch where no kernel of ours does better.
+(rotary.py), with linear and SiLU x up in torch where no kernel of ours does better; a quantized
+linear dequantizes inside its GEMM (quant_linear.py, split-K summed by quant_linear_reduce.py), or
+multiplies in FP8 on the tensor cores (fp8_linear.py, torch._scaled_mm).
 
 Each kernel is one file with a thin wrapper that checks shapes and strides and a torch reference
 its test compares against. triton is imported only when this backend is selected: nothing under

@@ -3,7 +3,8 @@
 `triton_backend(model, device)` builds it for `select` (gpu/backends/__init__.py): TritonAttention
 (KV write, one paged_attention launch per mixed step) and TritonOps (add + RMSNorm, rotary,
 SiLU x up as Triton kernels; MoE experts as fused_moe.py's grouped GEMM; linear is torch's, as
-cuBLAS already does the GEMM).
+cuBLAS already does the GEMM; a quantized linear is quant_linear.py's dequantize-in-GEMM kernel, or
+FP8 in the tensor cores where fp8_linear.py takes the weight).
 
 Invariants:
 - the KV cache is one zeroed tensor per layer, [2, num_blocks, block_size, Hkv, D] in the model
@@ -20,15 +21,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 import triton
+from torch import nn
 
 from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Backend, LinearLayer, Ops
 from conveyor.gpu.backends.triton.add_rms_norm import add_rms_norm, rms_norm
+from conveyor.gpu.backends.triton.fp8_linear import Fp8Weight, can_multiply_in_fp8, fp8_linear, fp8_weight
 from conveyor.gpu.backends.triton.kv_write import write_kv
 from conveyor.gpu.backends.triton.paged_attention import paged_attention
+from conveyor.gpu.backends.triton.quant_linear import KernelWeight, kernel_takes, kernel_weight, quant_linear
 from conveyor.gpu.backends.triton.rotary import apply_rotary_
 from conveyor.gpu.backends.triton.silu_mul import silu_mul
+from conveyor.gpu.quant.weight import QuantizedWeight
 
 
 class TritonAttention(AttentionBackend):
@@ -60,6 +65,29 @@ class TritonAttention(AttentionBackend):
 
 class TritonOps(Ops):
     name = "triton"
+
+    def prepare(self, model: nn.Module) -> None:
+        """Each quantized weight (a tied head's is its embedding's, prepared once) gets the form its
+        kernel reads: FP8 in the tensor cores where fp8_linear.py takes it, else the Triton
+        kernel's, with float16 scales and mins for 16-bit activations; else none (the reference)."""
+        config = getattr(model, "config", None)
+        dtype = getattr(torch, config.dtype) if config is not None else torch.float32
+        weights = {id(w): w for w in (getattr(m, "quantized", None) for m in model.modules()) if isinstance(w, QuantizedWeight)}
+        for weight in weights.values():
+            if can_multiply_in_fp8(weight):
+                weight.prepared = fp8_weight(weight)
+            elif kernel_takes(weight):
+                weight.prepared = kernel_weight(weight, dtype)
+
+    def quant_linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        prepared = weight.prepared
+        if isinstance(prepared, Fp8Weight):
+            return fp8_linear(x, prepared, bias)
+        if isinstance(prepared, KernelWeight):
+            return quant_linear(x, prepared, bias)
+        if kernel_takes(weight):  # not prepared (a layer built outside the loader): float32 scales, as they are
+            return quant_linear(x, kernel_weight(weight, torch.float32), bias)
+        return super().quant_linear(x, weight, bias)
 
     def moe_experts(
         self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -104,5 +132,8 @@ def triton_backend(model: ModelConfig, device: torch.device) -> Backend:
         name="triton",
         attn=TritonAttention(model, device),
         ops=TritonOps(),
-        description=f"triton (paged attention, KV write, add + RMSNorm, rotary, SiLU x up as Triton kernels, {how}; linear in torch)",
+        description=(
+            "triton (paged attention, KV write, add + RMSNorm, rotary, SiLU x up, quantized linear as Triton kernels, "
+            f"{how}; linear in torch)"
+        ),
     )
