@@ -27,6 +27,7 @@ SCHEMES = {
     "gguf": "gguf:GgufScheme",
     "online-int8": "online:OnlineInt8",
     "online-fp8": "online:OnlineFp8",
+    "compressed-tensors": "compressed:CompressedTensors",
     "fp8": "fp8:Fp8Scheme",
 }
 
