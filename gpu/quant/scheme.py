@@ -29,6 +29,8 @@ SCHEMES = {
     "gptq": "gptq:GptqScheme",
     "online-int8": "online:OnlineInt8",
     "online-fp8": "online:OnlineFp8",
+    "compressed-tensors": "compressed:CompressedTensors",
+    "fp8": "fp8:Fp8Scheme",
 }
 
 
