@@ -108,6 +108,15 @@ class QuantizedWeight:
         if self.perm is not None:
             raise ConfigError(f"weight {name}: act-order (desc_act) weights cannot be split by input columns over {size} ranks")
         ranges = pieces(split, rank, size, self.shape[1])
+        if self.group_size == self.shape[1] and len(ranges) == 1:
+            # One group per row (per channel or per tensor): each element keeps its scale and min,
+            # so the rank's columns are one group of their own (the all-reduce adds the mins' parts).
+            start, length = ranges[0]
+            per_byte = 8 // KINDS[self.kind]
+            if self.kind == "u4" and (start % CHUNK or length % CHUNK):
+                raise ConfigError(f"weight {name}: 4-bit chunks of {CHUNK} inputs do not split over {size} ranks")
+            qweight = self.qweight[:, start // per_byte : (start + length) // per_byte]
+            return dataclasses.replace(self, qweight=qweight, group_size=length)
         if any(start % self.group_size or length % self.group_size for start, length in ranges):
             raise ConfigError(f"weight {name}: groups of {self.group_size} inputs do not split over {size} ranks")
         per_byte = 8 // KINDS[self.kind]

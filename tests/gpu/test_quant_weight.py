@@ -72,3 +72,14 @@ def test_scales_that_do_not_fit_are_refused():
         QuantizedWeight("u8", 32, torch.zeros(4, 128, dtype=torch.uint8), torch.ones(4, 2), None)
     with pytest.raises(ValueError, match=r"group size 16 does not fit"):
         QuantizedWeight("u4", 16, torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 8), None)
+
+
+@pytest.mark.parametrize("kind", ["u8", "e4m3"])
+def test_one_group_per_row_splits_into_one_group_per_rank(kind):
+    """Per-channel scales (--quantization fp8, W8A8): each rank's columns keep their row's scale."""
+    w = torch.randn(8, 96, generator=torch.Generator().manual_seed(4))
+    weight = quantize_groups(w, kind, 96)
+    split = Split(1, ((96, 1),))
+    pieces = [weight.cut(split, rank, 2, "o_proj") for rank in range(2)]
+    assert [p.group_size for p in pieces] == [48, 48]
+    torch.testing.assert_close(torch.cat([p.dequantize() for p in pieces], dim=1), weight.dequantize(), rtol=0, atol=0)
