@@ -191,7 +191,7 @@ def attend(
         if chunk.is_fresh and not is_fp8(kv_cache.dtype):  # the new k/v are the whole context: skip the gather
             kc, vc = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
         else:  # [nb, bs, Hkv, D] -> [seq_len, Hkv, D]
-            kv = kv_cache[:, chunk.block_ids].view(2, -1, num_kv_heads, head_dim)[:, : chunk.seq_len]
+            kv = _blocks(kv_cache, chunk.block_ids).view(2, -1, num_kv_heads, head_dim)[:, : chunk.seq_len]
             kc, vc = _keys_values(kv, q.dtype, kv_scales)
         kc, vc = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]  # [1, Hkv, seq_len, D]
         if softcap is None:
@@ -214,7 +214,7 @@ def _attend_decodes(q, kv_cache, decode: DecodeBatch, num_kv_heads, group, scale
     """q [Bd, Hq, D] -> [Bd, Hq, D]. The `group` query heads sharing a kv head are laid out as
     that head's query rows, [Bd, Hkv, group, D], so GQA needs no repeated keys."""
     num_rows, num_heads, head_dim = q.shape
-    kv = kv_cache[:, decode.block_tables]  # [2, Bd, nb, bs, Hkv, D]
+    kv = _blocks(kv_cache, decode.block_tables)  # [2, Bd, nb, bs, Hkv, D]
     kv = kv.view(2, num_rows, -1, num_kv_heads, head_dim).transpose(2, 3)  # [2, Bd, Hkv, L, D]
     keys, values = _keys_values(kv, q.dtype, kv_scales)
     qg = q.view(num_rows, num_kv_heads, group, head_dim)
@@ -223,6 +223,11 @@ def _attend_decodes(q, kv_cache, decode: DecodeBatch, num_kv_heads, group, scale
     else:
         o = _capped_attention(qg, keys, values, decode.mask, scale, softcap)
     return o.reshape(num_rows, num_heads, head_dim)
+
+
+def _blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """kv_cache[:, block_ids], fp8 codes gathered as bytes (float8 indexing kernels vary by device)."""
+    return as_bytes(kv_cache)[:, block_ids].view(kv_cache.dtype)
 
 
 def _keys_values(kv: torch.Tensor, dtype: torch.dtype, kv_scales: KVScales) -> tuple[torch.Tensor, torch.Tensor]:
