@@ -18,6 +18,11 @@ from conveyor.config.model import ModelConfig
 from conveyor.config.options import option
 from conveyor.sim.devices import DEVICE_NAMES
 
+# --kv-cache-dtype: what the paged KV cache stores, as a torch dtype name; auto: the model's dtype.
+# fp8 is e4m3 (float8_e4m3fn) with one scale per layer for keys and one for values
+# (gpu/kv_fp8.py): half the bytes of bfloat16, so twice the tokens in the same memory.
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}
+
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
@@ -26,6 +31,13 @@ class CacheConfig:
     num_kv_blocks: int | None = option(None, "fix the KV pool size", minimum=1, none="from free memory")
     gpu_memory_utilization: float = option(0.90, "CUDA: fraction of device memory the worker may hold")
     cpu_kv_cache_gib: float = option(1.0, "CPU: memory for the KV pool in GiB", flag="kv-cache-gib")
+    kv_cache_dtype: str = option(
+        "auto", "what the KV cache stores: auto (the model's dtype) or fp8 (e4m3, per-layer scales)", choices=tuple(KV_CACHE_DTYPES)
+    )
+
+    def kv_dtype(self, model_dtype: str) -> str:
+        """The KV cache's torch dtype name for a model of `model_dtype` ("bfloat16", "float8_e4m3fn")."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or model_dtype
 
 
 class SchedulingPolicy(str, enum.Enum):

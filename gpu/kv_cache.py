@@ -13,6 +13,7 @@ import torch
 
 from conveyor.config.engine import CacheConfig
 from conveyor.config.errors import ConfigError
+from conveyor.gpu.kv_fp8 import as_bytes
 
 GIB = 1024**3
 
@@ -60,5 +61,6 @@ def copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> 
     device = kv_caches[0].device
     src_t = torch.tensor(src, dtype=torch.int64).to(device, non_blocking=True)  # [P]
     dst_t = torch.tensor(dst, dtype=torch.int64).to(device, non_blocking=True)  # [P]
-    for cache in kv_caches:  # [2, num_blocks, block_size, Hkv, D]
+    for cache in kv_caches:  # [2, num_blocks, ...]; fp8 codes copied as bytes
+        cache = as_bytes(cache)
         cache.index_copy_(1, dst_t, cache.index_select(1, src_t))

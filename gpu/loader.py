@@ -8,7 +8,8 @@ by `model.safetensors.index.json` is read, one tensor at a time. With tensor par
 (backend.tp) the model's layers have one rank's shapes, and the model cuts each tensor to the
 rank's slice as it is read. A quantized checkpoint's layers are built without a float weight and
 take theirs from its scheme (gpu/quant/load.py), so the start-up log's weight bytes are as
-stored. Problems a user can cause (no weight files, a tensor missing or of the wrong shape)
+stored. Per-layer fp8 KV cache scales, where the checkpoint has them, go to their attention
+layers first (gpu/quant/kv_scales.py). Problems a user can cause (no weight files, a tensor missing or of the wrong shape)
 raise ConfigError with one clear line.
 """
 
@@ -27,6 +28,7 @@ from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends import Backend, torch_backend
 from conveyor.gpu.models import CausalLM, build_model
 from conveyor.gpu.models.layers import Linear, VocabParallelEmbedding
+from conveyor.gpu.quant.kv_scales import KVScaleLoad
 from conveyor.gpu.quant.load import QuantLoad
 from conveyor.gpu.quant.scheme import scheme_for
 
@@ -53,7 +55,8 @@ def load_model(config: ModelConfig, device: torch.device | str, backend: Backend
     model = model.to(dtype=dtype).to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives each parameter its own storage: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
-    tensors = checkpoint_tensors(config.path)
+    kv_scales = KVScaleLoad(model)
+    tensors = kv_scales.route(checkpoint_tensors(config.path))
     model.load_weights(tensors if quant is None else quant.route(tensors, device))
     if quant is not None:
         quant.finish()
@@ -61,6 +64,10 @@ def load_model(config: ModelConfig, device: torch.device | str, backend: Backend
     model = model.eval().requires_grad_(False)
     backend.ops.prepare(model)
     log.info("weights: %.1f MiB as stored (%s)", stored_bytes(model) / 2**20, describe_storage(config, quant))
+    if backend.attn.kv_fp8:
+        log.info(
+            "fp8 KV cache: scales of %d of %d layers from the checkpoint, 1.0 elsewhere", len(kv_scales.layers), config.num_layers
+        )
     return model
 
 

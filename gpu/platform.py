@@ -6,7 +6,8 @@ tensors live. One per worker, chosen once from --device (`platform_for`):
 
 Every host-side operation of the runner (plan checks, the persistent batch, input preparation,
 result collection) is the same on both; only these differ:
-- `backend` / `load_model`: the attention backend and ops, and the model that runs on them;
+- `backend` / `load_model`: the attention backend (its KV cache in the given dtype) and ops, and
+  the model that runs on them;
 - `kv_blocks`: how many KV blocks of a given size the device holds;
 - `mark` / `host_copy`: points on the device's timeline (the pass clock's busy and idle time)
   and a pass's results on their way to the host, readable once they land;
@@ -48,7 +49,7 @@ class Platform(Protocol):
     device: torch.device  # where the runner's tensors live
     runs_graphs: bool
 
-    def backend(self, name: str, model: ModelConfig) -> Backend: ...
+    def backend(self, name: str, model: ModelConfig, kv_dtype: str) -> Backend: ...
 
     def load_model(self, model: ModelConfig, backend: Backend) -> Any: ...
 
@@ -81,8 +82,8 @@ class TorchPlatform:
             keep_freed_memory()  # activations reuse warm heap pages instead of fresh mmaps
         self.runs_graphs = self.device.type == "cuda"
 
-    def backend(self, name: str, model: ModelConfig) -> Backend:
-        return select(name, self.device, model)
+    def backend(self, name: str, model: ModelConfig, kv_dtype: str) -> Backend:
+        return select(name, self.device, model, kv_dtype)
 
     def load_model(self, model: ModelConfig, backend: Backend) -> Any:
         from conveyor.gpu.loader import load_model

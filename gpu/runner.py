@@ -64,8 +64,11 @@ class ModelRunner:
         self.device = self.platform.device
         # The attention backend and ops, chosen once: auto is triton on CUDA, cpu (the C++ kernels)
         # on a CPU, torch where the cpu backend cannot run.
-        # Its KV layout is the rank's: its share of the KV heads (or one replica of one).
-        backend = backend or self.platform.backend(config.parallel.attention_backend, shard_model_config(config.model, self.tp.size))
+        # Its KV layout is the rank's: its share of the KV heads (or one replica of one), in the
+        # cache's dtype (--kv-cache-dtype).
+        model_shard = shard_model_config(config.model, self.tp.size)
+        kv_dtype = config.cache.kv_dtype(config.model.dtype)
+        backend = backend or self.platform.backend(config.parallel.attention_backend, model_shard, kv_dtype)
         self.backend = dataclasses.replace(backend, tp=self.tp)
         log.info("attention backend: %s", self.backend.description)
         self.attn = self.backend.attn
@@ -94,8 +97,18 @@ class ModelRunner:
             log.info("CUDA graphs: the largest bucket takes %.1f MiB (probe captured in %.2f s)", graph_bytes / 2**20, seconds)
         if self.device.type == "cuda" and self.config.cache.num_kv_blocks is None:
             profile_run(self)
-        num_blocks = self.platform.kv_blocks(self.attn.bytes_per_block(self.block_size), self.config.cache)
-        return num_blocks if self.config.cache.num_kv_blocks is not None else max(1, num_blocks - 1)
+        per_block = self.attn.bytes_per_block(self.block_size)
+        num_blocks = self.platform.kv_blocks(per_block, self.config.cache)
+        num_blocks = num_blocks if self.config.cache.num_kv_blocks is not None else max(1, num_blocks - 1)
+        log.info(
+            "KV cache: %d blocks of %d tokens = %d tokens, %s (%.1f KiB a block, all layers)",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_size,
+            str(self.attn.kv_dtype).removeprefix("torch."),
+            per_block / 1024,
+        )
+        return num_blocks
 
     def initialize_cache(self, num_blocks: int) -> None:
         """The pool the scheduler allocates from, plus one scratch block (id num_blocks) that

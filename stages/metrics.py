@@ -156,6 +156,15 @@ kv_cache_usage = _gauge("conveyor_kv_cache_usage_ratio", "Fraction of KV blocks 
 kv_blocks_free = _gauge("conveyor_kv_blocks_free", "KV blocks free (cached or empty)")
 kv_blocks_used = _gauge("conveyor_kv_blocks_used", "KV cache blocks held by sequences")
 kv_blocks_capacity = _gauge("conveyor_kv_blocks_capacity", "KV cache blocks in the pool")
+kv_tokens_capacity = _gauge("conveyor_kv_cache_capacity_tokens", "Tokens the KV pool holds (blocks x block size)")
+# The Prometheus info idiom: always 1, its kv_cache_dtype label says what the cache stores
+# (float8_e4m3fn with --kv-cache-dtype fp8, else the model's dtype). Set once by the scheduler.
+kv_cache_info = Gauge(
+    "conveyor_kv_cache_info",
+    "What the KV cache stores (the kv_cache_dtype label); always 1",
+    ["engine", "kv_cache_dtype"],
+    multiprocess_mode="livemostrecent",
+)
 
 # --- counters (the scheduler's; errors the ingress's) --------------------------------------
 prompt_tokens = _per_engine(Counter, "conveyor_prompt_tokens", "Prompt tokens of admitted requests")

@@ -9,9 +9,10 @@ Invariants every implementation keeps:
   row r owns tokens [query_start_loc[r], query_start_loc[r + 1]); its query j sits at position
   seq_lens[r] - query_lens[r] + j and attends causally to positions <= its own, and with a
   sliding window W only to the W positions ending at its own (itself included);
-- the KV cache is one tensor per layer, [2 (keys, values), num_blocks, ...]; the layout inside a
-  block is the backend's own (`kv_layout`) and only it reads or writes it; block b of every
-  layer belongs to the same sequence.
+- the KV cache is one tensor per layer, [2 (keys, values), num_blocks, ...] in the backend's
+  `kv_dtype` (the model's, or fp8 e4m3 codes with the layer's KVScales: gpu/kv_fp8.py); the
+  layout inside a block is the backend's own (`kv_layout`) and only it reads or writes it;
+  block b of every layer belongs to the same sequence.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.kv_cache import copy_blocks
+from conveyor.gpu.kv_fp8 import UNIT_SCALES, KVScales, is_fp8
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.quant.weight import QuantizedWeight
 
@@ -95,14 +97,17 @@ class AttentionMetadata:
 
 class AttentionBackend(abc.ABC):
     """Owns the paged KV cache in its own layout and attention over it. Built by `select` with
-    the model's config and device; `num_kv_heads`, `head_dim`, `dtype` come from that config.
+    the model's config, device and KV dtype; `num_kv_heads`, `head_dim`, `dtype` come from that
+    config, and `kv_dtype` (what the cache stores: a torch dtype name, None for the model's) from
+    CacheConfig.kv_dtype. An fp8 cache stores e4m3 codes: write_kv quantizes with the layer's
+    KVScales, attend reads code * scale (gpu/kv_fp8.py); a float cache ignores the scales.
 
     Who calls what (gpu/runner.py, then the model):
     1. runner, once: `allocate_kv_caches(num_blocks, block_size)` (sized with
        `bytes_per_block(block_size)`), and `ops.prepare(model)` after the weights are loaded;
     2. runner, per plan: `copy_blocks(kv_caches, pairs)` (copy-on-write), then
        `meta = build_metadata(query_lens, seq_lens, block_tables, positions, block_size, sliding_window)`;
-    3. each layer: `forward(q, k, v, kv_caches[layer], for_window(meta, window), scale)`, which
+    3. each layer: `forward(q, k, v, kv_caches[layer], for_window(meta, window), scale, kv_scales)`, which
        writes the step's new k/v (`write_kv`) and attends (`attend`) over a mixed step: decode
        rows (one query) and prompt chunks (several, possibly after cached context) in one call.
        `for_window` is `meta` itself for a layer whose window is the step's; a model whose layers
@@ -112,23 +117,28 @@ class AttentionBackend(abc.ABC):
     metadata is built once per graph by `build_graph_metadata` over static buffers, and only
     where `supports_cuda_graphs` (the triton backend)."""
 
-    def __init__(self, model: ModelConfig, device: torch.device) -> None:
+    def __init__(self, model: ModelConfig, device: torch.device, kv_dtype: str | None = None) -> None:
         self.model_config = model
         self.device = device
         self.num_layers = model.num_layers
         self.num_kv_heads = model.num_kv_heads
         self.head_dim = model.head_dim
         self.dtype: torch.dtype = getattr(torch, model.dtype)
+        self.kv_dtype: torch.dtype = getattr(torch, kv_dtype or model.dtype)
         # The attention logit soft-cap (Gemma 2): scores -> cap * tanh(scores / cap) after the scale,
         # before the mask and softmax. Every backend reads it from here.
         self.softcap: float | None = model.attn_logit_softcap
 
     kv_layout: str = "[2, num_blocks, block_size, Hkv, D]"  # for docs and logs; the backend's own
 
+    @property
+    def kv_fp8(self) -> bool:
+        """The cache holds e4m3 codes (--kv-cache-dtype fp8)."""
+        return is_fp8(self.kv_dtype)
+
     def bytes_per_block(self, block_size: int) -> int:
         """Bytes one block takes across all layers, keys and values (for sizing the pool)."""
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element_size
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
 
     @abc.abstractmethod
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
@@ -208,22 +218,40 @@ class AttentionBackend(abc.ABC):
         return dataclasses.replace(meta, sliding_window=window, by_window={})
 
     @abc.abstractmethod
-    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        """k, v [T, Hkv, D] (rotated, model dtype) -> this layer's cache at meta.slot_mapping."""
+    def write_kv(
+        self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_scales: KVScales = UNIT_SCALES
+    ) -> None:
+        """k, v [T, Hkv, D] (rotated, model dtype) -> this layer's cache at meta.slot_mapping
+        (an fp8 cache: quantized with kv_scales)."""
 
     @abc.abstractmethod
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor:
         """q [T, Hq, D] -> out [T, Hq, D], after write_kv of this step's k, v [T, Hkv, D] (given
-        too, for a backend that reads fresh chunks' keys directly). Hq is a multiple of Hkv."""
+        too, for a backend that reads fresh chunks' keys directly). Hq is a multiple of Hkv. An
+        fp8 cache is read as code * kv_scales."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor:
         """What a layer calls: write this step's k/v, then attend. q [T, Hq, D] -> [T, Hq, D]."""
-        self.write_kv(kv_cache, k, v, meta)
-        return self.attend(q, k, v, kv_cache, meta, scale)
+        self.write_kv(kv_cache, k, v, meta, kv_scales)
+        return self.attend(q, k, v, kv_cache, meta, scale, kv_scales)
 
 
 class LinearLayer(Protocol):

@@ -4,7 +4,8 @@ the bytes its weights take.
 Parameters are counted on the model built on the meta device (gpu/models: each family's exact
 shapes, a tied LM head once, no memory taken). Each token computes with all of them, except a
 mixture of experts' routed experts, of which it uses top_k of num_experts. Per cached token the
-KV takes 2 x layers x KV heads x head_dim x the dtype's bytes; per query-key pair attention does
+KV takes 2 x layers x KV heads x head_dim x the dtype's bytes (the model's, or one byte a value
+with --kv-cache-dtype fp8: `pass_cost`'s kv_dtype); per query-key pair attention does
 4 x head_dim x query heads x layers FLOPs (QK^T and PV). Tensor parallelism splits all three
 evenly over the ranks and adds two all-reduces of the hidden state per layer (attention's and
 the MLP's), T x hidden x dtype bytes each.
@@ -63,13 +64,15 @@ def footprint(config: ModelConfig) -> Footprint:
     )
 
 
-def pass_cost(config: ModelConfig, device: DeviceSpec, ranks: int = 1) -> RooflineCost:
-    """The roofline of one pass of `config` on `device`, split over `ranks` of them."""
+def pass_cost(config: ModelConfig, device: DeviceSpec, ranks: int = 1, kv_dtype: str | None = None) -> RooflineCost:
+    """The roofline of one pass of `config` on `device`, split over `ranks` of them, its KV cache
+    read in `kv_dtype` (a torch dtype name; None: the model's)."""
     f = footprint(config)
+    kv_bytes = f.kv_bytes_per_token // f.dtype_bytes * getattr(torch, kv_dtype or config.dtype).itemsize
     return RooflineCost.on(
         device,
         params=f.params,
-        kv_bytes_per_token=f.kv_bytes_per_token,
+        kv_bytes_per_token=kv_bytes,
         pair_flops=f.pair_flops,
         name=f"emulated-{device.name}",
         weight_bytes_per_param=f.dtype_bytes,

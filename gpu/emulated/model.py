@@ -52,8 +52,8 @@ class EmulatedAttention(AttentionBackend):
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         return [torch.empty((2, num_blocks, 0), dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
 
-    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, kv_scales=None) -> None:
         raise AssertionError("the emulated model computes no keys")
 
-    def attend(self, q, k, v, kv_cache, meta, scale):
+    def attend(self, q, k, v, kv_cache, meta, scale, kv_scales=None):
         raise AssertionError("the emulated model computes no attention")

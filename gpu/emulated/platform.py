@@ -48,7 +48,7 @@ class EmulatedPlatform:
         self.spec = DEVICES[config.parallel.emulate]
         self.device = torch.device("cpu")
         self.stream = VirtualStream()
-        self.cost = pass_cost(config.model, self.spec, num_ranks)
+        self.cost = pass_cost(config.model, self.spec, num_ranks, config.cache.kv_dtype(config.model.dtype))
         self.draws = EmulatedDraws(ordinary_ids(config.model), config.model.vocab_size)
         torch.set_num_threads(1)  # host tensors of a few hundred ids: threads would only contend
         log.warning(
@@ -61,9 +61,9 @@ class EmulatedPlatform:
             self.spec.launch_s * 1e3,
         )
 
-    def backend(self, name: str, model: ModelConfig) -> Backend:
+    def backend(self, name: str, model: ModelConfig, kv_dtype: str) -> Backend:
         description = f"emulated {self.spec.name} (the CUDA-graph host path; device time from a roofline, no kernels)"
-        return Backend("emulated", EmulatedAttention(model, self.device), TorchOps(), description)
+        return Backend("emulated", EmulatedAttention(model, self.device, kv_dtype), TorchOps(), description)
 
     def load_model(self, model: ModelConfig, backend: Backend) -> EmulatedModel:
         return EmulatedModel(self.cost, self.stream)

@@ -24,6 +24,7 @@ from torch import nn
 
 from conveyor.config.model import ModelConfig, implied_windows
 from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Backend, Ops
+from conveyor.gpu.kv_fp8 import UNIT_SCALES, KVScales
 from conveyor.gpu.models.base import CausalLM
 from conveyor.gpu.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from conveyor.gpu.models.layers import Linear as Linear  # re-exported: gpu/backends/cpu/ops.py imports it from here
@@ -33,7 +34,11 @@ from conveyor.gpu.rope import RotaryEmbedding
 
 
 class Attention(nn.Module):
-    """Layer `layer_index`'s attention: its window is config.window_of(layer_index)."""
+    """Layer `layer_index`'s attention: its window is config.window_of(layer_index). `kv_scales`:
+    its fp8 KV cache scales, 1.0 unless the checkpoint gives them (gpu/quant/kv_scales.py sets them
+    at load); a float cache ignores them."""
+
+    kv_scales: KVScales = UNIT_SCALES
 
     def __init__(
         self, config: ModelConfig, ops: Ops, attn: AttentionBackend, layer_index: int = 0, tp: TensorParallel = SINGLE
@@ -80,7 +85,8 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, d)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, d)
         q, k = self.ops.rotary(positions, q, k, rope.cos_sin)
-        out = self.attn.forward(q, k, v, kv_cache, self.attn.for_window(meta, self.window), self.scale)  # [T, Hq, D]
+        meta = self.attn.for_window(meta, self.window)
+        out = self.attn.forward(q, k, v, kv_cache, meta, self.scale, self.kv_scales)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

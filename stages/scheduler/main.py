@@ -99,8 +99,11 @@ class SchedulerStage:
             eos_token_ids=cfg.model.eos_token_ids,
             seq_ids=seq_ids_of(cfg, self.engine),
         )
+        kv_dtype, num_tokens = cfg.cache.kv_dtype(cfg.model.dtype), num_blocks * cfg.cache.block_size
         metrics.kv_blocks_capacity.set(num_blocks)
-        log.info("KV pool: %d blocks of %d tokens", num_blocks, cfg.cache.block_size)
+        metrics.kv_tokens_capacity.set(num_tokens)
+        metrics.kv_cache_info.labels(engine=str(self.engine), kv_cache_dtype=kv_dtype).set(1)
+        log.info("KV pool: %d blocks of %d tokens = %d tokens, KV cache %s", num_blocks, cfg.cache.block_size, num_tokens, kv_dtype)
 
     @property
     def scheduler(self) -> Scheduler:

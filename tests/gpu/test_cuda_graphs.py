@@ -212,19 +212,20 @@ def test_capture_only_on_cuda_without_enforce_eager(config):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_captured_bucket_replays_the_eager_forward(dtype):
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, "float8_e4m3fn")])
+def test_every_captured_bucket_replays_the_eager_forward(dtype, kv_dtype):
     """Capture every bucket of max_num_seqs 24 (1, 2, 4, 8, 16, 24) behind a memory probe that
-    shares its pool, then replay each with a full and a padded step against the eager forward."""
+    shares its pool, then replay each with a full and a padded step against the eager forward
+    (the last case with an fp8 KV cache: its quantizing write and e4m3 reads are captured too)."""
     device = torch.device("cuda")
     config = config_for(max_num_seqs=24, device="cuda", dtype=str(dtype).removeprefix("torch."))
-    backend = select("triton", device, config.model)
+    backend = select("triton", device, config.model, kv_dtype)
     model, attn = load_model(config.model, device, backend), backend.attn
     probe = DecodeGraphs.memory_probe(config, model, attn, device)
     _, probe_bytes = probe.capture_all()
     assert probe_bytes > 0
     gen = torch.Generator().manual_seed(0)
-    kv = [torch.randn(c.shape, generator=gen).to(device, dtype) for c in attn.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)]
+    kv = [torch.randn(c.shape, generator=gen).to(device, c.dtype) for c in attn.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)]
     graphs = DecodeGraphs.from_config(config, model, attn, kv, scratch_block=SCRATCH, device=device, pool=probe.pool)
     assert graphs.capture and graphs.buckets == [1, 2, 4, 8, 16, 24]
     graphs.capture_all()

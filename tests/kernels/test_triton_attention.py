@@ -193,11 +193,12 @@ COMPILE_FOR_SM90 = textwrap.dedent("""
         kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
         assert kernel.metadata.shared <= 227 * 1024, (fn.__name__, kernel.metadata.shared)
 
-    for dtype, head_dim, block_m, group in [("bf16", 128, 16, 4), ("fp16", 256, 64, 1)]:
+    # The last: an fp8 cache, its e4m3 codes passed as bytes.
+    for dtype, head_dim, block_m, group, fp8 in [("bf16", 128, 16, 4, False), ("fp16", 256, 64, 1, False), ("bf16", 128, 16, 4, True)]:
         constexprs = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=16, BLOCK_D=head_dim, BLOCK_M=block_m,
-                          BLOCK_Q=block_m // group, BLOCK_N=16, HAS_WINDOW=True, UPCAST=False, PRECISION=None)
-        types = dict(out_ptr="*" + dtype, q_ptr="*" + dtype, kv_ptr="*" + dtype, block_tables_ptr="*i32",
-                     query_start_loc_ptr="*i32", seq_lens_ptr="*i32", scale_log2="fp32",
+                          BLOCK_Q=block_m // group, BLOCK_N=16, HAS_WINDOW=True, UPCAST=False, PRECISION=None, KV_FP8=fp8)
+        types = dict(out_ptr="*" + dtype, q_ptr="*" + dtype, kv_ptr="*u8" if fp8 else "*" + dtype, block_tables_ptr="*i32",
+                     query_start_loc_ptr="*i32", seq_lens_ptr="*i32", scale_log2="fp32", v_scale="fp32",
                      o_part_ptr="*fp32", m_part_ptr="*fp32", l_part_ptr="*fp32")
         num_warps = 8 if head_dim >= 256 else 4
         compile_(paged_attention._paged_attention_kernel, types, constexprs, num_warps)

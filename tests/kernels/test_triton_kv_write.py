@@ -90,9 +90,9 @@ COMPILE_FOR_SM90 = textwrap.dedent("""
     from triton.compiler import ASTSource
     from conveyor.gpu.backends.triton.kv_write import _write_kv_kernel as fn
 
-    for dtype in ("bf16", "fp16", "fp32"):
+    for dtype, source in (("bf16", "bf16"), ("fp16", "bf16"), ("fp32", "bf16"), ("u8", "u8")):  # u8: fp8 codes, as bytes
         constexprs = dict(HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_H=8, BLOCK_D=128)
-        types = dict(kv_ptr="*" + dtype, k_ptr="*bf16", v_ptr="*bf16", slot_mapping_ptr="*i64")
+        types = dict(kv_ptr="*" + dtype, k_ptr="*" + source, v_ptr="*" + source, slot_mapping_ptr="*i64")
         signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
         triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32))
 """)

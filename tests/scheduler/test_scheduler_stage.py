@@ -173,3 +173,30 @@ def test_the_stage_keeps_a_window_in_flight_to_its_last_pass_and_streams_every_p
         assert stage.core.in_flight[0].step == window.step
         assert result_in(r) == r.sampled_token_ids  # each pass streams on its own
     assert [s.step for s in stage.core.in_flight] == [ahead.step] and stage.may_plan()
+
+
+# --- the KV pool it announces ----------------------------------------------------------------
+
+
+def test_the_stage_names_the_kv_dtype_and_tokens_in_its_log_and_metrics(tmp_path, caplog):
+    from prometheus_client import REGISTRY
+
+    from conveyor.config import CacheConfig
+
+    run_dir = make_run_dir()
+    config = make_config(tmp_path, run_dir)
+    config = dataclasses.replace(config, cache=CacheConfig(kv_cache_dtype="fp8"))
+    ctx = zmq.Context()
+    worker = receiver(ctx, config, WORKER)
+    others = [receiver(ctx, config, DETOKENIZER), receiver(ctx, config, INGRESS)]
+    stage = SchedulerStage(config, ctx)
+    sender(ctx, config, SCHEDULER).send(WorkerReady(rank=0, num_kv_blocks=64))
+    with caplog.at_level("INFO"):
+        stage.start()
+    assert "KV pool: 64 blocks of 16 tokens = 1024 tokens, KV cache float8_e4m3fn" in caplog.text
+    assert REGISTRY.get_sample_value("conveyor_kv_cache_capacity_tokens", {"engine": "0"}) == 1024
+    assert REGISTRY.get_sample_value("conveyor_kv_cache_info", {"engine": "0", "kv_cache_dtype": "float8_e4m3fn"}) == 1
+    for r in [worker, *others]:
+        r.close()
+    ctx.destroy(linger=0)
+    shutil.rmtree(run_dir, ignore_errors=True)

@@ -22,8 +22,9 @@ from conveyor.gpu.backends.cpu.ops import CpuOps
 from conveyor.gpu.backends.torch import TorchAttention
 
 
-def cpu_backend(model: ModelConfig, device: torch.device) -> Backend:
-    """The cpu Backend for `model` on `device`; BackendUnavailable where it cannot run."""
+def cpu_backend(model: ModelConfig, device: torch.device, kv_dtype: str | None = None) -> Backend:
+    """The cpu Backend for `model` on `device`, its KV cache in `kv_dtype` (None: float32, the
+    model's; or float8_e4m3fn); BackendUnavailable where it cannot run."""
     if device.type != "cpu":
         raise BackendUnavailable(f"the C++ kernels run on the CPU, not {device.type}")
     if model.dtype != "float32":
@@ -32,7 +33,9 @@ def cpu_backend(model: ModelConfig, device: torch.device) -> Backend:
     small_linear = cpu_small_linear() if pays_on_this_cpu() else None
     if kernel is None and fused is None and small_linear is None:
         raise BackendUnavailable("no C++ kernel could be built (no compiler, a failed build, or CONVEYOR_CPU_KERNELS=0)")
-    attn: AttentionBackend = CpuAttention(model, device, kernel) if kernel is not None else TorchAttention(model, device)
+    attn: AttentionBackend = (
+        CpuAttention(model, device, kernel, kv_dtype) if kernel is not None else TorchAttention(model, device, kv_dtype)
+    )
     parts = [
         "C++ paged attention" if kernel is not None else "torch attention",
         "fused ops" if fused is not None else "torch elementwise ops",

@@ -2,8 +2,10 @@
 (float32, CPU), reading the cache in place through the block tables, no gathers, no masks; sliding windows
 and the logit soft-cap are the kernel's arguments.
 
-Cache layout: one tensor per layer, [2, num_blocks, Hkv, block_size * D] float32, the order the
-kernel reads and writes (head-major, keys transposed, values not):
+Cache layout: one tensor per layer, [2, num_blocks, Hkv, block_size * D] float32, or e4m3 codes
+with --kv-cache-dtype fp8 (quantized here in torch, gpu/kv_fp8.py; the kernel copies the codes
+into place and widens them to float as it reads), the order the kernel reads and writes
+(head-major, keys transposed, values not):
 - keys of block b, head h: cache[0, b, h] viewed as [D, block_size];
 - values of block b, head h: cache[1, b, h] viewed as [block_size, D].
 One (block, head) tile is contiguous (see the .cpp for why). Only this backend's write_kv and
@@ -16,23 +18,27 @@ import torch
 
 from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata
 from conveyor.gpu.backends.cpu.kernels.paged_attention import PagedAttentionKernel
+from conveyor.gpu.kv_fp8 import UNIT_SCALES, KVScales, quantize_kv
 
 
 class CpuAttention(AttentionBackend):
     kv_layout = "[2, num_blocks, Hkv, block_size * D]: keys [D, block_size], values [block_size, D] per (block, head)"
 
-    def __init__(self, model, device: torch.device, kernel: PagedAttentionKernel) -> None:
-        super().__init__(model, device)
+    def __init__(self, model, device: torch.device, kernel: PagedAttentionKernel, kv_dtype: str | None = None) -> None:
+        super().__init__(model, device, kv_dtype)
         self.kernel = kernel
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         shape = (2, num_blocks, self.num_kv_heads, block_size * self.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
 
-    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    def write_kv(self, kv_cache, k, v, meta: AttentionMetadata, kv_scales: KVScales = UNIT_SCALES) -> None:
+        if self.kv_fp8:
+            k, v = quantize_kv(k, kv_scales.k), quantize_kv(v, kv_scales.v)
         self.kernel.write_kv(kv_cache, k, v, meta.slot_mapping)
 
-    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, kv_scales: KVScales = UNIT_SCALES) -> torch.Tensor:
+        scales = (kv_scales.k, kv_scales.v) if self.kv_fp8 else (1.0, 1.0)
         return self.kernel(
-            q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.sliding_window, scale, self.softcap
+            q, kv_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.sliding_window, scale, self.softcap, *scales
         )

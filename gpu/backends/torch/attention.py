@@ -1,9 +1,12 @@
 """The torch attention backend: paged attention in plain torch, on any device (the reference).
 
-Cache: one tensor per layer, [2, num_blocks, block_size, Hkv, D] in the model dtype (index 0
+Cache: one tensor per layer, [2, num_blocks, block_size, Hkv, D] in the KV dtype (index 0
 keys, 1 values); token p of a sequence lives in block block_table[p // block_size] at offset
 p % block_size. `write_kv` scatters the step's k/v at the slot mapping; `attend` lets every row
-attend to its whole context read back through its block table.
+attend to its whole context read back through its block table. An fp8 cache holds e4m3 codes
+(gpu/kv_fp8.py): written quantized with the layer's scales, read back as code * scale in float32
+and cast to the model dtype before attention; its fresh prompt chunks read the cache too, so a
+prompt attends to the same keys however it is chunked or cached.
 
 Rows with one query (decodes, or a prompt's last chunk of one token) are batched by context
 length, each bucket one padded gather and one scaled_dot_product_attention call; longer rows
@@ -22,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata
+from conveyor.gpu.kv_fp8 import UNIT_SCALES, KVScales, as_bytes, dequantize_kv, is_fp8, quantize_kv
 
 
 @dataclasses.dataclass
@@ -63,7 +67,7 @@ class TorchAttention(AttentionBackend):
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
 
     def build_metadata(self, query_lens, seq_lens, block_tables, positions, block_size, sliding_window) -> TorchMetadata:
         decodes, prefills = _plan(query_lens, seq_lens, block_tables, block_size, sliding_window)
@@ -76,12 +80,12 @@ class TorchAttention(AttentionBackend):
         decodes, prefills = _plan(meta.host_query_lens, meta.host_seq_lens, meta.block_tables, meta.block_size, window)
         return dataclasses.replace(meta, sliding_window=window, decodes=decodes, prefills=prefills, by_window={})
 
-    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+    def write_kv(self, kv_cache, k, v, meta: AttentionMetadata, kv_scales: KVScales = UNIT_SCALES) -> None:
+        write_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
 
-    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, scale: float, kv_scales: KVScales = UNIT_SCALES) -> torch.Tensor:
         assert isinstance(meta, TorchMetadata), "metadata from another backend"
-        return attend(q, k, v, kv_cache, meta, scale, self.softcap)
+        return attend(q, k, v, kv_cache, meta, scale, self.softcap, kv_scales)
 
 
 def _plan(query_lens, seq_lens, block_tables, block_size, sliding_window) -> tuple[list[DecodeBatch], list[PrefillChunk]]:
@@ -156,31 +160,39 @@ def _prefill_chunk(row, starts, seq_len, block_tables, block_size, sliding_windo
     return PrefillChunk(start, end, seq_len, block_ids, mask)
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kv_cache [2, N, bs, Hkv, D]; k, v [T, Hkv, D]; slot_mapping [T] int64."""
-    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])  # [2, N * bs, Hkv, D]
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: KVScales = UNIT_SCALES
+) -> None:
+    """kv_cache [2, N, bs, Hkv, D]; k, v [T, Hkv, D]; slot_mapping [T] int64. An fp8 cache gets
+    the e4m3 codes of k / kv_scales.k and v / kv_scales.v (copied as bytes: no float8 index_copy_ on a CPU)."""
+    if is_fp8(kv_cache.dtype):
+        k, v = as_bytes(quantize_kv(k, kv_scales.k)), as_bytes(quantize_kv(v, kv_scales.v))
+    flat = as_bytes(kv_cache).view(2, -1, *kv_cache.shape[-2:])  # [2, N * bs, Hkv, D]
     flat[0].index_copy_(0, slot_mapping, k)
     flat[1].index_copy_(0, slot_mapping, v)
 
 
-def attend(q, k, v, kv_cache: torch.Tensor, meta: TorchMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
+def attend(
+    q, k, v, kv_cache: torch.Tensor, meta: TorchMetadata, scale: float, softcap: float | None = None, kv_scales: KVScales = UNIT_SCALES
+) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] (rotated, already written) -> attention output [T, Hq, D]."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     decodes = meta.decodes
     if len(decodes) == 1 and decodes[0].token_index is None:  # every row decodes, one bucket
-        return _attend_decodes(q, kv_cache, decodes[0], num_kv_heads, group, scale, softcap)
+        return _attend_decodes(q, kv_cache, decodes[0], num_kv_heads, group, scale, softcap, kv_scales)
     out = torch.empty_like(q)
     for decode in decodes:
-        out[decode.token_index] = _attend_decodes(q[decode.token_index], kv_cache, decode, num_kv_heads, group, scale, softcap)
+        rows = q[decode.token_index]
+        out[decode.token_index] = _attend_decodes(rows, kv_cache, decode, num_kv_heads, group, scale, softcap, kv_scales)
     for chunk in meta.prefills:
         qc = q[chunk.start : chunk.end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        if chunk.is_fresh:  # the new k/v are the whole context: skip the gather
+        if chunk.is_fresh and not is_fp8(kv_cache.dtype):  # the new k/v are the whole context: skip the gather
             kc, vc = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
         else:  # [nb, bs, Hkv, D] -> [seq_len, Hkv, D]
-            kv = kv_cache[:, chunk.block_ids].view(2, -1, num_kv_heads, head_dim)[:, : chunk.seq_len]
-            kc, vc = kv[0], kv[1]
+            kv = _blocks(kv_cache, chunk.block_ids).view(2, -1, num_kv_heads, head_dim)[:, : chunk.seq_len]
+            kc, vc = _keys_values(kv, q.dtype, kv_scales)
         kc, vc = kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]  # [1, Hkv, seq_len, D]
         if softcap is None:
             o = F.scaled_dot_product_attention(
@@ -198,18 +210,31 @@ def attend(q, k, v, kv_cache: torch.Tensor, meta: TorchMetadata, scale: float, s
     return out
 
 
-def _attend_decodes(q, kv_cache, decode: DecodeBatch, num_kv_heads, group, scale, softcap=None) -> torch.Tensor:
+def _attend_decodes(q, kv_cache, decode: DecodeBatch, num_kv_heads, group, scale, softcap=None, kv_scales=UNIT_SCALES) -> torch.Tensor:
     """q [Bd, Hq, D] -> [Bd, Hq, D]. The `group` query heads sharing a kv head are laid out as
     that head's query rows, [Bd, Hkv, group, D], so GQA needs no repeated keys."""
     num_rows, num_heads, head_dim = q.shape
-    kv = kv_cache[:, decode.block_tables]  # [2, Bd, nb, bs, Hkv, D]
+    kv = _blocks(kv_cache, decode.block_tables)  # [2, Bd, nb, bs, Hkv, D]
     kv = kv.view(2, num_rows, -1, num_kv_heads, head_dim).transpose(2, 3)  # [2, Bd, Hkv, L, D]
+    keys, values = _keys_values(kv, q.dtype, kv_scales)
     qg = q.view(num_rows, num_kv_heads, group, head_dim)
     if softcap is None:
-        o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=decode.mask, scale=scale)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=decode.mask, scale=scale)
     else:
-        o = _capped_attention(qg, kv[0], kv[1], decode.mask, scale, softcap)
+        o = _capped_attention(qg, keys, values, decode.mask, scale, softcap)
     return o.reshape(num_rows, num_heads, head_dim)
+
+
+def _blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """kv_cache[:, block_ids], fp8 codes gathered as bytes (float8 indexing kernels vary by device)."""
+    return as_bytes(kv_cache)[:, block_ids].view(kv_cache.dtype)
+
+
+def _keys_values(kv: torch.Tensor, dtype: torch.dtype, kv_scales: KVScales) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv [2, ...] as the cache stores it -> (keys, values) [...] in `dtype`: fp8 codes as code * scale."""
+    if not is_fp8(kv.dtype):
+        return kv[0], kv[1]
+    return dequantize_kv(kv[0], kv_scales.k, dtype), dequantize_kv(kv[1], kv_scales.v, dtype)
 
 
 def _capped_attention(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:

@@ -7,8 +7,9 @@ cuBLAS already does the GEMM; a quantized linear is quant_linear.py's dequantize
 FP8 in the tensor cores where fp8_linear.py takes the weight).
 
 Invariants:
-- the KV cache is one zeroed tensor per layer, [2, num_blocks, block_size, Hkv, D] in the model
-  dtype (0 keys, 1 values): gpu/kv_cache.py's layout, so `copy_blocks` is the base class's;
+- the KV cache is one zeroed tensor per layer, [2, num_blocks, block_size, Hkv, D] in the KV
+  dtype (the model's, or fp8 e4m3 codes) (0 keys, 1 values): gpu/kv_cache.py's layout, so
+  `copy_blocks` is the base class's;
 - the metadata is the base class's AttentionMetadata: the kernels need no masks, and their grids
   come from shapes alone, so decode steps capture in CUDA graphs (`supports_cuda_graphs`);
 - importing this module imports triton, so gpu/backends/__init__.py imports it only when the
@@ -33,6 +34,7 @@ from conveyor.gpu.backends.triton.paged_attention import paged_attention
 from conveyor.gpu.backends.triton.quant_linear import KernelWeight, kernel_takes, kernel_weight, quant_linear
 from conveyor.gpu.backends.triton.rotary import apply_rotary_
 from conveyor.gpu.backends.triton.silu_mul import silu_mul
+from conveyor.gpu.kv_fp8 import UNIT_SCALES, KVScales
 from conveyor.gpu.quant.weight import QuantizedWeight
 
 
@@ -42,13 +44,20 @@ class TritonAttention(AttentionBackend):
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(self.num_layers)]
 
-    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        write_kv(kv_cache, k, v, meta.slot_mapping)
+    def write_kv(self, kv_cache, k, v, meta: AttentionMetadata, kv_scales: KVScales = UNIT_SCALES) -> None:
+        write_kv(kv_cache, k, v, meta.slot_mapping, kv_scales)
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor:
         # k, v are in the cache already (write_kv ran first): the kernel reads every key from there.
         return paged_attention(
@@ -60,6 +69,8 @@ class TritonAttention(AttentionBackend):
             scale,
             sliding_window=meta.sliding_window,
             softcap=self.softcap,
+            k_scale=kv_scales.k if self.kv_fp8 else 1.0,
+            v_scale=kv_scales.v if self.kv_fp8 else 1.0,
         )
 
 
@@ -119,8 +130,9 @@ class TritonOps(Ops):
         return F.linear(x, layer.weight, layer.bias)
 
 
-def triton_backend(model: ModelConfig, device: torch.device) -> Backend:
-    """The triton Backend for `model` on `device`: CUDA, or CPU under the interpreter."""
+def triton_backend(model: ModelConfig, device: torch.device, kv_dtype: str | None = None) -> Backend:
+    """The triton Backend for `model` on `device`: CUDA, or CPU under the interpreter; its KV
+    cache in `kv_dtype` (None: the model's dtype)."""
     interpreted = triton.knobs.runtime.interpret
     if device.type != "cuda" and not interpreted:
         raise ConfigError(
@@ -130,7 +142,7 @@ def triton_backend(model: ModelConfig, device: torch.device) -> Backend:
     how = "under Triton's interpreter, slow: for testing" if interpreted else "compiled"
     return Backend(
         name="triton",
-        attn=TritonAttention(model, device),
+        attn=TritonAttention(model, device, kv_dtype),
         ops=TritonOps(),
         description=(
             "triton (paged attention, KV write, add + RMSNorm, rotary, SiLU x up, quantized linear as Triton kernels, "

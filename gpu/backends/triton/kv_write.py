@@ -3,7 +3,9 @@
 Layout: kv_cache [2, num_blocks, block_size, Hkv, D] (keys, then values); k, v [T, Hkv, D], the
 step's rotated keys and values (views into a fused qkv buffer are fine: only unit stride along D
 is required); slot_mapping [T] int64, slot = block * block_size + offset, negative for padding
-tokens (CUDA-graph padding), which are skipped. Values are cast to the cache's dtype on store.
+tokens (CUDA-graph padding), which are skipped. Values are cast to the cache's dtype on store;
+an fp8 cache's e4m3 codes are made by torch first (gpu/kv_fp8.py `quantize_kv`: the interpreter's
+float -> e4m3 cast truncates) and stored as bytes.
 
 Grid: (T,), one program per token, writing its [Hkv, D] key and value tiles (BLOCK_H and BLOCK_D
 the next powers of two). Tuned for: nothing yet; checked under TRITON_INTERPRET=1 for correctness
@@ -15,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from conveyor.gpu.kv_fp8 import UNIT_SCALES, KVScales, as_bytes, is_fp8, quantize_kv
 
 
 @triton.jit
@@ -51,9 +55,12 @@ def _write_kv_kernel(
     tl.store(dst + stride_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: KVScales = UNIT_SCALES
+) -> None:
     """kv_cache [2, N, bs, Hkv, D]; k, v [T, Hkv, D]; slot_mapping [T] int64 (negative: skip).
-    Slots must be distinct; the cache is written in place."""
+    Slots must be distinct; the cache is written in place (an fp8 one: k / kv_scales.k, v /
+    kv_scales.v as e4m3 codes)."""
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"write_kv: kv_cache must be [2, N, bs, Hkv, D], got {tuple(kv_cache.shape)}")
     num_tokens = slot_mapping.shape[0]
@@ -66,6 +73,9 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
         raise ValueError("write_kv: k, v and kv_cache need unit stride along D")
     if num_tokens == 0:
         return
+    if is_fp8(kv_cache.dtype):  # [T, Hkv, D] codes, contiguous
+        k, v = as_bytes(quantize_kv(k, kv_scales.k)), as_bytes(quantize_kv(v, kv_scales.v))
+        kv_cache = as_bytes(kv_cache)
     num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
     _write_kv_kernel[(num_tokens,)](
         kv_cache,
@@ -88,9 +98,16 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     )
 
 
-def reference_write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def reference_write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kv_scales: KVScales = UNIT_SCALES
+) -> None:
     """The same write in torch, for tests: index_copy_ over the flattened slots, padding dropped."""
     keep = slot_mapping >= 0
-    flat = kv_cache.view(2, -1, *kv_cache.shape[-2:])  # [2, N * bs, Hkv, D]
-    flat[0].index_copy_(0, slot_mapping[keep], k[keep].to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping[keep], v[keep].to(kv_cache.dtype))
+    k, v = k[keep], v[keep]
+    if is_fp8(kv_cache.dtype):
+        k, v = as_bytes(quantize_kv(k, kv_scales.k)), as_bytes(quantize_kv(v, kv_scales.v))
+    else:
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    flat = as_bytes(kv_cache).view(2, -1, *kv_cache.shape[-2:])  # [2, N * bs, Hkv, D]
+    flat[0].index_copy_(0, slot_mapping[keep], k)
+    flat[1].index_copy_(0, slot_mapping[keep], v)

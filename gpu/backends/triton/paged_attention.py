@@ -5,6 +5,7 @@ max_blocks] int32, query_start_loc [B + 1] int32, seq_lens [B] int32, ...)` -> [
 the triton backend's `attend`. The step's K/V are already in the cache (kv_write.py); q holds its
 rotated queries, rows' tokens concatenated ("varlen", gpu/backends/base.py), and seq_lens each
 row's context after the step. With a soft-cap C, a scaled score s becomes C * tanh(s / C) first.
+The cache is q's dtype, or float8_e4m3fn codes read as code * k_scale, code * v_scale.
 
 Invariants: unit stride along D (other strides are free: q may be a view into a fused qkv
 buffer; `check_inputs` says what else); keys and values are read in place through the block
@@ -23,6 +24,7 @@ import triton.language as tl
 
 from conveyor.gpu.backends.triton.paged_attention_split_k import paged_attention_split_k
 from conveyor.gpu.backends.triton.paged_attention_tile import Tiling, attend_keys, check_inputs, find_tile, key_range, load_queries
+from conveyor.gpu.kv_fp8 import as_bytes
 
 # Split-K heuristic (only on CUDA, and only for steps where every row decodes): split when the
 # rows x kv heads programs would fill less than half the SMs, into as many splits as fill them,
@@ -40,6 +42,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     scale_log2,
+    v_scale,
     num_rows,
     window,
     softcap_log2,
@@ -63,6 +66,7 @@ def _paged_attention_kernel(
     HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # Grid: (T // BLOCK_Q + B, Hkv). A program owns one tile: BLOCK_Q tokens of one row times the
     # Hq / Hkv query heads of one kv head, and runs the online softmax over the keys its tile can
@@ -94,6 +98,7 @@ def _paged_attention_kernel(
         window,
         softcap_log2,
         scale_log2,
+        v_scale,
         stride_kv,
         stride_kb,
         stride_ks,
@@ -106,6 +111,7 @@ def _paged_attention_kernel(
         HAS_SOFTCAP,
         UPCAST,
         PRECISION,
+        KV_FP8,
     )
     acc = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]  # every valid query sees itself: denom > 0 there
     offs_d = tl.arange(0, BLOCK_D)
@@ -125,20 +131,26 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     softcap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D] (written into `out` when given). num_splits: None lets
     `choose_num_splits` decide; 1 forces this kernel, more forces split-K with that many splits.
-    softcap: scores -> softcap * tanh(scores / softcap) after the scale (Gemma 2); None: none."""
+    softcap: scores -> softcap * tanh(scores / softcap) after the scale (Gemma 2); None: none.
+    k_scale, v_scale: an fp8 cache's (gpu/kv_fp8.py); a float cache takes 1.0."""
     check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window, out)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return out
     tiling = Tiling.of(q, kv_cache, block_tables, sliding_window, softcap)
+    if not tiling.kv_fp8 and (k_scale, v_scale) != (1.0, 1.0):
+        raise ValueError("paged_attention: KV scales are for an fp8 cache")
     if num_splits is None:
         num_splits = choose_num_splits(q, kv_cache, block_tables)
+    scale, kv_cache = scale * k_scale, as_bytes(kv_cache)  # q . (code * k_scale) = (q * k_scale) . code
     if num_splits > 1:
-        return paged_attention_split_k(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, tiling, num_splits, out)
+        return paged_attention_split_k(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, tiling, num_splits, out, v_scale)
     _paged_attention_kernel[(tiling.num_tiles, kv_cache.shape[3])](
         out,
         q,
@@ -147,6 +159,7 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         scale * math.log2(math.e),
+        v_scale,
         tiling.num_rows,
         tiling.window,
         tiling.softcap * math.log2(math.e),

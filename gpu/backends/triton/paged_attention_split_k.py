@@ -35,6 +35,7 @@ def _paged_attention_split_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     scale_log2,
+    v_scale,
     num_rows,
     num_tokens,
     num_heads,
@@ -59,6 +60,7 @@ def _paged_attention_split_kernel(
     HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -84,6 +86,7 @@ def _paged_attention_split_kernel(
         window,
         softcap_log2,
         scale_log2,
+        v_scale,
         stride_kv,
         stride_kb,
         stride_ks,
@@ -96,6 +99,7 @@ def _paged_attention_split_kernel(
         HAS_SOFTCAP,
         UPCAST,
         PRECISION,
+        KV_FP8,
     )
     part = (split * num_tokens + q_start + tok).to(tl.int64) * num_heads + head  # [BLOCK_M] index into [S, T, Hq]
     tl.store(m_part_ptr + part, m, mask=row_valid)
@@ -114,9 +118,10 @@ def paged_attention_split_k(
     tiling: Tiling,
     num_splits: int,
     out: torch.Tensor,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """paged_attention.py's `paged_attention` with its checks done and tiling chosen: partials,
-    then the reduce into out [T, Hq, D]."""
+    """paged_attention.py's `paged_attention` with its checks done and tiling chosen (an fp8
+    cache as its bytes, its key scale in `scale`): partials, then the reduce into out [T, Hq, D]."""
     num_tokens, num_heads, head_dim = q.shape
     o_part = torch.empty((num_splits, num_tokens, num_heads, head_dim), dtype=torch.float32, device=q.device)
     m_part = torch.empty((num_splits, num_tokens, num_heads), dtype=torch.float32, device=q.device)
@@ -131,6 +136,7 @@ def paged_attention_split_k(
         query_start_loc,
         seq_lens,
         scale * math.log2(math.e),
+        v_scale,
         tiling.num_rows,
         num_tokens,
         num_heads,

@@ -1,8 +1,14 @@
 """The pieces both paged attention kernels share: device functions and the launch shape, no kernel.
 
 paged_attention.py and paged_attention_split_k.py call them: `Tiling` (from tensor shapes
-alone, no device sync), `find_tile`, `load_queries`, `key_range`, `attend_keys`, and (the plain
-kernel's wrapper) `check_inputs`.
+alone, no device sync), `find_tile`, `load_queries`, `key_range`, `attend_keys`,
+`e4m3_to_float`, and (the plain kernel's wrapper) `check_inputs`.
+
+An fp8 cache (--kv-cache-dtype fp8) reaches the kernels as its bytes (uint8 e4m3 codes, KV_FP8):
+`e4m3_to_float` widens them in registers, the key scale comes folded into the score scale and
+the value scale multiplies the accumulator. Bits rather than tl.float8e4nv loads: those compile
+only for sm_89 and newer, and the interpreter reads them wrong (its NaN codes aside, it was
+right; its float -> e4m3 store truncated and overflowed, so codes are written by torch).
 
 A step's query tokens are cut into tiles per row and kv head: one tile is BLOCK_Q consecutive
 tokens of one row times the GROUP query heads that share one kv head, BLOCK_M = BLOCK_Q * GROUP
@@ -19,6 +25,8 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+
+from conveyor.gpu.kv_fp8 import is_fp8
 
 
 @triton.jit
@@ -78,6 +86,16 @@ def key_range(seq_len, q_len, tok0, window, BLOCK_Q: tl.constexpr, BLOCK_N: tl.c
 
 
 @triton.jit
+def e4m3_to_float(codes):
+    """uint8 e4m3fn codes -> their values in float32: the bits moved into a half (sign to bit 15,
+    exponent and mantissa to bits 14..7, the number 2^-8 times the code's value: the biases differ
+    by 8), widened exactly (subnormals too), times 2^8. A NaN code (never written) reads 480."""
+    c = codes.to(tl.uint16)
+    half = ((c & 0x7F) << 7) | ((c & 0x80) << 8)
+    return half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
 def attend_keys(
     q,  # [BLOCK_M, BLOCK_D] queries, their dtype (or float32 when UPCAST)
     q_pos,  # [BLOCK_M] each query's position in its sequence
@@ -87,7 +105,8 @@ def attend_keys(
     kv_hi,
     window,
     softcap_log2,  # softcap * log2(e): scores are in base 2 here
-    scale_log2,
+    scale_log2,  # an fp8 cache's key scale folded in
+    v_scale,  # an fp8 cache's value scale (1.0 for a float cache)
     stride_kv,
     stride_kb,
     stride_ks,
@@ -100,6 +119,7 @@ def attend_keys(
     HAS_SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """The online softmax over keys [kv_lo, kv_hi) of one row, in base 2 (the scale arrives as
     scale * log2(e)), reading each key's block through the block table: no
@@ -118,8 +138,11 @@ def attend_keys(
         block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         slot = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks  # [BLOCK_N]
         load_mask = key_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_base + slot[:, None] + offs_d[None, :], mask=load_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(k_base + stride_kv + slot[:, None] + offs_d[None, :], mask=load_mask, other=0.0)
+        k = tl.load(k_base + slot[:, None] + offs_d[None, :], mask=load_mask, other=0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(k_base + stride_kv + slot[:, None] + offs_d[None, :], mask=load_mask, other=0)
+        if KV_FP8:  # e4m3 codes -> q's dtype: exact (3 mantissa bits fit bf16 and fp16)
+            k = e4m3_to_float(k).to(q.dtype)
+            v = e4m3_to_float(v).to(q.dtype)
         if UPCAST:  # the interpreter's bf16 arithmetic is wrong: compute in float32 there
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -137,6 +160,8 @@ def attend_keys(
         denom = denom * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
+    if KV_FP8:
+        acc = acc * v_scale
     return acc, m, denom
 
 
@@ -158,6 +183,7 @@ class Tiling:
     upcast: bool  # compute in float32 after loading
     precision: str | None  # tl.dot's input_precision; None: Triton's default
     num_warps: int
+    kv_fp8: bool = False  # the cache holds e4m3 codes (passed as uint8)
 
     @classmethod
     def of(
@@ -193,6 +219,7 @@ class Tiling:
             # float32 caches get exact float32 products, not TF32: they are the reference precision.
             precision="ieee" if q.dtype == torch.float32 else None,
             num_warps=8 if block_d >= 256 else 4,
+            kv_fp8=is_fp8(kv_cache.dtype),
         )
 
     def constexprs(self) -> dict:
@@ -208,6 +235,7 @@ class Tiling:
             HAS_SOFTCAP=self.softcap > 0,
             UPCAST=self.upcast,
             PRECISION=self.precision,
+            KV_FP8=self.kv_fp8,
             num_warps=self.num_warps,
         )
 
@@ -232,7 +260,7 @@ def check_inputs(
         raise ValueError(
             f"paged_attention: {num_heads} query heads of {head_dim} over a cache of {num_kv_heads} x {kv_cache.shape[4]}"
         )
-    if q.dtype != kv_cache.dtype:
+    if q.dtype != kv_cache.dtype and not is_fp8(kv_cache.dtype):
         raise ValueError(f"paged_attention: q is {q.dtype}, the cache {kv_cache.dtype}")
     if q.stride(2) != 1 or kv_cache.stride(4) != 1 or block_tables.stride(1) != 1:
         raise ValueError("paged_attention: q, kv_cache and block_tables need unit stride along their last dim")

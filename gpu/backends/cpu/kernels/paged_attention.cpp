@@ -17,6 +17,12 @@
 // over D lanes. Only the functions here read or write that order; copy-on-write copies whole
 // blocks, which is order-blind.
 //
+// Element: float32, or (--kv-cache-dtype fp8, the _fp8 entry points) one byte, an e4m3fn code,
+// widened to float in registers as it is read (vector_math.h: load16 and kv_value on uint8_t), so
+// a decode streams a quarter of the bytes. The layer's key scale arrives folded into `scale`
+// (q . (code * k_scale) = (q * k_scale) . code) and its value scale multiplies the output (v_scale:
+// 1 for float caches). Codes are written by conveyor_write_kv_u8, already quantized by the caller.
+//
 // Rows: tokens of a step are flattened ("varlen"): q and out are [T, Hq, D]; row r owns tokens
 // [query_start[r], query_start[r + 1]) and, after this step, seq_lens[r] tokens of context, so
 // its query j sits at position seq_len - q_len + j and sees positions
@@ -49,11 +55,11 @@ namespace {
 
 constexpr int64_t kSerialWork = 8192;  // key positions x kv heads below which one thread attends
 
-template <int BS, int D>
-void run(const float* q, const float* k_cache, const float* v_cache, const int32_t* block_tables,
+template <int BS, int D, typename KV>
+void run(const float* q, const KV* k_cache, const KV* v_cache, const int32_t* block_tables,
          const int32_t* query_start, const int32_t* seq_lens, float* out, int64_t num_rows,
          int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-         int64_t block_size, int64_t window, float scale, float softcap) {
+         int64_t block_size, int64_t window, float scale, float softcap, float v_scale) {
   const int group = static_cast<int>(num_heads / num_kv_heads);
   const int64_t width = num_heads * head_dim;
   // Work items: a decode token alone; a prompt chunk's tokens a query tile at a time where the
@@ -91,9 +97,9 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int32
       const int64_t pos = seq_lens[r] - q_len + (t - query_start[r]);
       if constexpr (kTiled) {
         if (item.n > 1 || q_len > 1) {
-          attend_token_tile<BS, D>(q, t, item.n, pos, window, scale, k_cache, v_cache,
-                                   block_tables + r * max_blocks, static_cast<int>(num_kv_heads),
-                                   group, out, qbuf, states, pbuf, softcap);
+          attend_token_tile<BS, D, KV>(q, t, item.n, pos, window, scale, k_cache, v_cache,
+                                       block_tables + r * max_blocks, static_cast<int>(num_kv_heads),
+                                       group, out, qbuf, states, pbuf, softcap, v_scale);
           continue;
         }
       }
@@ -101,32 +107,28 @@ void run(const float* q, const float* k_cache, const float* v_cache, const int32
       const int64_t lo = window > 0 ? std::max<int64_t>(0, hi - window) : 0;
       const float* qt = q + t * width;
       for (int64_t i = 0; i < width; ++i) qs[i] = qt[i] * scale;
-      attend_token<BS, D>(qs.data(), k_cache, v_cache, block_tables + r * max_blocks, lo, hi,
-                          static_cast<int>(block_size), static_cast<int>(head_dim),
-                          static_cast<int>(num_kv_heads), group, out + t * width, acc.data(),
-                          s.data(), m.data(), l.data(), softcap);
+      attend_token<BS, D, KV>(qs.data(), k_cache, v_cache, block_tables + r * max_blocks, lo, hi,
+                              static_cast<int>(block_size), static_cast<int>(head_dim),
+                              static_cast<int>(num_kv_heads), group, out + t * width, acc.data(),
+                              s.data(), m.data(), l.data(), softcap, v_scale);
     }
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-// Attention for a step whose k/v are already written (softcap 0: no soft-capping). Returns 0, or -1 when the shape is
-// outside what this kernel handles (the caller raises).
-int conveyor_paged_attention_f32(const float* q, const float* k_cache, const float* v_cache,
-                                 const int32_t* block_tables, const int32_t* query_start,
-                                 const int32_t* seq_lens, float* out, int64_t num_rows,
-                                 int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
-                                 int64_t head_dim, int64_t block_size, int64_t window,
-                                 float scale, float softcap) {
+// The shapes specialised at compile time, else the runtime loops. Returns 0, or -1 when the
+// shape is outside what this kernel handles (the caller raises).
+template <typename KV>
+int dispatch(const float* q, const KV* k_cache, const KV* v_cache, const int32_t* block_tables,
+             const int32_t* query_start, const int32_t* seq_lens, float* out, int64_t num_rows,
+             int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+             int64_t block_size, int64_t window, float scale, float softcap, float v_scale) {
   if (num_kv_heads <= 0 || num_heads % num_kv_heads ||
       block_size <= 0 || block_size > kMaxBlock)
     return -1;
-#define CONVEYOR_RUN(BS, DIM)                                                                \
-  run<BS, DIM>(q, k_cache, v_cache, block_tables, query_start, seq_lens, out, num_rows,     \
-               max_blocks, num_heads, num_kv_heads, head_dim, block_size, window, scale, softcap)
+#define CONVEYOR_RUN(BS, DIM)                                                                    \
+  run<BS, DIM, KV>(q, k_cache, v_cache, block_tables, query_start, seq_lens, out, num_rows,     \
+                   max_blocks, num_heads, num_kv_heads, head_dim, block_size, window, scale,     \
+                   softcap, v_scale)
   if (block_size == 16 && head_dim == 32) CONVEYOR_RUN(16, 32);
   else if (block_size == 16 && head_dim == 64) CONVEYOR_RUN(16, 64);
   else if (block_size == 16 && head_dim == 128) CONVEYOR_RUN(16, 128);
@@ -135,25 +137,66 @@ int conveyor_paged_attention_f32(const float* q, const float* k_cache, const flo
   return 0;
 }
 
-// Write a step's new keys and values, k and v [T, Hkv, D], at slot_mapping [T] (block *
-// block_size + offset) in this kernel's block order. Slots are distinct, so tokens are
-// independent.
-void conveyor_write_kv_f32(const float* k, const float* v, float* k_cache, float* v_cache,
-                           const int64_t* slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
-                           int64_t head_dim, int64_t block_size) {
+// k, v [T, Hkv, D] -> the caches at slot_mapping [T] (block * block_size + offset), in this
+// kernel's block order. Slots are distinct, so tokens are independent.
+template <typename KV>
+void write_kv(const KV* k, const KV* v, KV* k_cache, KV* v_cache, const int64_t* slot_mapping,
+              int64_t num_tokens, int64_t num_kv_heads, int64_t head_dim, int64_t block_size) {
   const int64_t tile = block_size * head_dim;
 #pragma omp parallel for if (num_tokens > 256)
   for (int64_t t = 0; t < num_tokens; ++t) {
     const int64_t block = slot_mapping[t] / block_size, off = slot_mapping[t] % block_size;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const float* kt = k + (t * num_kv_heads + h) * head_dim;
-      const float* vt = v + (t * num_kv_heads + h) * head_dim;
-      float* kdst = k_cache + (block * num_kv_heads + h) * tile + off;  // column `off` of [D, bs]
-      float* vdst = v_cache + (block * num_kv_heads + h) * tile + off * head_dim;
+      const KV* kt = k + (t * num_kv_heads + h) * head_dim;
+      const KV* vt = v + (t * num_kv_heads + h) * head_dim;
+      KV* kdst = k_cache + (block * num_kv_heads + h) * tile + off;  // column `off` of [D, bs]
+      KV* vdst = v_cache + (block * num_kv_heads + h) * tile + off * head_dim;
       for (int64_t e = 0; e < head_dim; ++e) kdst[e * block_size] = kt[e];
-      std::memcpy(vdst, vt, head_dim * sizeof(float));
+      std::memcpy(vdst, vt, head_dim * sizeof(KV));
     }
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Attention for a step whose k/v are already written (softcap 0: no soft-capping), over a
+// float32 cache, or one of e4m3 codes (outputs times v_scale). 0, or -1 for a shape it cannot take.
+int conveyor_paged_attention_f32(const float* q, const float* k_cache, const float* v_cache,
+                                 const int32_t* block_tables, const int32_t* query_start,
+                                 const int32_t* seq_lens, float* out, int64_t num_rows,
+                                 int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t block_size, int64_t window,
+                                 float scale, float softcap) {
+  return dispatch<float>(q, k_cache, v_cache, block_tables, query_start, seq_lens, out, num_rows,
+                         max_blocks, num_heads, num_kv_heads, head_dim, block_size, window, scale,
+                         softcap, 1.f);
+}
+
+int conveyor_paged_attention_fp8(const float* q, const uint8_t* k_cache, const uint8_t* v_cache,
+                                 const int32_t* block_tables, const int32_t* query_start,
+                                 const int32_t* seq_lens, float* out, int64_t num_rows,
+                                 int64_t max_blocks, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t block_size, int64_t window,
+                                 float scale, float softcap, float v_scale) {
+  return dispatch<uint8_t>(q, k_cache, v_cache, block_tables, query_start, seq_lens, out,
+                           num_rows, max_blocks, num_heads, num_kv_heads, head_dim, block_size,
+                           window, scale, softcap, v_scale);
+}
+
+// Write a step's new keys and values, k and v [T, Hkv, D] (float32, or e4m3 codes), in this
+// kernel's block order.
+void conveyor_write_kv_f32(const float* k, const float* v, float* k_cache, float* v_cache,
+                           const int64_t* slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
+                           int64_t head_dim, int64_t block_size) {
+  write_kv<float>(k, v, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim, block_size);
+}
+
+void conveyor_write_kv_u8(const uint8_t* k, const uint8_t* v, uint8_t* k_cache, uint8_t* v_cache,
+                          const int64_t* slot_mapping, int64_t num_tokens, int64_t num_kv_heads,
+                          int64_t head_dim, int64_t block_size) {
+  write_kv<uint8_t>(k, v, k_cache, v_cache, slot_mapping, num_tokens, num_kv_heads, head_dim, block_size);
 }
 
 }  // extern "C"

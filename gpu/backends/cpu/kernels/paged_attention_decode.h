@@ -1,10 +1,12 @@
 // Paged attention's decode path: one query token, every head, streamed through its context
-// with an online softmax (paged_attention.cpp says the cache layout and the rows).
+// with an online softmax (paged_attention.cpp says the cache layout and the rows). KV is the
+// cache's element: float, or uint8_t for fp8 e4m3 codes (read by vector_math.h's overloads).
 
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "vector_math.h"
 
@@ -12,6 +14,10 @@ namespace {
 
 constexpr int kMaxBlock = 256;
 constexpr int kPrefetchBlocks = 2;  // how far ahead in a block table to prefetch
+
+inline void prefetch_line(const void* base, int64_t line) {
+  __builtin_prefetch(static_cast<const char*>(base) + line * kLineBytes, 0, 1);
+}
 
 // One query head against one (block, kv head) tile, when BS and D are compile-time multiples of
 // 16: the scores of the block's keys, the online-softmax update of (m, l), and the value update
@@ -26,20 +32,21 @@ constexpr int kPrefetchBlocks = 2;  // how far ahead in a block table to prefetc
 //    before the value update, so loads and arithmetic overlap.
 //  - The dot products were one chain of D dependent FMAs into one score vector; they run in
 //    four independent partial sums here, the value update in two.
-template <int BS, int D>
+// KV types the later tile (the cache's element: it sets how many lines to prefetch); the tile
+// itself is floats (an fp8 one widened by the caller).
+template <int BS, int D, typename KV>
 inline void attend_tile(const float* __restrict qh, const float* __restrict kt,
                         const float* __restrict vt, int i0, int i1, float* __restrict a,
                         float* __restrict m, float* __restrict l, float* __restrict p,
-                        const float* pk, const float* pv, float softcap) {
+                        const KV* pk, const KV* pv, float softcap) {
   constexpr int NB = BS / kLanes, ND = D / kLanes;
-  constexpr int kLines = BS * D / kLineFloats;  // 64-byte lines in a K (or V) tile
+  constexpr int kLines = BS * D * static_cast<int>(sizeof(KV)) / kLineBytes;  // lines in a K (or V) tile
   v16 s[NB][4];
   for (int nb = 0; nb < NB; ++nb)
     for (int u = 0; u < 4; ++u) s[nb][u] = v16{};
   for (int e = 0; e < D; e += 4) {
     if (pk) {  // kLines / D * 4 lines of the later K tile per step of 4 dimensions
-      for (int c = e * kLines / D; c < (e + 4) * kLines / D; ++c)
-        __builtin_prefetch(pk + c * kLineFloats, 0, 1);
+      for (int c = e * kLines / D; c < (e + 4) * kLines / D; ++c) prefetch_line(pk, c);
     }
     for (int u = 0; u < 4; ++u) {
       const float qe = qh[e + u];
@@ -71,7 +78,7 @@ inline void attend_tile(const float* __restrict qh, const float* __restrict kt,
     if constexpr (NS == 2) acc[dv][NS - 1] = v16{};
   }
   if (pv) {
-    for (int c = 0; c < kLines; ++c) __builtin_prefetch(pv + c * kLineFloats, 0, 1);
+    for (int c = 0; c < kLines; ++c) prefetch_line(pv, c);
   }
   if (full) {
     for (int i = 0; i < BS; ++i)
@@ -83,17 +90,17 @@ inline void attend_tile(const float* __restrict qh, const float* __restrict kt,
   for (int dv = 0; dv < ND; ++dv) store16(a + dv * kLanes, NS == 2 ? acc[dv][0] + acc[dv][NS - 1] : acc[dv][0]);
 }
 
-// One query token, every head: q [Hq, D] pre-scaled -> out [Hq, D]. Query heads h * group ..
-// h * group + group - 1 read kv head h. A block's tiles for all heads are adjacent, so the token
-// walks its context as one stream of whole blocks. BS and D are compile-time where specialised
-// (0: read the runtime value).
-template <int BS, int D>
-void attend_token(const float* __restrict q, const float* __restrict k_cache,
-                  const float* __restrict v_cache, const int32_t* __restrict table, int64_t lo,
+// One query token, every head: q [Hq, D] pre-scaled -> out [Hq, D], times v_scale. Query heads
+// h * group .. h * group + group - 1 read kv head h. A block's tiles for all heads are adjacent,
+// so the token walks its context as one stream of whole blocks. BS and D are compile-time where
+// specialised (0: read the runtime value).
+template <int BS, int D, typename KV>
+void attend_token(const float* __restrict q, const KV* __restrict k_cache,
+                  const KV* __restrict v_cache, const int32_t* __restrict table, int64_t lo,
                   int64_t hi, int bs_rt, int d_rt, int num_kv_heads, int group,
                   float* __restrict out, float* __restrict acc /* [Hq, D] */,
                   float* __restrict s /* [Hq, kMaxBlock] */, float* __restrict m,
-                  float* __restrict l /* [Hq] each */, float softcap) {
+                  float* __restrict l /* [Hq] each */, float softcap, float v_scale) {
   const int bs = BS > 0 ? BS : bs_rt;
   const int d = D > 0 ? D : d_rt;
   const int num_heads = num_kv_heads * group;
@@ -113,22 +120,36 @@ void attend_token(const float* __restrict q, const float* __restrict k_cache,
     const int i0 = static_cast<int>(std::max<int64_t>(lo - first, 0));
     const int i1 = static_cast<int>(std::min<int64_t>(hi - first, bs));
     for (int kvh = 0; kvh < num_kv_heads; ++kvh) {
-      const float* kt = k_cache + block * block_stride + kvh * tile;  // [D, bs]
-      const float* vt = v_cache + block * block_stride + kvh * tile;  // [bs, D]
+      const KV* kt = k_cache + block * block_stride + kvh * tile;  // [D, bs]
+      const KV* vt = v_cache + block * block_stride + kvh * tile;  // [bs, D]
       if constexpr (BS > 0 && D > 0 && BS % kLanes == 0 && D % kLanes == 0) {
-        const float* pk = ahead >= 0 ? k_cache + ahead + kvh * tile : nullptr;
-        const float* pv = ahead >= 0 ? v_cache + ahead + kvh * tile : nullptr;
+        const KV* pk = ahead >= 0 ? k_cache + ahead + kvh * tile : nullptr;
+        const KV* pv = ahead >= 0 ? v_cache + ahead + kvh * tile : nullptr;
+        // An fp8 tile is widened once, into L1, for the group's query heads to share: converted
+        // per head, SmolLM2's 3 heads per kv head made decode slower than the float32 cache's.
+        alignas(64) float kbuf[std::is_same_v<KV, float> ? 1 : BS * D];
+        alignas(64) float vbuf[std::is_same_v<KV, float> ? 1 : BS * D];
+        const float *ktf, *vtf;
+        if constexpr (std::is_same_v<KV, float>) {
+          ktf = kt, vtf = vt;
+        } else {
+          for (int i = 0; i < BS * D; i += kLanes) {
+            store16(kbuf + i, load16(kt + i));
+            store16(vbuf + i, load16(vt + i));
+          }
+          ktf = kbuf, vtf = vbuf;
+        }
         for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
           const bool first_head = h == kvh * group;
-          attend_tile<BS, D>(q + h * d, kt, vt, i0, i1, acc + h * d, m + h, l + h, s + h * kMaxBlock,
-                             first_head ? pk : nullptr, first_head ? pv : nullptr, softcap);
+          attend_tile<BS, D, KV>(q + h * d, ktf, vtf, i0, i1, acc + h * d, m + h, l + h, s + h * kMaxBlock,
+                                 first_head ? pk : nullptr, first_head ? pv : nullptr, softcap);
         }
         continue;
       }
       if (ahead >= 0) {  // other shapes: the later tile in one burst
-        for (int64_t c = 0; c < tile; c += kLineFloats) {
-          __builtin_prefetch(k_cache + ahead + kvh * tile + c, 0, 1);
-          __builtin_prefetch(v_cache + ahead + kvh * tile + c, 0, 1);
+        for (int64_t c = 0; c * kLineBytes < tile * static_cast<int64_t>(sizeof(KV)); ++c) {
+          prefetch_line(k_cache + ahead + kvh * tile, c);
+          prefetch_line(v_cache + ahead + kvh * tile, c);
         }
       }
       for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
@@ -138,9 +159,9 @@ void attend_token(const float* __restrict q, const float* __restrict k_cache,
         for (int i = 0; i < bs; ++i) sh[i] = 0.f;
         for (int e = 0; e < d; ++e) {
           const float qe = qh[e];
-          const float* krow = kt + e * bs;
+          const KV* krow = kt + e * bs;
 #pragma omp simd
-          for (int i = 0; i < bs; ++i) sh[i] += qe * krow[i];
+          for (int i = 0; i < bs; ++i) sh[i] += qe * kv_value(krow[i]);
         }
         if (softcap > 0.f) {
           for (int i = 0; i < bs; ++i) sh[i] = softcap * std::tanh(sh[i] / softcap);
@@ -165,15 +186,15 @@ void attend_token(const float* __restrict q, const float* __restrict k_cache,
         }
         for (int i = i0; i < i1; ++i) {
           const float w = sh[i];
-          const float* v = vt + i * d;
+          const KV* v = vt + i * d;
 #pragma omp simd
-          for (int e = 0; e < d; ++e) a[e] += w * v[e];
+          for (int e = 0; e < d; ++e) a[e] += w * kv_value(v[e]);
         }
       }
     }
   }
   for (int h = 0; h < num_heads; ++h) {
-    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;  // an empty context gives zeros, not NaN
+    const float inv = l[h] > 0.f ? v_scale / l[h] : 0.f;  // an empty context gives zeros, not NaN
     float* o = out + h * d;
     const float* a = acc + h * d;
 #pragma omp simd

@@ -40,13 +40,14 @@ struct QueryState {
   int64_t lo, hi;  // visible key positions [lo, hi)
 };
 
-// NQ query vectors of kv head kvh over key positions [lo, hi), the union of their contexts.
-// p: scratch, at least NQ * (hi - lo + 2 * BS) floats.
-template <int BS, int D, int NQ>
-void attend_queries(const QueryState* qs, const float* __restrict k_cache,
-                    const float* __restrict v_cache, const int32_t* __restrict table,
+// NQ query vectors of kv head kvh over key positions [lo, hi), the union of their contexts;
+// outputs times v_scale. p: scratch, at least NQ * (hi - lo + 2 * BS) floats. KV: the cache's
+// element (float, or uint8_t fp8 codes).
+template <int BS, int D, int NQ, typename KV>
+void attend_queries(const QueryState* qs, const KV* __restrict k_cache,
+                    const KV* __restrict v_cache, const int32_t* __restrict table,
                     int64_t block_stride, int64_t kv_offset, int64_t lo, int64_t hi,
-                    float* __restrict p, float softcap) {
+                    float* __restrict p, float softcap, float v_scale) {
   constexpr int NB = BS / kLanes, ND = D / kLanes;
   const int64_t first0 = lo - lo % BS;
   const int64_t span = (hi - first0 + BS - 1) / BS * BS;  // scratch row length, whole blocks
@@ -55,7 +56,7 @@ void attend_queries(const QueryState* qs, const float* __restrict k_cache,
 
   // 1. Scores.
   for (int64_t first = first0; first < hi; first += BS) {
-    const float* kt = k_cache + table[first / BS] * block_stride + kv_offset;  // [D, BS]
+    const KV* kt = k_cache + table[first / BS] * block_stride + kv_offset;  // [D, BS]
     v16 s[NQ][NB];
     for (int j = 0; j < NQ; ++j)
       for (int nb = 0; nb < NB; ++nb) s[j][nb] = v16{};
@@ -86,7 +87,7 @@ void attend_queries(const QueryState* qs, const float* __restrict k_cache,
     float m = kNegBig;
     for (int i = 0; i < kLanes; ++i) m = std::max(m, mx[j][i]);
     const float sum = exp_and_sum(p + j * span, span, m);
-    inv_sum[j] = sum > 0.f ? 1.f / sum : 0.f;
+    inv_sum[j] = sum > 0.f ? v_scale / sum : 0.f;
   }
 
   // 3. Values.
@@ -94,7 +95,7 @@ void attend_queries(const QueryState* qs, const float* __restrict k_cache,
   for (int j = 0; j < NQ; ++j)
     for (int dv = 0; dv < ND; ++dv) acc[j][dv] = v16{};
   for (int64_t first = first0; first < hi; first += BS) {
-    const float* vt = v_cache + table[first / BS] * block_stride + kv_offset;  // [BS, D]
+    const KV* vt = v_cache + table[first / BS] * block_stride + kv_offset;  // [BS, D]
     const float* pb = p + (first - first0);
     for (int i = 0; i < BS; ++i) {
       for (int dv = 0; dv < ND; ++dv) {
@@ -109,12 +110,12 @@ void attend_queries(const QueryState* qs, const float* __restrict k_cache,
 
 // Tokens [t0, t0 + n) of row r (consecutive positions pos0 ..), every head: per kv head, the
 // (token, head in its group) pairs in chunks of kTileQueries.
-template <int BS, int D>
+template <int BS, int D, typename KV>
 void attend_token_tile(const float* q, int64_t t0, int n, int64_t pos0, int64_t window,
-                       float scale, const float* k_cache, const float* v_cache,
+                       float scale, const KV* k_cache, const KV* v_cache,
                        const int32_t* table, int num_kv_heads, int group, float* out,
                        std::vector<float>& qbuf, std::vector<QueryState>& states,
-                       std::vector<float>& pbuf, float softcap) {
+                       std::vector<float>& pbuf, float softcap, float v_scale) {
   const int num_heads = num_kv_heads * group;
   const int64_t width = static_cast<int64_t>(num_heads) * D;
   const int64_t tile = static_cast<int64_t>(BS) * D;
@@ -145,8 +146,8 @@ void attend_token_tile(const float* q, int64_t t0, int n, int64_t pos0, int64_t 
 #define CONVEYOR_QUERIES(NQ)                                                                     \
   case NQ:                                                                                       \
     if constexpr (NQ <= kTileQueries)                                                            \
-      attend_queries<BS, D, NQ>(chunk, k_cache, v_cache, table, stride, offset, lo, hi, pb,    \
-                                softcap);                                                        \
+      attend_queries<BS, D, NQ, KV>(chunk, k_cache, v_cache, table, stride, offset, lo, hi, pb, \
+                                    softcap, v_scale);                                           \
     break;
         CONVEYOR_QUERIES(8) CONVEYOR_QUERIES(7) CONVEYOR_QUERIES(6) CONVEYOR_QUERIES(5)
         CONVEYOR_QUERIES(4) CONVEYOR_QUERIES(3) CONVEYOR_QUERIES(2) CONVEYOR_QUERIES(1)
