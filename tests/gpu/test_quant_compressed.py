@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conveyor.config import ConfigError
 from conveyor.config.quant import QuantConfig
@@ -137,11 +137,29 @@ def test_configs_it_cannot_serve_are_named(checkpoints, tmp_path):
     assert "format 'sparse-24-bitmask' is not served" in refusal(
         with_config(path, tmp_path / "sparse", format="sparse-24-bitmask", config_groups={"group_0": {**group, "format": None}})
     )
-    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
-    assert "kv_cache_scheme is not served" in refusal(with_config(path, tmp_path / "kv", kv_cache_scheme=kv))
+    kv = {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    assert "kv_cache_scheme is not served (only FP8" in refusal(with_config(path, tmp_path / "kv", kv_cache_scheme=kv))
     assert "no config group of quantization_config targets it" in refusal(
         with_config(path, tmp_path / "ignored", ignore=["lm_head", "re:.*down_proj$"])
     )
+
+
+def test_an_fp8_kv_cache_scheme_gives_the_fp8_cache_its_scales(checkpoints, tmp_path):
+    """An FP8 kv_cache_scheme is served: its output scales reach the attention layers under
+    --kv-cache-dtype fp8."""
+    from conveyor.gpu.backends import select
+
+    path = checkpoints["w4a16-group-asym"]
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    target = with_config(path, tmp_path / "kv", kv_cache_scheme=kv)
+    tensors = load_file(target / WEIGHTS)
+    tensors["model.layers.0.self_attn.k_proj.output_scale"] = torch.tensor([0.5])
+    tensors["model.layers.0.self_attn.v_proj.output_scale"] = torch.tensor([0.25])
+    save_file(tensors, target / WEIGHTS, metadata={"format": "pt"})
+    config = read_model_config(target)
+    model = load_model(config, "cpu", select("torch", "cpu", config, "float8_e4m3fn"))
+    scales = model.model.layers[0].self_attn.kv_scales
+    assert (scales.k, scales.v) == (0.5, 0.25)
 
 
 def test_a_mismatched_scale_names_the_tensor(checkpoints, tmp_path):

@@ -17,7 +17,9 @@ Activations are not quantized here: W8A8 checkpoints (int8 or FP8 inputs, dynami
 static with an input_scale, which is dropped) serve as weight-only on the torch ops, as
 transformers' `dequantize=True` load computes them (a backend that multiplies e4m3 weights in FP8
 quantizes activations its own way). Anything else (another format, other bit widths, output
-activations, sparsity, transforms, a kv_cache_scheme) is one ConfigError naming it.
+activations, sparsity, transforms, a kv_cache_scheme other than FP8's) is one ConfigError naming it.
+An FP8 kv_cache_scheme's `k_proj/v_proj.output_scale` tensors are the KV cache's per-layer scales
+under `--kv-cache-dtype fp8` (gpu/quant/kv_scales.py reads them; without it they are unused).
 """
 
 from __future__ import annotations
@@ -124,9 +126,12 @@ def parse(spec: dict[str, Any]) -> Any:
         raise ConfigError(
             "compressed-tensors checkpoints are read by the compressed-tensors package: pip install 'conveyor[compressed-tensors]'"
         ) from None
-    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
-        if spec.get(key):  # sparse-24 weights, Hadamard rotations, KV cache scales
+    for key in ("sparsity_config", "transform_config"):
+        if spec.get(key):  # sparse-24 weights, Hadamard rotations
             raise ConfigError(f"compressed-tensors quantization_config {key} is not served: {spec[key]}")
+    kv = spec.get("kv_cache_scheme")
+    if kv and (kv.get("type") != "float" or kv.get("num_bits") != 8 or kv.get("strategy", "tensor") != "tensor"):
+        raise ConfigError(f"compressed-tensors kv_cache_scheme is not served (only FP8 with a scale per layer): {kv}")
     try:
         return QuantizationConfig.model_validate(spec)
     except (ValidationError, ValueError, KeyError, NotImplementedError) as e:
