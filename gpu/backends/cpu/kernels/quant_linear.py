@@ -31,9 +31,13 @@ GROUP_MULTIPLE = {"u4": 32, "u8": 16, "e4m3": 16}  # the decoders' chunk of inpu
 # step: 8, 15 or 22 bits per block of 32) and multiply the codes as bytes; dequantize decodes a
 # slice of W at a time into a float scratch for torch's GEMM. Values: the C enum Path.
 PATHS = {"direct": 0, "int8": 2, "int8x2": 3, "int8x3": 4, "dequantize": -1}
+_DIRECT, _DEQUANTIZE = PATHS["direct"], PATHS["dequantize"]
 MAX_ROWS = 4096  # a step's rows: the cpu backend's largest token budget
-INT8_MAX_ROWS = 8  # steps of at most this many rows take an int8 path (u4, u8)
-DEQUANTIZE_MIN_ROWS = 16  # steps of at least this many rows take torch's GEMM on a float scratch
+# Where the paths cross, on this 2-core AVX-512 Xeon (SmolLM2's shapes, medians of interleaved
+# runs; gate 1536 x 576 u4, us): 16 rows int8x3 424, direct 425, dequantize 478; 32 rows 917,
+# 851, 641. The int8 paths take up to 16 rows (direct where they cannot), dequantize the rest.
+INT8_MAX_ROWS = 16
+DEQUANTIZE_MIN_ROWS = 17
 SCRATCH_FLOATS = 1 << 20  # 4 MB: the float slice of W decoded at a time (a whole SmolLM2 layer)
 # x's planes for the int8 paths. One plane (llama.cpp's Q8_1 precision) changed SmolLM2 Q4_1's
 # greedy text within 5 to 40 tokens on 5 of 6 prompts; three keep x to 22 bits per block, about
@@ -94,20 +98,23 @@ class CpuQuantLinear:
 
     def __call__(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
         """x [M, K] float32 contiguous, weight (supports) [N, K], bias [N] float32 contiguous or
-        None -> [M, N]. path: force one of PATHS (tests, benchmarks); None: by the row count."""
-        prepared = weight.prepared if isinstance(weight.prepared, QuantArgs) else self.prepare(weight)
-        n, k = prepared.shape
-        rows = x.shape[0]
-        if x.shape[1] != k or (bias is not None and bias.shape[0] != n):
-            raise ValueError(f"quant_linear: x {tuple(x.shape)}, weight [{n}, {k}] do not match")
+        None -> [M, N]. path: force one of PATHS (tests, benchmarks); None: by the row count.
+        Lean on purpose: a decode step of SmolLM2 makes 211 of these calls."""
+        prepared = weight.prepared
+        if prepared.__class__ is not QuantArgs:
+            prepared = self.prepare(weight)
+        rows, k = x.shape
+        n = prepared.shape[0]
+        if k != prepared.shape[1] or (bias is not None and bias.shape[0] != n):
+            raise ValueError(f"quant_linear: x {tuple(x.shape)}, weight {prepared.shape} do not match")
         if prepared.perm is not None:
             x = x.index_select(1, prepared.perm)
         if path is not None:
             code = PATHS[path]
-        elif rows <= INT8_MAX_ROWS and prepared.int8:
-            code = self.int8_path
+        elif rows <= INT8_MAX_ROWS:
+            code = self.int8_path if prepared.int8 else _DIRECT
         else:
-            code = PATHS["dequantize"] if rows >= DEQUANTIZE_MIN_ROWS else PATHS["direct"]
+            code = _DEQUANTIZE if rows >= DEQUANTIZE_MIN_ROWS else _DIRECT
         if code < 0:
             return self._gemm(x, prepared, bias)
         y = torch.empty(rows, n, dtype=torch.float32)
