@@ -45,6 +45,7 @@ BUILDS = {
 
 
 def build(name: str) -> CpuQuantLinear:
+    assert NATIVE is not None
     if name == "native":
         return NATIVE
     if "avx512f" not in CPU_FLAGS or (name == "avx2-maddubs" and "avx_vnni" not in CPU_FLAGS):
@@ -173,7 +174,8 @@ class Block(nn.Module):
         super().__init__()
         self.first, self.second = Linear(64, 48, True, ops), Linear(64, 48, False, ops)
         for layer, w in ((self.first, first), (self.second, second)):
-            layer.weight, layer.quantized = None, w
+            layer.register_parameter("weight", None)  # as gpu/quant/load.py leaves it
+            layer.quantized = w
 
 
 def test_cpu_ops_prepare_and_take_the_layers_they_support():
@@ -203,9 +205,9 @@ def test_the_tiny_model_decodes_the_torch_backends_tokens(monkeypatch):
     call = CpuQuantLinear.__call__
     monkeypatch.setattr(CpuQuantLinear, "__call__", lambda self, x, *a, **k: calls.append(x.shape[0]) or call(self, x, *a, **k))
     prompts = ["Hello, my name is", "The capital of France is", "1 2 3 4", "a"]
-    tokens = {}
+    greedy, tokens = SamplingParams(max_tokens=24, temperature=0), {}
     for backend in ("torch", "cpu"):
-        outputs = LLM("tiny", quantization="int8", attention_backend=backend).generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+        outputs = LLM("tiny", quantization="int8", attention_backend=backend).generate(prompts, greedy)
         tokens[backend] = [o.outputs[0].token_ids for o in outputs]
     assert tokens["cpu"] == tokens["torch"]
     assert min(calls) <= qlm.INT8_MAX_ROWS < max(calls)  # both kinds of step went through the kernel

@@ -11,9 +11,10 @@ Only what torch does badly on a CPU lives here, float32 only:
   activations against the codes for a few rows, float tiles decoded once per chunk of many.
 packed_linear.py is not C++: it holds the same narrow layers' weights in oneDNN's blocked
 layout, for steps of many rows (prefill), through ops torch already ships.
-`paged_attention_kernel()`, `cpu_fused_ops()`, `cpu_small_linear()` and `cpu_quant_linear()` return None when their library is unavailable
-(no compiler, a failed build, CONVEYOR_CPU_KERNELS=0); the cpu backend (gpu/backends/cpu), their
-only caller, then uses the torch backend's paths, which compute the same functions.
+`paged_attention_kernel()`, `cpu_fused_ops()`, `cpu_small_linear()` and `cpu_quant_linear()` return
+None when their library is unavailable (no compiler, a failed build, CONVEYOR_CPU_KERNELS=0); the
+cpu backend (gpu/backends/cpu), their only caller, then uses the torch backend's paths, which
+compute the same functions.
 """
 
 from conveyor.gpu.backends.cpu.kernels.fused_ops import CpuFusedOps, cpu_fused_ops

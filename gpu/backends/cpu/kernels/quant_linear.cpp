@@ -19,7 +19,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
 
 #include "quant_decode.h"
 #include "quant_int8.h"
