@@ -80,14 +80,13 @@ class CpuOps(TorchOps):
         return F.linear(x, layer.weight, layer.bias)
 
     def quant_linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        # prepared: the kernel takes the weight, on the CPU (x then is too, or torch refuses it)
+        # prepared: the kernel takes the weight (on the CPU, see prepare)
         if (
             self.quant is not None
             and isinstance(weight.prepared, QuantArgs)
-            and x.dtype == torch.float32
             and x.dim() == 2
-            and x.is_contiguous()
             and x.shape[0] <= QUANT_MAX_ROWS
+            and supports(x)
             and (bias is None or supports(bias))
         ):
             return self.quant(x, weight, bias)
