@@ -3,7 +3,7 @@
 `cpu_backend(model, device)` puts together what this machine can run: the paged attention
 kernel (cpu/attention.py), the fused elementwise ops and, where it pays on this CPU
 (`pays_on_this_cpu`: AVX-512, or AVX2 for steps of up to 128 rows), the narrow-linear kernel with
-oneDNN's packed weights where they pay (AVX-512)
+oneDNN's packed weights where they pay (AVX-512), and the quantized-linear kernel
 (cpu/ops.py). A piece whose library cannot be built is replaced by torch's; with none of them,
 or on another device or dtype, it raises BackendUnavailable with the reason, and `select` falls
 back to the torch backend with a warning.
@@ -16,7 +16,7 @@ import torch
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends.base import AttentionBackend, Backend, BackendUnavailable
 from conveyor.gpu.backends.cpu.attention import CpuAttention
-from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
+from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops, cpu_quant_linear, cpu_small_linear, paged_attention_kernel
 from conveyor.gpu.backends.cpu.kernels.small_linear import CpuSmallLinear, pays_on_this_cpu
 from conveyor.gpu.backends.cpu.ops import CpuOps
 from conveyor.gpu.backends.torch import TorchAttention
@@ -41,7 +41,10 @@ def cpu_backend(model: ModelConfig, device: torch.device, kv_dtype: str | None =
         "fused ops" if fused is not None else "torch elementwise ops",
         _linears(small_linear),
     ]
-    return Backend(name="cpu", attn=attn, ops=CpuOps(fused, small_linear), description=f"cpu ({', '.join(parts)})")
+    quant = cpu_quant_linear()
+    parts.append("C++ quantized linears" if quant is not None else "reference quantized linears")
+    ops = CpuOps(fused, small_linear, quant)
+    return Backend(name="cpu", attn=attn, ops=ops, description=f"cpu ({', '.join(parts)})")
 
 
 def _linears(small: CpuSmallLinear | None) -> str:

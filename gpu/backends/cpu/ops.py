@@ -3,6 +3,9 @@ CPU tensors, torch's (TorchOps) for anything else.
 
 - RMSNorm (+ residual add), rotary, SiLU * up: one C++ pass each (fused_ops.cpp), where every
   tensor is float32, contiguous and on the CPU (`supports`).
+- quant_linear: a quantized layer's product read packed by quant_linear.cpp where it takes the
+  weight (`CpuQuantLinear.supports`); `prepare` gives each such QuantizedWeight its C arguments
+  as `prepared`. Otherwise the reference (dequantize + F.linear).
 - linear: for the layers small_linear.cpp supports (at most 1024 input features: small models),
   `prepare` moves each weight's storage to [in, out] (the kernel reads it transposed), leaving
   `weight` a transposed view of it so torch's GEMM serves what the kernel does not take, and
@@ -22,9 +25,12 @@ from torch import nn
 from conveyor.gpu.backends.base import LinearLayer
 from conveyor.gpu.backends.cpu.kernels import packed_linear as packed
 from conveyor.gpu.backends.cpu.kernels.fused_ops import CpuFusedOps, supports
+from conveyor.gpu.backends.cpu.kernels.quant_linear import MAX_ROWS as QUANT_MAX_ROWS
+from conveyor.gpu.backends.cpu.kernels.quant_linear import CpuQuantLinear, QuantArgs
 from conveyor.gpu.backends.cpu.kernels.small_linear import CpuSmallLinear
 from conveyor.gpu.backends.torch.ops import TorchOps
 from conveyor.gpu.models.llama import Linear
+from conveyor.gpu.quant.weight import QuantizedWeight
 
 
 @dataclasses.dataclass
@@ -36,18 +42,23 @@ class SmallLinearWeight:
 
 class CpuOps(TorchOps):
     """fused: the C++ elementwise ops (None: torch's); small_linear: the narrow-linear kernel
-    (None: every linear is torch's GEMM on the weight as loaded)."""
+    (None: every linear is torch's GEMM on the weight as loaded); quant: the quantized-linear
+    kernel (None: the reference)."""
 
     name = "cpu"
 
-    def __init__(self, fused: CpuFusedOps | None, small_linear: CpuSmallLinear | None) -> None:
+    def __init__(self, fused: CpuFusedOps | None, small_linear: CpuSmallLinear | None, quant: CpuQuantLinear | None = None) -> None:
         self.fused = fused
         self.small_linear = small_linear
+        self.quant = quant
 
     def prepare(self, model: nn.Module) -> None:
-        small = self.small_linear
+        small, quant = self.small_linear, self.quant
         tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) and m.weight is not None}
         for layer in model.modules():
+            weight = getattr(layer, "quantized", None)
+            if isinstance(weight, QuantizedWeight) and quant is not None and quant.supports(weight):
+                weight.prepared = quant.prepare(weight)  # a tied head's is its embedding's: prepared twice, alike
             if not isinstance(layer, Linear) or layer.weight is None or id(layer.weight) in tied:
                 continue  # a quantized layer (weight None) is read packed by quant_linear
             weight_t = layer.weight.data.t().contiguous()  # no copy when already moved
@@ -67,6 +78,19 @@ class CpuOps(TorchOps):
             if x.shape[0] <= small.max_rows:
                 return small(x, layer.weight.t(), layer.bias)
         return F.linear(x, layer.weight, layer.bias)
+
+    def quant_linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        # prepared: the kernel takes the weight (on the CPU, see prepare)
+        if (
+            self.quant is not None
+            and isinstance(weight.prepared, QuantArgs)
+            and x.dim() == 2
+            and x.shape[0] <= QUANT_MAX_ROWS
+            and supports(x)
+            and (bias is None or supports(bias))
+        ):
+            return self.quant(x, weight, bias)
+        return super().quant_linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.fused is not None and supports(x):

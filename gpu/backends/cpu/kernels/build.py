@@ -36,25 +36,27 @@ BUILD_TIMEOUT_S = 120
 
 
 @functools.cache
-def load_library(name: str) -> ctypes.CDLL | None:
+def load_library(name: str, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled `name`.cpp of this package, or None (logged once per name) where it cannot
-    be had: CONVEYOR_CPU_KERNELS=0, no compiler, a failed build. Callers then use torch."""
+    be had: CONVEYOR_CPU_KERNELS=0, no compiler, a failed build. Callers then use torch.
+    extra_flags follow -march=native: the tests build an AVX-512 machine's AVX2 variant with
+    ("-mno-avx512f",), so that both widths are checked where one of them runs."""
     if not env.cpu_kernels_enabled():
         return None
     try:
-        return ctypes.CDLL(str(_build(Path(__file__).with_name(f"{name}.cpp"))))
+        return ctypes.CDLL(str(_build(Path(__file__).with_name(f"{name}.cpp"), extra_flags)))
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("CPU kernels %s unavailable, using the torch path: %s", name, exc)
         return None
 
 
-def _build(source: Path) -> Path:
+def _build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (set CXX, or install g++)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256()
-    flags = " ".join(COMPILE_FLAGS + LINK_FLAGS)
+    flags = " ".join(COMPILE_FLAGS + extra_flags + LINK_FLAGS)
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the sources include
     for part in (source.read_bytes(), *headers, flags.encode(), version.encode(), _cpu_flags().encode()):
         key.update(part)
@@ -66,7 +68,7 @@ def _build(source: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{source.stem}-") as tmp:
         obj, lib = os.path.join(tmp, "kernel.o"), os.path.join(tmp, "kernel.so")
-        for command in ([compiler, *COMPILE_FLAGS, str(source), "-o", obj], [compiler, *LINK_FLAGS, obj, "-o", lib]):
+        for command in ([compiler, *COMPILE_FLAGS, *extra_flags, str(source), "-o", obj], [compiler, *LINK_FLAGS, obj, "-o", lib]):
             done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
             if done.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")

@@ -1,0 +1,251 @@
+// y = x W^T (+ bias) with W a QuantizedWeight read packed (gpu/quant/weight.py; the ctypes face
+// and the choice of path: quant_linear.py):
+//   w[n, k] = code[n, k] * scales[n, k / G] + mins[n, k / G]
+//
+// Three ways, for three sizes of step:
+// - int8 (quant_int8.h), for few rows (decode): x quantized to int8 planes once per call, the
+//   codes multiplied as bytes, W's codes streamed once; memory-bound on a one-row step.
+// - direct, the same few rows where there is no int8 path (e4m3; a build without AVX2): each
+//   chunk of codes decoded into float registers (quant_decode.h), scaled by one FMA that folds
+//   scale and min, and used by every row of x of the pass (`block`: MB rows x NB outputs).
+// - dequantize, for many rows (prefill): rows of W decoded into the caller's float scratch, a
+//   bounded slice at a time, for torch's GEMM (quant_linear.py). Decoding is N x K work, the
+//   GEMM M x N x K: at 512 rows and more it costs a few percent, and no hand-written kernel
+//   here matched torch's GEMM (a register-blocked tile kernel ran 1.5x slower on this machine).
+// Sums are reassociated (-ffast-math): results differ from F.linear on the dequantized weight
+// in the last bits, as two BLAS builds would.
+//
+// C ABI for ctypes; the OpenMP pool is torch's (see build.py).
+
+#include <algorithm>
+#include <cstdint>
+
+#include "quant_decode.h"
+#include "quant_int8.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kMB = 4, kNB = 4;  // MB x NB accumulators, NB x 2 weight vectors and their scales: <= 32 zmm
+#else
+constexpr int kMB = 3, kNB = 2;  // <= 16 ymm
+#endif
+constexpr int64_t kSerialMacs = 1 << 15;  // below this, one thread: waking the second costs more
+
+struct Weight {
+  const uint8_t* q;  // row n's codes at q + n * row_bytes
+  int64_t row_bytes;
+  const float* scales;  // [N, K / G]
+  const float* mins;    // [N, K / G] or null (zero)
+  int64_t K, G;
+};
+
+#if !defined(CONVEYOR_INT8)  // quant_int8_isa.h has x86's (v16 is its fvec)
+inline float hsum(v16 v) {
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += v[l];
+  return s;
+}
+#endif
+
+// y[m, n0 + n] = x[m] . w[n0 + n] (+ bias[n0 + n]) for m < MB, n < NB; x rows K apart, y rows ldy.
+template <class D, int MB, int NB>
+void block(const float* __restrict x, const Weight& w, int64_t n0, const float* __restrict bias,
+           float* __restrict y, int64_t ldy) {
+  v16 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) acc[m][n] = v16{};
+  const int64_t K = w.K, groups = K / w.G;
+  const uint8_t* q = w.q + n0 * w.row_bytes;
+  for (int64_t g = 0; g < groups; ++g) {
+    float s[NB], mn[NB];
+    for (int n = 0; n < NB; ++n) {
+      s[n] = w.scales[(n0 + n) * groups + g];
+      mn[n] = w.mins ? w.mins[(n0 + n) * groups + g] : 0.f;
+    }
+    for (int64_t k = g * w.G; k < (g + 1) * w.G; k += D::kInputs) {
+      const uint8_t* chunk = q + k / D::kInputs * D::kBytes;
+      for (int p = 0; p < D::kParts; ++p) {
+        v16 wv[NB][D::kVecs];
+        for (int n = 0; n < NB; ++n) {
+          D::decode(chunk + n * w.row_bytes, p, wv[n]);
+          for (int j = 0; j < D::kVecs; ++j) wv[n][j] = wv[n][j] * s[n] + mn[n];
+        }
+        for (int m = 0; m < MB; ++m)
+          for (int j = 0; j < D::kVecs; ++j) {
+            const v16 xv = load16(x + m * K + k + D::offset(p, j));
+            for (int n = 0; n < NB; ++n) acc[m][n] += wv[n][j] * xv;
+          }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int n = 0; n < NB; ++n) y[m * ldy + n0 + n] = hsum(acc[m][n]) + (bias ? bias[n0 + n] : 0.f);
+}
+
+// Rows [0, mb) of x against outputs [n0, n0 + nb), nb <= NB: whole blocks of NB, or one by one.
+template <class D, int NB>
+void rows(int64_t mb, int64_t nb, const float* x, const Weight& w, int64_t n0, const float* bias, float* y, int64_t ldy) {
+  for (int64_t m0 = 0; m0 < mb; m0 += kMB) {
+    const float* xm = x + m0 * w.K;
+    float* ym = y + m0 * ldy;
+    const int64_t left = std::min<int64_t>(mb - m0, kMB);
+    for (int64_t n = n0; n < n0 + nb; n += (nb == NB ? NB : 1)) {
+#define CONVEYOR_ROWS(R) (nb == NB ? block<D, R, NB>(xm, w, n, bias, ym, ldy) : block<D, R, 1>(xm, w, n, bias, ym, ldy))
+      switch (left) {
+        case 1: CONVEYOR_ROWS(1); break;
+        case 2: CONVEYOR_ROWS(2); break;
+#if defined(__AVX512F__)
+        case 3: CONVEYOR_ROWS(3); break;
+        default: CONVEYOR_ROWS(4); break;
+#else
+        default: CONVEYOR_ROWS(3); break;
+#endif
+      }
+#undef CONVEYOR_ROWS
+    }
+  }
+}
+
+template <class D>
+void direct(const float* x, const Weight& w, const float* bias, float* y, int64_t M, int64_t N) {
+  const int64_t num_blocks = (N + kNB - 1) / kNB;
+#pragma omp parallel for schedule(static) if (M * N * w.K > kSerialMacs)
+  for (int64_t b = 0; b < num_blocks; ++b) rows<D, kNB>(M, std::min<int64_t>(kNB, N - b * kNB), x, w, b * kNB, bias, y, N);
+}
+
+// out[r, k] = w[n0 + r, k] as float32, for r < num_rows.
+template <class D>
+void dequantize(const Weight& w, int64_t n0, int64_t num_rows, float* __restrict out) {
+  const int64_t K = w.K, groups = K / w.G;
+#pragma omp parallel for schedule(static) if (num_rows * K > kSerialMacs)
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const uint8_t* q = w.q + (n0 + r) * w.row_bytes;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float s = w.scales[(n0 + r) * groups + g], mn = w.mins ? w.mins[(n0 + r) * groups + g] : 0.f;
+      for (int64_t k = g * w.G; k < (g + 1) * w.G; k += D::kInputs)
+        for (int p = 0; p < D::kParts; ++p) {
+          v16 v[D::kVecs];
+          D::decode(q + k / D::kInputs * D::kBytes, p, v);
+          for (int j = 0; j < D::kVecs; ++j) store16(out + r * K + k + D::offset(p, j), v[j] * s + mn);
+        }
+    }
+  }
+}
+
+#if defined(CONVEYOR_INT8)
+#if defined(__AVX512F__)
+constexpr int kI8MB = 4, kI8NB = 2, kI8NB1 = 4;
+#else
+constexpr int kI8MB = 2, kI8NB = 2, kI8NB1 = 2;
+#endif
+
+// All M rows of x against outputs [n0, n0 + nb), nb <= NB.
+template <bool U4, int P, int NB>
+void int8_rows(const QuantizedX& xq, const Weight& w, int64_t nb, int64_t n0, const float* bias, float* y, int64_t N) {
+  for (int64_t m0 = 0; m0 < xq.M; m0 += kI8MB) {
+    float* ym = y + m0 * N;
+    for (int64_t n = n0; n < n0 + nb; n += (nb == NB ? NB : 1)) {
+#define CONVEYOR_ROWS(R)                                                                   \
+  (nb == NB ? int8_block<U4, P, R, NB>(xq, w.q, w.scales, w.mins, m0, n, bias, ym, N) \
+            : int8_block<U4, P, R, 1>(xq, w.q, w.scales, w.mins, m0, n, bias, ym, N))
+      switch (std::min<int64_t>(xq.M - m0, kI8MB)) {
+        case 1: CONVEYOR_ROWS(1); break;
+#if defined(__AVX512F__)
+        case 2: CONVEYOR_ROWS(2); break;
+        case 3: CONVEYOR_ROWS(3); break;
+        default: CONVEYOR_ROWS(4); break;
+#else
+        default: CONVEYOR_ROWS(2); break;
+#endif
+      }
+#undef CONVEYOR_ROWS
+    }
+  }
+}
+
+template <bool U4, int P>
+void int8_path(const float* x, const Weight& w, const float* bias, float* y, int64_t M, int64_t N) {
+  static thread_local QuantizedX buffers;  // the caller's: kept between calls, not reallocated
+  QuantizedX& xq = buffers;                // (a reference, so every OpenMP thread reads the caller's)
+  xq.build(x, M, w.K, w.G, U4, P);
+  const int NB = M == 1 ? kI8NB1 : kI8NB;
+  const int64_t num_blocks = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static) if (M * N * w.K > kSerialMacs)
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    const int64_t n0 = b * NB, nb = std::min<int64_t>(NB, N - n0);
+    if (NB == kI8NB1)
+      int8_rows<U4, P, kI8NB1>(xq, w, nb, n0, bias, y, N);
+    else
+      int8_rows<U4, P, kI8NB>(xq, w, nb, n0, bias, y, N);
+  }
+}
+
+// x quantized to `planes` int8 planes (quant_int8.h).
+template <bool U4>
+void int8_planes(int64_t planes, const float* x, const Weight& w, const float* bias, float* y, int64_t M, int64_t N) {
+  switch (planes) {
+    case 1: return int8_path<U4, 1>(x, w, bias, y, M, N);
+    case 2: return int8_path<U4, 2>(x, w, bias, y, M, N);
+    default: return int8_path<U4, 3>(x, w, bias, y, M, N);
+  }
+}
+#endif
+
+enum Kind { kU4 = 0, kU8 = 1, kE4M3 = 2 };
+enum Path { kDirect = 0, kInt8 = 2 };  // kInt8 + p - 1: x in p int8 planes (1 to 3)
+
+}  // namespace
+
+extern "C" {
+
+// A weight as the caller keeps it (quant_linear.py's _WeightArgs): the codes q ([N, K / 2] u4,
+// [N, K] u8 or e4m3), scales and mins [N, K / G] (mins may be null). kind: 0 u4 (G % 32 == 0),
+// 1 u8, 2 e4m3 (G % 16 == 0); the caller checks.
+struct WeightArgs {
+  const uint8_t* q;
+  const float* scales;
+  const float* mins;
+  int64_t K, N, G, kind;
+};
+
+// x [M, K] float32 -> y [M, N] = x W^T (+ bias [N], or null). path: 0 direct, 2 + p - 1 int8
+// with x in p planes, p <= 3 (u4 and u8, where the build has AVX2; otherwise direct).
+void conveyor_quant_linear_f32(const float* x, float* y, int64_t M, int64_t path, const float* bias,
+                               const WeightArgs* args) {
+  const int64_t K = args->K, N = args->N, kind = args->kind;
+  const Weight w{args->q, kind == kU4 ? K / 2 : K, args->scales, args->mins, K, args->G};
+#if defined(CONVEYOR_INT8)
+  if (path >= kInt8 && kind != kE4M3) {
+    const int64_t planes = path - kInt8 + 1;
+    return kind == kU4 ? int8_planes<true>(planes, x, w, bias, y, M, N) : int8_planes<false>(planes, x, w, bias, y, M, N);
+  }
+#endif
+  switch (kind) {
+    case kU4: return direct<U4>(x, w, bias, y, M, N);
+    case kU8: return direct<U8>(x, w, bias, y, M, N);
+    default: return direct<E4M3>(x, w, bias, y, M, N);
+  }
+}
+
+// out [num_rows, K] float32 = rows [n0, n0 + num_rows) of W.
+void conveyor_quant_dequantize_f32(float* out, int64_t n0, int64_t num_rows, const WeightArgs* args) {
+  const int64_t K = args->K, kind = args->kind;
+  const Weight w{args->q, kind == kU4 ? K / 2 : K, args->scales, args->mins, K, args->G};
+  switch (kind) {
+    case kU4: return dequantize<U4>(w, n0, num_rows, out);
+    case kU8: return dequantize<U8>(w, n0, num_rows, out);
+    default: return dequantize<E4M3>(w, n0, num_rows, out);
+  }
+}
+
+// Whether path 2 (int8) exists in this build.
+int64_t conveyor_quant_linear_has_int8() {
+#if defined(CONVEYOR_INT8)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+}  // extern "C"

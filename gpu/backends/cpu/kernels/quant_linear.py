@@ -1,0 +1,151 @@
+"""The ctypes face of quant_linear.cpp: y = x W^T (+ bias), W a QuantizedWeight read packed.
+
+`cpu_quant_linear()` is None where the library cannot be had (see build.load_library); the cpu
+ops then keep the reference (dequantize + F.linear). `supports(weight)` says which weights the
+kernel takes: on the CPU, kinds u4 (groups a multiple of 32), u8 and e4m3 (a multiple of 16),
+codes, scales and mins contiguous, scales and mins float32. A GPTQ act-order `perm` gathers x's
+columns here, so the kernel's groups stay contiguous. `prepare(weight)` is the weight's
+`prepared` form: its pointers and sizes as the C call takes them, read once instead of on every
+call (a decode step of SmolLM2 makes 211 of these calls). Which of the kernel's paths a call
+takes is decided here, by its row count (INT8_MAX_ROWS, DEQUANTIZE_MIN_ROWS).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.gpu.backends.cpu.kernels.build import load_library
+from conveyor.gpu.quant.weight import QuantizedWeight
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+KIND_CODES = {"u4": 0, "u8": 1, "e4m3": 2}  # quant_linear.cpp's enum Kind
+GROUP_MULTIPLE = {"u4": 32, "u8": 16, "e4m3": 16}  # the decoders' chunk of inputs
+# The paths (quant_linear.cpp): direct decodes W to float in registers; int8, int8x2, int8x3
+# quantize x to 1, 2 or 3 int8 planes (each the remainder of the ones before, at 1/128 of their
+# step: 8, 15 or 22 bits per block of 32) and multiply the codes as bytes; dequantize decodes a
+# slice of W at a time into a float scratch for torch's GEMM. Values: the C enum Path.
+PATHS = {"direct": 0, "int8": 2, "int8x2": 3, "int8x3": 4, "dequantize": -1}
+_DIRECT, _DEQUANTIZE = PATHS["direct"], PATHS["dequantize"]
+MAX_ROWS = 4096  # a step's rows: the cpu backend's largest token budget
+# Where the paths cross, on this 2-core AVX-512 Xeon (SmolLM2's shapes, medians of interleaved
+# runs; gate 1536 x 576 u4, us): 16 rows int8x3 424, direct 425, dequantize 478; 32 rows 917,
+# 851, 641. The int8 paths take up to 16 rows (direct where they cannot), dequantize the rest.
+INT8_MAX_ROWS = 16
+DEQUANTIZE_MIN_ROWS = 17
+SCRATCH_FLOATS = 1 << 20  # 4 MB: the float slice of W decoded at a time (a whole SmolLM2 layer)
+# x's planes for the int8 paths. Against the dequantized reference (torch backend), greedy, 6
+# prompts x 64 tokens of SmolLM2 Q4_1: one plane (llama.cpp's Q8_1 precision) changed the text
+# within 5 to 40 tokens on 5 of the 6; two and three planes kept all of it, as they kept the tiny
+# model's (tests/kernels/test_cpu_quant_linear.py). Three keep x to 22 bits per block, about
+# float's own rounding, for a margin: a one-row step of SmolLM2 took 7.3 ms against 6.8 with two
+# and 6.5 with one.
+INT8_PLANES = 3
+
+
+class _WeightArgs(ctypes.Structure):
+    """quant_linear.cpp's WeightArgs."""
+
+    _fields_ = [("q", _ptr), ("scales", _ptr), ("mins", _ptr), ("K", _i64), ("N", _i64), ("G", _i64), ("kind", _i64)]
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantArgs:
+    """A QuantizedWeight's prepared form: its C arguments (kept alive here) and their address."""
+
+    args: _WeightArgs
+    address: int
+    shape: tuple[int, int]
+    perm: torch.Tensor | None
+    int8: bool  # whether the int8 paths take its kind
+
+
+class CpuQuantLinear:
+    """planes: x's int8 planes on the int8 paths (1 to 3; INT8_PLANES). Not re-entrant: one
+    scratch serves every call (a worker runs one step at a time)."""
+
+    def __init__(self, lib: ctypes.CDLL, planes: int = INT8_PLANES) -> None:
+        self._fn = lib.conveyor_quant_linear_f32
+        self._fn.restype = None
+        self._fn.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr]
+        self._dequantize = lib.conveyor_quant_dequantize_f32
+        self._dequantize.restype = None
+        self._dequantize.argtypes = [_ptr, _i64, _i64, _ptr]
+        self.has_int8 = bool(lib.conveyor_quant_linear_has_int8())
+        self.int8_path = PATHS["int8"] + planes - 1
+        self._scratch = torch.empty(0)
+
+    @staticmethod
+    def supports(weight: QuantizedWeight) -> bool:
+        parts = [weight.qweight, weight.scales] + ([] if weight.mins is None else [weight.mins])
+        return (
+            weight.kind in KIND_CODES
+            and weight.group_size % GROUP_MULTIPLE[weight.kind] == 0
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in parts)
+            and weight.scales.dtype == torch.float32
+            and (weight.mins is None or weight.mins.dtype == torch.float32)
+        )
+
+    def prepare(self, weight: QuantizedWeight) -> QuantArgs:
+        """weight (supports) -> its prepared form; valid while its tensors live (QuantizedWeight.to
+        makes new ones, with prepared None)."""
+        n, k = weight.shape
+        mins = None if weight.mins is None else weight.mins.data_ptr()
+        args = _WeightArgs(weight.qweight.data_ptr(), weight.scales.data_ptr(), mins, k, n, weight.group_size, KIND_CODES[weight.kind])
+        return QuantArgs(args, ctypes.addressof(args), (n, k), weight.perm, self.has_int8 and weight.kind != "e4m3")
+
+    def __call__(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None, path: str | None = None
+    ) -> torch.Tensor:
+        """x [M, K] float32 contiguous, weight (supports) [N, K], bias [N] float32 contiguous or
+        None -> [M, N]. path: force one of PATHS (tests, benchmarks); None: by the row count.
+        Lean on purpose: a decode step of SmolLM2 makes 211 of these calls."""
+        prepared = weight.prepared
+        if prepared.__class__ is not QuantArgs:
+            prepared = self.prepare(weight)
+        rows, k = x.shape
+        n = prepared.shape[0]
+        if k != prepared.shape[1] or (bias is not None and bias.shape[0] != n):
+            raise ValueError(f"quant_linear: x {tuple(x.shape)}, weight {prepared.shape} do not match")
+        if prepared.perm is not None:
+            x = x.index_select(1, prepared.perm)
+        if path is not None:
+            code = PATHS[path]
+        elif rows <= INT8_MAX_ROWS:
+            code = self.int8_path if prepared.int8 else _DIRECT
+        else:
+            code = _DEQUANTIZE if rows >= DEQUANTIZE_MIN_ROWS else _DIRECT
+        if code < 0:
+            return self._gemm(x, prepared, bias)
+        y = torch.empty(rows, n, dtype=torch.float32)
+        self._fn(x.data_ptr(), y.data_ptr(), rows, code, None if bias is None else bias.data_ptr(), prepared.address)
+        return y
+
+    def _gemm(self, x: torch.Tensor, prepared: QuantArgs, bias: torch.Tensor | None) -> torch.Tensor:
+        """F.linear against W decoded SCRATCH_FLOATS at a time (whole rows, at least one)."""
+        n, k = prepared.shape
+        step = max(1, min(n, SCRATCH_FLOATS // k))
+        if self._scratch.numel() < step * k:
+            self._scratch = torch.empty(step * k)
+        if step == n:
+            w = self._scratch[: n * k].view(n, k)
+            self._dequantize(w.data_ptr(), 0, n, prepared.address)
+            return F.linear(x, w, bias)
+        y = torch.empty(x.shape[0], n)
+        for n0 in range(0, n, step):
+            rows = min(step, n - n0)
+            w = self._scratch[: rows * k].view(rows, k)
+            self._dequantize(w.data_ptr(), n0, rows, prepared.address)
+            y[:, n0 : n0 + rows] = F.linear(x, w, None if bias is None else bias[n0 : n0 + rows])
+        return y
+
+
+@functools.cache
+def cpu_quant_linear() -> CpuQuantLinear | None:
+    lib = load_library("quant_linear")
+    return None if lib is None else CpuQuantLinear(lib)
