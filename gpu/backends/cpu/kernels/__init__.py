@@ -7,7 +7,7 @@ Only what torch does badly on a CPU lives here, float32 only:
   instead of a handful of dispatches and memory passes;
 - small_linear.cpp: narrow linear layers, which stream their transposed weights once where
   torch's sgemm repacks them on every call (decode steps above all);
-- quant_linear.cpp: linear layers of quantized weights (gpu/quant/weight.py), read packed: int8
+- quant_linear.cpp: linear layers of quantized weights (QuantizedWeight), read packed: int8
   activations against the codes for a few rows, float tiles decoded once per chunk of many.
 packed_linear.py is not C++: it holds the same narrow layers' weights in oneDNN's blocked
 layout, for steps of many rows (prefill), through ops torch already ships.
