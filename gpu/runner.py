@@ -100,13 +100,9 @@ class ModelRunner:
         per_block = self.attn.bytes_per_block(self.block_size)
         num_blocks = self.platform.kv_blocks(per_block, self.config.cache)
         num_blocks = num_blocks if self.config.cache.num_kv_blocks is not None else max(1, num_blocks - 1)
+        size = f"{num_blocks} blocks of {self.block_size} tokens = {num_blocks * self.block_size} tokens"
         log.info(
-            "KV cache: %d blocks of %d tokens = %d tokens, %s (%.1f KiB a block, all layers)",
-            num_blocks,
-            self.block_size,
-            num_blocks * self.block_size,
-            str(self.attn.kv_dtype).removeprefix("torch."),
-            per_block / 1024,
+            "KV cache: %s, %s (%.1f KiB a block, all layers)", size, str(self.attn.kv_dtype).removeprefix("torch."), per_block / 1024
         )
         return num_blocks
 
