@@ -308,6 +308,12 @@ class Ops(abc.ABC):
         reference, on any device; backends override it with kernels that read it packed."""
         return torch.nn.functional.linear(x, weight.dequantize(dtype=x.dtype), bias)
 
+    def linears(self, x: torch.Tensor, layers: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+        """x [T, in] through column-parallel layers that all read it (q/k/v, gate/up) -> each
+        one's product, in order. The model keeps them as the checkpoint's separate layers; a
+        backend may multiply them as one weight. The default calls each layer."""
+        return [layer(x) for layer in layers]
+
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate, up [T, I] -> gelu(gate, tanh approximation) * up [T, I] (Gemma's GeGLU, HF's
         gelu_pytorch_tanh); may overwrite gate. The default is torch's, on any device."""

@@ -67,7 +67,8 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> q [T, Hq * D], k, v [T, Hkv * D]."""
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.ops.linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        return q, k, v
 
     def forward(
         self,
@@ -106,7 +107,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act_mul = self.ops.gelu_tanh_mul if self.gelu else self.ops.silu_mul
-        return self.down_proj(act_mul(self.gate_proj(x), self.up_proj(x)))  # [T, I / tp] -> [T, H]
+        gate, up = self.ops.linears(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(act_mul(gate, up))  # [T, I / tp] -> [T, H]
 
 
 class DecoderLayer(nn.Module):

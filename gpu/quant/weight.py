@@ -12,8 +12,10 @@ one output row that share a scale and a min:
   a kernel loads x's chunk as two contiguous halves). qweight [N, K / 2] uint8; G % 32 == 0.
 - kind "u8": q in 0..255, qweight [N, K] uint8 (signed codes are stored + 128, min -128 * s).
 - kind "e4m3": q an FP8 e4m3 code, qweight [N, K] float8_e4m3fn; mins is None (zero).
-scales and mins are [N, K / G] float32 (fp16 GGUF scales widen exactly; a K-quant's scale times
-its 6-bit sub-scale needs float32). `perm` [K] int64, where not None, is GPTQ's act-order: the
+scales and mins are [N, K / G] float32 as loaded (fp16 GGUF scales widen exactly; a K-quant's
+scale times its 6-bit sub-scale needs float32); `compact` stores both as float16 where that is
+exact (a CPU kernel reads them so: a quarter fewer bytes per Q4_1 weight), and every reader widens
+them. `perm` [K] int64, where not None, is GPTQ's act-order: the
 kernel's input j is x[:, perm[j]], so its groups are contiguous.
 """
 
@@ -35,8 +37,8 @@ class QuantizedWeight:
     kind: str
     group_size: int
     qweight: torch.Tensor  # [N, K / 2] uint8 (u4), [N, K] uint8 (u8) or float8_e4m3fn (e4m3)
-    scales: torch.Tensor  # [N, K / G] float32
-    mins: torch.Tensor | None  # [N, K / G] float32; None: zero
+    scales: torch.Tensor  # [N, K / G] float32, or float16 (compact)
+    mins: torch.Tensor | None  # [N, K / G] as scales; None: zero
     perm: torch.Tensor | None = None  # [K] int64: input order (GPTQ act-order); None: as is
     # A backend's own form of the same weight (set once by its ops' prepare); None: this one.
     prepared: object | None = None
@@ -63,6 +65,16 @@ class QuantizedWeight:
         parts = (self.qweight, self.scales, self.mins, self.perm)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
+    def compact(self) -> None:
+        """Scales and mins to float16, in place, where every value survives the round trip (so
+        the weight is the same; a tied head, sharing this object, sees it too); else as they are."""
+        if self.scales.dtype != torch.float32:
+            return
+        exact = [t.half() for t in (self.scales, self.mins) if t is not None and torch.equal(t.half().float(), t)]
+        if len(exact) == (1 if self.mins is None else 2):
+            self.scales, self.mins = exact[0], None if self.mins is None else exact[1]
+            self.prepared = None
+
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The codes as float32 [N, K] (or of `rows` only), in the kernel's input order."""
         q = self.qweight if rows is None else self.qweight[rows]
@@ -76,10 +88,10 @@ class QuantizedWeight:
         reference every kernel is tested against, and the torch backend's linear."""
         q = self.codes(rows)
         n, k = q.shape
-        scales = self.scales if rows is None else self.scales[rows]
+        scales = (self.scales if rows is None else self.scales[rows]).float()
         w = q.view(n, -1, self.group_size) * scales.unsqueeze(-1)
         if self.mins is not None:
-            w = w + (self.mins if rows is None else self.mins[rows]).unsqueeze(-1)
+            w = w + (self.mins if rows is None else self.mins[rows]).float().unsqueeze(-1)
         w = w.reshape(n, k)
         if self.perm is not None:  # column j holds input perm[j]
             w = torch.empty_like(w).index_copy_(1, self.perm, w)

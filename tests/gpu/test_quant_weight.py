@@ -83,3 +83,21 @@ def test_one_group_per_row_splits_into_one_group_per_rank(kind):
     pieces = [weight.cut(split, rank, 2, "o_proj") for rank in range(2)]
     assert [p.group_size for p in pieces] == [48, 48]
     torch.testing.assert_close(torch.cat([p.dequantize() for p in pieces], dim=1), weight.dequantize(), rtol=0, atol=0)
+
+
+def test_compact_stores_float16_scales_only_where_exact():
+    """GGUF-like scales (float16 values widened) become float16 with the same dequantized weight,
+    and bytes drop from 0.75 to 0.625 per u4 weight in groups of 32; one scale float16 cannot
+    hold keeps the weight float32 (scales and mins together)."""
+    w = quantize_groups(torch.randn(64, 128), "u4", 32)
+    w.scales, w.mins = w.scales.half().float(), w.mins.half().float()
+    before, nbytes = w.dequantize(), w.nbytes
+    w.compact()
+    assert w.scales.dtype == w.mins.dtype == torch.float16
+    assert torch.equal(w.dequantize(), before) and w.nbytes == nbytes * 5 // 6
+    w.compact()  # idempotent
+    assert w.scales.dtype == torch.float16
+    inexact = quantize_groups(torch.randn(64, 128), "u4", 32)
+    inexact.scales, inexact.mins[0, 0] = inexact.scales.half().float(), 1 / 3
+    inexact.compact()
+    assert inexact.scales.dtype == inexact.mins.dtype == torch.float32

@@ -89,13 +89,19 @@ def quantized_x(x: torch.Tensor, planes: int) -> tuple[torch.Tensor, torch.Tenso
     return one, step
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["float32-scales", "float16-scales"])
 @pytest.mark.parametrize("build_name", list(BUILDS))
 @pytest.mark.parametrize("path", ["direct", "int8", "int8x2", "int8x3", "dequantize"])
 @pytest.mark.parametrize("kind", ["u4", "u8", "e4m3"])
-def test_matches_the_reference(kind, path, build_name):
+def test_matches_the_reference(kind, path, build_name, half):
+    """half: scales and mins stored as float16 (QuantizedWeight.compact, as GGUF's are)."""
     kernel = build(build_name)
     for i, (n, k, group, m, mins, with_bias, perm) in enumerate(cases(kind)):
         w = weight(kind, n, k, group, mins, perm, seed=i)
+        if half:
+            w.scales, w.mins = w.scales.half().float(), None if w.mins is None else w.mins.half().float()
+            w.compact()
+            assert w.scales.dtype == torch.float16
         g = torch.Generator().manual_seed(1000 + i)
         x = torch.randn(m, k, generator=g)
         bias = torch.randn(n, generator=g) if with_bias else None
@@ -192,6 +198,64 @@ def test_cpu_ops_prepare_and_take_the_layers_they_support():
         assert torch.allclose(layer(x).double(), want, rtol=0, atol=1e-4)
     as_double = ops.quant_linear(x.double(), supported, None)  # not the kernel's dtype: the reference
     assert as_double.dtype == torch.float64 and torch.equal(as_double, F.linear(x.double(), supported.dequantize(dtype=torch.float64)))
+
+
+def grouped_layers(ops: CpuOps, weights: list[QuantizedWeight], bias: bool) -> tuple[Linear, ...]:
+    layers = []
+    for w in weights:
+        n, k = w.shape
+        layer = Linear(k, n, bias, ops)
+        layer.register_parameter("weight", None)  # as gpu/quant/load.py leaves it
+        layer.quantized = w
+        layers.append(layer)
+    return tuple(layers)
+
+
+@pytest.mark.parametrize("rows", [1, 3, qlm.DEQUANTIZE_MIN_ROWS])
+@pytest.mark.parametrize("bias", [False, True])
+def test_layers_of_one_input_multiply_as_one_weight(rows, bias, monkeypatch):
+    """q/k/v-like layers of 48, 16 and 16 outputs through ops.linears: one kernel call, each
+    output what the layer alone gives (the same path's sums), and each layer's weight afterwards a
+    view of the stacked one (no byte stored twice); a second step reuses the stack."""
+    ops = CpuOps(None, None, NATIVE)
+    weights = [weight("u4", n, 64, 32, True, False, seed) for seed, n in enumerate((48, 16, 16))]
+    layers = grouped_layers(ops, weights, bias)
+    ops.prepare(nn.ModuleList(layers))
+    x = torch.randn(rows, 64)
+    alone = [layer(x) for layer in layers]
+    calls = []
+    call = CpuQuantLinear.__call__
+    monkeypatch.setattr(CpuQuantLinear, "__call__", lambda self, *a, **k: calls.append(1) or call(self, *a, **k))
+    for _ in range(2):
+        together = ops.linears(x, layers)
+        assert all(a.shape == t.shape and t.is_contiguous() for a, t in zip(alone, together))
+        assert all(torch.allclose(a, t, rtol=1e-5, atol=1e-4) for a, t in zip(alone, together))
+    assert len(calls) == 2  # one per step, not one per layer
+    stacked = ops._groups[tuple(map(id, layers))]
+    assert stacked is not None and stacked.bounds == (0, 48, 64, 80)
+    base = stacked.weight.qweight.untyped_storage().data_ptr()
+    assert all(layer.quantized.qweight.untyped_storage().data_ptr() == base for layer in layers)
+    for layer, w in zip(layers, weights):  # each layer alone still gives its own product
+        assert torch.equal(layer.quantized.dequantize(), w.dequantize())
+
+
+def test_layers_that_do_not_stack_are_multiplied_one_by_one():
+    """Different kinds, an act-order perm, or a float layer: each layer's own product."""
+    ops = CpuOps(None, None, NATIVE)
+    kinds = [weight("u4", 16, 64, 32, True, False, 0), weight("u8", 16, 64, 16, True, False, 1)]
+    perms = [weight("u4", 16, 64, 32, True, True, 2), weight("u4", 16, 64, 32, True, True, 3)]
+    for weights in (kinds, perms):
+        layers = grouped_layers(ops, weights, False)
+        ops.prepare(nn.ModuleList(layers))
+        x = torch.randn(2, 64)
+        got = ops.linears(x, layers)
+        assert ops._groups[tuple(map(id, layers))] is None
+        assert all(torch.equal(g, layer(x)) for g, layer in zip(got, layers))
+    float_layer = Linear(64, 16, False, ops)
+    mixed = (grouped_layers(ops, [weight("u4", 16, 64, 32, True, False, 4)], False)[0], float_layer)
+    ops.prepare(nn.ModuleList(mixed))
+    assert [g.shape for g in ops.linears(torch.randn(2, 64), mixed)] == [(2, 16), (2, 16)]
+    assert ops._groups[tuple(map(id, mixed))] is None
 
 
 def test_the_tiny_model_decodes_the_torch_backends_tokens(monkeypatch):

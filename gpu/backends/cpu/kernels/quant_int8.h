@@ -171,8 +171,8 @@ inline void store_sums(const fvec* accs, int count, const float* bias, float* ou
 }
 
 // y[m, n0 + n] for m < MB (x's rows m0...), n < NB; y points at row m0.
-template <bool U4, int P, int MB, int NB>
-void int8_block(const QuantizedX& xq, const uint8_t* q, const float* scales, const float* mins, int64_t m0,
+template <bool U4, int P, int MB, int NB, class S>
+void int8_block(const QuantizedX& xq, const uint8_t* q, const S* scales, const S* mins, int64_t m0,
                 int64_t n0, const float* bias, float* y, int64_t ldy) {
   fvec acc[NB][MB];
   for (int n = 0; n < NB; ++n)
@@ -186,21 +186,21 @@ void int8_block(const QuantizedX& xq, const uint8_t* q, const float* scales, con
   const VecPlan* plan = xq.plan;
   for (const uint8_t* codes = q; codes < q + row_bytes; codes += kVecBytes, xv += xq.xvec_stride, dv += kIntLanes, ++plan) {
     const ivec idx = load_ivec(plan->lane_group);
-    const lane_mask span = first_lanes(static_cast<int>(plan->span));
-    const float* s0 = scales + plan->base;
+    const int span = static_cast<int>(plan->span);
+    const S* s0 = scales + plan->base;
     for (int n = 0; n < NB; ++n) {
       _mm_prefetch(reinterpret_cast<const char*>(codes + n * row_bytes + ahead), _MM_HINT_T0);
       const Codes c = load_codes<U4>(codes + n * row_bytes, plan->code_bytes);
-      const fvec s = permute(idx, load_floats(s0 + n * groups, span));
+      const fvec s = permute(idx, load_scales(s0 + n * groups, span));
       for (int m = 0; m < MB; ++m)
         acc[n][m] = cvt(dot_codes<U4, P>(c, xv + m * x_row, xq.xvec_bytes)) * load_fvec(dv + m * dx_row) * s + acc[n][m];
     }
   }
   for (int64_t g = 0; g < groups; g += kIntLanes) {  // the mins' (and the u8 shift's) part
-    const lane_mask width = first_lanes(static_cast<int>(std::min<int64_t>(kIntLanes, groups - g)));
+    const int width = static_cast<int>(std::min<int64_t>(kIntLanes, groups - g));
     for (int n = 0; n < NB; ++n) {
-      fvec mn = mins ? load_floats(mins + n * groups + g, width) : fvec{};
-      if (xq.shifted) mn += load_floats(scales + n * groups + g, width) * 128.f;
+      fvec mn = mins ? load_scales(mins + n * groups + g, width) : fvec{};
+      if (xq.shifted) mn += load_scales(scales + n * groups + g, width) * 128.f;
       for (int m = 0; m < MB; ++m) acc[n][m] += mn * load_fvec(&xq.xsum[(m0 + m) * xq.group_stride + g]);
     }
   }

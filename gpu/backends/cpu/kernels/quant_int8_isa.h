@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
@@ -20,7 +21,11 @@ typedef __m512i ivec;
 typedef __m512 fvec;
 typedef __mmask16 lane_mask;
 inline lane_mask first_lanes(int n) { return static_cast<lane_mask>((1u << n) - 1); }
-inline fvec load_floats(const float* p, lane_mask m) { return _mm512_maskz_loadu_ps(m, p); }
+// The first n scales (float32, or float16 bits) as floats, zeros after; n <= kIntLanes.
+inline fvec load_scales(const float* p, int n) { return _mm512_maskz_loadu_ps(first_lanes(n), p); }
+inline fvec load_scales(const uint16_t* p, int n) {
+  return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(static_cast<__mmask32>(first_lanes(n)), p)));
+}
 inline ivec load_bytes(const uint8_t* p, int64_t n) {  // n <= 64 bytes, zeros after
   return n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8((1ull << n) - 1, p);
 }
@@ -70,7 +75,13 @@ typedef __m256i lane_mask;
 inline lane_mask first_lanes(int n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
-inline fvec load_floats(const float* p, lane_mask m) { return _mm256_maskload_ps(p, m); }
+inline fvec load_scales(const float* p, int n) { return _mm256_maskload_ps(p, first_lanes(n)); }
+inline fvec load_scales(const uint16_t* p, int n) {  // AVX2 has no masked 16-bit load: the tail through a copy
+  if (n >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  alignas(16) uint16_t h[8] = {};
+  std::memcpy(h, p, static_cast<size_t>(n) * sizeof(uint16_t));
+  return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h)));
+}
 inline ivec load_bytes(const uint8_t* p, int64_t n) {  // n is 32 or 16 (a chunk of u4, a group of 16 of u8)
   return n >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))
                  : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

@@ -18,7 +18,13 @@
 // C ABI for ctypes; the OpenMP pool is torch's (see build.py).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #include "quant_decode.h"
 #include "quant_int8.h"
@@ -32,11 +38,32 @@ constexpr int kMB = 3, kNB = 2;  // <= 16 ymm
 #endif
 constexpr int64_t kSerialMacs = 1 << 15;  // below this, one thread: waking the second costs more
 
+// A stored scale or min as float: float16 bits widen exactly (subnormals too).
+inline float widen(float v) { return v; }
+inline float widen(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
+    const float magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+    return sign ? -magnitude : magnitude;
+  }
+  const uint32_t bits = sign | (exponent == 31 ? 0x7f800000u | mantissa << 13 : (exponent + 112) << 23 | mantissa << 13);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+#endif
+}
+
+// S: how scales and mins are stored, float, or uint16_t for float16 (where that loses nothing:
+// gpu/quant/weight.py `compact`; GGUF's own scales are float16).
+template <class S>
 struct Weight {
   const uint8_t* q;  // row n's codes at q + n * row_bytes
   int64_t row_bytes;
-  const float* scales;  // [N, K / G]
-  const float* mins;    // [N, K / G] or null (zero)
+  const S* scales;  // [N, K / G]
+  const S* mins;    // [N, K / G] or null (zero)
   int64_t K, G;
 };
 
@@ -49,8 +76,8 @@ inline float hsum(v16 v) {
 #endif
 
 // y[m, n0 + n] = x[m] . w[n0 + n] (+ bias[n0 + n]) for m < MB, n < NB; x rows K apart, y rows ldy.
-template <class D, int MB, int NB>
-void block(const float* __restrict x, const Weight& w, int64_t n0, const float* __restrict bias,
+template <class D, class S, int MB, int NB>
+void block(const float* __restrict x, const Weight<S>& w, int64_t n0, const float* __restrict bias,
            float* __restrict y, int64_t ldy) {
   v16 acc[MB][NB];
   for (int m = 0; m < MB; ++m)
@@ -60,8 +87,8 @@ void block(const float* __restrict x, const Weight& w, int64_t n0, const float* 
   for (int64_t g = 0; g < groups; ++g) {
     float s[NB], mn[NB];
     for (int n = 0; n < NB; ++n) {
-      s[n] = w.scales[(n0 + n) * groups + g];
-      mn[n] = w.mins ? w.mins[(n0 + n) * groups + g] : 0.f;
+      s[n] = widen(w.scales[(n0 + n) * groups + g]);
+      mn[n] = w.mins ? widen(w.mins[(n0 + n) * groups + g]) : 0.f;
     }
     for (int64_t k = g * w.G; k < (g + 1) * w.G; k += D::kInputs) {
       const uint8_t* chunk = q + k / D::kInputs * D::kBytes;
@@ -84,14 +111,14 @@ void block(const float* __restrict x, const Weight& w, int64_t n0, const float* 
 }
 
 // Rows [0, mb) of x against outputs [n0, n0 + nb), nb <= NB: whole blocks of NB, or one by one.
-template <class D, int NB>
-void rows(int64_t mb, int64_t nb, const float* x, const Weight& w, int64_t n0, const float* bias, float* y, int64_t ldy) {
+template <class D, int NB, class S>
+void rows(int64_t mb, int64_t nb, const float* x, const Weight<S>& w, int64_t n0, const float* bias, float* y, int64_t ldy) {
   for (int64_t m0 = 0; m0 < mb; m0 += kMB) {
     const float* xm = x + m0 * w.K;
     float* ym = y + m0 * ldy;
     const int64_t left = std::min<int64_t>(mb - m0, kMB);
     for (int64_t n = n0; n < n0 + nb; n += (nb == NB ? NB : 1)) {
-#define CONVEYOR_ROWS(R) (nb == NB ? block<D, R, NB>(xm, w, n, bias, ym, ldy) : block<D, R, 1>(xm, w, n, bias, ym, ldy))
+#define CONVEYOR_ROWS(R) (nb == NB ? block<D, S, R, NB>(xm, w, n, bias, ym, ldy) : block<D, S, R, 1>(xm, w, n, bias, ym, ldy))
       switch (left) {
         case 1: CONVEYOR_ROWS(1); break;
         case 2: CONVEYOR_ROWS(2); break;
@@ -107,22 +134,22 @@ void rows(int64_t mb, int64_t nb, const float* x, const Weight& w, int64_t n0, c
   }
 }
 
-template <class D>
-void direct(const float* x, const Weight& w, const float* bias, float* y, int64_t M, int64_t N) {
+template <class D, class S>
+void direct(const float* x, const Weight<S>& w, const float* bias, float* y, int64_t M, int64_t N) {
   const int64_t num_blocks = (N + kNB - 1) / kNB;
 #pragma omp parallel for schedule(static) if (M * N * w.K > kSerialMacs)
   for (int64_t b = 0; b < num_blocks; ++b) rows<D, kNB>(M, std::min<int64_t>(kNB, N - b * kNB), x, w, b * kNB, bias, y, N);
 }
 
 // out[r, k] = w[n0 + r, k] as float32, for r < num_rows.
-template <class D>
-void dequantize(const Weight& w, int64_t n0, int64_t num_rows, float* __restrict out) {
+template <class D, class S>
+void dequantize(const Weight<S>& w, int64_t n0, int64_t num_rows, float* __restrict out) {
   const int64_t K = w.K, groups = K / w.G;
 #pragma omp parallel for schedule(static) if (num_rows * K > kSerialMacs)
   for (int64_t r = 0; r < num_rows; ++r) {
     const uint8_t* q = w.q + (n0 + r) * w.row_bytes;
     for (int64_t g = 0; g < groups; ++g) {
-      const float s = w.scales[(n0 + r) * groups + g], mn = w.mins ? w.mins[(n0 + r) * groups + g] : 0.f;
+      const float s = widen(w.scales[(n0 + r) * groups + g]), mn = w.mins ? widen(w.mins[(n0 + r) * groups + g]) : 0.f;
       for (int64_t k = g * w.G; k < (g + 1) * w.G; k += D::kInputs)
         for (int p = 0; p < D::kParts; ++p) {
           v16 v[D::kVecs];
@@ -141,8 +168,8 @@ constexpr int kI8MB = 2, kI8NB = 2, kI8NB1 = 2;
 #endif
 
 // All M rows of x against outputs [n0, n0 + nb), nb <= NB.
-template <bool U4, int P, int NB>
-void int8_rows(const QuantizedX& xq, const Weight& w, int64_t nb, int64_t n0, const float* bias, float* y, int64_t N) {
+template <bool U4, int P, int NB, class S>
+void int8_rows(const QuantizedX& xq, const Weight<S>& w, int64_t nb, int64_t n0, const float* bias, float* y, int64_t N) {
   for (int64_t m0 = 0; m0 < xq.M; m0 += kI8MB) {
     float* ym = y + m0 * N;
     for (int64_t n = n0; n < n0 + nb; n += (nb == NB ? NB : 1)) {
@@ -164,8 +191,8 @@ void int8_rows(const QuantizedX& xq, const Weight& w, int64_t nb, int64_t n0, co
   }
 }
 
-template <bool U4, int P>
-void int8_path(const float* x, const Weight& w, const float* bias, float* y, int64_t M, int64_t N) {
+template <bool U4, int P, class S>
+void int8_path(const float* x, const Weight<S>& w, const float* bias, float* y, int64_t M, int64_t N) {
   static thread_local QuantizedX buffers;  // the caller's: kept between calls, not reallocated
   QuantizedX& xq = buffers;                // (a reference, so every OpenMP thread reads the caller's)
   xq.build(x, M, w.K, w.G, U4, P);
@@ -182,8 +209,8 @@ void int8_path(const float* x, const Weight& w, const float* bias, float* y, int
 }
 
 // x quantized to `planes` int8 planes (quant_int8.h).
-template <bool U4>
-void int8_planes(int64_t planes, const float* x, const Weight& w, const float* bias, float* y, int64_t M, int64_t N) {
+template <bool U4, class S>
+void int8_planes(int64_t planes, const float* x, const Weight<S>& w, const float* bias, float* y, int64_t M, int64_t N) {
   switch (planes) {
     case 1: return int8_path<U4, 1>(x, w, bias, y, M, N);
     case 2: return int8_path<U4, 2>(x, w, bias, y, M, N);
@@ -200,26 +227,35 @@ enum Path { kDirect = 0, kInt8 = 2 };  // kInt8 + p - 1: x in p int8 planes (1 t
 extern "C" {
 
 // A weight as the caller keeps it (quant_linear.py's _WeightArgs): the codes q ([N, K / 2] u4,
-// [N, K] u8 or e4m3), scales and mins [N, K / G] (mins may be null). kind: 0 u4 (G % 32 == 0),
-// 1 u8, 2 e4m3 (G % 16 == 0); the caller checks.
+// [N, K] u8 or e4m3), scales and mins [N, K / G] (mins may be null), float32, or float16 where
+// half_scales. kind: 0 u4 (G % 32 == 0), 1 u8, 2 e4m3 (G % 16 == 0); the caller checks.
 struct WeightArgs {
   const uint8_t* q;
-  const float* scales;
-  const float* mins;
-  int64_t K, N, G, kind;
+  const void* scales;
+  const void* mins;
+  int64_t K, N, G, kind, half_scales;
 };
 
-// x [M, K] float32 -> y [M, N] = x W^T (+ bias [N], or null). path: 0 direct, 2 + p - 1 int8
-// with x in p planes, p <= 3 (u4 and u8, where the build has AVX2; otherwise direct).
-void conveyor_quant_linear_f32(const float* x, float* y, int64_t M, int64_t path, const float* bias,
-                               const WeightArgs* args) {
-  const int64_t K = args->K, N = args->N, kind = args->kind;
-  const Weight w{args->q, kind == kU4 ? K / 2 : K, args->scales, args->mins, K, args->G};
+}  // extern "C"
+
+namespace {
+
+template <class S>
+Weight<S> weight_of(const WeightArgs* a) {
+  return {a->q, a->kind == kU4 ? a->K / 2 : a->K, static_cast<const S*>(a->scales), static_cast<const S*>(a->mins), a->K, a->G};
+}
+
+template <class S>
+void quant_linear(const float* x, float* y, int64_t M, int64_t path, const float* bias, const WeightArgs* args) {
+  const int64_t N = args->N, kind = args->kind;
+  const Weight<S> w = weight_of<S>(args);
 #if defined(CONVEYOR_INT8)
   if (path >= kInt8 && kind != kE4M3) {
     const int64_t planes = path - kInt8 + 1;
     return kind == kU4 ? int8_planes<true>(planes, x, w, bias, y, M, N) : int8_planes<false>(planes, x, w, bias, y, M, N);
   }
+#else
+  (void)path;
 #endif
   switch (kind) {
     case kU4: return direct<U4>(x, w, bias, y, M, N);
@@ -228,15 +264,32 @@ void conveyor_quant_linear_f32(const float* x, float* y, int64_t M, int64_t path
   }
 }
 
-// out [num_rows, K] float32 = rows [n0, n0 + num_rows) of W.
-void conveyor_quant_dequantize_f32(float* out, int64_t n0, int64_t num_rows, const WeightArgs* args) {
-  const int64_t K = args->K, kind = args->kind;
-  const Weight w{args->q, kind == kU4 ? K / 2 : K, args->scales, args->mins, K, args->G};
-  switch (kind) {
+template <class S>
+void dequantize_rows(float* out, int64_t n0, int64_t num_rows, const WeightArgs* args) {
+  const Weight<S> w = weight_of<S>(args);
+  switch (args->kind) {
     case kU4: return dequantize<U4>(w, n0, num_rows, out);
     case kU8: return dequantize<U8>(w, n0, num_rows, out);
     default: return dequantize<E4M3>(w, n0, num_rows, out);
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [M, K] float32 -> y [M, N] = x W^T (+ bias [N], or null). path: 0 direct, 2 + p - 1 int8
+// with x in p planes, p <= 3 (u4 and u8, where the build has AVX2; otherwise direct).
+void conveyor_quant_linear_f32(const float* x, float* y, int64_t M, int64_t path, const float* bias,
+                               const WeightArgs* args) {
+  if (args->half_scales) return quant_linear<uint16_t>(x, y, M, path, bias, args);
+  return quant_linear<float>(x, y, M, path, bias, args);
+}
+
+// out [num_rows, K] float32 = rows [n0, n0 + num_rows) of W.
+void conveyor_quant_dequantize_f32(float* out, int64_t n0, int64_t num_rows, const WeightArgs* args) {
+  if (args->half_scales) return dequantize_rows<uint16_t>(out, n0, num_rows, args);
+  return dequantize_rows<float>(out, n0, num_rows, args);
 }
 
 // Whether path 2 (int8) exists in this build.

@@ -3,10 +3,11 @@
 `cpu_quant_linear()` is None where the library cannot be had (see build.load_library); the cpu
 ops then keep the reference (dequantize + F.linear). `supports(weight)` says which weights the
 kernel takes: on the CPU, kinds u4 (groups a multiple of 32), u8 and e4m3 (a multiple of 16),
-codes, scales and mins contiguous, scales and mins float32. A GPTQ act-order `perm` gathers x's
-columns here, so the kernel's groups stay contiguous. `prepare(weight)` is the weight's
-`prepared` form: its pointers and sizes as the C call takes them, read once instead of on every
-call (a decode step of SmolLM2 makes 211 of these calls). Which of the kernel's paths a call
+codes, scales and mins contiguous, scales and mins float32 or both float16
+(QuantizedWeight.compact). A GPTQ act-order `perm` gathers x's columns here, so the kernel's
+groups stay contiguous. `prepare(weight)` is the weight's `prepared` form: its pointers and sizes
+as the C call takes them, read once instead of on every call (a decode step of SmolLM2 makes 121
+of these calls, q/k/v and gate/up stacked by the cpu ops). Which of the kernel's paths a call
 takes is decided here, by its row count (INT8_MAX_ROWS, DEQUANTIZE_MIN_ROWS).
 """
 
@@ -44,14 +45,25 @@ SCRATCH_FLOATS = 1 << 20  # 4 MB: the float slice of W decoded at a time (a whol
 # within 5 to 40 tokens on 5 of the 6; two and three planes kept all of it, as they kept the tiny
 # model's (tests/kernels/test_cpu_quant_linear.py). Three keep x to 22 bits per block, about
 # float's own rounding, for a margin: a one-row step of SmolLM2 took 7.3 ms against 6.8 with two
-# and 6.5 with one.
+# and 6.5 with one. The margin is needed: with two, a tiny GPTQ act-order model's greedy tokens
+# left the dequantized float model's after 3 tokens on one prompt of four
+# (tests/gpu/test_quant_awq_gptq.py), where three keep them all.
 INT8_PLANES = 3
 
 
 class _WeightArgs(ctypes.Structure):
     """quant_linear.cpp's WeightArgs."""
 
-    _fields_ = [("q", _ptr), ("scales", _ptr), ("mins", _ptr), ("K", _i64), ("N", _i64), ("G", _i64), ("kind", _i64)]
+    _fields_ = [
+        ("q", _ptr),
+        ("scales", _ptr),
+        ("mins", _ptr),
+        ("K", _i64),
+        ("N", _i64),
+        ("G", _i64),
+        ("kind", _i64),
+        ("half_scales", _i64),
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +99,8 @@ class CpuQuantLinear:
             weight.kind in KIND_CODES
             and weight.group_size % GROUP_MULTIPLE[weight.kind] == 0
             and all(t.device.type == "cpu" and t.is_contiguous() for t in parts)
-            and weight.scales.dtype == torch.float32
-            and (weight.mins is None or weight.mins.dtype == torch.float32)
+            and weight.scales.dtype in (torch.float32, torch.float16)
+            and (weight.mins is None or weight.mins.dtype == weight.scales.dtype)
         )
 
     def prepare(self, weight: QuantizedWeight) -> QuantArgs:
@@ -96,7 +108,10 @@ class CpuQuantLinear:
         makes new ones, with prepared None)."""
         n, k = weight.shape
         mins = None if weight.mins is None else weight.mins.data_ptr()
-        args = _WeightArgs(weight.qweight.data_ptr(), weight.scales.data_ptr(), mins, k, n, weight.group_size, KIND_CODES[weight.kind])
+        half = int(weight.scales.dtype == torch.float16)
+        args = _WeightArgs(
+            weight.qweight.data_ptr(), weight.scales.data_ptr(), mins, k, n, weight.group_size, KIND_CODES[weight.kind], half
+        )
         return QuantArgs(args, ctypes.addressof(args), (n, k), weight.perm, self.has_int8 and weight.kind != "e4m3")
 
     def __call__(
@@ -104,7 +119,7 @@ class CpuQuantLinear:
     ) -> torch.Tensor:
         """x [M, K] float32 contiguous, weight (supports) [N, K], bias [N] float32 contiguous or
         None -> [M, N]. path: force one of PATHS (tests, benchmarks); None: by the row count.
-        Lean on purpose: a decode step of SmolLM2 makes 211 of these calls."""
+        Lean on purpose: a decode step of SmolLM2 makes 121 of these calls."""
         prepared = weight.prepared
         if prepared.__class__ is not QuantArgs:
             prepared = self.prepare(weight)

@@ -1,0 +1,85 @@
+"""One stream's decode steps on SmolLM2, in process: the step time, and with --ops where it goes.
+
+`python ops/bench/decode_profile.py packed|float32 [STEPS] [--ops]` loads the default model's
+GGUF (kept packed, or its dequantized float32 conversion) on the cpu backend, prefills a
+128-token prompt, then times STEPS one-row decode steps (`ModelRunner.execute`; median, p10,
+p90). --ops wraps the backend's ops, attention and the runner's stages in timers and prints each
+one's ms per step and calls per step: the C++ kernels run through ctypes, which torch.profiler
+does not see. The wrappers cost a few percent; compare runs of one kind only.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import sys
+import time
+
+from conveyor.config import CacheConfig, EngineConfig, ParallelConfig
+from conveyor.default_model import default_gguf
+from conveyor.gpu.gguf import ensure_checkpoint
+from conveyor.gpu.models.registry import read_model_config
+from conveyor.gpu.runner import ModelRunner
+from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
+
+times: dict[str, float] = collections.defaultdict(float)
+counts: collections.Counter[str] = collections.Counter()
+
+
+def timed(obj: object, name: str, label: str) -> None:
+    f = getattr(obj, name)
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            times[label] += time.perf_counter() - start
+            counts[label] += 1
+
+    setattr(obj, name, wrapper)
+
+
+def main(form: str, steps: int, ops: bool) -> None:
+    path = ensure_checkpoint(default_gguf(), "float32", packed=form == "packed")
+    config = EngineConfig(
+        model=read_model_config(path), cache=CacheConfig(block_size=16, num_kv_blocks=64), parallel=ParallelConfig(device="cpu")
+    )
+    runner = ModelRunner(config)
+    runner.initialize_cache(64)
+    prompt, greedy = list(range(100, 228)), SamplingParams(temperature=0.0, max_tokens=None)
+    runner.execute(StepPlan(0, [NewSeq(0, prompt, greedy, len(prompt))], [ScheduledSeq(0, len(prompt), list(range(40)))]))
+    decode = iter(range(1, 1 << 30))
+
+    def step() -> None:
+        runner.execute(StepPlan(next(decode), [], [ScheduledSeq(0, 1, [])]))
+
+    for _ in range(10):
+        step()
+    if ops:
+        backend = runner.backend
+        for name in ("quant_linear", "linears", "linear", "rms_norm", "add_rms_norm", "rotary", "silu_mul"):
+            timed(backend.ops, name, name)
+        for name in ("write_kv", "attend"):
+            timed(backend.attn, name, f"attention.{name}")
+        timed(runner, "_forward", "forward (all layers)")
+        timed(runner.model, "compute_logits", "LM head")
+        timed(runner.platform, "draw", "draw")
+    durations = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        durations.append(time.perf_counter() - start)
+    durations.sort()
+    ms = [durations[int(q * (steps - 1))] * 1e3 for q in (0.5, 0.1, 0.9)]
+    print(f"{form}: one-row decode step p50 {ms[0]:.2f} ms, p10 {ms[1]:.2f}, p90 {ms[2]:.2f} ({steps} steps)")
+    for label, total in sorted(times.items(), key=lambda kv: -kv[1]):
+        print(f"  {label:22s} {total / steps * 1e3:7.3f} ms/step  {counts[label] / steps:6.1f} calls/step")
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if not args or args[0] not in ("packed", "float32"):
+        sys.exit("usage: decode_profile.py packed|float32 [STEPS] [--ops]")
+    main(args[0], int(args[1]) if len(args) > 1 else 100, "--ops" in sys.argv)

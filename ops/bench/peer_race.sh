@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Issue 29's races on the default model (SmolLM2-135M-Instruct Q4_1), vLLM's client against each
+# server, one server at a time, each at its defaults:
+#   ops/bench/peer_race.sh OUT PART...
+#   single    float32 (the GGUF dequantized) against Q4_1 kept packed: worker RSS, 16 random 128/128 one at a time
+#   llamacpp  packed conveyor, then llama.cpp's server on the same GGUF (64 slots), at STREAMS
+#             (default "1 4 16 64") concurrent streams, 16 or 4 x STREAMS random 128/128 prompts
+#   cstreams  the same, conveyor alone
+#   vllm      200 random 128/128 and 200 ShareGPT prompts: conveyor packed, conveyor float32, vLLM CPU (float32)
+# Results: vLLM's --save-result JSON files and logs under OUT. SHARED (default ../shared) holds
+# peers/ and workloads/.
+set -u
+OUT=$(realpath -m "$1"); shift; mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+SHARED=$(realpath "${SHARED:-$ROOT/../shared}")
+GGUF=$(python -c "from conveyor.default_model import default_gguf; print(default_gguf())")
+F32=$(python -c "from conveyor.gpu.gguf import ensure_checkpoint as e; print(e('$GGUF', 'float32', packed=False))")
+PACKED=$(python -c "from conveyor.gpu.gguf import ensure_checkpoint as e; print(e('$GGUF', 'float32'))")
+SHARE=(--dataset-name sharegpt --dataset-path "$SHARED/workloads/sharegpt_sample.json" --num-prompts 200)
+cd /tmp
+rnd() { echo "--dataset-name random --random-input-len 128 --random-output-len 128 --random-range-ratio 0.0 --num-prompts $1"; }
+wait_health() { for _ in $(seq 1 600); do curl -sf "localhost:$1/health" >/dev/null && return 0; sleep 1; done; return 1; }
+bench() { # PORT NAME MODEL ARGS...
+  bash "$SHARED/peers/vllm-cpu.sh" bench --backend vllm --base-url "http://127.0.0.1:$1" --model "$3" --tokenizer "$F32" \
+    --request-rate inf --seed 0 --ignore-eos --disable-tqdm --save-result --result-dir "$OUT" --result-filename "$2.json" \
+    "${@:4}" > "$OUT/$2.log" 2>&1
+}
+conveyor_up() { # NAME MODEL
+  PYTHONPATH=$ROOT python -m conveyor serve --model "$2" --served-model-name smol --port 8000 > "$OUT/serve-$1.log" 2>&1 &
+  CPID=$!; wait_health 8000
+}
+conveyor_down() { kill -TERM $CPID; wait $CPID; sleep 3; }
+worker_rss() { for p in $(pgrep -f "conveyor.*worker"); do echo "$p $(ps -o rss= -p "$p") KiB"; done > "$OUT/rss-$1.txt"; }
+streams() { # WITH_LLAMACPP
+  for n in ${STREAMS:-1 4 16 64}; do
+    prompts=$((n < 4 ? 16 : n * 4))
+    conveyor_up packed-c$n "$PACKED"; bench 8000 cpacked-c$n smol $(rnd $prompts) --max-concurrency $n; conveyor_down
+    [ "$1" = yes ] || continue
+    bash "$SHARED/peers/llamacpp.sh" serve "$GGUF" 8200 64 > "$OUT/llamacpp-c$n-serve.log" 2>&1 & LPID=$!; wait_health 8200
+    bench 8200 llamacpp-c$n any $(rnd $prompts) --max-concurrency $n; kill -TERM $LPID; wait $LPID; sleep 3
+  done
+}
+for part in "$@"; do
+  case $part in
+    single)
+      for form in f32 packed; do
+        model=$([ $form = f32 ] && echo "$F32" || echo "$PACKED")
+        conveyor_up $form "$model"; bench 8000 single-$form smol $(rnd 16) --max-concurrency 1; worker_rss $form; conveyor_down
+      done ;;
+    llamacpp) streams yes ;;
+    cstreams) streams no ;;
+    vllm)
+      for form in packed f32; do
+        model=$([ $form = f32 ] && echo "$F32" || echo "$PACKED")
+        conveyor_up race-$form "$model"; bench 8000 c$form-random smol $(rnd 200); bench 8000 c$form-sharegpt smol "${SHARE[@]}"; conveyor_down
+      done
+      bash "$SHARED/peers/vllm-cpu.sh" serve "$F32" 8100 > "$OUT/vllm-serve.log" 2>&1 & VPID=$!; wait_health 8100
+      bench 8100 vllm-random "$F32" $(rnd 200); bench 8100 vllm-sharegpt "$F32" "${SHARE[@]}"; kill -TERM $VPID; wait $VPID; sleep 3 ;;
+    *) echo "unknown part: $part (single, llamacpp, cstreams, vllm)" >&2; exit 2 ;;
+  esac
+done
