@@ -14,9 +14,9 @@ one output row that share a scale and a min:
 - kind "e4m3": q an FP8 e4m3 code, qweight [N, K] float8_e4m3fn; mins is None (zero).
 scales and mins are [N, K / G] float32 as loaded (fp16 GGUF scales widen exactly; a K-quant's
 scale times its 6-bit sub-scale needs float32); `compact` stores both as float16 where that is
-exact (a CPU kernel reads them so: a quarter fewer bytes per Q4_1 weight), and every reader widens
-them. `perm` [K] int64, where not None, is GPTQ's act-order: the
-kernel's input j is x[:, perm[j]], so its groups are contiguous.
+exact (the cpu backend's prepare does: a sixth fewer bytes per Q4_1 weight), and every reader
+widens them. `perm` [K] int64, where not None, is GPTQ's act-order: the kernel's input j is
+x[:, perm[j]], so its groups are contiguous.
 """
 
 from __future__ import annotations
@@ -70,9 +70,10 @@ class QuantizedWeight:
         the weight is the same; a tied head, sharing this object, sees it too); else as they are."""
         if self.scales.dtype != torch.float32:
             return
-        exact = [t.half() for t in (self.scales, self.mins) if t is not None and torch.equal(t.half().float(), t)]
-        if len(exact) == (1 if self.mins is None else 2):
-            self.scales, self.mins = exact[0], None if self.mins is None else exact[1]
+        parts = [t for t in (self.scales, self.mins) if t is not None]
+        halves = [t.half() for t in parts]
+        if all(torch.equal(h.float(), t) for h, t in zip(halves, parts)):
+            self.scales, self.mins = halves[0], None if self.mins is None else halves[1]
             self.prepared = None
 
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -127,14 +127,13 @@ class CpuOps(TorchOps):
         """The layers' weights stacked, each layer's weight then a view of its rows; None where they
         are not all prepared quantized weights of one kind, group size, input width and input order
         (act-order weights each have their own), all with biases or none, or all with mins or none."""
-        weights = [getattr(layer, "quantized", None) for layer in layers]
+        weights = [w for w in (getattr(layer, "quantized", None) for layer in layers) if isinstance(w, QuantizedWeight)]
         biases = [getattr(layer, "bias", None) for layer in layers]
-        if self.quant is None or len(layers) < 2 or not all(isinstance(w, QuantizedWeight) for w in weights):
+        if self.quant is None or len(layers) < 2 or len(weights) < len(layers):
             return None
         first = weights[0]
-        assert first is not None
-        same = [(w.kind, w.group_size, w.shape[1], w.perm is None, w.mins is None, w.scales.dtype) for w in weights if w]
-        if len(set(same)) != 1 or first.perm is not None or not all(isinstance(w.prepared, QuantArgs) for w in weights if w):
+        same = {(w.kind, w.group_size, w.shape[1], w.perm is None, w.mins is None, w.scales.dtype) for w in weights}
+        if len(same) != 1 or first.perm is not None or not all(isinstance(w.prepared, QuantArgs) for w in weights):
             return None
         if len({b is None for b in biases}) != 1:
             return None
@@ -144,17 +143,15 @@ class CpuOps(TorchOps):
 
         stacked = dataclasses.replace(
             first,
-            qweight=torch.cat([w.qweight for w in weights if w]),
-            scales=torch.cat([w.scales for w in weights if w]),
-            mins=stack([w.mins for w in weights if w]),
+            qweight=torch.cat([w.qweight for w in weights]),
+            scales=torch.cat([w.scales for w in weights]),
+            mins=stack([w.mins for w in weights]),
             prepared=None,
         )
         stacked.prepared = self.quant.prepare(stacked)
         bounds = [0]
         for layer, w in zip(layers, weights):
-            assert w is not None
-            start, end = bounds[-1], bounds[-1] + w.shape[0]
-            rows = slice(start, end)
+            rows = slice(bounds[-1], bounds[-1] + w.shape[0])
             mine = dataclasses.replace(
                 w,
                 qweight=stacked.qweight[rows],
@@ -163,8 +160,8 @@ class CpuOps(TorchOps):
                 prepared=None,
             )
             mine.prepared = self.quant.prepare(mine)
-            layer.quantized = mine
-            bounds.append(end)
+            setattr(layer, "quantized", mine)  # noqa: B010 (nn.Module types attributes as tensors or modules)
+            bounds.append(rows.stop)
         return FusedGroup(stacked, stack(biases), tuple(bounds))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
