@@ -30,7 +30,10 @@ class CacheConfig:
     # A fixed pool size wins; None: the worker sizes the pool from free memory.
     num_kv_blocks: int | None = option(None, "fix the KV pool size", minimum=1, none="from free memory")
     gpu_memory_utilization: float = option(0.90, "CUDA: fraction of device memory the worker may hold")
-    cpu_kv_cache_gib: float = option(1.0, "CPU: memory for the KV pool in GiB", flag="kv-cache-gib")
+    # 2 GiB, vLLM CPU's pool as its peer script serves it: the default model's float32 KV is 45 KiB
+    # a token, so 1 GiB held 91 sequences of 256 tokens and a burst of 200 ran at 1.79 req/s
+    # against 2.24 at 2 GiB (docs/benchmarks.md, issue 29).
+    cpu_kv_cache_gib: float = option(2.0, "CPU: memory for the KV pool in GiB", flag="kv-cache-gib")
     kv_cache_dtype: str = option(
         "auto", "what the KV cache stores: auto (the model's dtype) or fp8 (e4m3, per-layer scales)", choices=tuple(KV_CACHE_DTYPES)
     )

@@ -1,18 +1,19 @@
-"""One stream's decode steps on SmolLM2, in process: the step time, and with --ops where it goes.
+"""Decode steps on SmolLM2, in process: the step time, and with --ops where it goes.
 
-`python ops/bench/decode_profile.py packed|float32 [STEPS] [--ops]` loads the default model's
-GGUF (kept packed, or its dequantized float32 conversion) on the cpu backend, prefills a
-128-token prompt, then times STEPS one-row decode steps (`ModelRunner.execute`; median, p10,
-p90). --ops wraps the backend's ops, attention and the runner's stages in timers and prints each
-one's ms per step and calls per step: the C++ kernels run through ctypes, which torch.profiler
+`python ops/bench/decode_profile.py packed|float32 [STEPS] [--rows N] [--ops]` loads the default
+model's GGUF (kept packed, or its dequantized float32 conversion) on the cpu backend, prefills N
+(default 1) 128-token prompts, then times STEPS decode steps of N rows, one token of each prompt
+(`ModelRunner.execute`; median, p10, p90). One row is one stream; a race's steps run 100-200.
+--ops wraps the backend's ops, attention and the runner's stages in timers and prints each one's
+ms per step and calls per step: the C++ kernels run through ctypes, which torch.profiler
 does not see. The wrappers cost a few percent; compare runs of one kind only.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import functools
-import sys
 import time
 
 from conveyor.config import CacheConfig, EngineConfig, ParallelConfig
@@ -41,19 +42,21 @@ def timed(obj: object, name: str, label: str) -> None:
     setattr(obj, name, wrapper)
 
 
-def main(form: str, steps: int, ops: bool) -> None:
+def main(form: str, steps: int, ops: bool, rows: int) -> None:
     path = ensure_checkpoint(default_gguf(), "float32", packed=form == "packed")
     config = EngineConfig(
-        model=read_model_config(path), cache=CacheConfig(block_size=16, num_kv_blocks=64), parallel=ParallelConfig(device="cpu")
+        model=read_model_config(path), cache=CacheConfig(block_size=16, num_kv_blocks=64 * rows), parallel=ParallelConfig(device="cpu")
     )
     runner = ModelRunner(config)
-    runner.initialize_cache(64)
+    runner.initialize_cache(64 * rows)  # 1024 tokens a row
     prompt, greedy = list(range(100, 228)), SamplingParams(temperature=0.0, max_tokens=None)
-    runner.execute(StepPlan(0, [NewSeq(0, prompt, greedy, len(prompt))], [ScheduledSeq(0, len(prompt), list(range(40)))]))
-    decode = iter(range(1, 1 << 30))
+    for r in range(rows):  # one prompt a step: a prefill's rows are not what is timed
+        blocks = list(range(64 * r, 64 * r + 40))
+        runner.execute(StepPlan(r, [NewSeq(r, prompt, greedy, len(prompt))], [ScheduledSeq(r, len(prompt), blocks)]))
+    decode = iter(range(rows, 1 << 30))
 
     def step() -> None:
-        runner.execute(StepPlan(next(decode), [], [ScheduledSeq(0, 1, [])]))
+        runner.execute(StepPlan(next(decode), [], [ScheduledSeq(r, 1, []) for r in range(rows)]))
 
     for _ in range(10):
         step()
@@ -73,13 +76,16 @@ def main(form: str, steps: int, ops: bool) -> None:
         durations.append(time.perf_counter() - start)
     durations.sort()
     ms = [durations[int(q * (steps - 1))] * 1e3 for q in (0.5, 0.1, 0.9)]
-    print(f"{form}: one-row decode step p50 {ms[0]:.2f} ms, p10 {ms[1]:.2f}, p90 {ms[2]:.2f} ({steps} steps)")
+    print(f"{form}: {rows}-row decode step p50 {ms[0]:.2f} ms, p10 {ms[1]:.2f}, p90 {ms[2]:.2f} ({steps} steps)")
     for label, total in sorted(times.items(), key=lambda kv: -kv[1]):
         print(f"  {label:22s} {total / steps * 1e3:7.3f} ms/step  {counts[label] / steps:6.1f} calls/step")
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    if not args or args[0] not in ("packed", "float32"):
-        sys.exit("usage: decode_profile.py packed|float32 [STEPS] [--ops]")
-    main(args[0], int(args[1]) if len(args) > 1 else 100, "--ops" in sys.argv)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("form", choices=("packed", "float32"))
+    parser.add_argument("steps", nargs="?", type=int, default=100)
+    parser.add_argument("--rows", type=int, default=1, help="sequences decoding together")
+    parser.add_argument("--ops", action="store_true", help="time each op")
+    args = parser.parse_args()
+    main(args.form, args.steps, args.ops, args.rows)
