@@ -39,7 +39,10 @@ MAX_ROWS = 4096  # a step's rows: the cpu backend's largest token budget
 # 851, 641. The int8 paths take up to 16 rows (direct where they cannot), dequantize the rest.
 INT8_MAX_ROWS = 16
 DEQUANTIZE_MIN_ROWS = 17
-SCRATCH_FLOATS = 1 << 20  # 4 MB: the float slice of W decoded at a time (a whole SmolLM2 layer)
+# The float slice of W decoded at a time: 8 MB, SmolLM2's stacked gate/up (3072 x 576) whole. At
+# 4 MB it took two slices, each product copied into a column range of the output: a 2048-token
+# prefill step took 2207 ms against 1994 (medians of 5, interleaved; float32's own GEMM 1864).
+SCRATCH_FLOATS = 1 << 21
 # x's planes for the int8 paths. Against the dequantized reference (torch backend), greedy, 6
 # prompts x 64 tokens of SmolLM2 Q4_1: one plane (llama.cpp's Q8_1 precision) changed the text
 # within 5 to 40 tokens on 5 of the 6; two and three planes kept all of it, as they kept the tiny
