@@ -23,6 +23,7 @@ from conveyor.gpu.models.registry import read_model_config
 from conveyor.gpu.runner import ModelRunner
 from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
 
+BLOCKS_PER_ROW = 40  # 640 tokens of KV a row: the 128-token prompt, 10 warm-up steps, STEPS up to 502
 times: dict[str, float] = collections.defaultdict(float)
 counts: collections.Counter[str] = collections.Counter()
 
@@ -44,14 +45,13 @@ def timed(obj: object, name: str, label: str) -> None:
 
 def main(form: str, steps: int, ops: bool, rows: int) -> None:
     path = ensure_checkpoint(default_gguf(), "float32", packed=form == "packed")
-    config = EngineConfig(
-        model=read_model_config(path), cache=CacheConfig(block_size=16, num_kv_blocks=64 * rows), parallel=ParallelConfig(device="cpu")
-    )
+    cache = CacheConfig(block_size=16, num_kv_blocks=BLOCKS_PER_ROW * rows)
+    config = EngineConfig(model=read_model_config(path), cache=cache, parallel=ParallelConfig(device="cpu"))
     runner = ModelRunner(config)
-    runner.initialize_cache(64 * rows)  # 1024 tokens a row
+    runner.initialize_cache(BLOCKS_PER_ROW * rows)
     prompt, greedy = list(range(100, 228)), SamplingParams(temperature=0.0, max_tokens=None)
     for r in range(rows):  # one prompt a step: a prefill's rows are not what is timed
-        blocks = list(range(64 * r, 64 * r + 40))
+        blocks = list(range(BLOCKS_PER_ROW * r, BLOCKS_PER_ROW * (r + 1)))
         runner.execute(StepPlan(r, [NewSeq(r, prompt, greedy, len(prompt))], [ScheduledSeq(r, len(prompt), blocks)]))
     decode = iter(range(rows, 1 << 30))
 
@@ -88,4 +88,6 @@ if __name__ == "__main__":
     parser.add_argument("--rows", type=int, default=1, help="sequences decoding together")
     parser.add_argument("--ops", action="store_true", help="time each op")
     args = parser.parse_args()
+    if not 1 <= args.steps <= 502 or args.rows < 1:
+        parser.error("STEPS must be 1 to 502 (each row's KV holds 640 tokens) and --rows at least 1")
     main(args.form, args.steps, args.ops, args.rows)
