@@ -11,6 +11,7 @@ use are actually checked.
 from __future__ import annotations
 
 import functools
+import json
 import tempfile
 from pathlib import Path
 from typing import TypedDict
@@ -174,8 +175,11 @@ def checkpoint(name: str) -> Path:
 
 
 def hf_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> transformers.PreTrainedModel:
-    """The HF reference model for `name`, in eval mode."""
-    model = _MODEL_CLASSES[name].from_pretrained(checkpoint(name), dtype=dtype)
+    """The HF reference model for `name`, in eval mode. Soft-capped attention (Gemma 2) runs HF's
+    eager attention: its sdpa path, the default in some releases (transformers 5.17), drops the cap."""
+    path = checkpoint(name)
+    capped = json.loads((path / "config.json").read_text()).get("attn_logit_softcapping") is not None
+    model = _MODEL_CLASSES[name].from_pretrained(path, dtype=dtype, **({"attn_implementation": "eager"} if capped else {}))
     # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as unbound.
     model = model.to(device)  # type: ignore[arg-type]
     return model.eval()

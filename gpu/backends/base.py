@@ -277,7 +277,9 @@ class Ops(abc.ABC):
 
     @abc.abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x [T, H], weight [H] -> [T, H]: normalised in float32, cast back, then scaled (as HF)."""
+        """x [T, H], weight [H] -> [T, H] in x's dtype, normalised in float32. A weight in x's
+        dtype scales the normalised x after its cast back (Llama's order in HF); a float32 weight
+        scales it in float32, cast once at the end (Gemma's, whose (1 + w) HF computes in float32)."""
 
     @abc.abstractmethod
     def add_rms_norm(

@@ -3,7 +3,8 @@ and their config adapters (`gemma2_config`, `gemma3_config`), which read Gemma's
 names; soft-capping is refused for every family whose adapter does not take it.
 
 Owns what differs from llama.py; the rest is llama.py's layers and CausalLM's one forward:
-- RMSNorm scales by (1 + weight), every norm (q/k norms included): `after_load` folds the 1 in;
+- RMSNorm scales by (1 + weight) in float32, every norm (q/k norms included): `after_load` folds
+  the 1 in and keeps the sum in float32, which the ops read as Gemma's order (scale, then cast);
 - four norms per layer (`GemmaDecoderLayer`): attention and MLP outputs are normalised before the
   residual add, and the MLP input by pre_feedforward_layernorm;
 - embeddings scaled by sqrt(hidden_size) (`embed`), and final logit soft-capping (`compute_logits`);
@@ -63,13 +64,15 @@ class GemmaForCausalLM(CausalLM):
         return x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype)
 
     def after_load(self) -> None:
-        """Add Gemma's 1 to every RMSNorm weight once, so the norms are llama.py's and the ops' fused
-        kernels serve them. HF computes (1 + w) in float32 per call; in float32 the two agree bit for
-        bit, in bf16 ours rounds 1 + w to bf16 (one rounding more)."""
+        """Add Gemma's 1 to every RMSNorm weight once, in float32, so the norms are llama.py's and
+        the ops' fused kernels serve them. HF computes (1 + w.float()) per call and scales the
+        float32 normalised x by it before one cast to the activation dtype; a float32 weight asks
+        the ops for that order (Ops.rms_norm). Rounding 1 + w to bf16 and the normalised x before
+        the product, as the Llama order does, put bf16 logprobs 0.03-0.1 nats off HF's."""
         with torch.no_grad():
             for module in self.modules():
                 if isinstance(module, RMSNorm):
-                    module.weight.add_(1.0)
+                    module.weight.data = module.weight.data.float() + 1.0
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)  # [N, V] in the model dtype; capped there too, as HF

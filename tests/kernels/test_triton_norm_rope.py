@@ -44,15 +44,17 @@ def _rope_table(rotary_dim: int, scaling: dict, max_positions: int = 256) -> tor
     return RotaryEmbedding(rotary_dim, 10000.0, scaling, max_positions, DEVICE).cos_sin
 
 
-def _check_norm(num_tokens: int, hidden: int, dtype: torch.dtype, row_stride: int, with_residual: bool) -> None:
+def _check_norm(
+    num_tokens: int, hidden: int, dtype: torch.dtype, row_stride: int, with_residual: bool, weight_dtype: torch.dtype | None = None
+) -> None:
     gen = torch.Generator().manual_seed(num_tokens * 7919 + hidden)
     # Rows strided by row_stride >= hidden: x is a view into a wider buffer, as a fused projection's output.
     x = torch.randn(num_tokens, row_stride, generator=gen).to(dtype).to(DEVICE)[:, :hidden]
     residual = torch.randn(num_tokens, hidden, generator=gen).to(dtype).to(DEVICE)
-    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(weight_dtype or dtype).to(DEVICE)
     expected, expected_residual = add_rms_norm_reference(x, residual if with_residual else None, weight, 1e-6)
     out = add_rms_norm(x, residual, weight, 1e-6) if with_residual else rms_norm(x, weight, 1e-6)
-    assert out.dtype == expected.dtype
+    assert out.dtype == expected.dtype == dtype
     _assert_close(out, expected, TOLERANCE[dtype])
     if with_residual:
         torch.testing.assert_close(residual, expected_residual, rtol=0, atol=0)  # one rounded add, as torch's
@@ -62,6 +64,16 @@ def _check_norm(num_tokens: int, hidden: int, dtype: torch.dtype, row_stride: in
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_rms_norm_matches_torch(dtype, with_residual):
     _check_norm(3, 96, dtype, 96, with_residual)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_with_a_float32_weight_scales_before_the_cast(with_residual):
+    # Gemma's order (its (1 + w) kept in float32): one rounding, at the end, to the activation dtype.
+    _check_norm(3, 96, torch.float16, 96, with_residual, weight_dtype=torch.float32)
+    x, weight = torch.randn(2, 64, dtype=torch.float16, device=DEVICE), 1 + 0.1 * torch.randn(64, device=DEVICE)
+    h = x.float()
+    once = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * weight).half()
+    _assert_close(rms_norm(x, weight, 1e-6), once, TOLERANCE[torch.float16])
 
 
 def test_rms_norm_at_a_model_width_and_a_non_power_of_two():
@@ -185,10 +197,12 @@ COMPILE_FOR_SM90 = textwrap.dedent("""
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
-    def compile_(fn, types, constexprs, num_warps):
+    def compile_(fn, types, constexprs, num_warps, **launch_options):
         signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
-        options = dict(num_warps=num_warps)
+        options = dict(num_warps=num_warps, **launch_options)
         kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
+        if fn is rotary._rotary_kernel:  # each product rounded before the sum, as torch: no fused multiply-add
+            assert not re.search(r"\\bfma\\.", kernel.asm["ptx"]), (constexprs, types)
         with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
             ptx.write(kernel.asm["ptx"])
             ptx.flush()
@@ -196,8 +210,8 @@ COMPILE_FOR_SM90 = textwrap.dedent("""
         spills = re.search(r"(\\d+) bytes spill stores", info.stderr)
         assert spills and spills.group(1) == "0", (fn.__name__, constexprs, info.stderr[-2000:])
 
-    for act, weight in (("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "fp32")):
-        types = dict(x_ptr="*" + act, residual_ptr="*" + act, weight_ptr="*" + weight, out_ptr="*" + weight, eps="fp32")
+    for act, weight in (("bf16", "bf16"), ("bf16", "fp32"), ("fp16", "fp32"), ("fp32", "fp32")):
+        types = dict(x_ptr="*" + act, residual_ptr="*" + act, weight_ptr="*" + weight, out_ptr="*" + act, eps="fp32")
         for block, residual in ((8192, True), (4096, False), (128, True)):
             constexprs = dict(HAS_RESIDUAL=residual, BLOCK_H=block)
             compile_(add_rms_norm._add_rms_norm_kernel, types, constexprs, min(max(block // 256, 1), 16))
@@ -206,7 +220,7 @@ COMPILE_FOR_SM90 = textwrap.dedent("""
         for half, q_heads, kv_heads in ((64, 32, 8), (64, 64, 8), (128, 16, 2), (40, 4, 1)):
             block_half = triton.next_power_of_2(half)
             constexprs = dict(HALF=half, BLOCK_HALF=block_half, BLOCK_Q_HEADS=q_heads, BLOCK_KV_HEADS=kv_heads)
-            compile_(rotary._rotary_kernel, types, constexprs, min(max(q_heads * block_half // 1024, 4), 16))
+            compile_(rotary._rotary_kernel, types, constexprs, min(max(q_heads * block_half // 1024, 4), 16), **rotary.COMPILE_OPTIONS)
         types = dict(gate_ptr="*" + dtype, up_ptr="*" + dtype, out_ptr="*" + dtype)
         compile_(silu_mul._silu_mul_kernel, types, dict(BLOCK=silu_mul.BLOCK), 4)
 """)

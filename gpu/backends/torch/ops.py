@@ -35,9 +35,13 @@ class TorchOps(Ops):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, H] -> [T, H]. As HF: normalise in float32, cast back, then scale (the order matters in bf16)."""
+    """x [T, H] -> [T, H] in x's dtype. As HF: normalise in float32; then a weight in x's dtype
+    scales the normalised x cast back (Llama), a float32 weight scales it before the one cast
+    (Gemma). The order matters in bf16."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype == torch.float32:
+        return (weight * x32).to(x.dtype)
     return weight * x32.to(x.dtype)
 
 

@@ -8,9 +8,11 @@ thread at H = 4096 (the Llama-3-8B shape this is meant for).
 
 The rounding follows the torch model (gpu/models/llama.py's RMSNorm, itself HF's) step by step, so
 bf16 and fp16 results match it bit for bit up to the reduction order: x + residual is rounded to
-the activation dtype (and stored, residual updated in place), normalised in float32, cast back to
-the activation dtype, and only then multiplied by the weight in the promoted dtype. Every load is
-upcast to float32 at once, so the Triton interpreter's broken bf16 arithmetic is never used.
+the activation dtype (and stored, residual updated in place), normalised in float32, then either
+cast back to the activation dtype and only then multiplied by a weight in that dtype (Llama's
+order), or multiplied by a float32 weight before the one cast (Gemma's). The output is in the
+activation dtype. Every load is upcast to float32 at once, so the Triton interpreter's broken bf16
+arithmetic is never used.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from conveyor.gpu.backends.torch.ops import rms_norm as torch_rms_norm
 
 
 @triton.jit
@@ -46,9 +50,11 @@ def _add_rms_norm_kernel(
         tl.store(r_ptrs, summed, mask=mask)
         h = summed.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(h * h, axis=0) / H + eps)  # padding lanes are 0: they add nothing
-    normed = (h * inv_rms).to(act_dtype).to(tl.float32)  # cast back before the weight, as HF
+    normed = h * inv_rms
+    if weight_ptr.dtype.element_ty != tl.float32:
+        normed = normed.to(act_dtype).to(tl.float32)  # cast back before the weight, as HF's Llama
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(act_dtype), mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,8 +77,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     _check_row_major(x, "x")
     weight = weight.contiguous()
     num_tokens, hidden = x.shape
-    # As `weight * normed.to(x.dtype)` in torch: the product's dtype is the promoted one.
-    out = torch.empty((num_tokens, hidden), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
     block = triton.next_power_of_2(hidden)
@@ -101,8 +106,6 @@ def _check_row_major(t: torch.Tensor, name: str) -> None:
 def add_rms_norm_reference(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The torch model's RMSNorm, for tests: (out, x + residual) without touching the inputs."""
+    """The torch backend's RMSNorm, for tests: (out, x + residual) without touching the inputs."""
     h = x if residual is None else x + residual
-    h32 = h.float()
-    normed = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(h.dtype), (None if residual is None else h)
+    return torch_rms_norm(h, weight, eps), (None if residual is None else h)
