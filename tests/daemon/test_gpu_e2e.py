@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from conveyor.tiny.checkpoint import make_checkpoint
+from tests.conftest import Daemon
 
 pytestmark = pytest.mark.cuda
 
@@ -49,6 +50,22 @@ def hf_bf16(bf16_checkpoint):
     return AutoModelForCausalLM.from_pretrained(bf16_checkpoint, dtype=torch.bfloat16).to("cuda").eval()
 
 
+@pytest.fixture
+def cuda_daemon():
+    """Daemons stopped as each test ends, not with the module as conftest's daemon_factory does:
+    each takes gpu_memory_utilization of the device for its KV cache, so while one runs the next
+    finds no memory left (measured on an H200: budget -1.16 GiB)."""
+    started: list[Daemon] = []
+
+    def start(*args: str) -> Daemon:
+        started.append(Daemon(*args))
+        return started[-1]
+
+    yield start
+    for daemon in started:
+        daemon.stop()
+
+
 def prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(10, 4000, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
@@ -62,9 +79,9 @@ def prompts() -> list[list[int]]:
         ("auto", ("--num-scheduler-steps", "8")),  # graphs inside multi-step windows
     ],
 )
-def test_daemon_on_cuda_agrees_with_transformers_in_bf16(backend, extra, daemon_factory, bf16_checkpoint, hf_bf16):
+def test_daemon_on_cuda_agrees_with_transformers_in_bf16(backend, extra, cuda_daemon, bf16_checkpoint, hf_bf16):
     args = f"--model {bf16_checkpoint} --device cuda --attention-backend {backend} --max-num-batched-tokens 64".split()
-    daemon = daemon_factory(*args, *extra)
+    daemon = cuda_daemon(*args, *extra)
     assert "attention backend: triton (" in daemon.output()  # auto is triton on CUDA
     assert ("CUDA graphs:" in daemon.output()) == ("--enforce-eager" not in extra)
     body = {"max_tokens": NUM_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True, "logprobs": 0}
