@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = torch.cuda.is_available()
     device, cut = ("cuda", 1) if on_gpu else ("cpu", 64)
     name = torch.cuda.get_device_name() if on_gpu else "no CUDA device: interpreter, 1/64 of the shapes, times mean nothing"
-    spec = DEVICES["h100"]
+    spec = DEVICES["h200" if "H200" in name else "h100"]  # the roofline of the card it runs on
     shapes, _, _ = MODELS["Llama-3-8B"]
     figures: dict[str, str] = {"device": name}
     print(f"{name}; estimates: {spec.name} roofline (conveyor/sim/gemm_roofline.py)\n")

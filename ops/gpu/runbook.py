@@ -133,6 +133,8 @@ def tests(opts: Options, state: dict, deadline: float) -> dict:
     junit.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", f"--junitxml={junit}", *files]
     status, out = run(cmd, deadline - time.monotonic() - 10, cwd=REPO)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    (opts.out / "tests.log").write_text(out)  # every failure's whole traceback, which the tails below cut
     print(out[-3000:])
     if not junit.is_file():
         raise StepFailed("pytest wrote no results", status, out)
