@@ -179,7 +179,7 @@ def hf_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu")
     eager attention: its sdpa path, the default in some releases (transformers 5.17), drops the cap."""
     path = checkpoint(name)
     capped = json.loads((path / "config.json").read_text()).get("attn_logit_softcapping") is not None
-    model = _MODEL_CLASSES[name].from_pretrained(path, dtype=dtype, **({"attn_implementation": "eager"} if capped else {}))
+    model = _MODEL_CLASSES[name].from_pretrained(path, dtype=dtype, attn_implementation="eager" if capped else None)
     # transformers wraps PreTrainedModel.to with functools.wraps, which mypy reads as unbound.
     model = model.to(device)  # type: ignore[arg-type]
     return model.eval()

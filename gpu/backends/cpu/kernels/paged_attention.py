@@ -86,7 +86,7 @@ class PagedAttentionKernel:
         num_rows, max_blocks = block_tables.shape
         if query_start_loc.shape != (num_rows + 1,) or seq_lens.shape != (num_rows,):
             raise ValueError("query_start_loc must be [B + 1] and seq_lens [B]")
-        return StepTables(tensors, tuple(t.data_ptr() for t in tensors), num_rows, max_blocks)
+        return StepTables(tensors, (block_tables.data_ptr(), query_start_loc.data_ptr(), seq_lens.data_ptr()), num_rows, max_blocks)
 
     def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """kv_cache [2, N, Hkv, bs * D]; k, v [T, Hkv, D] in the cache's dtype (float32, or e4m3
