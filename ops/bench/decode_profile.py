@@ -23,7 +23,9 @@ from conveyor.gpu.models.registry import read_model_config
 from conveyor.gpu.runner import ModelRunner
 from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
 
-BLOCKS_PER_ROW = 40  # 640 tokens of KV a row: the 128-token prompt, 10 warm-up steps, STEPS up to 502
+BLOCK_SIZE, BLOCKS_PER_ROW = 16, 40  # 640 tokens of KV a row
+PROMPT_TOKENS, WARM_UP_STEPS = 128, 10
+MAX_STEPS = BLOCK_SIZE * BLOCKS_PER_ROW - PROMPT_TOKENS - WARM_UP_STEPS  # 502: what the rest of a row's KV holds
 times: dict[str, float] = collections.defaultdict(float)
 counts: collections.Counter[str] = collections.Counter()
 
@@ -45,11 +47,11 @@ def timed(obj: object, name: str, label: str) -> None:
 
 def main(form: str, steps: int, ops: bool, rows: int) -> None:
     path = ensure_checkpoint(default_gguf(), "float32", packed=form == "packed")
-    cache = CacheConfig(block_size=16, num_kv_blocks=BLOCKS_PER_ROW * rows)
+    cache = CacheConfig(block_size=BLOCK_SIZE, num_kv_blocks=BLOCKS_PER_ROW * rows)
     config = EngineConfig(model=read_model_config(path), cache=cache, parallel=ParallelConfig(device="cpu"))
     runner = ModelRunner(config)
     runner.initialize_cache(BLOCKS_PER_ROW * rows)
-    prompt, greedy = list(range(100, 228)), SamplingParams(temperature=0.0, max_tokens=None)
+    prompt, greedy = list(range(100, 100 + PROMPT_TOKENS)), SamplingParams(temperature=0.0, max_tokens=None)
     for r in range(rows):  # one prompt a step: a prefill's rows are not what is timed
         blocks = list(range(BLOCKS_PER_ROW * r, BLOCKS_PER_ROW * (r + 1)))
         runner.execute(StepPlan(r, [NewSeq(r, prompt, greedy, len(prompt))], [ScheduledSeq(r, len(prompt), blocks)]))
@@ -58,7 +60,7 @@ def main(form: str, steps: int, ops: bool, rows: int) -> None:
     def step() -> None:
         runner.execute(StepPlan(next(decode), [], [ScheduledSeq(r, 1, []) for r in range(rows)]))
 
-    for _ in range(10):
+    for _ in range(WARM_UP_STEPS):
         step()
     if ops:
         backend = runner.backend
@@ -88,6 +90,6 @@ if __name__ == "__main__":
     parser.add_argument("--rows", type=int, default=1, help="sequences decoding together")
     parser.add_argument("--ops", action="store_true", help="time each op")
     args = parser.parse_args()
-    if not 1 <= args.steps <= 502 or args.rows < 1:
-        parser.error("STEPS must be 1 to 502 (each row's KV holds 640 tokens) and --rows at least 1")
+    if not 1 <= args.steps <= MAX_STEPS or args.rows < 1:
+        parser.error(f"STEPS must be 1 to {MAX_STEPS} (each row's KV holds {BLOCK_SIZE * BLOCKS_PER_ROW} tokens), --rows at least 1")
     main(args.form, args.steps, args.ops, args.rows)
