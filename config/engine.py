@@ -16,6 +16,7 @@ import enum
 
 from conveyor.config.model import ModelConfig
 from conveyor.config.options import option
+from conveyor.config.speculative import SpeculativeConfig
 from conveyor.sim.devices import DEVICE_NAMES
 
 # --kv-cache-dtype: what the paged KV cache stores, as a torch dtype name; auto: the model's dtype.
@@ -205,6 +206,7 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
     stages: StagesConfig = StagesConfig()
     server: ServerConfig = ServerConfig()
+    speculative: SpeculativeConfig | None = None  # --speculative-config; None: no speculation
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -49,12 +49,26 @@ class ModelOptions:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class SpeculationOptions:
+    """Speculative decoding: one JSON option, as vLLM's, read into EngineConfig.speculative
+    (config/speculative.py checks every key)."""
+
+    speculative_config: str | None = option(
+        None,
+        'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        "(keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size)",
+        none="off",
+    )
+
+
 # The classes whose option() fields are the options, in `conveyor serve --help` order, with the
 # title of their group there.
 OPTION_CLASSES: dict[str, type] = {
     "model": ModelOptions,
     "KV cache": CacheConfig,
     "scheduler": SchedulerConfig,
+    "speculative decoding": SpeculationOptions,
     "parallelism": ParallelConfig,
     "stages": StagesConfig,
     "server": ServerConfig,

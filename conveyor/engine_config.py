@@ -22,10 +22,11 @@ from conveyor.config.engine import (
     ServerConfig,
     StagesConfig,
 )
-from conveyor.config.engine_options import OPTION_CLASSES, ModelOptions
+from conveyor.config.engine_options import OPTION_CLASSES, ModelOptions, SpeculationOptions
 from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
 from conveyor.config.options import collect
+from conveyor.config.speculative import parse_speculative_config
 
 
 def resolve_device(device: str) -> str:
@@ -64,16 +65,21 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
         raise ConfigError(f"--emulate {parallel_fields['emulate']} models a GPU only with --device emulated")
     parallel = ParallelConfig(device=device, **parallel_fields)
     check_tensor_parallel(model_config, parallel)
+    scheduler = SchedulerConfig(**fields[SchedulerConfig])
+    speculative = parse_speculative_config(fields[SpeculationOptions].get("speculative_config"))
+    if speculative is not None and scheduler.num_scheduler_steps > 1:
+        raise ConfigError("--num-scheduler-steps above 1 cannot be combined with --speculative-config: pick one")
     server = fields[ServerConfig]
     if "chat_template" in server:
         server["chat_template"] = _read_template(server["chat_template"])
     return EngineConfig(
         model=model_config,
         cache=CacheConfig(**fields[CacheConfig]),
-        scheduler=SchedulerConfig(**fields[SchedulerConfig]),
+        scheduler=scheduler,
         parallel=parallel,
         stages=StagesConfig(**fields[StagesConfig]),
         server=ServerConfig(**server),
+        speculative=speculative,
     )
 
 

@@ -68,6 +68,7 @@ class LLM:
             block_size=self.config.cache.block_size,
             max_model_len=self.config.model.max_model_len,
             eos_token_ids=self.config.model.eos_token_ids,
+            speculative=self.config.speculative,
         )
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()

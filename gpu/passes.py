@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from conveyor.gpu.pass_clock import PassClock
 from conveyor.gpu.sampling.draws import DeviceSamples
+from conveyor.gpu.spec.verify import accepted_length
 from conveyor.gpu.step_inputs import PassInputs
 from conveyor.wire.messages import Fork, SamplingParams, StepPlan, StepResult, TopLogprobs
 
@@ -32,6 +33,9 @@ class WorkerSeq:
     num_tokens: int = -1  # tokens known, on the host or only on the device yet (-1: len(token_ids))
     stopped: bool = False  # the host saw it draw EOS / a stop token, or fail: later draws are masked
     matcher: Matcher | None = None  # its grammar (params.structured): has taken every id in token_ids' outputs
+    # A launched pass verifies drafts of it and has not been collected: num_computed and
+    # num_tokens count that pass's token alone until its result says how many drafts held.
+    verifying: bool = False
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:
@@ -60,14 +64,16 @@ class Window:
 
 @dataclasses.dataclass
 class PassWork:
-    """What one pass computes: its rows, the tokens each adds, which rows draw (indices into
-    rows) and each drawing row's forks (a plan's first pass only)."""
+    """What one pass computes: its rows, the tokens each computes, which rows draw (indices into
+    rows), each drawing row's forks (a plan's first pass only) and the drafts a row verifies (by
+    row index: it draws once per draft and once more, gpu/spec/verify.py)."""
 
     inputs: PassInputs
     rows: list[WorkerSeq]
     num_new: list[int]
     sampling: list[int]
     forks: list[list[Fork]]
+    drafts: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -79,63 +85,99 @@ class LaunchedPass:
     samples: DeviceSamples | None
     copy: ResultCopy | None  # its ids on their way to the host (the platform's HostCopy or VirtualCopy)
     clock: PassClock
+    # The drafts each verifying sequence's run of draws checks (by seq_id): its draws are
+    # consecutive in `draws`, one per draft and one more.
+    drafts: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
 
 def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
     """A launched pass whose ids reached the host -> its StepResult; the host's copies of the
     sequences take the ids, and a sequence that stops (EOS `eos`, a stop id, a failed draw) is
-    masked from then on."""
+    masked from then on. A verifying row reports the run of draws it keeps (verify.py), cut after
+    a stopping token, and its counts move past the accepted drafts."""
     window, k = launched.window, launched.index
     host = launched.samples.on_host(launched.copy.wait()) if launched.samples is not None and launched.copy else None
-    ids: list[int] = []
-    logprobs: list[float] = []
-    tops: dict[int, TopLogprobs] = {}  # by draw, where its sequence asked and it was not masked
-    failed: list[int] = []
-    masked: list[int] = []
+    out = _Draws()
     top_iter = iter(host.top_logprobs if host else [])
     failed_computed = set(host.failed_draws if host else [])
-    any_top = False
-    for d, (seq, c) in enumerate(zip(launched.draws, launched.computed)):
+    spec_rows: list[tuple[int, int, int]] = []
+    d, draws = 0, launched.draws
+    while d < len(draws):
+        seq, c = draws[d], launched.computed[d]
+        drafts = launched.drafts.get(seq.seq_id, [])
+        d += 1 + len(drafts)
         wants_top = seq.params.logprobs is not None
-        any_top |= wants_top
-        top = next(top_iter) if wants_top and c is not None else None
-        if c is not None and host is not None:
+        out.any_top |= wants_top
+        tops = [next(top_iter) for _ in range(1 + len(drafts))] if wants_top and c is not None else []
+        if c is not None and host is not None and not drafts:
             # Every id the device holds joins the host's copy, even a masked one: the next
             # plan may still name the sequence (planned before the scheduler saw it stop).
-            token = host.token_ids[c]
-            seq.token_ids.append(token)
+            seq.token_ids.append(host.token_ids[c])
         if c is None or host is None or seq.stopped:
-            masked.append(d)
-            ids.append(0)
-            logprobs.append(0.0)
+            if drafts and c is not None and host is not None:  # the token its counts already hold
+                seq.token_ids.append(host.token_ids[c])
+            out.masked.append(len(out.ids))
+            out.add(seq, 0, 0.0, None)
+            seq.verifying = False
             continue
-        ids.append(token)
-        logprobs.append(host.logprobs[c])
-        if top is not None:
-            tops[d] = top
-        if c in failed_computed:  # its id is the placeholder 0, as on the device
-            failed.append(d)
-            seq.stopped = True
-        else:
-            if seq.matcher is not None:
-                seq.matcher.accept(token)
-            seq.stopped = _stops(seq, token, eos)
+        drawn = host.token_ids[c : c + 1 + len(drafts)]
+        keep = drawn[: accepted_length(drafts, drawn) + 1] if drafts else drawn
+        for j, token in enumerate(keep):
+            out.add(seq, token, host.logprobs[c + j], tops[j] if tops else None)
+            if drafts:
+                seq.token_ids.append(token)
+            if c + j in failed_computed:  # its id is the placeholder 0, as on the device
+                out.failed.append(len(out.ids) - 1)
+                seq.stopped = True
+            else:
+                if seq.matcher is not None:
+                    seq.matcher.accept(token)
+                seq.stopped = _stops(seq, token, eos)
+            if seq.stopped:
+                keep = keep[: j + 1]
+                break
+        if drafts:
+            seq.num_tokens += len(keep) - 1  # the pass counted its one token; the accepted drafts join it
+            seq.num_computed += len(keep) - 1
+            seq.verifying = False
+            spec_rows.append((seq.seq_id, len(drafts), len(keep) - 1))
     # The plan's last result: its final pass, or the last launched one when no row is left.
     last = k == window.num_passes - 1 or (window.num_launched == k + 1 and not window.active(k + 1))
     clock = launched.clock
     return StepResult(
         step=window.plan.step,
-        sampled_token_ids=ids,
+        sampled_token_ids=out.ids,
         busy_time=clock.busy(),
         idle_time=clock.idle(),
-        sampled_logprobs=logprobs,
-        top_logprobs=_dense(tops, len(ids)) if any_top else [],  # empty unless a draw's sequence asked
-        failed_draws=failed,
+        sampled_logprobs=out.logprobs,
+        top_logprobs=_dense(out.tops, len(out.ids)) if out.any_top else [],  # empty unless a draw's sequence asked
+        failed_draws=out.failed,
         pass_index=k,
         last_pass=last,
-        masked_draws=masked,
-        seq_ids=[seq.seq_id for seq in launched.draws],
+        masked_draws=out.masked,
+        seq_ids=out.seq_ids,
+        spec_rows=spec_rows,
     )
+
+
+@dataclasses.dataclass
+class _Draws:
+    """A StepResult's per-draw lists, as pass_result fills them."""
+
+    ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    seq_ids: list[int] = dataclasses.field(default_factory=list)
+    tops: dict[int, TopLogprobs] = dataclasses.field(default_factory=dict)  # by draw, where its sequence asked and it was not masked
+    failed: list[int] = dataclasses.field(default_factory=list)
+    masked: list[int] = dataclasses.field(default_factory=list)
+    any_top: bool = False
+
+    def add(self, seq: WorkerSeq, token: int, logprob: float, top: TopLogprobs | None) -> None:
+        if top is not None:
+            self.tops[len(self.ids)] = top
+        self.ids.append(token)
+        self.logprobs.append(logprob)
+        self.seq_ids.append(seq.seq_id)
 
 
 def _dense(tops: dict[int, TopLogprobs], num_draws: int) -> list[TopLogprobs]:

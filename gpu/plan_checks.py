@@ -60,6 +60,8 @@ def check_plan(
             raise ValueError(f"block table of {table_blocks} blocks cannot hold {end} tokens")
         if multi and (row.forks or computed != num_tokens - 1 or row.num_tokens > plan.num_steps):
             raise ValueError(f"seq {row.seq_id}: a multi-step row must decode, without forks, for at most num_steps passes")
+        if row.num_lookahead and (multi or row.num_lookahead < 0 or row.forks or end != num_tokens or computed != num_tokens - 1):
+            raise ValueError(f"seq {row.seq_id}: only a single step's one-token decode row may verify drafts")
         if row.forks:
             if end != num_tokens:
                 raise ValueError("a row that does not sample cannot fork")

@@ -40,6 +40,7 @@ from conveyor.gpu.sampling import SamplingRow
 from conveyor.gpu.sampling.draws import DeviceSamples
 from conveyor.gpu.sampling.penalties import penalises_repeats
 from conveyor.gpu.sampling.transfer import to_device
+from conveyor.gpu.spec import NgramProposer
 from conveyor.gpu.step_inputs import PassInputs, RowSpec, first_pass_inputs, next_pass_inputs
 from conveyor.gpu.structured import Matcher, TokenMask, grammars_for, token_mask
 from conveyor.wire.messages import NewSeq, StepPlan, StepResult
@@ -86,6 +87,8 @@ class ModelRunner:
         # probe holds the largest one's memory while the pool is sized, so the pool leaves it.
         self.graphs: DecodeGraphs | None = None
         self._graph_probe: DecodeGraphs | None = None
+        # Speculative decoding: the drafts of rows the plan grants a lookahead (gpu/spec/).
+        self.proposer = NgramProposer(config.speculative) if config.speculative is not None else None
 
     def num_available_blocks(self) -> int:
         """KV blocks this device can hold next to the model (and, on CUDA, a full step's peak),
@@ -245,7 +248,8 @@ class ModelRunner:
             samples, param_slots = drawn
         draw_seqs = self._advance(work, samples, param_slots)
         clock.stop()
-        self._report(window, k, active, draw_seqs, samples, clock)
+        drafts = {work.rows[i].seq_id: d for i, d in work.drafts.items()}
+        self._report(window, k, active, draw_seqs, samples, clock, drafts)
         return True
 
     def _first_pass(self, window: Window) -> PassWork:
@@ -254,17 +258,44 @@ class ModelRunner:
         plan, rows = window.plan, window.rows
         specs, num_new, sampling = [], [], []
         slots, one_step = self.batch.slots, plan.num_steps == 1
+        drafts = self._propose(window)
         for i, (seq, row) in enumerate(zip(rows, plan.scheduled)):
             n = row.num_tokens if one_step else 1  # a window's first pass decodes
             end = seq.num_computed + n
-            specs.append(RowSpec(slots[seq.seq_id], seq.num_computed, end, seq.token_ids, end == seq.num_tokens))
-            num_new.append(n)
+            known, extra = seq.token_ids, len(drafts.get(i, ()))
+            if extra:  # it computes its token and its drafts, and draws at each
+                known = seq.token_ids + drafts[i]
+                seq.verifying = True
+            specs.append(RowSpec(slots[seq.seq_id], seq.num_computed, end + extra, known, end == seq.num_tokens, 1 + extra))
+            num_new.append(n + extra)
             if end == seq.num_tokens:
                 sampling.append(i)
         graphed = self._graphed(len(specs), max(num_new) == 1)
         inputs = first_pass_inputs(specs, self.batch, self.attn, self.block_size, self.config.model.sliding_window, not graphed)
         window.first = inputs
-        return PassWork(inputs, rows, num_new, sampling, [plan.scheduled[i].forks for i in sampling])
+        return PassWork(inputs, rows, num_new, sampling, [plan.scheduled[i].forks for i in sampling], drafts)
+
+    def _propose(self, window: Window) -> dict[int, list[int]]:
+        """The drafts of the rows the plan grants a lookahead (by row index), each at most that
+        lookahead, the slots its table holds past its token, and the tokens its request may still
+        produce after it. Their ids are all on the host: _must_wait saw to it."""
+        if self.proposer is None or window.plan.num_steps > 1:
+            return {}
+        wanted = [i for i, row in enumerate(window.plan.scheduled) if row.num_lookahead and not window.rows[i].stopped]
+        if not wanted:
+            return {}
+        max_len = self.config.model.max_model_len
+        histories, limits = [], []
+        for i in wanted:
+            seq = window.rows[i]
+            left = max_len - seq.num_tokens - 1
+            if seq.params.max_tokens is not None:
+                left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
+            room = len(seq.block_table) * self.block_size - seq.num_computed - 1
+            histories.append(seq.token_ids)
+            limits.append(max(0, min(window.plan.scheduled[i].num_lookahead, left, room)))
+        proposed = self.proposer.propose(histories, limits)
+        return {i: d for i, d in zip(wanted, proposed) if d}
 
     def _next_pass(self, window: Window, k: int, active: list[int]) -> PassWork:
         """Pass k > 0 of a window: every active row decodes one token and draws; none forks."""
@@ -289,10 +320,17 @@ class ModelRunner:
             if k > 0 and not window.active(k):
                 return None
         sampling_rows, param_slots = [], []
-        for seq, forks in zip(drawing, work.forks):
+        for i, seq, forks in zip(work.sampling, drawing, work.forks):
             choices = [seq.index, *(f.index for f in forks)] if forks else [seq.index]
             sampling_rows.append(SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, choices, seq.num_output_tokens))
             param_slots += [self.batch.slots[seq.seq_id]] * len(choices)
+            drafts = work.drafts.get(i)
+            if drafts:  # position j draws output n + j as if drafts[:j] were drawn (verify.py)
+                reads = penalises_repeats(seq.params)
+                for j in range(1, len(drafts) + 1):
+                    history = seq.token_ids + drafts[:j] if reads else seq.token_ids
+                    sampling_rows.append(SamplingRow(seq.params, history, seq.num_prompt_tokens, choices, seq.num_output_tokens + j))
+                param_slots += [self.batch.slots[seq.seq_id]] * len(drafts)
         param_slots_t = to_device(param_slots, torch.int64, self.device)
         drawn = None
         if self.tp.samples:
@@ -305,21 +343,27 @@ class ModelRunner:
         and the draws fed back into the batch as the rows' next inputs; the sequence of each
         draw, in draw order."""
         rows = work.rows
-        for seq, n in zip(rows, work.num_new):
-            seq.num_computed += n
+        for i, (seq, n) in enumerate(zip(rows, work.num_new)):
+            seq.num_computed += n - len(work.drafts.get(i, ()))  # a verifying row: its token alone until collected
         for i in work.sampling:
             rows[i].num_tokens += 1
         if samples is None:
             return []
         assert param_slots is not None
-        if not any(work.forks):  # each draw is its own row's: the slots are the parameters'
+        if not any(work.forks) and not work.drafts:  # each draw is its own row's: the slots are the parameters'
             self.batch.feed_back(param_slots, samples.token_ids)
             return [rows[i] for i in work.sampling]
-        draw_seqs, draw_slots = [], []
+        # A verifying row draws once per draft and once more; none of those is fed back (the
+        # host gives its next input, once it knows which draws held: _must_wait).
+        draw_seqs: list[WorkerSeq] = []
+        draw_slots, fed = [], []  # each fed-back draw's slot, and its index among the draws
         for i, forks in zip(work.sampling, work.forks):
             seq = rows[i]
-            draw_seqs.append(seq)
-            draw_slots.append(self.batch.slots[seq.seq_id])
+            extra = len(work.drafts.get(i, ()))
+            if not extra:
+                fed.append(len(draw_seqs))
+                draw_slots.append(self.batch.slots[seq.seq_id])
+            draw_seqs += [seq] * (1 + extra)
             for fork in forks:  # a copy of the sequence after this pass, with its own draw
                 child = dataclasses.replace(seq, seq_id=fork.seq_id, index=fork.index, stopped=False)
                 child.token_ids, child.block_table = list(seq.token_ids), list(seq.block_table)
@@ -327,13 +371,23 @@ class ModelRunner:
                 self.seqs[fork.seq_id] = child
                 if child.params.structured is not None:
                     self._constrained.add(fork.seq_id)
+                fed.append(len(draw_seqs))
                 draw_seqs.append(child)
                 draw_slots.append(self.batch.fork(seq.seq_id, fork.seq_id))
-        self.batch.feed_back(to_device(draw_slots, torch.int64, self.device), samples.token_ids)
+        if fed:
+            ids = samples.token_ids if len(fed) == len(draw_seqs) else samples.token_ids[to_device(fed, torch.int64, self.device)]
+            self.batch.feed_back(to_device(draw_slots, torch.int64, self.device), ids)
         return draw_seqs
 
     def _report(
-        self, window: Window, k: int, active: list[int], draw_seqs: list[WorkerSeq], samples: DeviceSamples | None, clock: PassClock
+        self,
+        window: Window,
+        k: int,
+        active: list[int],
+        draw_seqs: list[WorkerSeq],
+        samples: DeviceSamples | None,
+        clock: PassClock,
+        drafts: dict[int, list[int]],
     ) -> None:
         """Queue the pass for collection, its ids copying to the host. The draws its result
         reports: the first pass's are the ones it drew; pass k's every row with more than k
@@ -345,7 +399,7 @@ class ModelRunner:
             taking_part = [i for i, n in enumerate(window.passes) if n > k]
             reported, computed = [window.rows[i] for i in taking_part], [position.get(i) for i in taking_part]
         copy = self.platform.host_copy(samples.tensors()) if samples is not None else None
-        self._pending.append(LaunchedPass(window, k, reported, computed, samples, copy, clock))
+        self._pending.append(LaunchedPass(window, k, reported, computed, samples, copy, clock, drafts))
         window.num_launched = k + 1
         self._last_clock = clock
 
@@ -372,7 +426,9 @@ class ModelRunner:
             lag = seq.num_tokens - len(seq.token_ids)
             if lag == 0:
                 continue
-            if penalises_repeats(seq.params):
+            if penalises_repeats(seq.params) or seq.verifying:  # (verifying: its counts wait for its result)
+                return True
+            if k == 0 and window.plan.scheduled[i].num_lookahead:  # drafts are proposed from every id
                 return True
             if k == 0:
                 row = window.plan.scheduled[i]

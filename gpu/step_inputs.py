@@ -30,7 +30,7 @@ class PassInputs:
     input_ids: torch.Tensor  # [T] int64, on the device
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata | None  # None: a CUDA graph runs the pass over its own static metadata
-    logit_index: torch.Tensor  # [S] int64: each sampling row's last token in the pass
+    logit_index: torch.Tensor  # [S] int64: each sampling row's last token in the pass (a verifying row's last 1 + d)
     slots: torch.Tensor  # [B] int64: each row's slot in the batch
     block_tables: torch.Tensor  # [B, max_blocks] int32, the rows' tables gathered
     num_rows: int
@@ -49,6 +49,7 @@ class RowSpec:
     end: int
     known: list[int]
     samples: bool
+    num_logits: int = 1  # positions that draw, the row's last ones: 1 + its drafts when it verifies some
 
 
 def first_pass_inputs(
@@ -86,7 +87,7 @@ def first_pass_inputs(
             positions[offset : offset + n] = np.arange(r.start, r.end)
         offset += n
         if r.samples:
-            logit_index.append(offset - 1)
+            logit_index.extend(range(offset - r.num_logits, offset))
 
     ids = to_device(input_ids, torch.int64, device)
     if feedback_at:

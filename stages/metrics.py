@@ -176,6 +176,35 @@ preemptions = _per_engine(Counter, "conveyor_preemptions", "Sequences preempted 
 aborts = _per_engine(Counter, "conveyor_aborts", "Requests aborted (client gone, or cancelled)")
 rejections = _per_engine(Counter, "conveyor_rejections", "Requests refused because the waiting queue was full")
 requests_finished = Counter("conveyor_requests_finished", "Finished requests by finish reason", ["finish_reason"])
+# Speculative decoding (the scheduler's, from StepResult.spec_rows): acceptance rate is accepted /
+# draft; mean accepted length per verifying step is 1 + accepted / verify_steps.
+spec_draft_tokens = _per_engine(Counter, "conveyor_spec_decode_draft_tokens", "Draft tokens verified")
+spec_accepted_tokens = _per_engine(Counter, "conveyor_spec_decode_accepted_tokens", "Draft tokens accepted")
+spec_verify_steps = _per_engine(Counter, "conveyor_spec_decode_verify_steps", "Rows that verified drafts (one per sequence per step)")
+_BY_POSITION = "by position in the draft (0: the first)"
+spec_draft_by_position = Counter(
+    "conveyor_spec_decode_draft_tokens_per_pos", f"Draft tokens verified, {_BY_POSITION}", ["engine", "position"]
+)
+spec_accepted_by_position = Counter(
+    "conveyor_spec_decode_accepted_tokens_per_pos", f"Draft tokens accepted, {_BY_POSITION}", ["engine", "position"]
+)
+
+
+def record_speculation(rows: list[tuple[int, int, int]]) -> None:
+    """One result's verifying rows, (seq_id, drafts, accepted) each, into the spec_decode counters."""
+    if not rows:
+        return
+    engine = _labels["engine"]
+    spec_verify_steps.inc(len(rows))
+    spec_draft_tokens.inc(sum(d for _, d, _ in rows))
+    spec_accepted_tokens.inc(sum(a for _, _, a in rows))
+    for _, drafted, accepted in rows:
+        for position in range(drafted):
+            spec_draft_by_position.labels(engine, str(position)).inc()
+            if position < accepted:
+                spec_accepted_by_position.labels(engine, str(position)).inc()
+
+
 errors = Counter("conveyor_errors", "Error answers by type", ["type"])
 
 # --- router (data parallelism; reasons: stages/router/policy.py's REASONS) -------------------

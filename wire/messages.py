@@ -148,6 +148,10 @@ class StepResult(Struct, tag=5):
     last_pass: bool = True
     masked_draws: list[int] = []
     seq_ids: list[int] = []  # one per draw: whose token it is (last, as new fields go)
+    # Speculative decoding: a row that verified drafts reports a run of consecutive draws of its
+    # sequence, the accepted drafts then the token drawn after them, and here (seq_id, drafts
+    # verified, drafts accepted) once per such row; a draw after a stopping token is not sent.
+    spec_rows: list[tuple[int, int, int]] = []
 
 
 class TopLogprobs(Struct):
@@ -194,6 +198,10 @@ class ScheduledSeq(Struct):
     new_block_ids: list[int] = []
     replaced_blocks: list[tuple[int, int]] = []
     forks: list[Fork] = []
+    # Speculative decoding: a one-token decode row may verify up to this many draft tokens the
+    # worker proposes after its token (its table holds their slots); its draws then come back as
+    # a run of 1 to 1 + num_lookahead draws of the sequence (StepResult).
+    num_lookahead: int = 0
 
 
 class StepPlan(Struct, tag=10):

@@ -98,6 +98,7 @@ class SchedulerStage:
             max_model_len=cfg.model.max_model_len,
             eos_token_ids=cfg.model.eos_token_ids,
             seq_ids=seq_ids_of(cfg, self.engine),
+            speculative=cfg.speculative,
         )
         kv_dtype, num_tokens = cfg.cache.kv_dtype(cfg.model.dtype), num_blocks * cfg.cache.block_size
         metrics.kv_blocks_capacity.set(num_blocks)
@@ -145,6 +146,7 @@ class SchedulerStage:
                     self.record_step(step)
                 self.stats.add(msg, step)
                 metrics.generation_tokens.inc(sum(len(u.new_token_ids) for u in updates))
+                metrics.record_speculation(msg.spec_rows)
                 self.record_outputs(updates)
                 return updates
             case StageFailed(stage="detokenizer", index=index):

@@ -23,6 +23,7 @@ def step_plan(step: ScheduledStep) -> StepPlan:
                 row.new_block_ids,
                 row.replaced_blocks,
                 [Fork(child.seq_id, child.index) for child in row.forks],
+                row.lookahead,
             )
             for row in step.rows
         ],

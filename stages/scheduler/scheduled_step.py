@@ -7,6 +7,7 @@ pass's result carries the draws of the rows still in it."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Iterator
 
@@ -25,6 +26,9 @@ class Row:
     # The sequence's preemption count when planned: a draw coming back to a sequence preempted
     # (and perhaps started again) since then is stale.
     epoch: int = 0
+    # Draft tokens the worker may verify after the row's token (speculation.py): the row's
+    # result is then a run of 1 to 1 + lookahead draws.
+    lookahead: int = 0
 
 
 @dataclasses.dataclass
@@ -69,8 +73,15 @@ class ScheduledStep:
             raise ValueError(f"{where}: the window's final pass does not say last_pass")
         expected = {seq.seq_id: (row, seq) for row, seq in self.draws(k)}
         seq_ids, num_ids = result.seq_ids, len(result.sampled_token_ids)
-        if len(seq_ids) != num_ids or len(expected) != num_ids or expected.keys() != set(seq_ids):  # once each
+        # Each sequence's draws are one run: a single draw, or up to 1 + lookahead for a row that
+        # verified drafts.
+        runs = [seq_id for i, seq_id in enumerate(seq_ids) if i == 0 or seq_ids[i - 1] != seq_id]
+        if len(seq_ids) != num_ids or len(runs) != len(expected) or expected.keys() != set(runs):  # once each
             raise ValueError(f"{where}: draws for sequences {seq_ids} ({num_ids} ids), expected {sorted(expected)}")
+        if num_ids > len(runs):
+            longest = collections.Counter(seq_ids)
+            if any(n > 1 + expected[seq_id][0].lookahead for seq_id, n in longest.items()):
+                raise ValueError(f"{where}: a run of draws longer than its row's lookahead allows: {seq_ids}")
         draws = [expected[seq_id] for seq_id in seq_ids]
         for name, indices in (("failed", result.failed_draws), ("masked", result.masked_draws)):
             if indices and not 0 <= min(indices) <= max(indices) < num_ids:

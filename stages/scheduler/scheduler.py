@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from conveyor.config import SchedulerConfig
+from conveyor.config.speculative import SpeculativeConfig
 from conveyor.stages.scheduler.block_manager import BlockManager, kv_slots
 from conveyor.stages.scheduler.early_aborts import EarlyAborts
 from conveyor.stages.scheduler.scheduled_step import ScheduledStep, SeqUpdate
@@ -38,8 +39,10 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         seq_ids: range = range(0, 2**63),
+        speculative: SpeculativeConfig | None = None,
     ):
         self.config = config
+        self.speculative = speculative  # speculation.py: which rows get lookahead
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -67,11 +70,13 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         seq_ids: range = range(0, 2**63),
+        speculative: SpeculativeConfig | None = None,
     ) -> Scheduler:
         """A scheduler over a fresh pool of `num_blocks` KV blocks of `block_size` tokens, with
-        prefix caching as `config` says, numbering its sequences from `seq_ids`."""
+        prefix caching as `config` says, numbering its sequences from `seq_ids`, its decoding
+        rows verifying drafts as `speculative` says (None: never)."""
         blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
-        return cls(config, blocks, max_model_len=max_model_len, eos_token_ids=eos_token_ids, seq_ids=seq_ids)
+        return cls(config, blocks, max_model_len=max_model_len, eos_token_ids=eos_token_ids, seq_ids=seq_ids, speculative=speculative)
 
     # --- requests in and out -------------------------------------------------------------
 
@@ -170,6 +175,7 @@ class Scheduler:
                 num_sampled += row.num_tokens
                 continue
             row.samples = seq.num_computed_tokens == seq.num_tokens
+            seq.num_pending_lookahead += row.lookahead
             if row.samples:
                 if seq.num_pending_forks:
                     row.forks = self._fork(seq)
@@ -203,11 +209,18 @@ class Scheduler:
         updates, self._unsampled_updates = self._unsampled_updates, []
         eos, max_model_len = self.eos_token_ids, self.max_model_len
         register_full_blocks, block_size = self.blocks.register_full_blocks, self.blocks.block_size
+        previous = None  # the sequence of the draw before: a run's later draws are accepted drafts
         for draw, ((row, seq), token) in enumerate(zip(draws, result.sampled_token_ids)):
             logprob = logprobs[draw] if logprobs else 0.0
             top = tops[draw] if tops and seq.params.logprobs is not None else None
+            in_run, previous = seq is previous, seq
             if seq.status is not SeqStatus.RUNNING or seq.num_preemptions != row.epoch:
                 continue  # aborted, finished or preempted while the step ran: dropped
+            if in_run:  # an accepted draft: its KV was computed by this step, and it is one more draw
+                seq.num_computed_tokens += 1
+                seq.num_pending_tokens += 1
+            elif row.lookahead:
+                seq.num_pending_lookahead -= row.lookahead
             if draw in failed:  # its placeholder id is no token of the sequence
                 self.finish(seq, FinishReason.ERROR, report=False)
                 updates.append(self._introduced(SeqUpdate(seq, [], FinishReason.ERROR)))
@@ -223,12 +236,17 @@ class Scheduler:
                 # The newest id's KV may be unwritten yet, but the pass that writes it runs before
                 # any plan that could hit the block (block_manager.register_full_blocks says why).
                 register_full_blocks(seq)
-            update = SeqUpdate(seq, [token], reason)
-            if not seq.known_by_detokenizer:
-                self._introduced(update)
+            if in_run:  # the run's tokens go out as one update
+                update = updates[-1]
+                update.new_token_ids.append(token)
+                update.finish_reason = reason
+            else:
+                update = SeqUpdate(seq, [token], reason)
+                if not seq.known_by_detokenizer:
+                    self._introduced(update)
+                updates.append(update)
             if top is not None:
-                update.logprobs = [TokenLogprob(logprob, top.token_ids, top.logprobs)]
-            updates.append(update)
+                update.logprobs.append(TokenLogprob(logprob, top.token_ids, top.logprobs))
         self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         return updates
 
@@ -259,6 +277,7 @@ class Scheduler:
         self.blocks.release(seq)
         seq.num_computed_tokens = 0
         seq.num_pending_tokens = 0  # in-flight draws come back to a waiting sequence: dropped
+        seq.num_pending_lookahead = 0
         seq.num_preemptions += 1
         if seq.known_by_worker:
             seq.known_by_worker = False
@@ -275,6 +294,7 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.num_pending_tokens = 0  # draws still in flight are dropped when they come back
+        seq.num_pending_lookahead = 0
         self.blocks.release(seq)
         if seq.known_by_worker:
             self._finished_for_worker.append(seq.seq_id)

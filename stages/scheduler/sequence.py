@@ -47,6 +47,7 @@ class Sequence:
         "num_preemptions",
         "num_pending_forks",
         "num_pending_tokens",
+        "num_pending_lookahead",
         "cumulative_logprob",
         "enqueue_time",
         "first_scheduled_time",
@@ -89,6 +90,9 @@ class Sequence:
         self.num_preemptions = 0
         self.num_pending_forks = params.num_samples - 1
         self.num_pending_tokens = 0  # drawn by planned steps, ids not back yet (token_ids lacks them)
+        # Draft tokens its planned steps may add beyond those draws (speculation.py): how far the
+        # worker's copy may run ahead of num_tokens.
+        self.num_pending_lookahead = 0
         self.cumulative_logprob = 0.0
         # Wall-clock times (time.time(), comparable with arrival_time) for the metrics.
         self.enqueue_time = arrival_time  # reached the scheduler

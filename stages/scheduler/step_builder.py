@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from conveyor.stages.scheduler.scheduled_step import Row
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
+from conveyor.stages.scheduler.speculation import grant_lookahead, speculates
 from conveyor.wire.messages import FinishReason
 
 if TYPE_CHECKING:
@@ -33,7 +34,8 @@ class StepBuilder:
         return self.sched.config.max_num_batched_tokens - self.budget
 
     def run_running(self) -> None:
-        """Decodes first (one token each), then prompts under way, in admission order."""
+        """Decodes first (one token each, then the lookahead of those that verify drafts), then
+        prompts under way, in admission order."""
         decodes: list[Sequence] = []
         prompts: list[Sequence] = []
         sched = self.sched
@@ -54,6 +56,12 @@ class StepBuilder:
             row = Row(seq, 1, [], []) if can_append_in_place(seq) else self.reserve(seq, 1)
             if row is not None:
                 self.add(row)
+        spec = sched.speculative
+        if spec is not None and speculates(spec, len(sched.running)):
+            for row in self.rows:
+                if self.budget == 0:
+                    return
+                self.budget -= grant_lookahead(row, spec, sched.blocks, self.budget, max_model_len)
         for seq in prompts:
             if self.budget == 0:
                 return

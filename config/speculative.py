@@ -1,0 +1,85 @@
+"""SpeculativeConfig: `--speculative-config`, vLLM's JSON, read once into a frozen dataclass.
+
+    --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
+                           "prompt_lookup_min": 2, "prompt_lookup_max": 5,
+                           "disable_by_batch_size": 16}'
+
+`LLM(speculative_config={...})` takes the same keys as a dict. Every key is checked here, so a bad
+config is one ConfigError line at start-up naming the key, never a failure at the first request.
+The proposers and the verification live in gpu/spec/; the scheduler's side (which rows speculate,
+their lookahead slots) in stages/scheduler/speculation.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from conveyor.config.errors import ConfigError
+
+# The methods the engine runs. "draft_model" and "eagle3" are vLLM's names for proposers that are
+# a second model; they are refused with that said, until they are served.
+METHODS = ("ngram",)
+PLANNED_METHODS = ("draft_model", "eagle3")
+# prompt_lookup_min / _max when neither is given: a 2-gram is enough evidence on grounded text
+# (code edits, summaries that quote), and a 5-gram match is preferred where there is one.
+DEFAULT_LOOKUP = (2, 5)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str  # one of METHODS
+    num_speculative_tokens: int  # k: draft tokens a row may verify per step
+    prompt_lookup_min: int = DEFAULT_LOOKUP[0]  # ngram: the shortest suffix that may match
+    prompt_lookup_max: int = DEFAULT_LOOKUP[1]  # ngram: the longest, tried first
+    # Past this many running sequences no row speculates (verifying drafts costs compute that a
+    # busy batch already fills); None: always.
+    disable_by_batch_size: int | None = None
+    model: str | None = None  # a draft model or head's checkpoint (methods that have one)
+
+
+def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
+    """The flag's JSON text (or the Python API's dict) -> SpeculativeConfig; None stays None."""
+    if value is None:
+        return None
+    flag = "--speculative-config"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object, got {value!r}")
+    known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"{flag}: unknown keys {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    method = value.get("method")
+    if method in PLANNED_METHODS:
+        raise ConfigError(f"{flag}: method {method!r} is not served yet; served: {', '.join(METHODS)}")
+    if method not in METHODS:
+        raise ConfigError(f"{flag}: method must be one of {', '.join(METHODS)}, got {method!r}")
+    k = _int(value, "num_speculative_tokens", None, minimum=1)
+    if "prompt_lookup_min" in value or "prompt_lookup_max" in value:
+        low = _int(value, "prompt_lookup_min", value.get("prompt_lookup_max"), minimum=1)
+        high = _int(value, "prompt_lookup_max", low, minimum=1)
+    else:
+        low, high = DEFAULT_LOOKUP
+    if low > high:
+        raise ConfigError(f"{flag}: prompt_lookup_min {low} is above prompt_lookup_max {high}")
+    disable = value.get("disable_by_batch_size")
+    if disable is not None:
+        disable = _int(value, "disable_by_batch_size", None, minimum=1)
+    if value.get("model") is not None:
+        raise ConfigError(f"{flag}: method {method!r} takes no model")
+    return SpeculativeConfig(method, k, low, high, disable)
+
+
+def _int(value: dict[str, Any], key: str, default: int | None, *, minimum: int) -> int:
+    got = value.get(key, default)
+    if got is None:
+        raise ConfigError(f"--speculative-config: {key} is required")
+    if not isinstance(got, int) or isinstance(got, bool) or got < minimum:
+        raise ConfigError(f"--speculative-config: {key} must be an integer of at least {minimum}, got {got!r}")
+    return got
