@@ -40,7 +40,7 @@ from conveyor.gpu.sampling import SamplingRow
 from conveyor.gpu.sampling.draws import DeviceSamples
 from conveyor.gpu.sampling.penalties import penalises_repeats
 from conveyor.gpu.sampling.transfer import to_device
-from conveyor.gpu.spec import NgramProposer
+from conveyor.gpu.spec import NgramProposer, Proposer
 from conveyor.gpu.step_inputs import PassInputs, RowSpec, first_pass_inputs, next_pass_inputs
 from conveyor.gpu.structured import Matcher, TokenMask, grammars_for, token_mask
 from conveyor.wire.messages import NewSeq, StepPlan, StepResult
@@ -88,7 +88,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self._graph_probe: DecodeGraphs | None = None
         # Speculative decoding: the drafts of rows the plan grants a lookahead (gpu/spec/).
-        self.proposer = NgramProposer(config.speculative) if config.speculative is not None else None
+        self.proposer: Proposer | None = NgramProposer(config.speculative) if config.speculative is not None else None
 
     def num_available_blocks(self) -> int:
         """KV blocks this device can hold next to the model (and, on CUDA, a full step's peak),

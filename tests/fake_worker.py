@@ -34,8 +34,10 @@ def expected_tokens(prompt: list[int], num: int, index: int = 0, stop: int | Non
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(self, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...] = (), max_model_len: int = 1 << 30):
         self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.spec_rows: list[tuple[int, int]] = []  # (drafts, accepted) of each verifying row
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.seqs: dict[int, dict] = {}
@@ -48,6 +50,12 @@ class FakeRunner:
         for row in plan.scheduled:
             seq = self.seqs[row.seq_id]
             self._table(seq, row)
+            if row.num_lookahead:
+                run = self._verify(seq, row)
+                sampled += run
+                logprobs += [-(t % 7) / 7 for t in run]
+                seq_ids += [row.seq_id] * len(run)
+                continue
             end = self._compute(seq, row.num_tokens)
             if end < len(seq["tokens"]):
                 continue
@@ -118,6 +126,41 @@ class FakeRunner:
             if last:
                 return results
         raise AssertionError("unreachable: the final pass is last")
+
+    def _verify(self, seq: dict, row: ScheduledSeq) -> list[int]:
+        """A row granted a lookahead (speculative decoding): drafts that are the model's own
+        tokens for a pseudo-random count, then a wrong one, each written into the KV slot its
+        table names; the run it keeps (the accepted drafts, then the model's token where the
+        first wrong draft was, or after the last), cut after a token that stops. Its computed
+        count moves past the accepted drafts only: rejected slots are written again later."""
+        assert row.num_tokens == 1 and not row.forks, "only a one-token decode row verifies drafts"
+        bs, start, prompt = self.block_size, seq["computed"], seq["prompt"]
+        assert start == len(seq["tokens"]) - 1, "a verifying row decodes its last token"
+        params = seq["params"]
+        limit = row.num_lookahead
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens - (len(seq["tokens"]) - prompt) - 1)
+        limit = min(limit, self.max_model_len - len(seq["tokens"]) - 1, len(seq["blocks"]) * bs - start - 1)
+        truth = list(seq["tokens"])
+        for _ in range(max(0, limit)):
+            truth.append(next_token(truth))
+        right = next_token(seq["tokens"], 1) % (max(0, limit) + 1)  # drafts that hold
+        drafts = truth[len(seq["tokens"]) : len(seq["tokens"]) + right]
+        if right < limit:
+            drafts.append((truth[len(seq["tokens"]) + right] + 1) % VOCAB)
+        written = seq["tokens"] + drafts
+        for p in range(start, start + 1 + len(drafts)):
+            self.kv[seq["blocks"][p // bs]][p % bs] = written[p]
+        run = []
+        for j in range(len(drafts) + 1):
+            token = next_token(self._context(seq, start + 1 + j))  # read back through the table, drafts included
+            run.append(token)
+            seq["tokens"].append(token)
+            if self._stops(seq, token) or j == len(drafts) or drafts[j] != token:
+                break
+        seq["computed"] = start + len(run)
+        self.spec_rows.append((len(drafts), len(run) - 1))
+        return run
 
     def _prepare(self, plan: StepPlan) -> None:
         for seq_id in plan.finished_seq_ids:

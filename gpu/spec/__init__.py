@@ -3,7 +3,17 @@ verification (verify.py). The scheduler decides which rows may speculate and res
 slots (stages/scheduler/speculation.py); docs/architecture.md ("Speculative decoding") walks
 through a step."""
 
+from typing import Protocol
+
 from conveyor.gpu.spec.ngram import NgramProposer
 from conveyor.gpu.spec.verify import accepted_length
 
-__all__ = ["NgramProposer", "accepted_length"]
+
+class Proposer(Protocol):
+    def propose(self, histories: list[list[int]], max_drafts: list[int]) -> list[list[int]]:
+        """histories[r]: row r's ids (prompt, outputs); max_drafts[r]: how many it may verify ->
+        each row's drafts, at most that many (any may be empty)."""
+        ...
+
+
+__all__ = ["NgramProposer", "Proposer", "accepted_length"]

@@ -8,9 +8,11 @@ many the worker accepted (StepResult: one draw per emitted token, a row's in a r
 
 Reservation. A row's worker-side length may run ahead of the scheduler's by the lookahead of its
 steps still in flight (a step n + 1 planned under asynchronous scheduling before step n's
-result told how many drafts were accepted): `Sequence.num_pending_lookahead`. A row is granted
-slots for its own token, that, and its lookahead, taken from the free pool without preempting
-anyone (a lookahead is a bonus: when the pool is short, the row decodes plainly). Rejected
+result told how many drafts were accepted): `Sequence.num_pending_lookahead`. Every row of such
+a sequence gets slots for its own token and that much more, or is not planned until the result
+comes (`reserve_ahead`; nor when those drafts may have reached its length limit); a row granted
+a lookahead gets slots for that too, from the free pool without preempting anyone (a lookahead
+is a bonus: when the pool is short, the row decodes plainly). Rejected
 drafts' slots stay in the table and are written again by the next step (the sequence's length
 rolls back, not its blocks); the prefix cache names only blocks of accepted ids
 (BlockManager.register_full_blocks reads the known ids).
@@ -42,6 +44,18 @@ def tokens_left(seq: Sequence, max_model_len: int) -> int:
     if seq.params.max_tokens is not None:
         left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
     return left
+
+
+def reserve_ahead(seq: Sequence, blocks: BlockManager) -> Row | None:
+    """A decode row for a sequence whose verifying step is still in flight: slots for its token
+    and for the drafts that step may yet accept, from the free pool; None when the pool cannot
+    hold them without preempting (the sequence then waits for that result, a step)."""
+    need = 1 + seq.num_pending_lookahead
+    if blocks.num_appendable(seq) < need:
+        return None
+    copy = blocks.append(seq, need)
+    assert copy is None, "a verifying sequence's last block is its own"
+    return Row(seq, 1, [], [])
 
 
 def grant_lookahead(row: Row, config: SpeculativeConfig, blocks: BlockManager, budget: int, max_model_len: int) -> int:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from conveyor.stages.scheduler.scheduled_step import Row
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
-from conveyor.stages.scheduler.speculation import grant_lookahead, speculates
+from conveyor.stages.scheduler.speculation import grant_lookahead, reserve_ahead, speculates
 from conveyor.wire.messages import FinishReason
 
 if TYPE_CHECKING:
@@ -43,8 +43,8 @@ class StepBuilder:
         for seq in sched.running:
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            if seq.num_pending_tokens and seq.at_length_limit(seq.num_tokens, max_model_len):
-                continue  # its pending draw is its last
+            if seq.num_pending_tokens and seq.at_length_limit(seq.num_tokens + seq.num_pending_lookahead, max_model_len):
+                continue  # its pending draws may be its last (with their drafts: speculation.py)
             (decodes if seq.num_uncomputed_tokens == 1 else prompts).append(seq)
         can_append_in_place = sched.blocks.can_append_in_place
         for seq in decodes:
@@ -52,8 +52,10 @@ class StepBuilder:
                 return
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted to make room for an earlier one
-            # The common case first: room left in its own last block.
-            row = Row(seq, 1, [], []) if can_append_in_place(seq) else self.reserve(seq, 1)
+            if seq.num_pending_lookahead:  # the worker may be ahead: slots for that too, or it waits
+                row = reserve_ahead(seq, sched.blocks)
+            else:  # the common case first: room left in its own last block
+                row = Row(seq, 1, [], []) if can_append_in_place(seq) else self.reserve(seq, 1)
             if row is not None:
                 self.add(row)
         spec = sched.speculative

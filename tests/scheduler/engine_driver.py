@@ -103,7 +103,8 @@ class Driver:
         if planned is None:
             return None
         step, plan = planned
-        assert step.num_tokens == sum(1 if step.num_steps > 1 else r.num_tokens for r in step.rows)
+        # The budget a step spent: a window's first pass, or each row's tokens and its lookahead.
+        assert step.num_tokens == sum(1 if step.num_steps > 1 else r.num_tokens + r.lookahead for r in step.rows)
         assert step.num_tokens <= self.sched.config.max_num_batched_tokens
         results = self.runner.execute_passes(plan)  # the worker runs plans in order
         if step.rows:  # a plan that only names finished sequences gets no answer
