@@ -316,7 +316,11 @@ class ModelRunner:
         drawing = [work.rows[i] for i in work.sampling]
         mask: TokenMask | None = None
         if self._constrained and any(seq.params.structured is not None for seq in drawing):
-            mask = self._grammar_mask(drawing)  # the host works while the device computes
+            # One mask row per logits row: a verifying row's (never constrained) draft positions unmasked.
+            logit_rows: list[WorkerSeq | None] = []
+            for i, seq in zip(work.sampling, drawing):
+                logit_rows += [seq, *[None] * len(work.drafts.get(i, ()))]
+            mask = self._grammar_mask(logit_rows)  # the host works while the device computes
             if k > 0 and not window.active(k):
                 return None
         sampling_rows, param_slots = [], []
@@ -437,17 +441,17 @@ class ModelRunner:
                     return True
         return False
 
-    def _grammar_mask(self, rows: list[WorkerSeq]) -> TokenMask | None:
+    def _grammar_mask(self, rows: list[WorkerSeq | None]) -> TokenMask | None:
         """The mask of a pass whose sampling rows are `rows` (one logits row each), called once
         its forward is launched: the constrained rows' ids in flight are collected first (their
         matchers must have taken every earlier draw), then their matchers fill the bitmask. A row
         whose sequence stopped meanwhile draws unmasked: that draw is dropped anyway. Every rank
         waits alike (what it collects decides its next passes); only the sampling rank masks."""
-        if self._pending and any(seq.params.structured is not None and seq.num_tokens > len(seq.token_ids) for seq in rows):
+        if self._pending and any(s is not None and s.params.structured is not None and s.num_tokens > len(s.token_ids) for s in rows):
             self._collected = self.collect(keep=0)  # kept for the caller, as in _launch_pass
         if not self.tp.samples:
             return None
-        matchers = [None if seq.stopped else seq.matcher for seq in rows]
+        matchers = [None if seq is None or seq.stopped else seq.matcher for seq in rows]
         return token_mask(matchers, self.config.model.vocab_size, self.device)
 
     def _finish(self, launched: LaunchedPass) -> StepResult:

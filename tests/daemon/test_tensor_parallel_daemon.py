@@ -1,7 +1,8 @@
 """Tensor parallelism through the daemon, on CPU with gloo: every stage its own process, each
 worker rank too.
 
-- TP=2 (the tiny checkpoint's 2 KV heads split) and TP=4 (replicated: one KV head per rank, each
+- TP=2 (the tiny checkpoint's 2 KV heads split; also verifying n-gram drafts, which every rank
+  proposes alike from the ids rank 0 shared) and TP=4 (replicated: one KV head per rank, each
   on two ranks; with multi-step windows) give transformers' greedy tokens, streamed and not,
   with every request in flight at once and one request forked (n=2); beside them, sampled
   requests that only rank 0 can draw (a JSON schema's grammar mask, penalties, logprobs) keep
@@ -45,7 +46,14 @@ SAMPLED = [
 ]
 
 
-@pytest.mark.parametrize(("tp", "extra"), [(2, ()), (4, ("--num-scheduler-steps", "4"))], ids=["tp2", "tp4-multistep"])
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+
+
+@pytest.mark.parametrize(
+    ("tp", "extra"),
+    [(2, ()), (4, ("--num-scheduler-steps", "4")), (2, ("--speculative-config", SPEC))],
+    ids=["tp2", "tp4-multistep", "tp2-speculative"],
+)
 def test_tensor_parallel_greedy_matches_transformers(tp, extra, checkpoints, reference, daemon_factory):
     path = checkpoints[ARCH]
     args = f"--model {path} --tensor-parallel-size {tp} --max-num-batched-tokens 32 --num-kv-blocks 128".split()

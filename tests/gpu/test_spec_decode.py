@@ -135,11 +135,15 @@ def test_seeded_sampling_with_penalties_draws_the_same_tokens(path):
 
 
 def test_a_schema_constrained_request_runs_beside_speculating_ones(path):
+    """The constrained row comes after verifying rows, whose draft positions add logits rows
+    before its own: its mask must still land on its row."""
     schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
-    params = [SamplingParams(temperature=0.0, max_tokens=20, structured=StructuredOutput("json_schema", schema))] + [GREEDY] * 3
+    params = [GREEDY] * 3 + [SamplingParams(temperature=0.0, max_tokens=20, structured=StructuredOutput("json_schema", schema))]
     base, _ = generate(path, params)
-    spec, llm = generate(path, params, proposer=Counting)
+    runs = [(p, out.outputs[0].token_ids) for p, out in zip(PROMPTS, base)]
+    spec, llm = generate(path, params, proposer=Oracle(runs))
     assert token_ids(spec) == token_ids(base)
+    assert base[3].outputs[0].text.lstrip().startswith("{")
 
 
 @pytest.fixture(scope="module")
