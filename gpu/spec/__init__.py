@@ -1,7 +1,7 @@
 """Speculative decoding on the worker: proposers of draft tokens (ngram.py) and their
 verification (verify.py). The scheduler decides which rows may speculate and reserves their
-slots (stages/scheduler/speculation.py); docs/architecture.md ("Speculative decoding") walks
-through a step."""
+slots (its speculation module); docs/architecture.md ("Speculative decoding") walks through a
+step."""
 
 from typing import Protocol
 
