@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from conveyor.gpu.pass_clock import PassClock
 from conveyor.gpu.sampling.draws import DeviceSamples
+from conveyor.gpu.spec.draft_length import Acceptance
 from conveyor.gpu.spec.verify import accepted_length
 from conveyor.gpu.step_inputs import PassInputs
 from conveyor.wire.messages import Fork, SamplingParams, StepPlan, StepResult, TopLogprobs
@@ -36,6 +37,7 @@ class WorkerSeq:
     # A launched pass verifies drafts of it and has not been collected: num_computed and
     # num_tokens count that pass's token alone until its result says how many drafts held.
     verifying: bool = False
+    acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # how its drafts fared: how many to verify
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:
@@ -121,7 +123,11 @@ def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
             seq.verifying = False
             continue
         drawn = host.token_ids[c : c + 1 + len(drafts)]
-        keep = drawn[: accepted_length(drafts, drawn) + 1] if drafts else drawn
+        keep = drawn
+        if drafts:
+            accepted = accepted_length(drafts, drawn)
+            keep = drawn[: accepted + 1]
+            seq.acceptance.record(len(drafts), accepted)
         for j, token in enumerate(keep):
             out.add(seq, token, host.logprobs[c + j], tops[j] if tops else None)
             if drafts:

@@ -41,6 +41,7 @@ from conveyor.gpu.sampling.draws import DeviceSamples
 from conveyor.gpu.sampling.penalties import penalises_repeats
 from conveyor.gpu.sampling.transfer import to_device
 from conveyor.gpu.spec import NgramProposer, Proposer
+from conveyor.gpu.spec.draft_length import ROW_COST
 from conveyor.gpu.step_inputs import PassInputs, RowSpec, first_pass_inputs, next_pass_inputs
 from conveyor.gpu.structured import Matcher, TokenMask, grammars_for, token_mask
 from conveyor.wire.messages import NewSeq, StepPlan, StepResult
@@ -89,6 +90,7 @@ class ModelRunner:
         self._graph_probe: DecodeGraphs | None = None
         # Speculative decoding: the drafts of rows the plan grants a lookahead (gpu/spec/).
         self.proposer: Proposer | None = NgramProposer(config.speculative) if config.speculative is not None else None
+        self._row_cost = ROW_COST.get(self.device.type, ROW_COST["cpu"])
 
     def num_available_blocks(self) -> int:
         """KV blocks this device can hold next to the model (and, on CUDA, a full step's peak),
@@ -277,8 +279,9 @@ class ModelRunner:
 
     def _propose(self, window: Window) -> dict[int, list[int]]:
         """The drafts of the rows the plan grants a lookahead (by row index), each at most that
-        lookahead, the slots its table holds past its token, and the tokens its request may still
-        produce after it. Their ids are all on the host: _must_wait saw to it."""
+        lookahead, as many as its acceptance so far makes worth verifying (draft_length.py), the
+        slots its table holds past its token, and the tokens its request may still produce after
+        it. Their ids are all on the host: _must_wait saw to it."""
         if self.proposer is None or window.plan.num_steps > 1:
             return {}
         wanted = [i for i, row in enumerate(window.plan.scheduled) if row.num_lookahead and not window.rows[i].stopped]
@@ -292,8 +295,9 @@ class ModelRunner:
             if seq.params.max_tokens is not None:
                 left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
             room = len(seq.block_table) * self.block_size - seq.num_computed - 1
+            worth = seq.acceptance.draft_length(window.plan.scheduled[i].num_lookahead, self._row_cost)
             histories.append(seq.token_ids)
-            limits.append(max(0, min(window.plan.scheduled[i].num_lookahead, left, room)))
+            limits.append(max(0, min(worth, left, room)))
         proposed = self.proposer.propose(histories, limits)
         return {i: d for i, d in zip(wanted, proposed) if d}
 

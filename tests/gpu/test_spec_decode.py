@@ -85,8 +85,8 @@ def test_a_draft_equal_to_the_target_holds_and_a_wrong_one_changes_nothing(path,
     base_steps, steps = base_llm.core.scheduler.num_steps, llm.core.scheduler.num_steps
     if wrong:
         assert steps == base_steps
-    else:  # one prompt step, then 22 tokens in runs of k + 1 = 4
-        assert steps == 1 + -(-22 // 4) < base_steps
+    else:  # one prompt step, then 22 tokens in runs of up to k + 1 = 4 (fewer while the row's record is short)
+        assert 1 + -(-22 // 4) <= steps <= 1 + -(-22 // 2) < base_steps
 
 
 def test_two_samples_stop_strings_max_tokens_and_logprobs_are_unchanged(path):
