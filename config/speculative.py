@@ -17,11 +17,13 @@ import json
 from typing import Any
 
 from conveyor.config.errors import ConfigError
+from conveyor.config.model import ModelConfig
 
-# The methods the engine runs. "draft_model" and "eagle3" are vLLM's names for proposers that are
-# a second model; they are refused with that said, until they are served.
-METHODS = ("ngram",)
-PLANNED_METHODS = ("draft_model", "eagle3")
+# The methods the engine runs: n-gram prompt lookup, and a draft model (a smaller checkpoint with
+# the target's vocabulary: `model`). "eagle3" is vLLM's name for a head fed the target's hidden
+# states; it is refused with that said, until it is served.
+METHODS = ("ngram", "draft_model")
+PLANNED_METHODS = ("eagle3",)
 # prompt_lookup_min / _max when neither is given: a 2-gram is enough evidence on grounded text
 # (code edits, summaries that quote), and a 5-gram match is preferred where there is one.
 DEFAULT_LOOKUP = (2, 5)
@@ -36,7 +38,10 @@ class SpeculativeConfig:
     # Past this many running sequences no row speculates (verifying drafts costs compute that a
     # busy batch already fills); None: always.
     disable_by_batch_size: int | None = None
-    model: str | None = None  # a draft model or head's checkpoint (methods that have one)
+    model: str | None = None  # draft_model: the draft's checkpoint directory
+    # draft_model: the draft's config, read by the front door (conveyor/engine_config.py) in the
+    # target's dtype and context length, once its vocabulary was checked against the target's.
+    draft: ModelConfig | None = None
 
 
 def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -71,9 +76,12 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
     disable = value.get("disable_by_batch_size")
     if disable is not None:
         disable = _int(value, "disable_by_batch_size", None, minimum=1)
-    if value.get("model") is not None:
+    model = value.get("model")
+    if method == "draft_model" and not isinstance(model, str):
+        raise ConfigError(f"{flag}: method 'draft_model' needs \"model\": the draft checkpoint's directory")
+    if method != "draft_model" and model is not None:
         raise ConfigError(f"{flag}: method {method!r} takes no model")
-    return SpeculativeConfig(method, k, low, high, disable)
+    return SpeculativeConfig(method, k, low, high, disable, model)
 
 
 def _int(value: dict[str, Any], key: str, default: int | None, *, minimum: int) -> int:

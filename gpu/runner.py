@@ -42,6 +42,7 @@ from conveyor.gpu.sampling.penalties import penalises_repeats
 from conveyor.gpu.sampling.transfer import to_device
 from conveyor.gpu.spec import NgramProposer, Proposer
 from conveyor.gpu.spec.draft_length import ROW_COST
+from conveyor.gpu.spec.draft_model import DraftModel
 from conveyor.gpu.step_inputs import PassInputs, RowSpec, first_pass_inputs, next_pass_inputs
 from conveyor.gpu.structured import Matcher, TokenMask, grammars_for, token_mask
 from conveyor.wire.messages import NewSeq, StepPlan, StepResult
@@ -88,8 +89,14 @@ class ModelRunner:
         # probe holds the largest one's memory while the pool is sized, so the pool leaves it.
         self.graphs: DecodeGraphs | None = None
         self._graph_probe: DecodeGraphs | None = None
-        # Speculative decoding: the drafts of rows the plan grants a lookahead (gpu/spec/).
-        self.proposer: Proposer | None = NgramProposer(config.speculative) if config.speculative is not None else None
+        # Speculative decoding: the drafts of rows the plan grants a lookahead (gpu/spec/). A draft
+        # model also follows every pass, in its own KV cache over the same blocks.
+        self.drafter: DraftModel | None = None
+        self.proposer: Proposer | None = None
+        if config.speculative is not None and config.speculative.method == "draft_model":
+            self.proposer = self.drafter = DraftModel(config, self.platform, self.batch)
+        elif config.speculative is not None:
+            self.proposer = NgramProposer(config.speculative)
         self._row_cost = ROW_COST.get(self.device.type, ROW_COST["cpu"])
 
     def num_available_blocks(self) -> int:
@@ -102,7 +109,7 @@ class ModelRunner:
             log.info("CUDA graphs: the largest bucket takes %.1f MiB (probe captured in %.2f s)", graph_bytes / 2**20, seconds)
         if self.device.type == "cuda" and self.config.cache.num_kv_blocks is None:
             profile_run(self)
-        per_block = self.attn.bytes_per_block(self.block_size)
+        per_block = self.attn.bytes_per_block(self.block_size) + (self.drafter.bytes_per_block() if self.drafter else 0)
         num_blocks = self.platform.kv_blocks(per_block, self.config.cache)
         num_blocks = num_blocks if self.config.cache.num_kv_blocks is not None else max(1, num_blocks - 1)
         size = f"{num_blocks} blocks of {self.block_size} tokens = {num_blocks * self.block_size} tokens"
@@ -115,6 +122,8 @@ class ModelRunner:
         """The pool the scheduler allocates from, plus one scratch block (id num_blocks) that
         no sequence owns: padded rows of a captured batch write their KV there."""
         self.kv_caches = self.attn.allocate_kv_caches(num_blocks + 1, self.block_size)
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks + 1)
         self.num_blocks = num_blocks
         if self._uses_graphs():
             pool = self._graph_probe.pool if self._graph_probe is not None else None
@@ -128,7 +137,8 @@ class ModelRunner:
         """Whether decode steps take the CUDA-graph path (captured on CUDA). Not with tp > 1: a graph
         around NCCL collectives is possible but has not been run here, so those steps run eagerly."""
         parallel = self.config.parallel
-        return self.platform.runs_graphs and not parallel.enforce_eager and self.attn.supports_cuda_graphs and self.tp.size == 1
+        eager = parallel.enforce_eager or self.drafter is not None  # a draft model follows each pass eagerly
+        return self.platform.runs_graphs and not eager and self.attn.supports_cuda_graphs and self.tp.size == 1
 
     # --- running plans ------------------------------------------------------------------------
 
@@ -199,6 +209,8 @@ class ModelRunner:
                 self._constrained.add(new.seq_id)
             self.batch.add(new.seq_id, [], new.params)
         self.attn.copy_blocks(self.kv_caches, plan.copy_blocks)
+        if self.drafter is not None:
+            self.drafter.copy_blocks(plan.copy_blocks)
         if not plan.scheduled:
             return None
         rows = [self.seqs[row.seq_id] for row in plan.scheduled]
@@ -242,6 +254,8 @@ class ModelRunner:
         clock = PassClock(self.platform.mark, arrival if arrival is not None else self._last_clock)
         work = self._first_pass(window) if k == 0 else self._next_pass(window, k, active)
         hidden = self._forward(work.inputs)  # [T, H]
+        if self.drafter is not None:
+            self.drafter.follow(work.inputs)
         samples, param_slots = None, None
         if work.sampling:
             drawn = self._sample(work, hidden[work.inputs.logit_index], window, k)
@@ -288,7 +302,7 @@ class ModelRunner:
         if not wanted:
             return {}
         max_len = self.config.model.max_model_len
-        histories, limits = [], []
+        limits = []
         for i in wanted:
             seq = window.rows[i]
             left = max_len - seq.num_tokens - 1
@@ -296,9 +310,9 @@ class ModelRunner:
                 left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
             room = len(seq.block_table) * self.block_size - seq.num_computed - 1
             worth = seq.acceptance.draft_length(window.plan.scheduled[i].num_lookahead, self._row_cost)
-            histories.append(seq.token_ids)
             limits.append(max(0, min(worth, left, room)))
-        proposed = self.proposer.propose(histories, limits)
+        seqs = [window.rows[i] for i in wanted]
+        proposed = self.proposer.propose(seqs, [self.batch.slots[seq.seq_id] for seq in seqs], limits)
         return {i: d for i, d in zip(wanted, proposed) if d}
 
     def _next_pass(self, window: Window, k: int, active: list[int]) -> PassWork:

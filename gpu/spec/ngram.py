@@ -10,17 +10,26 @@ suffix in one broadcast, [R, L - n, n]. No Python loop over tokens, one over n.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from conveyor.config.speculative import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from conveyor.gpu.passes import WorkerSeq
 
 
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
 
-    def propose(self, histories: list[list[int]], max_drafts: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[WorkerSeq], slots: list[int], max_drafts: list[int]) -> list[list[int]]:
+        """The Proposer protocol (gpu/spec/__init__.py): a lookup over each row's ids."""
+        return self.lookup([seq.token_ids for seq in seqs], max_drafts)
+
+    def lookup(self, histories: list[list[int]], max_drafts: list[int]) -> list[list[int]]:
         """histories[r]: row r's token ids (prompt, then outputs); max_drafts[r]: how many it may
         verify (0: none). -> each row's drafts, at most max_drafts[r], possibly none."""
         wanted = [r for r, k in enumerate(max_drafts) if k > 0 and len(histories[r]) > self.min_n]

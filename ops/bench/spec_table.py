@@ -34,7 +34,8 @@ def main(out: Path) -> None:
         before, after = counters(path.with_suffix(".before")), counters(path.with_suffix(".after"))
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
         runs[(m["workload"], int(m["streams"]), m["config"])] = (result, delta)
-    print("| workload | streams | config | output tok/s | vs none | median TPOT ms | median TTFT ms | accepted / drafted | tokens per verifying row |")
+    columns = "output tok/s | vs none | median TPOT ms | median TTFT ms | accepted / drafted | tokens per verifying row"
+    print(f"| workload | streams | config | {columns} |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for (workload, streams, config), (result, delta) in sorted(runs.items()):
         base = runs.get((workload, streams, "none-again" if config.endswith("-again") else "none"))

@@ -26,8 +26,8 @@ class Counting:
     def __init__(self, inner) -> None:
         self.inner, self.drafts = inner, 0
 
-    def propose(self, histories, limits):
-        drafts = self.inner.propose(histories, limits)
+    def propose(self, seqs, slots, limits):
+        drafts = self.inner.propose(seqs, slots, limits)
         self.drafts += sum(map(len, drafts))
         return drafts
 
@@ -38,9 +38,9 @@ class Oracle:
     def __init__(self, runs: list[tuple[list[int], list[int]]], wrong: bool = False) -> None:
         self.runs, self.wrong = runs, wrong
 
-    def propose(self, histories, limits):
+    def propose(self, seqs, slots, limits):
         drafts = []
-        for history, limit in zip(histories, limits):
+        for history, limit in zip((seq.token_ids for seq in seqs), limits):
             found: list[int] = []
             for prompt, output in self.runs:
                 n = len(history) - len(prompt)

@@ -56,7 +56,8 @@ class FixedDrafts:
     def __init__(self, table: dict[int, list[int]]) -> None:
         self.table = table
 
-    def propose(self, histories, limits):
+    def propose(self, seqs, slots, limits):
+        histories = [seq.token_ids for seq in seqs]
         return [self.table.get(h[len(PROMPT)], [])[:k] if len(h) > len(PROMPT) else [] for h, k in zip(histories, limits)]
 
 

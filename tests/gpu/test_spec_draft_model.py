@@ -1,0 +1,78 @@
+"""A draft model proposing (`{"method": "draft_model", "model": DIR}`): its KV follows the
+target's passes in its own cache over the same blocks, and its greedy drafts are verified exactly.
+
+A draft equal to the target (the same weights) has every draft accepted, so a run of steps emits
+up to k + 1 tokens; a different random model's drafts mostly fail, and a draft cut from the
+target (conveyor.tiny.truncate) is in between: every time the output is the engine's own without
+speculation, greedy and seeded, through a pool small enough to preempt and with prompts sharing
+cached blocks. A draft with another vocabulary is refused at start-up."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conveyor import LLM
+from conveyor.config import ConfigError
+from conveyor.engine_config import build_engine_config
+from conveyor.tiny.truncate import truncate
+from conveyor.wire.messages import SamplingParams
+from tests import gpu_checkpoints
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [1, 2, 3, 1, 2, 3, 1, 2], [40, 41, 42, 43, 44, 45] * 3, [9, 10]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True)
+
+
+def spec(draft, k=3):
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k}
+
+
+def run(path, params, draft=None, prompts=PROMPTS, **options):
+    extra = {"speculative_config": spec(draft)} if draft is not None else {}
+    llm = LLM(str(path), device="cpu", num_kv_blocks=options.pop("num_kv_blocks", 256), **extra, **options)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], llm.core.scheduler.num_steps
+
+
+@pytest.fixture(scope="module")
+def target(checkpoints):
+    return checkpoints["LlamaForCausalLM"]
+
+
+def test_a_draft_equal_to_the_target_is_always_right(target):
+    base, base_steps = run(target, GREEDY)
+    got, steps = run(target, GREEDY, draft=target)
+    assert got == base
+    assert steps <= 1 + -(-22 // 2) < base_steps  # runs of 2 to 4 tokens once its record fills
+
+
+def test_other_drafts_change_nothing(target, checkpoints, tmp_path):
+    cut = truncate(target, tmp_path / "cut", 1)
+    assert json.loads((cut / "config.json").read_text())["num_hidden_layers"] == 1
+    base, _ = run(target, GREEDY)
+    for draft in (checkpoints["MistralForCausalLM"], cut):  # another random model; the target's first layer
+        assert run(target, GREEDY, draft=draft)[0] == base
+
+
+def test_seeded_sampling_with_penalties_is_unchanged(target):
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, seed=seed, max_tokens=15) for seed in range(len(PROMPTS))
+    ]
+    assert run(target, params, draft=target)[0] == run(target, params)[0]
+
+
+def test_preemption_and_shared_prefixes_keep_the_draft_in_step(target):
+    """Ten prompts sharing a long prefix through a pool of 24 blocks of 4: prefix-cache hits
+    (the draft's KV of those blocks came with the target's), copies on write and preemption."""
+    prompts = [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18] + [i, i + 1] for i in range(20, 30)]
+    small = dict(num_kv_blocks=24, block_size=4, max_num_batched_tokens=32)
+    base, _ = run(target, GREEDY, prompts=prompts, **small)
+    assert run(target, GREEDY, draft=target, prompts=prompts, **small)[0] == base
+
+
+def test_a_draft_with_another_vocabulary_is_refused(target):
+    other = gpu_checkpoints.checkpoint("llama")  # a 512-token vocabulary against the tiny model's 4096
+    with pytest.raises(ConfigError, match="the draft's vocabulary has 512 tokens, the model's 4096"):
+        build_engine_config(str(target), device="cpu", speculative_config=spec(other))
+    with pytest.raises(ConfigError, match="is not a directory"):
+        build_engine_config(str(target), device="cpu", speculative_config=spec(target / "nowhere"))
