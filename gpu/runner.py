@@ -97,7 +97,10 @@ class ModelRunner:
             self.proposer = self.drafter = DraftModel(config, self.platform, self.batch)
         elif config.speculative is not None:
             self.proposer = NgramProposer(config.speculative)
-        self._row_cost = ROW_COST.get(self.device.type, ROW_COST["cpu"])
+        # A draft position's cost in decode steps: verifying it, and (a draft model) proposing it.
+        self._row_cost = ROW_COST.get(self.device.type, ROW_COST["cpu"]) + (
+            self.drafter.step_cost(config.model) if self.drafter else 0.0
+        )
 
     def num_available_blocks(self) -> int:
         """KV blocks this device can hold next to the model (and, on CUDA, a full step's peak),

@@ -32,6 +32,7 @@ from conveyor.gpu.step_inputs import PassInputs
 
 if TYPE_CHECKING:
     from conveyor.config.engine import EngineConfig
+    from conveyor.config.model import ModelConfig
     from conveyor.gpu.passes import WorkerSeq
     from conveyor.gpu.platform import Platform
 
@@ -46,6 +47,11 @@ class DraftModel:
         self.attn = backend.attn
         self.model = platform.load_model(self.config, backend)
         self.kv_caches: list[torch.Tensor] = []
+
+    def step_cost(self, target: ModelConfig) -> float:
+        """A draft step's cost relative to a decode step of the target: by their layers (an
+        ESTIMATE: it leaves out the heads, which a self-speculation draft shares in size)."""
+        return self.config.num_layers / target.num_layers
 
     def bytes_per_block(self) -> int:
         return self.attn.bytes_per_block(self.block_size)
