@@ -57,11 +57,15 @@ def loaded_daemon(daemon_factory):
 
 
 # Metrics only a daemon with several engines records (the router's): this daemon has one.
-# tests/daemon/test_data_parallel.py reads them from a daemon with two.
+# tests/daemon/test_data_parallel.py reads them from a daemon with two. Likewise speculative
+# decoding's, which tests/daemon/test_spec_daemon.py reads from a daemon that speculates.
 SEVERAL_ENGINES_ONLY = ("conveyor_router_",)
+SPECULATION_ONLY = ("conveyor_spec_decode_",)
 
 
-def expressions() -> list[str]:
+def expressions(*, speculation: bool = False) -> list[str]:
+    """The dashboard's and the alert rules' expressions that this test's daemon feeds, or with
+    `speculation` only those of speculative decoding."""
     dashboard = json.loads((OPS / "grafana/dashboards/conveyor.json").read_text())
     found = []
 
@@ -75,15 +79,23 @@ def expressions() -> list[str]:
         for rule in group["rules"]:
             # An alert's condition is false while all is well; its expression must still have data.
             found.append(re.sub(r"\s*(==|!=|>=|<=|>|<)\s*[0-9.e+-]+\s*$", "", rule["expr"].strip()))
-    return sorted(e for e in set(found) if not any(name in e for name in SEVERAL_ENGINES_ONLY))
+    if speculation:
+        return sorted(e for e in set(found) if any(name in e for name in SPECULATION_ONLY))
+    return sorted(e for e in set(found) if not any(name in e for name in SEVERAL_ENGINES_ONLY + SPECULATION_ONLY))
 
 
 @needs_prometheus
 def test_every_dashboard_and_alert_expression_has_data(loaded_daemon, tmp_path):
+    assert not expressions_without_data(loaded_daemon, expressions(), tmp_path)
+
+
+def expressions_without_data(daemon: Daemon, exprs: list[str], tmp_path: Path) -> list[str]:
+    """A Prometheus of its own scrapes `daemon` every second while drive_load runs, for up to a
+    minute: the expressions that still return no series (or only NaN)."""
     port = free_port()
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "conveyor", "static_configs": [{"targets": [f"127.0.0.1:{loaded_daemon.port}"]}]}],
+        "scrape_configs": [{"job_name": "conveyor", "static_configs": [{"targets": [f"127.0.0.1:{daemon.port}"]}]}],
     }
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     prometheus = subprocess.Popen(
@@ -100,9 +112,9 @@ def test_every_dashboard_and_alert_expression_has_data(loaded_daemon, tmp_path):
         api = f"http://127.0.0.1:{port}/api/v1/query"
         # Keep load going while Prometheus collects enough samples for rate() over [1m].
         deadline = time.monotonic() + 60
-        missing = expressions()
+        missing = list(exprs)
         while missing and time.monotonic() < deadline:
-            drive_load(loaded_daemon, seconds=2)
+            drive_load(daemon, seconds=2)
             still = []
             for expr in missing:
                 try:
@@ -114,7 +126,7 @@ def test_every_dashboard_and_alert_expression_has_data(loaded_daemon, tmp_path):
                 if not [s for s in result["data"]["result"] if s["value"][1] not in ("NaN",)]:
                     still.append(expr)
             missing = still
-        assert not missing, "expressions without data:\n" + "\n".join(missing)
+        return missing
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=10)

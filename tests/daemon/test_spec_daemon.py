@@ -1,11 +1,13 @@
 """Speculative decoding through the whole daemon (asynchronous scheduling, the worker a process
 of its own): greedy text over HTTP, streamed and concurrent, with n = 2, token-for-token
-transformers' own; the drafts verified and accepted counted in /metrics."""
+transformers' own; the drafts verified and accepted counted in /metrics, and the dashboard's
+speculative decoding row has data in a real Prometheus."""
 
 from __future__ import annotations
 
 import concurrent.futures
 
+from tests.daemon.test_observability import drive_load, expressions, expressions_without_data, needs_prometheus
 from tests.daemon.test_pipeline import complete
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
@@ -31,3 +33,11 @@ def test_streamed_concurrent_and_two_samples_match_transformers(checkpoints, ref
     drafts = daemon.metric('conveyor_spec_decode_draft_tokens_total{engine="0"}')
     accepted = daemon.metric('conveyor_spec_decode_accepted_tokens_total{engine="0"}')
     assert drafts > 0 and 0 <= accepted <= drafts
+
+
+@needs_prometheus
+def test_the_dashboards_speculation_row_has_data(daemon_factory, tmp_path):
+    daemon = daemon_factory("--num-kv-blocks", "64", "--max-num-seqs", "4", "--speculative-config", SPEC)
+    drive_load(daemon, seconds=2)  # its prompts repeat a sentence: the n-gram proposer finds matches
+    exprs = expressions(speculation=True)
+    assert len(exprs) == 3 and not expressions_without_data(daemon, exprs, tmp_path)
