@@ -298,7 +298,8 @@ class ModelRunner:
         """The drafts of the rows the plan grants a lookahead (by row index), each at most that
         lookahead, as many as its acceptance so far makes worth verifying (draft_length.py), the
         slots its table holds past its token, and the tokens its request may still produce after
-        it. Their ids are all on the host: _must_wait saw to it."""
+        it; a grammar's row, only those its grammar allows in turn (its matcher has taken every
+        id: _must_wait saw to it, as to all of its ids being on the host)."""
         if self.proposer is None or window.plan.num_steps > 1:
             return {}
         wanted = [i for i, row in enumerate(window.plan.scheduled) if row.num_lookahead and not window.rows[i].stopped]
@@ -313,9 +314,14 @@ class ModelRunner:
                 left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
             room = len(seq.block_table) * self.block_size - seq.num_computed - 1
             worth = seq.acceptance.draft_length(window.plan.scheduled[i].num_lookahead, self._row_cost)
+            if seq.params.structured is not None and self.tp.size > 1:
+                worth = 0  # only rank 0 has its matcher to cut its drafts by: the ranks must agree
             limits.append(max(0, min(worth, left, room)))
         seqs = [window.rows[i] for i in wanted]
         proposed = self.proposer.propose(seqs, [self.batch.slots[seq.seq_id] for seq in seqs], limits)
+        for n, seq in enumerate(seqs):  # a grammar's row verifies only the drafts its grammar allows
+            if seq.matcher is not None and proposed[n]:
+                proposed[n] = proposed[n][: seq.matcher.allowed_drafts(proposed[n])]
         return {i: d for i, d in zip(wanted, proposed) if d}
 
     def _next_pass(self, window: Window, k: int, active: list[int]) -> PassWork:
@@ -337,10 +343,11 @@ class ModelRunner:
         drawing = [work.rows[i] for i in work.sampling]
         mask: TokenMask | None = None
         if self._constrained and any(seq.params.structured is not None for seq in drawing):
-            # One mask row per logits row: a verifying row's (never constrained) draft positions unmasked.
-            logit_rows: list[WorkerSeq | None] = []
+            # One mask row per logits row: a verifying row's position j masked as if its first j drafts were drawn.
+            logit_rows: list[tuple[WorkerSeq, list[int]]] = []
             for i, seq in zip(work.sampling, drawing):
-                logit_rows += [seq, *[None] * len(work.drafts.get(i, ()))]
+                drafts = work.drafts.get(i, [])
+                logit_rows += [(seq, drafts[:j]) for j in range(len(drafts) + 1)]
             mask = self._grammar_mask(logit_rows)  # the host works while the device computes
             if k > 0 and not window.active(k):
                 return None
@@ -462,17 +469,17 @@ class ModelRunner:
                     return True
         return False
 
-    def _grammar_mask(self, rows: list[WorkerSeq | None]) -> TokenMask | None:
+    def _grammar_mask(self, rows: list[tuple[WorkerSeq, list[int]]]) -> TokenMask | None:
         """The mask of a pass whose sampling rows are `rows` (one logits row each), called once
         its forward is launched: the constrained rows' ids in flight are collected first (their
         matchers must have taken every earlier draw), then their matchers fill the bitmask. A row
         whose sequence stopped meanwhile draws unmasked: that draw is dropped anyway. Every rank
         waits alike (what it collects decides its next passes); only the sampling rank masks."""
-        if self._pending and any(s is not None and s.params.structured is not None and s.num_tokens > len(s.token_ids) for s in rows):
+        if self._pending and any(s.params.structured is not None and s.num_tokens > len(s.token_ids) for s, _ in rows):
             self._collected = self.collect(keep=0)  # kept for the caller, as in _launch_pass
         if not self.tp.samples:
             return None
-        matchers = [None if seq is None or seq.stopped else seq.matcher for seq in rows]
+        matchers = [None if seq.stopped or seq.matcher is None else (seq.matcher, drafts) for seq, drafts in rows]
         return token_mask(matchers, self.config.model.vocab_size, self.device)
 
     def _finish(self, launched: LaunchedPass) -> StepResult:

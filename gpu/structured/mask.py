@@ -31,15 +31,17 @@ class TokenMask:
         logits.index_copy_(0, self.rows, picked)
 
 
-def token_mask(matchers: list[Matcher | None], vocab_size: int, device: torch.device) -> TokenMask | None:
-    """matchers[r]: logits row r's matcher, None for a row without a constraint (or one whose
-    sequence has stopped) -> the pass's TokenMask, None when no row has one."""
+def token_mask(matchers: list[tuple[Matcher, list[int]] | None], vocab_size: int, device: torch.device) -> TokenMask | None:
+    """matchers[r]: logits row r's matcher and the drafts before its position (a verifying row's
+    draft positions: gpu/spec/verify.py; none for an ordinary row), None for a row without a
+    constraint (or one whose sequence has stopped) -> the pass's TokenMask, None when no row has one."""
     rows = [r for r, m in enumerate(matchers) if m is not None]
     if not rows:
         return None
     bitmask = xgr.allocate_token_bitmask(len(rows), vocab_size)  # [C, W] on the host
     for i, r in enumerate(rows):
-        matcher = matchers[r]
-        assert matcher is not None
-        matcher.fill(bitmask, i)
+        entry = matchers[r]
+        assert entry is not None
+        matcher, drafts = entry
+        matcher.fill_after(bitmask, i, drafts) if drafts else matcher.fill(bitmask, i)
     return TokenMask(to_device(rows, torch.int64, device), to_device(bitmask, torch.int32, device))

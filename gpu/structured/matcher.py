@@ -42,6 +42,27 @@ class Matcher:
         self.num_accepted += 1
         return True
 
+    def allowed_drafts(self, drafts: list[int]) -> int:
+        """How many of `drafts`, from the first, the grammar allows in turn (speculative
+        decoding cuts the rest before verifying); the matcher is left as it was."""
+        allowed = 0
+        for token in drafts:
+            if self._matcher.is_terminated() or not 0 <= token < self.vocab_size or not self._matcher.accept_token(token):
+                break
+            allowed += 1
+        if allowed:
+            self._matcher.rollback(allowed)
+        return allowed
+
+    def fill_after(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+        """`fill` as if `drafts` (which allowed_drafts allowed) had been accepted: the mask of a
+        verified draft position. The matcher is left as it was."""
+        for token in drafts:
+            self._matcher.accept_token(token)
+        self.fill(bitmask, row)
+        if drafts:
+            self._matcher.rollback(len(drafts))
+
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """bitmask [R, ceil(V / 32)] int32 on the host: row `row` := the ids allowed next."""
         if not self._matcher.is_terminated():

@@ -18,8 +18,9 @@ rolls back, not its blocks); the prefix cache names only blocks of accepted ids
 (BlockManager.register_full_blocks reads the known ids).
 
 Which rows: none past `disable_by_batch_size` running sequences; otherwise each decoding row
-(its prompt done and a token drawn, no fork pending) without a grammar, whose request may still
-produce more than one token. Pure Python: no torch, no zmq.
+(its prompt done and a token drawn, no fork pending) whose request may still produce more than
+one token (a grammar's row too: the worker cuts its drafts where the grammar refuses them).
+Pure Python: no torch, no zmq.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def grant_lookahead(row: Row, config: SpeculativeConfig, blocks: BlockManager, b
     within `budget` and what the pool holds without preempting; the lookahead granted (0: it
     decodes plainly). The row's sequence has not counted its token as computed yet."""
     seq = row.seq
-    if row.num_tokens != 1 or not is_decoding(seq) or seq.params.structured is not None:
+    if row.num_tokens != 1 or not is_decoding(seq):
         return 0
     k = min(config.num_speculative_tokens, budget, tokens_left(seq, max_model_len))
     if k < 1:

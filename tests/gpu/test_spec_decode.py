@@ -134,16 +134,36 @@ def test_seeded_sampling_with_penalties_draws_the_same_tokens(path):
     assert llm.core.scheduler.num_steps < 17
 
 
-def test_a_schema_constrained_request_runs_beside_speculating_ones(path):
-    """The constrained row comes after verifying rows, whose draft positions add logits rows
-    before its own: its mask must still land on its row."""
-    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
-    params = [GREEDY] * 3 + [SamplingParams(temperature=0.0, max_tokens=20, structured=StructuredOutput("json_schema", schema))]
-    base, _ = generate(path, params)
+SCHEMA = '{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a", "b"]}'
+
+
+class Breaking(Oracle):
+    """The oracle's drafts with their second token replaced by '}': a draft the grammar refuses
+    wherever an object's key or value is due (verified unmasked, it would only be rejected; it is
+    fill_after's accepting it that would break the matcher, so it must be cut first)."""
+
+    def __init__(self, runs, brace: int) -> None:
+        super().__init__(runs)
+        self.brace = brace
+
+    def propose(self, seqs, slots, limits):
+        return [d[:1] + [self.brace] + d[2:] if len(d) > 1 else d for d in super().propose(seqs, slots, limits)]
+
+
+@pytest.mark.parametrize("drafts", ["oracle", "breaking"])
+def test_a_schema_constrained_row_verifies_only_drafts_its_grammar_allows(path, drafts):
+    """The constrained row comes after verifying rows (whose draft positions add logits rows before
+    its own) and verifies drafts itself: position j masked as if j drafts were drawn. Drafts that
+    break the grammar are cut before verification; the output is the same either way."""
+    params = [GREEDY] * 3 + [SamplingParams(temperature=0.0, max_tokens=30, structured=StructuredOutput("json_schema", SCHEMA))]
+    base, base_llm = generate(path, params)
     runs = [(p, out.outputs[0].token_ids) for p, out in zip(PROMPTS, base)]
-    spec, llm = generate(path, params, proposer=Oracle(runs))
-    assert token_ids(spec) == token_ids(base)
     assert base[3].outputs[0].text.lstrip().startswith("{")
+    brace = base_llm.encoder.tokenizer.token_to_id("}")
+    proposer = Oracle(runs) if drafts == "oracle" else Breaking(runs, brace)
+    spec, llm = generate(path, params, proposer=proposer)
+    assert token_ids(spec) == token_ids(base)
+    assert llm.core.scheduler.num_steps < base_llm.core.scheduler.num_steps
 
 
 @pytest.fixture(scope="module")

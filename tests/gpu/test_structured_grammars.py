@@ -31,7 +31,7 @@ def encode(default_model):
 
 
 def allowed(matcher, vocab_size: int) -> list[int]:
-    mask = token_mask([matcher], vocab_size, torch.device("cpu"))
+    mask = token_mask([(matcher, [])], vocab_size, torch.device("cpu"))
     assert mask is not None
     logits = torch.zeros(1, vocab_size)
     mask.apply_(logits)
@@ -73,7 +73,7 @@ def test_a_mask_touches_only_constrained_rows(model):
     assert token_mask([None, None], model.vocab_size, torch.device("cpu")) is None
     logits = torch.randn(3, model.vocab_size)
     masked = logits.clone()
-    mask = token_mask([None, matcher, None], model.vocab_size, torch.device("cpu"))
+    mask = token_mask([None, (matcher, []), None], model.vocab_size, torch.device("cpu"))
     assert mask is not None
     mask.apply_(masked)
     assert torch.equal(masked[[0, 2]], logits[[0, 2]])

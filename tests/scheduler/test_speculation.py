@@ -107,8 +107,9 @@ def test_which_rows_speculate():
     sched.add_request(ScheduleRequest("short", 0, prompt(3, 5), SamplingParams(max_tokens=3), 0.0))
     step = sched.schedule()
     sched.update(step, StepResult(step.step, [5, 6, 7], seq_ids=[r.seq.seq_id for r in step.rows]))
-    # Grammar rows never; the short one only as far as its max_tokens lets it: 1 more after this one.
-    assert {r.seq.request_id: r.lookahead for r in sched.schedule().rows} == {"plain": 3, "json": 0, "short": 1}
+    # A grammar's row too (the worker cuts its drafts); the short one only as far as its max_tokens
+    # lets it: 1 more after this one.
+    assert {r.seq.request_id: r.lookahead for r in sched.schedule().rows} == {"plain": 3, "json": 3, "short": 1}
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
