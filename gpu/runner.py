@@ -356,7 +356,7 @@ class ModelRunner:
             choices = [seq.index, *(f.index for f in forks)] if forks else [seq.index]
             sampling_rows.append(SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, choices, seq.num_output_tokens))
             param_slots += [self.batch.slots[seq.seq_id]] * len(choices)
-            drafts = work.drafts.get(i)
+            drafts = work.drafts.get(i, [])
             if drafts:  # position j draws output n + j as if drafts[:j] were drawn (verify.py)
                 reads = penalises_repeats(seq.params)
                 for j in range(1, len(drafts) + 1):
