@@ -84,6 +84,7 @@ def expressions(*, speculation: bool = False) -> list[str]:
     return sorted(e for e in set(found) if not any(name in e for name in SEVERAL_ENGINES_ONLY + SPECULATION_ONLY))
 
 
+@pytest.mark.slow  # a minute of Prometheus scraping load (-m slow)
 @needs_prometheus
 def test_every_dashboard_and_alert_expression_has_data(loaded_daemon, tmp_path):
     assert not expressions_without_data(loaded_daemon, expressions(), tmp_path)

@@ -23,7 +23,7 @@ from tests.conftest import Daemon, children, cmdline
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[test]' or '.[ray]')")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # a local multi-node Ray cluster: minutes (-m slow)
 NUM_TOKENS = 8
 MODEL = "LlamaForCausalLM"
 LONG = 2000  # tokens: seconds of decoding on the tiny model, time enough to remove its node

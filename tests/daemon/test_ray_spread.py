@@ -16,7 +16,7 @@ from tests.daemon.test_ray_placement import MODEL, OBJECT_STORE_BYTES, complete,
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[test]' or '.[ray]')")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]  # a local multi-node Ray cluster: minutes (-m slow)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
+
+pytestmark = pytest.mark.slow  # a soak: minutes of load (-m slow)
 
 NUM_WARMUP = 300
 NUM_REQUESTS = 2000

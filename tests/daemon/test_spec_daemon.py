@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import pytest
+
 from tests.daemon.test_observability import drive_load, expressions, expressions_without_data, needs_prometheus
 from tests.daemon.test_pipeline import complete
 
@@ -35,6 +37,7 @@ def test_streamed_concurrent_and_two_samples_match_transformers(checkpoints, ref
     assert drafts > 0 and 0 <= accepted <= drafts
 
 
+@pytest.mark.slow  # up to a minute of Prometheus scraping load (-m slow)
 @needs_prometheus
 def test_the_dashboards_speculation_row_has_data(daemon_factory, tmp_path):
     daemon = daemon_factory("--num-kv-blocks", "64", "--max-num-seqs", "4", "--speculative-config", SPEC)

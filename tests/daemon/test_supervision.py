@@ -22,6 +22,8 @@ import requests
 
 from tests.conftest import Daemon, cmdline
 
+pytestmark = pytest.mark.slow  # stages killed and restarted: minutes of daemons (-m slow)
+
 LONG = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
 
 

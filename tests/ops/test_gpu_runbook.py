@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 RACES = {"race-k1": ("K = 1, CUDA graphs", "K = 1, eager"), "race-k8": ("K = 8, CUDA graphs", "K = 8, eager")}
 
@@ -42,6 +44,7 @@ def runbook(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, di
     return done, json.loads((out / "gpu-runbook.json").read_text()), (out / "gpu-runbook.md").read_text()
 
 
+@pytest.mark.slow  # the whole runbook on an emulated GPU: a minute (-m slow)
 def test_every_step_runs_emulated_and_reports(tmp_path):
     done, report, markdown = runbook(tmp_path, "all")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
