@@ -1,0 +1,71 @@
+"""Speculative decoding in process on SmolLM2 (Q4_1 kept packed), one stream: the first N prompts
+of ops/bench/grounded/prompts.json as chat, greedy, up to 256 tokens, each configuration in turn
+per prompt (so drift in the machine's speed falls on all alike); per configuration the output
+tokens/s and its ratio to none, tokens per step, and drafts accepted over drafts verified.
+
+    python ops/bench/spec_inprocess.py N [DRAFT ...]
+
+DRAFT is a checkpoint directory for {"method": "draft_model"} (e.g. one from
+`python -m conveyor.tiny.truncate`); a trailing "!" makes every row take all k = 4 drafts instead
+of what gpu/spec/draft_length.py judges worth it, to read the draft's acceptance as such.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from conveyor import LLM
+from conveyor.gpu import runner as runner_module
+from conveyor.wire.messages import SamplingParams
+
+PROMPTS = Path(__file__).with_name("grounded") / "prompts.json"
+
+
+def main(num: int, drafts: list[str]) -> None:
+    prompts = [d["conversations"][0]["value"] for d in json.loads(PROMPTS.read_text())[:num]]
+    configs: dict[str, dict | None] = {"none": None, "ngram-k4": {"method": "ngram", "num_speculative_tokens": 4}}
+    for draft in drafts:
+        configs[f"draft {draft}"] = {"method": "draft_model", "model": draft.rstrip("!"), "num_speculative_tokens": 4}
+    llms = {name: LLM(**({"speculative_config": c} if c else {})) for name, c in configs.items()}
+    for name, llm in llms.items():
+        if name.endswith("!"):
+            llm.runner._row_cost = 0.0
+    spec_rows: list[tuple[int, int, int]] = []  # every result's (seq, drafted, accepted), as the scheduler counts them
+    real = runner_module.pass_result
+
+    def counting(launched, eos):
+        result = real(launched, eos)
+        spec_rows.extend(result.spec_rows)
+        return result
+
+    runner_module.pass_result = counting
+    totals = {name: [0, 0.0, 0, 0, 0] for name in configs}  # tokens, seconds, steps, drafted, accepted
+    outputs: dict[str, set] = {}
+    params = SamplingParams(temperature=0.0, max_tokens=256)
+    for prompt in prompts:
+        for name, llm in llms.items():
+            steps, spec_rows[:] = llm.core.scheduler.num_steps, []
+            start = time.perf_counter()
+            out = llm.chat([{"role": "user", "content": prompt}], params)[0].outputs[0]
+            total = totals[name]
+            total[0] += len(out.token_ids)
+            total[1] += time.perf_counter() - start
+            total[2] += llm.core.scheduler.num_steps - steps
+            total[3] += sum(d for _, d, _ in spec_rows)
+            total[4] += sum(a for _, _, a in spec_rows)
+            outputs.setdefault(prompt, set()).add(tuple(out.token_ids))
+    none = totals["none"][0] / totals["none"][1]
+    for name, (tokens, seconds, steps, drafted, accepted) in totals.items():
+        rate = f"{accepted}/{drafted} = {accepted / drafted:.3f}" if drafted else "-"
+        print(
+            f"{name}: {tokens} tokens {seconds:.1f} s {tokens / seconds:.1f} tok/s ({tokens / seconds / none:.2f}x none), "
+            f"{tokens / steps:.2f} tokens a step, accepted {rate}"
+        )
+    print("every configuration's output identical:", all(len(v) == 1 for v in outputs.values()))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2:])
