@@ -40,9 +40,7 @@ from conveyor.gpu.sampling import SamplingRow
 from conveyor.gpu.sampling.draws import DeviceSamples
 from conveyor.gpu.sampling.penalties import penalises_repeats
 from conveyor.gpu.sampling.transfer import to_device
-from conveyor.gpu.spec import NgramProposer, Proposer
-from conveyor.gpu.spec.draft_length import ROW_COST
-from conveyor.gpu.spec.draft_model import DraftModel
+from conveyor.gpu.spec.speculator import Speculator
 from conveyor.gpu.step_inputs import PassInputs, RowSpec, first_pass_inputs, next_pass_inputs
 from conveyor.gpu.structured import Matcher, TokenMask, grammars_for, token_mask
 from conveyor.wire.messages import NewSeq, StepPlan, StepResult
@@ -89,18 +87,9 @@ class ModelRunner:
         # probe holds the largest one's memory while the pool is sized, so the pool leaves it.
         self.graphs: DecodeGraphs | None = None
         self._graph_probe: DecodeGraphs | None = None
-        # Speculative decoding: the drafts of rows the plan grants a lookahead (gpu/spec/). A draft
-        # model also follows every pass, in its own KV cache over the same blocks.
-        self.drafter: DraftModel | None = None
-        self.proposer: Proposer | None = None
-        if config.speculative is not None and config.speculative.method == "draft_model":
-            self.proposer = self.drafter = DraftModel(config, self.platform, self.batch)
-        elif config.speculative is not None:
-            self.proposer = NgramProposer(config.speculative)
-        # A draft position's cost in decode steps: verifying it, and (a draft model) proposing it.
-        self._row_cost = ROW_COST.get(self.device.type, ROW_COST["cpu"]) + (
-            self.drafter.step_cost(config.model) if self.drafter else 0.0
-        )
+        # Speculative decoding (gpu/spec/): the drafts of rows the plan grants a lookahead, and a
+        # draft model's KV beside the target's.
+        self.spec = Speculator(config, self.platform, self.batch, self.tp.size) if config.speculative is not None else None
 
     def num_available_blocks(self) -> int:
         """KV blocks this device can hold next to the model (and, on CUDA, a full step's peak),
@@ -112,7 +101,7 @@ class ModelRunner:
             log.info("CUDA graphs: the largest bucket takes %.1f MiB (probe captured in %.2f s)", graph_bytes / 2**20, seconds)
         if self.device.type == "cuda" and self.config.cache.num_kv_blocks is None:
             profile_run(self)
-        per_block = self.attn.bytes_per_block(self.block_size) + (self.drafter.bytes_per_block() if self.drafter else 0)
+        per_block = self.attn.bytes_per_block(self.block_size) + (self.spec.bytes_per_block() if self.spec else 0)
         num_blocks = self.platform.kv_blocks(per_block, self.config.cache)
         num_blocks = num_blocks if self.config.cache.num_kv_blocks is not None else max(1, num_blocks - 1)
         size = f"{num_blocks} blocks of {self.block_size} tokens = {num_blocks * self.block_size} tokens"
@@ -125,8 +114,8 @@ class ModelRunner:
         """The pool the scheduler allocates from, plus one scratch block (id num_blocks) that
         no sequence owns: padded rows of a captured batch write their KV there."""
         self.kv_caches = self.attn.allocate_kv_caches(num_blocks + 1, self.block_size)
-        if self.drafter is not None:
-            self.drafter.allocate(num_blocks + 1)
+        if self.spec is not None:
+            self.spec.allocate(num_blocks + 1)
         self.num_blocks = num_blocks
         if self._uses_graphs():
             pool = self._graph_probe.pool if self._graph_probe is not None else None
@@ -140,7 +129,7 @@ class ModelRunner:
         """Whether decode steps take the CUDA-graph path (captured on CUDA). Not with tp > 1: a graph
         around NCCL collectives is possible but has not been run here, so those steps run eagerly."""
         parallel = self.config.parallel
-        eager = parallel.enforce_eager or self.drafter is not None  # a draft model follows each pass eagerly
+        eager = parallel.enforce_eager or (self.spec is not None and self.spec.runs_eagerly)
         return self.platform.runs_graphs and not eager and self.attn.supports_cuda_graphs and self.tp.size == 1
 
     # --- running plans ------------------------------------------------------------------------
@@ -212,8 +201,8 @@ class ModelRunner:
                 self._constrained.add(new.seq_id)
             self.batch.add(new.seq_id, [], new.params)
         self.attn.copy_blocks(self.kv_caches, plan.copy_blocks)
-        if self.drafter is not None:
-            self.drafter.copy_blocks(plan.copy_blocks)
+        if self.spec is not None:
+            self.spec.copy_blocks(plan.copy_blocks)
         if not plan.scheduled:
             return None
         rows = [self.seqs[row.seq_id] for row in plan.scheduled]
@@ -257,8 +246,8 @@ class ModelRunner:
         clock = PassClock(self.platform.mark, arrival if arrival is not None else self._last_clock)
         work = self._first_pass(window) if k == 0 else self._next_pass(window, k, active)
         hidden = self._forward(work.inputs)  # [T, H]
-        if self.drafter is not None:
-            self.drafter.follow(work.inputs)
+        if self.spec is not None:
+            self.spec.follow(work.inputs)
         samples, param_slots = None, None
         if work.sampling:
             drawn = self._sample(work, hidden[work.inputs.logit_index], window, k)
@@ -277,7 +266,7 @@ class ModelRunner:
         plan, rows = window.plan, window.rows
         specs, num_new, sampling = [], [], []
         slots, one_step = self.batch.slots, plan.num_steps == 1
-        drafts = self._propose(window)
+        drafts = self.spec.drafts(rows, plan.scheduled) if self.spec is not None and one_step else {}
         for i, (seq, row) in enumerate(zip(rows, plan.scheduled)):
             n = row.num_tokens if one_step else 1  # a window's first pass decodes
             end = seq.num_computed + n
@@ -293,36 +282,6 @@ class ModelRunner:
         inputs = first_pass_inputs(specs, self.batch, self.attn, self.block_size, self.config.model.sliding_window, not graphed)
         window.first = inputs
         return PassWork(inputs, rows, num_new, sampling, [plan.scheduled[i].forks for i in sampling], drafts)
-
-    def _propose(self, window: Window) -> dict[int, list[int]]:
-        """The drafts of the rows the plan grants a lookahead (by row index), each at most that
-        lookahead, as many as its acceptance so far makes worth verifying (draft_length.py), the
-        slots its table holds past its token, and the tokens its request may still produce after
-        it; a grammar's row, only those its grammar allows in turn (its matcher has taken every
-        id: _must_wait saw to it, as to all of its ids being on the host)."""
-        if self.proposer is None or window.plan.num_steps > 1:
-            return {}
-        wanted = [i for i, row in enumerate(window.plan.scheduled) if row.num_lookahead and not window.rows[i].stopped]
-        if not wanted:
-            return {}
-        max_len = self.config.model.max_model_len
-        limits = []
-        for i in wanted:
-            seq = window.rows[i]
-            left = max_len - seq.num_tokens - 1
-            if seq.params.max_tokens is not None:
-                left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
-            room = len(seq.block_table) * self.block_size - seq.num_computed - 1
-            worth = seq.acceptance.draft_length(window.plan.scheduled[i].num_lookahead, self._row_cost)
-            if seq.params.structured is not None and self.tp.size > 1:
-                worth = 0  # only rank 0 has its matcher to cut its drafts by: the ranks must agree
-            limits.append(max(0, min(worth, left, room)))
-        seqs = [window.rows[i] for i in wanted]
-        proposed = self.proposer.propose(seqs, [self.batch.slots[seq.seq_id] for seq in seqs], limits)
-        for n, seq in enumerate(seqs):  # a grammar's row verifies only the drafts its grammar allows
-            if seq.matcher is not None and proposed[n]:
-                proposed[n] = proposed[n][: seq.matcher.allowed_drafts(proposed[n])]
-        return {i: d for i, d in zip(wanted, proposed) if d}
 
     def _next_pass(self, window: Window, k: int, active: list[int]) -> PassWork:
         """Pass k > 0 of a window: every active row decodes one token and draws; none forks."""

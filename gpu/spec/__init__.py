@@ -1,7 +1,8 @@
-"""Speculative decoding on the worker: proposers of draft tokens (ngram.py, draft_model.py),
-how many a row verifies (draft_length.py) and their verification (verify.py). The scheduler
-decides which rows may speculate and reserves their slots (its speculation module);
-docs/architecture.md ("Speculative decoding") walks through a step."""
+"""Speculative decoding on the worker: speculator.py as the runner meets it, proposers of draft
+tokens (ngram.py, draft_model.py), how many a row verifies (draft_length.py) and their
+verification (verify.py). The scheduler decides which rows may speculate and reserves their
+slots (its speculation module); docs/architecture.md ("Speculative decoding") walks through a
+step."""
 
 from __future__ import annotations
 

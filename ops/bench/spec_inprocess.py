@@ -32,7 +32,7 @@ def main(num: int, drafts: list[str]) -> None:
     llms = {name: LLM(**({"speculative_config": c} if c else {})) for name, c in configs.items()}
     for name, llm in llms.items():
         if name.endswith("!"):
-            llm.runner._row_cost = 0.0
+            llm.runner.spec.row_cost = 0.0
     spec_rows: list[tuple[int, int, int]] = []  # every result's (seq, drafted, accepted), as the scheduler counts them
     real = runner_module.pass_result
 

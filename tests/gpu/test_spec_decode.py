@@ -55,7 +55,7 @@ def generate(path, params, prompts=PROMPTS, proposer=None, **options):
     spec = options.pop("spec", proposer is not None)
     llm = LLM(str(path), device="cpu", num_kv_blocks=256, **({"speculative_config": SPEC} if spec else {}), **options)
     if proposer is not None:
-        llm.runner.proposer = proposer(llm.runner.proposer) if proposer is Counting else proposer
+        llm.runner.spec.proposer = proposer(llm.runner.spec.proposer) if proposer is Counting else proposer
     outputs = llm.generate(prompts, params)
     return outputs, llm
 
@@ -73,7 +73,7 @@ def test_ngram_greedy_is_identical(path):
     base, _ = generate(path, GREEDY)
     spec, llm = generate(path, GREEDY, proposer=Counting)
     assert token_ids(spec) == token_ids(base)
-    assert llm.runner.proposer.drafts > 0
+    assert llm.runner.spec.proposer.drafts > 0
 
 
 @pytest.mark.parametrize("wrong", [False, True])

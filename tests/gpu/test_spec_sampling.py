@@ -103,7 +103,8 @@ def target(checkpoints, reference):
 
 def draw(path, table) -> tuple[dict, int]:
     llm = LLM(str(path), device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 2}, max_num_seqs=512)
-    llm.runner.proposer = FixedDrafts(table)  # the Proposer protocol
+    assert llm.runner.spec is not None
+    llm.runner.spec.proposer = FixedDrafts(table)  # the Proposer protocol
     outputs = llm.generate([PROMPT] * NUM_DRAWS, [params(seed) for seed in range(NUM_DRAWS)])
     counts: dict = {}
     for out in outputs:

@@ -1,0 +1,95 @@
+"""Speculator: the worker's side of speculative decoding, as the runner meets it: which drafts
+each row granted a lookahead verifies this pass, and, with a draft model, that model's KV cache
+kept in step with the target's (sized, allocated and copied with it, and written by every pass).
+
+A row's drafts are at most its lookahead, as many as its own acceptance makes worth verifying
+(draft_length.py), what its table holds past its token, and what its request may still produce;
+a grammar's row verifies only the drafts its grammar allows in turn (under tensor parallelism,
+where only rank 0 has matchers, none: the ranks must decide alike from what they all hold).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from conveyor.gpu.spec.draft_length import ROW_COST
+from conveyor.gpu.spec.draft_model import DraftModel
+from conveyor.gpu.spec.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from conveyor.config.engine import EngineConfig
+    from conveyor.gpu.passes import WorkerSeq
+    from conveyor.gpu.persistent_batch import PersistentBatch
+    from conveyor.gpu.platform import Platform
+    from conveyor.gpu.spec import Proposer
+    from conveyor.gpu.step_inputs import PassInputs
+    from conveyor.wire.messages import ScheduledSeq
+
+
+class Speculator:
+    def __init__(self, config: EngineConfig, platform: Platform, batch: PersistentBatch, tp_size: int) -> None:
+        assert config.speculative is not None
+        self.batch, self.tp_size = batch, tp_size
+        self.block_size, self.max_model_len = config.cache.block_size, config.model.max_model_len
+        self.drafter: DraftModel | None = None
+        self.proposer: Proposer
+        if config.speculative.method == "draft_model":
+            self.proposer = self.drafter = DraftModel(config, platform, batch)
+        else:
+            self.proposer = NgramProposer(config.speculative)
+        # A draft position's cost in decode steps: verifying it, and (a draft model) proposing it.
+        self.row_cost = ROW_COST.get(platform.device.type, ROW_COST["cpu"])
+        if self.drafter is not None:
+            self.row_cost += self.drafter.step_cost(config.model)
+
+    # --- a draft model's KV, beside the target's ---------------------------------------------
+
+    def bytes_per_block(self) -> int:
+        return self.drafter.bytes_per_block() if self.drafter is not None else 0
+
+    def allocate(self, num_blocks: int) -> None:
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if self.drafter is not None:
+            self.drafter.copy_blocks(pairs)
+
+    def follow(self, inputs: PassInputs) -> None:
+        if self.drafter is not None:
+            self.drafter.follow(inputs)
+
+    @property
+    def runs_eagerly(self) -> bool:
+        """Whether every pass runs eagerly (a draft model follows each with the same metadata)."""
+        return self.drafter is not None
+
+    # --- drafts --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def drafts(self, rows: list[WorkerSeq], scheduled: list[ScheduledSeq]) -> dict[int, list[int]]:
+        """The drafts each row verifies this pass (by row index; rows without any left out).
+        Every id of a row granted a lookahead is on the host, and a grammar's matcher has taken
+        them all (the runner's _must_wait saw to it)."""
+        wanted = [i for i, row in enumerate(scheduled) if row.num_lookahead and not rows[i].stopped]
+        if not wanted:
+            return {}
+        seqs = [rows[i] for i in wanted]
+        limits = [self._limit(seq, scheduled[i].num_lookahead) for i, seq in zip(wanted, seqs)]
+        proposed = self.proposer.propose(seqs, [self.batch.slots[seq.seq_id] for seq in seqs], limits)
+        for n, seq in enumerate(seqs):  # a grammar's row verifies only the drafts its grammar allows
+            if seq.matcher is not None and proposed[n]:
+                proposed[n] = proposed[n][: seq.matcher.allowed_drafts(proposed[n])]
+        return {i: d for i, d in zip(wanted, proposed) if d}
+
+    def _limit(self, seq: WorkerSeq, lookahead: int) -> int:
+        left = self.max_model_len - seq.num_tokens - 1
+        if seq.params.max_tokens is not None:
+            left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
+        room = len(seq.block_table) * self.block_size - seq.num_computed - 1
+        worth = seq.acceptance.draft_length(lookahead, self.row_cost)
+        if seq.params.structured is not None and self.tp_size > 1:
+            worth = 0
+        return max(0, min(worth, left, room))
