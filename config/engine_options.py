@@ -57,7 +57,8 @@ class SpeculationOptions:
     speculative_config: str | None = option(
         None,
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-        "(keys: method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, disable_by_batch_size)",
+        "(methods: ngram, draft_model, eagle3; keys: method, num_speculative_tokens, prompt_lookup_min, "
+        "prompt_lookup_max, disable_by_batch_size, model)",
         none="off",
     )
 

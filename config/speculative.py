@@ -19,11 +19,11 @@ from typing import Any
 from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
 
-# The methods the engine runs: n-gram prompt lookup, and a draft model (a smaller checkpoint with
-# the target's vocabulary: `model`). "eagle3" is vLLM's name for a head fed the target's hidden
-# states; it is refused with that said, until it is served.
-METHODS = ("ngram", "draft_model")
-PLANNED_METHODS = ("eagle3",)
+# The methods the engine runs: n-gram prompt lookup, a draft model (a smaller checkpoint with the
+# target's vocabulary: `model`), and an EAGLE-3 head (`model`: a one-layer head fed the hidden
+# states of three of the target's layers, in the published checkpoint layout).
+METHODS = ("ngram", "draft_model", "eagle3")
+WITH_MODEL = ("draft_model", "eagle3")
 # prompt_lookup_min / _max when neither is given: a 2-gram is enough evidence on grounded text
 # (code edits, summaries that quote), and a 5-gram match is preferred where there is one.
 DEFAULT_LOOKUP = (2, 5)
@@ -38,10 +38,20 @@ class SpeculativeConfig:
     # Past this many running sequences no row speculates (verifying drafts costs compute that a
     # busy batch already fills); None: always.
     disable_by_batch_size: int | None = None
-    model: str | None = None  # draft_model: the draft's checkpoint directory
-    # draft_model: the draft's config, read by the front door (conveyor/engine_config.py) in the
-    # target's dtype and context length, once its vocabulary was checked against the target's.
+    model: str | None = None  # draft_model, eagle3: the draft's checkpoint directory
+    # draft_model, eagle3: the draft's config, read by the front door (conveyor/engine_config.py)
+    # in the target's dtype and context length, once it was checked against the target.
     draft: ModelConfig | None = None
+    eagle: Eagle3Layout | None = None  # eagle3: what its config.json adds to a Llama layer's
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Layout:
+    """An EAGLE-3 head's own keys in its config.json (beside a one-layer Llama config)."""
+
+    draft_vocab_size: int  # its lm_head's rows; d2t maps each to a target id (d + d2t[d])
+    aux_layers: tuple[int, int, int]  # the target layers whose inputs it reads, concatenated into fc
+    norm_before_residual: bool = False  # the residual stream starts from the normed features
 
 
 def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeConfig | None:
@@ -61,8 +71,6 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
     if unknown:
         raise ConfigError(f"{flag}: unknown keys {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     method = value.get("method")
-    if method in PLANNED_METHODS:
-        raise ConfigError(f"{flag}: method {method!r} is not served yet; served: {', '.join(METHODS)}")
     if method not in METHODS:
         raise ConfigError(f"{flag}: method must be one of {', '.join(METHODS)}, got {method!r}")
     k = _int(value, "num_speculative_tokens", None, minimum=1)
@@ -77,9 +85,9 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
     if disable is not None:
         disable = _int(value, "disable_by_batch_size", None, minimum=1)
     model = value.get("model")
-    if method == "draft_model" and not isinstance(model, str):
-        raise ConfigError(f"{flag}: method 'draft_model' needs \"model\": the draft checkpoint's directory")
-    if method != "draft_model" and model is not None:
+    if method in WITH_MODEL and not isinstance(model, str):
+        raise ConfigError(f'{flag}: method {method!r} needs "model": the draft checkpoint\'s directory')
+    if method not in WITH_MODEL and model is not None:
         raise ConfigError(f"{flag}: method {method!r} takes no model")
     return SpeculativeConfig(method, k, low, high, disable, model)
 

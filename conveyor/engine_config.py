@@ -27,6 +27,7 @@ from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
 from conveyor.config.options import collect
 from conveyor.config.speculative import parse_speculative_config
+from conveyor.draft_config import read_draft
 
 
 def resolve_device(device: str) -> str:
@@ -70,7 +71,7 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
     if speculative is not None and scheduler.num_scheduler_steps > 1:
         raise ConfigError("--num-scheduler-steps above 1 cannot be combined with --speculative-config: pick one")
     if speculative is not None and speculative.model is not None:
-        speculative = dataclasses.replace(speculative, draft=read_draft_config(speculative.model, model_config, parallel))
+        speculative = read_draft(speculative, model_config, parallel)
     server = fields[ServerConfig]
     if "chat_template" in server:
         server["chat_template"] = _read_template(server["chat_template"])
@@ -83,36 +84,6 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
         server=ServerConfig(**server),
         speculative=speculative,
     )
-
-
-def read_draft_config(path: str, target: ModelConfig, parallel: ParallelConfig) -> ModelConfig:
-    """The draft model's ModelConfig (in the target's dtype and context length), once it is
-    checked to share the target's vocabulary: the same size, and where both checkpoints hold a
-    tokenizer.json, the same token strings for the same ids. One ConfigError line otherwise."""
-    from conveyor.gpu.models.registry import read_model_config
-
-    flag = "--speculative-config"
-    if not Path(path).is_dir():
-        raise ConfigError(f"{flag}: the draft model {path!r} is not a directory")
-    if parallel.tensor_parallel_size > 1:
-        raise ConfigError(f"{flag}: a draft model runs with --tensor-parallel-size 1 only (n-gram runs with any)")
-    draft = read_model_config(path, dtype=target.dtype, max_model_len=target.max_model_len)
-    if draft.vocab_size != target.vocab_size:
-        raise ConfigError(f"{flag}: the draft's vocabulary has {draft.vocab_size} tokens, the model's {target.vocab_size}")
-    mine, theirs = Path(target.path) / "tokenizer.json", Path(path) / "tokenizer.json"
-    if mine.exists() and theirs.exists() and _vocabulary(mine) != _vocabulary(theirs):
-        raise ConfigError(f"{flag}: the draft's tokenizer maps tokens to other ids than the model's (another vocabulary)")
-    return draft
-
-
-def _vocabulary(tokenizer_json: Path) -> dict:
-    import json
-
-    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
-    return {
-        "vocab": data.get("model", {}).get("vocab"),
-        "added": [(t.get("id"), t.get("content")) for t in data.get("added_tokens", [])],
-    }
 
 
 def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:

@@ -89,7 +89,7 @@ class ModelRunner:
         self._graph_probe: DecodeGraphs | None = None
         # Speculative decoding (gpu/spec/): the drafts of rows the plan grants a lookahead, and a
         # draft model's KV beside the target's.
-        self.spec = Speculator(config, self.platform, self.batch, self.tp.size) if config.speculative is not None else None
+        self.spec = Speculator(config, self.platform, self.batch, self.tp.size, self.model) if config.speculative is not None else None
 
     def num_available_blocks(self) -> int:
         """KV blocks this device can hold next to the model (and, on CUDA, a full step's peak),
@@ -247,7 +247,7 @@ class ModelRunner:
         work = self._first_pass(window) if k == 0 else self._next_pass(window, k, active)
         hidden = self._forward(work.inputs)  # [T, H]
         if self.spec is not None:
-            self.spec.follow(work.inputs)
+            self.spec.follow(work.inputs, work.rows)
         samples, param_slots = None, None
         if work.sampling:
             drawn = self._sample(work, hidden[work.inputs.logit_index], window, k)

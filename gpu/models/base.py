@@ -46,6 +46,10 @@ class CausalLM(nn.Module):
     one table per layer (gpu/rope.py `layer_tables`: Gemma 3's windowed layers have their own)."""
 
     layer_class: type[nn.Module]  # each family names its own
+    # An EAGLE-3 head's (gpu/spec/eagle3.py): the layers whose inputs (the residual stream, x +
+    # residual) each forward keeps, concatenated in that order as `aux_hidden` [T, len * H].
+    aux_layers: tuple[int, ...] = ()
+    aux_hidden: torch.Tensor | None = None
 
     def __init__(self, config: ModelConfig, rope_device: torch.device | str = "cpu", backend: Backend | None = None) -> None:
         super().__init__()
@@ -71,8 +75,13 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions [T] int64; kv_caches one per layer, [2, N, ...] in the attention backend's layout -> [T, H]."""
         x, residual = self.embed(input_ids), None
-        for layer, rope, kv_cache in zip(self.model.layers, self.layer_ropes, kv_caches, strict=True):
+        kept: dict[int, torch.Tensor] = {}
+        for i, (layer, rope, kv_cache) in enumerate(zip(self.model.layers, self.layer_ropes, kv_caches, strict=True)):
+            if i in self.aux_layers:
+                kept[i] = x.clone() if residual is None else x + residual  # the ops may add into residual in place
             x, residual = layer(x, residual, positions, rope, meta, kv_cache)
+        if self.aux_layers:
+            self.aux_hidden = torch.cat([kept[i] for i in self.aux_layers], dim=-1)
         return self.model.norm(x, residual)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

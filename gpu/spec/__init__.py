@@ -1,5 +1,6 @@
 """Speculative decoding on the worker: speculator.py as the runner meets it, proposers of draft
-tokens (ngram.py, draft_model.py), how many a row verifies (draft_length.py) and their
+tokens (ngram.py, draft_model.py, eagle3.py over eagle3_head.py; the model-based ones run their
+passes through draft_passes.py), how many a row verifies (draft_length.py) and their
 verification (verify.py). The scheduler decides which rows may speculate and reserves their
 slots (its speculation module); docs/architecture.md ("Speculative decoding") walks through a
 step."""

@@ -1,6 +1,7 @@
 """Speculator: the worker's side of speculative decoding, as the runner meets it: which drafts
-each row granted a lookahead verifies this pass, and, with a draft model, that model's KV cache
-kept in step with the target's (sized, allocated and copied with it, and written by every pass).
+each row granted a lookahead verifies this pass, and, with a draft model or an EAGLE-3 head, its
+KV cache kept in step with the target's (sized, allocated and copied with it, and written after
+every pass).
 
 A row's drafts are at most its lookahead, as many as its own acceptance makes worth verifying
 (draft_length.py), what its table holds past its token, and what its request may still produce;
@@ -16,10 +17,12 @@ import torch
 
 from conveyor.gpu.spec.draft_length import ROW_COST
 from conveyor.gpu.spec.draft_model import DraftModel
+from conveyor.gpu.spec.eagle3 import Eagle3Proposer
 from conveyor.gpu.spec.ngram import NgramProposer
 
 if TYPE_CHECKING:
     from conveyor.config.engine import EngineConfig
+    from conveyor.gpu.models.base import CausalLM
     from conveyor.gpu.passes import WorkerSeq
     from conveyor.gpu.persistent_batch import PersistentBatch
     from conveyor.gpu.platform import Platform
@@ -29,14 +32,16 @@ if TYPE_CHECKING:
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, platform: Platform, batch: PersistentBatch, tp_size: int) -> None:
+    def __init__(self, config: EngineConfig, platform: Platform, batch: PersistentBatch, tp_size: int, target: CausalLM) -> None:
         assert config.speculative is not None
         self.batch, self.tp_size = batch, tp_size
         self.block_size, self.max_model_len = config.cache.block_size, config.model.max_model_len
-        self.drafter: DraftModel | None = None
+        self.drafter: DraftModel | Eagle3Proposer | None = None
         self.proposer: Proposer
         if config.speculative.method == "draft_model":
             self.proposer = self.drafter = DraftModel(config, platform, batch)
+        elif config.speculative.method == "eagle3":
+            self.proposer = self.drafter = Eagle3Proposer(config, platform, batch, target)
         else:
             self.proposer = NgramProposer(config.speculative)
         # A draft position's cost in decode steps: verifying it, and (a draft model) proposing it.
@@ -44,26 +49,27 @@ class Speculator:
         if self.drafter is not None:
             self.row_cost += self.drafter.step_cost(config.model)
 
-    # --- a draft model's KV, beside the target's ---------------------------------------------
+    # --- a draft model's or head's KV, beside the target's -------------------------------------
 
     def bytes_per_block(self) -> int:
-        return self.drafter.bytes_per_block() if self.drafter is not None else 0
+        return self.drafter.passes.bytes_per_block() if self.drafter is not None else 0
 
     def allocate(self, num_blocks: int) -> None:
         if self.drafter is not None:
-            self.drafter.allocate(num_blocks)
+            self.drafter.passes.allocate(num_blocks)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if self.drafter is not None:
-            self.drafter.copy_blocks(pairs)
+            self.drafter.passes.copy_blocks(pairs)
 
-    def follow(self, inputs: PassInputs) -> None:
+    def follow(self, inputs: PassInputs, rows: list[WorkerSeq]) -> None:
+        """After the target's pass over `rows`: the draft's own pass over it."""
         if self.drafter is not None:
-            self.drafter.follow(inputs)
+            self.drafter.follow(inputs, rows)
 
     @property
     def runs_eagerly(self) -> bool:
-        """Whether every pass runs eagerly (a draft model follows each with the same metadata)."""
+        """Whether every pass runs eagerly (a draft follows each with its metadata or hidden states)."""
         return self.drafter is not None
 
     # --- drafts --------------------------------------------------------------------------------

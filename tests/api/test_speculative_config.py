@@ -32,7 +32,7 @@ def test_lookup_bounds_default_and_follow_each_other():
     "value, says",
     [
         ('{"method": "medusa", "num_speculative_tokens": 2}', "method must be one of ngram, draft_model"),
-        ('{"method": "eagle3", "model": "/x", "num_speculative_tokens": 2}', "'eagle3' is not served yet"),
+        ('{"method": "eagle3", "num_speculative_tokens": 2}', "method 'eagle3' needs \"model\""),
         ('{"method": "draft_model", "num_speculative_tokens": 2}', 'needs "model"'),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer of at least 1"),
         ('{"method": "ngram"}', "num_speculative_tokens is required"),
