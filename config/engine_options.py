@@ -58,7 +58,7 @@ class SpeculationOptions:
         None,
         'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
         "(methods: ngram, draft_model, eagle3; keys: method, num_speculative_tokens, prompt_lookup_min, "
-        "prompt_lookup_max, disable_by_batch_size, model)",
+        "prompt_lookup_max, disable_by_batch_size, draft_length, model)",
         none="off",
     )
 

@@ -24,6 +24,7 @@ from conveyor.config.model import ModelConfig
 # states of three of the target's layers, in the published checkpoint layout).
 METHODS = ("ngram", "draft_model", "eagle3")
 WITH_MODEL = ("draft_model", "eagle3")
+DRAFT_LENGTHS = ("adaptive", "fixed")
 # prompt_lookup_min / _max when neither is given: a 2-gram is enough evidence on grounded text
 # (code edits, summaries that quote), and a 5-gram match is preferred where there is one.
 DEFAULT_LOOKUP = (2, 5)
@@ -38,6 +39,10 @@ class SpeculativeConfig:
     # Past this many running sequences no row speculates (verifying drafts costs compute that a
     # busy batch already fills); None: always.
     disable_by_batch_size: int | None = None
+    # "adaptive": each row verifies as many of its k drafts as its recent acceptance makes worth
+    # their cost (gpu/spec/draft_length.py); "fixed": every draft it has, up to k, as vLLM does
+    # (to read a proposer's acceptance as such, or where verifying is nearly free).
+    draft_length: str = "adaptive"
     model: str | None = None  # draft_model, eagle3: the draft's checkpoint directory
     # draft_model, eagle3: the draft's config, read by the front door (conveyor/engine_config.py)
     # in the target's dtype and context length, once it was checked against the target.
@@ -84,12 +89,15 @@ def parse_speculative_config(value: str | dict[str, Any] | None) -> SpeculativeC
     disable = value.get("disable_by_batch_size")
     if disable is not None:
         disable = _int(value, "disable_by_batch_size", None, minimum=1)
+    draft_length = value.get("draft_length", "adaptive")
+    if draft_length not in DRAFT_LENGTHS:
+        raise ConfigError(f"{flag}: draft_length must be one of {', '.join(DRAFT_LENGTHS)}, got {draft_length!r}")
     model = value.get("model")
     if method in WITH_MODEL and not isinstance(model, str):
         raise ConfigError(f'{flag}: method {method!r} needs "model": the draft checkpoint\'s directory')
     if method not in WITH_MODEL and model is not None:
         raise ConfigError(f"{flag}: method {method!r} takes no model")
-    return SpeculativeConfig(method, k, low, high, disable, model)
+    return SpeculativeConfig(method, k, low, high, disable, draft_length, model)
 
 
 def _int(value: dict[str, Any], key: str, default: int | None, *, minimum: int) -> int:

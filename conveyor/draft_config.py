@@ -10,8 +10,8 @@ failure at the first request.
   weights `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, optionally `embed_tokens`). It
   reads the target's hidden states, so it must have been trained for this target's width.
 
-Both run with one tensor-parallel rank: their argmax is rank 0's, and the other ranks would need
-it broadcast every step (n-gram proposes alike on every rank and runs with any).
+With tensor parallelism a draft model is sharded as the target (the same divisibility checks);
+an EAGLE-3 head is whole on every rank.
 """
 
 from __future__ import annotations
@@ -36,8 +36,6 @@ def read_draft(spec: SpeculativeConfig, target: ModelConfig, parallel: ParallelC
     assert spec.model is not None
     if not Path(spec.model).is_dir():
         raise ConfigError(f"{FLAG}: the draft model {spec.model!r} is not a directory")
-    if parallel.tensor_parallel_size > 1:
-        raise ConfigError(f"{FLAG}: method {spec.method!r} runs with --tensor-parallel-size 1 only (n-gram runs with any)")
     if spec.method == "eagle3":
         if parallel.device == "emulated":
             raise ConfigError(f"{FLAG}: an EAGLE-3 head reads the model's hidden states, which an emulated device has none of")

@@ -72,6 +72,11 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
         raise ConfigError("--num-scheduler-steps above 1 cannot be combined with --speculative-config: pick one")
     if speculative is not None and speculative.model is not None:
         speculative = read_draft(speculative, model_config, parallel)
+        if speculative.method == "draft_model" and speculative.draft is not None:
+            try:
+                check_tensor_parallel(speculative.draft, parallel)
+            except ConfigError as e:
+                raise ConfigError(f"--speculative-config: the draft model: {e}") from None
     server = fields[ServerConfig]
     if "chat_template" in server:
         server["chat_template"] = _read_template(server["chat_template"])

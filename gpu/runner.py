@@ -89,7 +89,7 @@ class ModelRunner:
         self._graph_probe: DecodeGraphs | None = None
         # Speculative decoding (gpu/spec/): the drafts of rows the plan grants a lookahead, and a
         # draft model's KV beside the target's.
-        self.spec = Speculator(config, self.platform, self.batch, self.tp.size, self.model) if config.speculative is not None else None
+        self.spec = Speculator(config, self.platform, self.batch, self.tp, self.model) if config.speculative is not None else None
 
     def num_available_blocks(self) -> int:
         """KV blocks this device can hold next to the model (and, on CUDA, a full step's peak),

@@ -13,16 +13,20 @@ device (draft_passes.py), writing the draft's KV of the row's last token and its
 are argmax, so each is one token with probability 1 and verify.py's exactness holds for sampled
 rows too.
 
-Tensor parallelism: one rank only (the config refuses more). CUDA graphs: off with a draft
-model (every pass runs eagerly, so both models see the same metadata).
+Tensor parallelism: sharded as the target (its heads and KV split alike, its projections'
+collectives in step with every rank's); rank 0's argmax is broadcast as every rank's next input,
+one small collective per draft step. CUDA graphs: off with a draft model (every pass runs
+eagerly, so both models see the same metadata).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 
+from conveyor.gpu.parallel.shard import shard_model_config
 from conveyor.gpu.persistent_batch import PersistentBatch
 from conveyor.gpu.sampling.transfer import to_device
 from conveyor.gpu.spec.draft_passes import DraftPasses
@@ -32,18 +36,20 @@ if TYPE_CHECKING:
     from conveyor.config.engine import EngineConfig
     from conveyor.config.model import ModelConfig
     from conveyor.gpu.backends.base import AttentionMetadata
+    from conveyor.gpu.parallel.group import TensorParallel
     from conveyor.gpu.passes import WorkerSeq
     from conveyor.gpu.platform import Platform
 
 
 class DraftModel:
-    def __init__(self, config: EngineConfig, platform: Platform, batch: PersistentBatch) -> None:
+    def __init__(self, config: EngineConfig, platform: Platform, batch: PersistentBatch, tp: TensorParallel) -> None:
         assert config.speculative is not None and config.speculative.draft is not None
         self.config = config.speculative.draft
-        self.device = platform.device
-        backend = platform.backend(config.parallel.attention_backend, self.config, config.cache.kv_dtype(self.config.dtype))
-        self.model = platform.load_model(self.config, backend)
-        self.passes = DraftPasses(batch, backend.attn, config.cache.block_size, self.config.sliding_window)
+        self.device, self.tp = platform.device, tp
+        shard = shard_model_config(self.config, tp.size)  # sharded as the target: this rank's heads
+        backend = platform.backend(config.parallel.attention_backend, shard, config.cache.kv_dtype(self.config.dtype))
+        self.model = platform.load_model(self.config, dataclasses.replace(backend, tp=tp))
+        self.passes = DraftPasses(batch, backend.attn, config.cache.block_size, self.config.sliding_window, tp)
 
     def step_cost(self, target: ModelConfig) -> float:
         """A draft step's cost relative to a decode step of the target: by their layers (an
@@ -66,6 +72,8 @@ class DraftModel:
 
         def step(state: list[torch.Tensor], positions: torch.Tensor, meta: AttentionMetadata) -> list[torch.Tensor]:
             hidden = self.model(state[0], positions, meta, self.passes.kv_caches)
-            return [self.model.compute_logits(hidden).argmax(dim=-1)]
+            logits = self.model.compute_logits(hidden)  # [R, V] on rank 0, [R, 0] on the others
+            ids = logits.argmax(dim=-1) if self.tp.samples else state[0].new_empty(hidden.shape[0])
+            return [self.tp.broadcast_first(ids)]  # every rank's next input: rank 0's argmax
 
         return self.passes.chain(seqs, slots, max_drafts, 0, start, step)

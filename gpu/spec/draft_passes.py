@@ -22,6 +22,7 @@ from conveyor.gpu.sampling.transfer import to_device
 
 if TYPE_CHECKING:
     from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata
+    from conveyor.gpu.parallel.group import TensorParallel
     from conveyor.gpu.passes import WorkerSeq
     from conveyor.gpu.persistent_batch import PersistentBatch
 
@@ -32,8 +33,11 @@ Step = Callable[[list[torch.Tensor], torch.Tensor, "AttentionMetadata"], list[to
 
 
 class DraftPasses:
-    def __init__(self, batch: PersistentBatch, attn: AttentionBackend, block_size: int, window: int | None) -> None:
+    def __init__(
+        self, batch: PersistentBatch, attn: AttentionBackend, block_size: int, window: int | None, tp: TensorParallel
+    ) -> None:
         self.batch, self.attn, self.block_size, self.window = batch, attn, block_size, window
+        self.tp = tp  # the drafts are rank 0's
         self.device = batch.device
         self.kv_caches: list[torch.Tensor] = []  # one per proposer layer, in the attention backend's layout
 
@@ -74,7 +78,8 @@ class DraftPasses:
             meta = self.metadata([slots[r] for r in active], [1] * len(active), [p + 1 for p in positions], positions_t)
             state = step(state, positions_t, meta)
             steps.append((active, state[0]))
-        values = torch.cat([ids for _, ids in steps]).tolist()  # the one copy to the host
+        # Rank 0's drafts on every rank (the ranks verify alike), in the one copy to the host.
+        values = self.tp.broadcast_first(torch.cat([ids for _, ids in steps])).tolist()
         at = 0
         for rows, _ in steps:
             for r, token in zip(rows, values[at : at + len(rows)]):

@@ -19,7 +19,10 @@ kept (a prefix-cache hit starts past them; a fork's first pass) skips p - 1 and 
 next pass on: a draft's KV that is stale or missing only costs acceptance, never exactness.
 
 KV cache: its own tensors over the target's block tables (draft_passes.py). Tensor parallelism:
-one rank (the config refuses more). CUDA graphs: off (every pass runs eagerly).
+the head is whole on every rank (one layer: not worth splitting), fed the target's hidden states,
+which every rank holds whole; each rank drafts alike and rank 0's drafts are the ones verified.
+The target's vocab-parallel embedding, where the head has none of its own, is a collective: every
+rank follows and proposes in step. CUDA graphs: off (every pass runs eagerly).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
     from conveyor.config.model import ModelConfig
     from conveyor.gpu.backends.base import AttentionMetadata
     from conveyor.gpu.models.base import CausalLM
+    from conveyor.gpu.parallel.group import TensorParallel
     from conveyor.gpu.passes import WorkerSeq
     from conveyor.gpu.persistent_batch import PersistentBatch
     from conveyor.gpu.platform import Platform
@@ -44,7 +48,7 @@ if TYPE_CHECKING:
 
 
 class Eagle3Proposer:
-    def __init__(self, config: EngineConfig, platform: Platform, batch: PersistentBatch, target: CausalLM) -> None:
+    def __init__(self, config: EngineConfig, platform: Platform, batch: PersistentBatch, tp: TensorParallel, target: CausalLM) -> None:
         spec = config.speculative
         assert spec is not None and spec.draft is not None and spec.eagle is not None
         self.config, self.batch, self.device = spec.draft, batch, platform.device
@@ -53,7 +57,7 @@ class Eagle3Proposer:
         self.target = target
         target.aux_layers = spec.eagle.aux_layers  # each of its passes keeps them as aux_hidden
         self.embed = self.head.embed_tokens if self.head.embed_tokens is not None else target.model.embed_tokens
-        self.passes = DraftPasses(batch, backend.attn, config.cache.block_size, spec.draft.sliding_window)
+        self.passes = DraftPasses(batch, backend.attn, config.cache.block_size, spec.draft.sliding_window, tp)
         # Features kept per batch row: of positions [first, first + count) of sequence owner's
         # last pass, in features[row, :count] ([R, width, H], grown with the batch).
         self.width = spec.num_speculative_tokens + 1

@@ -4,9 +4,10 @@ KV cache kept in step with the target's (sized, allocated and copied with it, an
 every pass).
 
 A row's drafts are at most its lookahead, as many as its own acceptance makes worth verifying
-(draft_length.py), what its table holds past its token, and what its request may still produce;
-a grammar's row verifies only the drafts its grammar allows in turn (under tensor parallelism,
-where only rank 0 has matchers, none: the ranks must decide alike from what they all hold).
+(draft_length.py; all of them with `"draft_length": "fixed"`), what its table holds past its
+token, and what its request may still produce; a grammar's row verifies only the drafts its
+grammar allows in turn (under tensor parallelism, where only rank 0 has matchers, none: the ranks
+must decide alike from what they all hold).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from conveyor.gpu.spec.ngram import NgramProposer
 if TYPE_CHECKING:
     from conveyor.config.engine import EngineConfig
     from conveyor.gpu.models.base import CausalLM
+    from conveyor.gpu.parallel.group import TensorParallel
     from conveyor.gpu.passes import WorkerSeq
     from conveyor.gpu.persistent_batch import PersistentBatch
     from conveyor.gpu.platform import Platform
@@ -32,16 +34,17 @@ if TYPE_CHECKING:
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, platform: Platform, batch: PersistentBatch, tp_size: int, target: CausalLM) -> None:
+    def __init__(self, config: EngineConfig, platform: Platform, batch: PersistentBatch, tp: TensorParallel, target: CausalLM) -> None:
         assert config.speculative is not None
-        self.batch, self.tp_size = batch, tp_size
+        self.batch, self.tp_size = batch, tp.size
+        self.fixed = config.speculative.draft_length == "fixed"
         self.block_size, self.max_model_len = config.cache.block_size, config.model.max_model_len
         self.drafter: DraftModel | Eagle3Proposer | None = None
         self.proposer: Proposer
         if config.speculative.method == "draft_model":
-            self.proposer = self.drafter = DraftModel(config, platform, batch)
+            self.proposer = self.drafter = DraftModel(config, platform, batch, tp)
         elif config.speculative.method == "eagle3":
-            self.proposer = self.drafter = Eagle3Proposer(config, platform, batch, target)
+            self.proposer = self.drafter = Eagle3Proposer(config, platform, batch, tp, target)
         else:
             self.proposer = NgramProposer(config.speculative)
         # A draft position's cost in decode steps: verifying it, and (a draft model) proposing it.
@@ -95,7 +98,7 @@ class Speculator:
         if seq.params.max_tokens is not None:
             left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
         room = len(seq.block_table) * self.block_size - seq.num_computed - 1
-        worth = seq.acceptance.draft_length(lookahead, self.row_cost)
+        worth = lookahead if self.fixed else seq.acceptance.draft_length(lookahead, self.row_cost)
         if seq.params.structured is not None and self.tp_size > 1:
             worth = 0
         return max(0, min(worth, left, room))

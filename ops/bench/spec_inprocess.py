@@ -6,8 +6,10 @@ tokens/s and its ratio to none, tokens per step, and drafts accepted over drafts
     python ops/bench/spec_inprocess.py N [DRAFT ...]
 
 DRAFT is a checkpoint directory for {"method": "draft_model"} (e.g. one from
-`python -m conveyor.tiny.truncate`); a trailing "!" makes every row take all k = 4 drafts instead
-of what gpu/spec/draft_length.py judges worth it, to read the draft's acceptance as such.
+`python -m conveyor.tiny.truncate`), or an EAGLE-3 head's for {"method": "eagle3"} (e.g. a random
+one from `python -m conveyor.tiny.eagle3`); a trailing "!" makes every row take all k = 4 drafts
+(`"draft_length": "fixed"`) instead of what gpu/spec/draft_length.py judges worth it, to read the
+draft's acceptance as such.
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ def main(num: int, drafts: list[str]) -> None:
     prompts = [d["conversations"][0]["value"] for d in json.loads(PROMPTS.read_text())[:num]]
     configs: dict[str, dict | None] = {"none": None, "ngram-k4": {"method": "ngram", "num_speculative_tokens": 4}}
     for draft in drafts:
-        configs[f"draft {draft}"] = {"method": "draft_model", "model": draft.rstrip("!"), "num_speculative_tokens": 4}
+        path = Path(draft.rstrip("!"))
+        method = "eagle3" if "Eagle3" in str(json.loads((path / "config.json").read_text()).get("architectures")) else "draft_model"
+        length = "fixed" if draft.endswith("!") else "adaptive"
+        configs[f"{method} {draft}"] = {"method": method, "model": str(path), "num_speculative_tokens": 4, "draft_length": length}
     llms = {name: LLM(**({"speculative_config": c} if c else {})) for name, c in configs.items()}
-    for name, llm in llms.items():
-        if name.endswith("!"):
-            llm.runner.spec.row_cost = 0.0
     spec_rows: list[tuple[int, int, int]] = []  # every result's (seq, drafted, accepted), as the scheduler counts them
     real = runner_module.pass_result
 

@@ -26,6 +26,7 @@ def test_lookup_bounds_default_and_follow_each_other():
     # One bound given: the other is the same (vLLM's rule).
     assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}).prompt_lookup_min == 4
     assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 3}).prompt_lookup_max == 3
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "draft_length": "fixed"}).draft_length == "fixed"
 
 
 @pytest.mark.parametrize(
@@ -36,6 +37,7 @@ def test_lookup_bounds_default_and_follow_each_other():
         ('{"method": "draft_model", "num_speculative_tokens": 2}', 'needs "model"'),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer of at least 1"),
         ('{"method": "ngram"}', "num_speculative_tokens is required"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "draft_length": "greedy"}', "draft_length must be one of adaptive, fixed"),
         ('{"method": "ngram", "num_speculative_tokens": true}', "num_speculative_tokens must be an integer"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "is above"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}', "disable_by_batch_size must be"),

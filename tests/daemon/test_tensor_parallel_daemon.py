@@ -1,8 +1,9 @@
 """Tensor parallelism through the daemon, on CPU with gloo: every stage its own process, each
 worker rank too.
 
-- TP=2 (the tiny checkpoint's 2 KV heads split; also verifying n-gram drafts, which every rank
-  proposes alike from the ids rank 0 shared) and TP=4 (replicated: one KV head per rank, each
+- TP=2 (the tiny checkpoint's 2 KV heads split; also verifying drafts of each proposer: n-gram,
+  which every rank proposes alike from the ids rank 0 shared, a draft model sharded as the
+  target, an EAGLE-3 head whole on each rank) and TP=4 (replicated: one KV head per rank, each
   on two ranks; with multi-step windows) give transformers' greedy tokens, streamed and not,
   with every request in flight at once and one request forked (n=2); beside them, sampled
   requests that only rank 0 can draw (a JSON schema's grammar mask, penalties, logprobs) keep
@@ -25,6 +26,7 @@ import time
 
 import pytest
 
+from conveyor.tiny.eagle3 import make_eagle3_head
 from tests.daemon.test_pipeline import PROMPTS, complete
 from tests.daemon.test_supervision import LONG, ended_with_error, health, ok, streaming, wait_until
 
@@ -46,23 +48,36 @@ SAMPLED = [
 ]
 
 
-SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+# Speculative decoding, each proposer: DRAFT is the checkpoint itself (every draft holds), HEAD a
+# random EAGLE-3 head for it (whole on each rank; drafts mostly rejected).
+SPECS = {
+    "ngram": '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}',
+    "draft": '{"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 3, "draft_length": "fixed"}',
+    "eagle3": '{"method": "eagle3", "model": "HEAD", "num_speculative_tokens": 3}',
+}
 
 
 @pytest.mark.parametrize(
     ("tp", "extra"),
-    [(2, ()), (4, ("--num-scheduler-steps", "4")), (2, ("--speculative-config", SPEC))],
-    ids=["tp2", "tp4-multistep", "tp2-speculative"],
+    [(2, ()), (4, ("--num-scheduler-steps", "4"))] + [(2, ("--speculative-config", spec)) for spec in SPECS.values()],
+    ids=["tp2", "tp4-multistep", "tp2-speculative", "tp2-draft-model", "tp2-eagle3"],
 )
-def test_tensor_parallel_greedy_matches_transformers(tp, extra, checkpoints, reference, daemon_factory):
+def test_tensor_parallel_greedy_matches_transformers(tp, extra, checkpoints, reference, daemon_factory, tmp_path):
     path = checkpoints[ARCH]
     args = f"--model {path} --tensor-parallel-size {tp} --max-num-batched-tokens 32 --num-kv-blocks 128".split()
-    daemon = daemon_factory(*args, *extra)
+    if any("HEAD" in a for a in extra):  # the tiny checkpoint's 2 layers: the default (2, L // 2, L - 3) does not fit
+        head = make_eagle3_head(path, tmp_path / "head", draft_vocab_size=1024, aux_layers=(1, 0, 1))
+        extra = tuple(a.replace("HEAD", str(head)) for a in extra)
+    daemon = daemon_factory(*args, *(a.replace("DRAFT", str(path)) for a in extra))
     assert len(daemon.stage_pids("worker")) == tp
     ref = reference(path)
     expected = {prompt: ref.greedy(ref.encode(prompt), NUM_TOKENS) for prompt in PROMPTS}
     try:
         check_concurrent_requests(daemon, expected)
+        if any("DRAFT" in a for a in extra):  # a draft equal to the model: its greedy rows' drafts hold
+            drafts = daemon.metric('conveyor_spec_decode_draft_tokens_total{engine="0"}')
+            accepted = daemon.metric('conveyor_spec_decode_accepted_tokens_total{engine="0"}')
+            assert drafts > 0 and accepted >= 0.5 * drafts, (accepted, drafts)  # a rank drafting from other ids: few
     except AssertionError:
         print(daemon.output()[-20000:])  # shown by pytest with the failure: the ranks' logs
         raise
