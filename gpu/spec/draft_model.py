@@ -25,16 +25,16 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from conveyor.gpu.parallel.shard import shard_model_config
 from conveyor.gpu.persistent_batch import PersistentBatch
 from conveyor.gpu.sampling.transfer import to_device
-from conveyor.gpu.spec.draft_passes import DraftPasses
+from conveyor.gpu.spec.draft_passes import DraftPasses, bytes_per_step
 from conveyor.gpu.step_inputs import PassInputs
 
 if TYPE_CHECKING:
     from conveyor.config.engine import EngineConfig
-    from conveyor.config.model import ModelConfig
     from conveyor.gpu.backends.base import AttentionMetadata
     from conveyor.gpu.parallel.group import TensorParallel
     from conveyor.gpu.passes import WorkerSeq
@@ -51,10 +51,10 @@ class DraftModel:
         self.model = platform.load_model(self.config, dataclasses.replace(backend, tp=tp))
         self.passes = DraftPasses(batch, backend.attn, config.cache.block_size, self.config.sliding_window, tp)
 
-    def step_cost(self, target: ModelConfig) -> float:
-        """A draft step's cost relative to a decode step of the target: by their layers (an
-        ESTIMATE: it leaves out the heads, which a self-speculation draft shares in size)."""
-        return self.config.num_layers / target.num_layers
+    def step_cost(self, target: nn.Module) -> float:
+        """A draft step's cost relative to a decode step of the target: the weight bytes each reads
+        (an ESTIMATE: draft_passes.bytes_per_step)."""
+        return bytes_per_step(self.model) / bytes_per_step(target)
 
     def follow(self, inputs: PassInputs, rows: list[WorkerSeq]) -> None:
         """The target's pass over the draft: its KV of the same tokens (no logits)."""

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from conveyor.gpu.sampling.transfer import to_device
 
@@ -86,3 +87,22 @@ class DraftPasses:
                 drafts[r].append(token)
             at += len(rows)
         return drafts
+
+
+def bytes_per_step(model: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
+    """The weight bytes a decode step of `model` reads, as stored (packed where quantized): every
+    parameter once, but for embedding tables that are not also the output head (a step reads a
+    row of those) and the modules in `skip`. A one-row step is bound by reading them, so their
+    ratio is an ESTIMATE of two models' relative step times."""
+    seen: dict[int, int] = {}
+    skipped = {id(p) for m in skip for p in m.parameters()}
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    heads = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and m.weight is not None}
+    for module in model.modules():
+        packed = getattr(module, "quantized", None)
+        if packed is not None and not isinstance(module, nn.Embedding):
+            seen[id(packed)] = packed.nbytes
+        for p in module.parameters(recurse=False):
+            if id(p) not in skipped and (id(p) not in tables or id(p) in heads):
+                seen[p.data_ptr()] = p.numel() * p.element_size()
+    return sum(seen.values())

@@ -30,14 +30,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from conveyor.gpu.sampling.transfer import to_device
-from conveyor.gpu.spec.draft_passes import DraftPasses
+from conveyor.gpu.spec.draft_passes import DraftPasses, bytes_per_step
 from conveyor.gpu.spec.eagle3_head import load_eagle3_head
 
 if TYPE_CHECKING:
     from conveyor.config.engine import EngineConfig
-    from conveyor.config.model import ModelConfig
     from conveyor.gpu.backends.base import AttentionMetadata
     from conveyor.gpu.models.base import CausalLM
     from conveyor.gpu.parallel.group import TensorParallel
@@ -67,11 +67,10 @@ class Eagle3Proposer:
         self.count: list[int] = []
         self.proposed: set[int] = set()  # seq_ids whose position num_computed - 1 `propose` wrote this pass
 
-    def step_cost(self, target: ModelConfig) -> float:
-        """A draft step's cost relative to a decode step of the target, by the weights each reads
-        (an ESTIMATE: both bound by memory bandwidth, the head's fc, run once per pass, left out)."""
-        h, v = self.config.hidden_size, self.head.lm_head.out_features
-        return (_layer_weights(self.config, 2 * h) + v * h) / (target.num_layers * _layer_weights(target) + target.vocab_size * h)
+    def step_cost(self, target: nn.Module) -> float:
+        """A draft step's cost relative to a decode step of the target: the weight bytes each reads
+        (an ESTIMATE: draft_passes.bytes_per_step; fc, run once per pass, left out)."""
+        return bytes_per_step(self.head, skip=(self.head.fc,)) / bytes_per_step(target)
 
     @torch.inference_mode()
     def follow(self, inputs: PassInputs, rows: list[WorkerSeq]) -> None:
@@ -162,10 +161,3 @@ class Eagle3Proposer:
             self.owner += [-1] * missing
             self.first += [0] * missing
             self.count += [0] * missing
-
-
-def _layer_weights(config: ModelConfig, attention_input: int | None = None) -> int:
-    """The weights one decoder layer reads per token (attention projections and gated MLP)."""
-    h, d = config.hidden_size, config.head_dim
-    qkv = (attention_input or h) * (config.num_heads + 2 * config.num_kv_heads) * d
-    return qkv + config.num_heads * d * h + 3 * h * config.intermediate_size

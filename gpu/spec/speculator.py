@@ -50,7 +50,7 @@ class Speculator:
         # A draft position's cost in decode steps: verifying it, and (a draft model) proposing it.
         self.row_cost = ROW_COST.get(platform.device.type, ROW_COST["cpu"])
         if self.drafter is not None:
-            self.row_cost += self.drafter.step_cost(config.model)
+            self.row_cost += self.drafter.step_cost(target)
 
     # --- a draft model's or head's KV, beside the target's -------------------------------------
 

@@ -79,3 +79,21 @@ def test_a_draft_with_another_vocabulary_is_refused(target):
         build_engine_config(str(target), device="cpu", speculative_config=spec(other))
     with pytest.raises(ConfigError, match="is not a directory"):
         build_engine_config(str(target), device="cpu", speculative_config=spec(target / "nowhere"))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_steps_bytes_count_every_weight_once_but_input_embeddings(tmp_path, tied):
+    """draft_passes.bytes_per_step, the draft's cost ESTIMATE: an untied embedding table is not
+    read whole by a step (its rows are), a tied one is (it is the output head too)."""
+    from conveyor.gpu.loader import load_model
+    from conveyor.gpu.models.registry import read_model_config
+    from conveyor.gpu.spec.draft_passes import bytes_per_step
+    from conveyor.tiny.checkpoint import make_checkpoint
+
+    model = load_model(read_model_config(make_checkpoint(tmp_path / "m", tie_word_embeddings=tied), dtype="float32"), "cpu")
+    every = sum(p.numel() * 4 for p in model.parameters())  # a tied head's weight appears once
+    table = model.model.embed_tokens.weight.numel() * 4
+    assert bytes_per_step(model) == (every if tied else every - table)
+    assert bytes_per_step(model, skip=(model.model.layers[0],)) == bytes_per_step(model) - sum(
+        p.numel() * 4 for p in model.model.layers[0].parameters()
+    )
