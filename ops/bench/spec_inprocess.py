@@ -1,9 +1,11 @@
-"""Speculative decoding in process on SmolLM2 (Q4_1 kept packed), one stream: the first N prompts
-of ops/bench/grounded/prompts.json as chat, greedy, up to 256 tokens, each configuration in turn
-per prompt (so drift in the machine's speed falls on all alike); per configuration the output
-tokens/s and its ratio to none, tokens per step, and drafts accepted over drafts verified.
+"""Speculative decoding in process on SmolLM2 (Q4_1 kept packed): the first N prompts of
+ops/bench/grounded/prompts.json as chat, greedy, up to 256 tokens, S at a time (one batch,
+--streams; default one stream), each configuration in turn per group of prompts (so drift in the
+machine's speed falls on all alike); per configuration the output tokens/s and its ratio to none,
+tokens per step, and drafts accepted over drafts verified. Configurations: none, n-gram at each k
+of --ks (default 4), and each DRAFT.
 
-    python ops/bench/spec_inprocess.py N [DRAFT ...]
+    python ops/bench/spec_inprocess.py N [DRAFT ...] [--streams S] [--ks 4,8]
 
 DRAFT is a checkpoint directory for {"method": "draft_model"} (e.g. one from
 `python -m conveyor.tiny.truncate`), or an EAGLE-3 head's for {"method": "eagle3"} (e.g. a random
@@ -14,8 +16,8 @@ draft's acceptance as such.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -26,10 +28,18 @@ from conveyor.wire.messages import SamplingParams
 PROMPTS = Path(__file__).with_name("grounded") / "prompts.json"
 
 
-def main(num: int, drafts: list[str]) -> None:
-    prompts = [d["conversations"][0]["value"] for d in json.loads(PROMPTS.read_text())[:num]]
-    configs: dict[str, dict | None] = {"none": None, "ngram-k4": {"method": "ngram", "num_speculative_tokens": 4}}
-    for draft in drafts:
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python ops/bench/spec_inprocess.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("num", type=int, help="prompts, the first of ops/bench/grounded/prompts.json")
+    parser.add_argument("drafts", nargs="*", help="draft model or EAGLE-3 head directories (a trailing ! : every draft verified)")
+    parser.add_argument("--streams", type=int, default=1, help="prompts generated together, as one batch")
+    parser.add_argument("--ks", default="4", help="n-gram k values to run, comma-separated")
+    args = parser.parse_args()
+    prompts = [d["conversations"][0]["value"] for d in json.loads(PROMPTS.read_text())[: args.num]]
+    configs: dict[str, dict | None] = {"none": None}
+    for k in map(int, args.ks.split(",")):
+        configs[f"ngram-k{k}"] = {"method": "ngram", "num_speculative_tokens": k}
+    for draft in args.drafts:
         path = Path(draft.rstrip("!"))
         method = "eagle3" if "Eagle3" in str(json.loads((path / "config.json").read_text()).get("architectures")) else "draft_model"
         length = "fixed" if draft.endswith("!") else "adaptive"
@@ -47,18 +57,21 @@ def main(num: int, drafts: list[str]) -> None:
     totals = {name: [0, 0.0, 0, 0, 0] for name in configs}  # tokens, seconds, steps, drafted, accepted
     outputs: dict[str, set] = {}
     params = SamplingParams(temperature=0.0, max_tokens=256)
-    for prompt in prompts:
+    for at in range(0, len(prompts), args.streams):
+        group = prompts[at : at + args.streams]
         for name, llm in llms.items():
+            ids = [llm.encoder.encode_chat([{"role": "user", "content": prompt}]) for prompt in group]
             steps, spec_rows[:] = llm.core.scheduler.num_steps, []
             start = time.perf_counter()
-            out = llm.chat([{"role": "user", "content": prompt}], params)[0].outputs[0]
+            outs = [out.outputs[0] for out in llm.generate(ids, params)]
             total = totals[name]
-            total[0] += len(out.token_ids)
+            total[0] += sum(len(out.token_ids) for out in outs)
             total[1] += time.perf_counter() - start
             total[2] += llm.core.scheduler.num_steps - steps
             total[3] += sum(d for _, d, _ in spec_rows)
             total[4] += sum(a for _, _, a in spec_rows)
-            outputs.setdefault(prompt, set()).add(tuple(out.token_ids))
+            for prompt, out in zip(group, outs):
+                outputs.setdefault(prompt, set()).add(tuple(out.token_ids))
     none = totals["none"][0] / totals["none"][1]
     for name, (tokens, seconds, steps, drafted, accepted) in totals.items():
         rate = f"{accepted}/{drafted} = {accepted / drafted:.3f}" if drafted else "-"
@@ -70,4 +83,4 @@ def main(num: int, drafts: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2:])
+    main()
