@@ -88,7 +88,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self._graph_probe: DecodeGraphs | None = None
         # Speculative decoding (gpu/spec/): the drafts of rows the plan grants a lookahead, and a
-        # draft model's KV beside the target's.
+        # draft model's or EAGLE-3 head's KV beside the target's.
         self.spec = Speculator(config, self.platform, self.batch, self.tp, self.model) if config.speculative is not None else None
 
     def num_available_blocks(self) -> int:

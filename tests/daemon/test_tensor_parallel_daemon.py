@@ -108,6 +108,7 @@ def check_concurrent_requests(daemon, expected: dict[str, list[int]]) -> None:
     assert all(2 <= len(top) <= 3 for top in logprobs["top_logprobs"])  # the top 2, and the sampled token where not among them
 
 
+@pytest.mark.slow  # a rank killed and the engine restarted, twice: half a minute of daemons (-m slow)
 def test_a_dead_rank_takes_the_engine_down_cleanly_and_it_comes_back(checkpoints, daemon_factory):
     args = "--tensor-parallel-size 2 --num-kv-blocks 256 --stage-timeout 5 --max-engine-restarts 10".split()
     daemon = daemon_factory("--model", str(checkpoints[ARCH]), *args)

@@ -5,11 +5,13 @@ A draft equal to the target (the same weights) has every draft accepted, so a ru
 up to k + 1 tokens; a different random model's drafts mostly fail, and a draft cut from the
 target (conveyor.tiny.truncate) is in between: every time the output is the engine's own without
 speculation, greedy and seeded, through a pool small enough to preempt and with prompts sharing
-cached blocks. A draft with another vocabulary is refused at start-up."""
+cached blocks, on the tiny checkpoints and on SmolLM2. A draft with another vocabulary is refused
+at start-up."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -79,6 +81,19 @@ def test_a_draft_with_another_vocabulary_is_refused(target):
         build_engine_config(str(target), device="cpu", speculative_config=spec(other))
     with pytest.raises(ConfigError, match="is not a directory"):
         build_engine_config(str(target), device="cpu", speculative_config=spec(target / "nowhere"))
+
+
+def test_smollm2_with_its_first_two_layers_drafting_is_unchanged(smollm2, tmp_path):
+    """The real model, packed Q4_1, drafted for by its own first two layers (the self-speculation
+    draft of docs/benchmarks.md, every draft verified): the output is its own."""
+    base_llm = LLM(device="cpu", num_kv_blocks=64)
+    cut = truncate(Path(base_llm.config.model.path), tmp_path / "cut", 2)
+    ids = [base_llm.encoder.encode_chat([{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog."}])]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    base = [o.outputs[0].token_ids for o in base_llm.generate(ids, params)]
+    llm = LLM(device="cpu", num_kv_blocks=64, speculative_config=spec(cut, 4))
+    assert [o.outputs[0].token_ids for o in llm.generate(ids, params)] == base
+    assert llm.runner.spec.drafter.model.config.num_layers == 2
 
 
 @pytest.mark.parametrize("tied", [False, True])

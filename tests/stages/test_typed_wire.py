@@ -15,6 +15,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [
     pytest.mark.lint,
+    pytest.mark.slow,  # mypy from cold, most of a minute (-m slow); .ci/lint type-checks the tree itself
     pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy is not installed (pip install -e '.[test]')"),
 ]
 
