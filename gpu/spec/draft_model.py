@@ -5,8 +5,8 @@ layers (self-speculation).
 Its KV cache is its own tensors, read through the target's block tables (draft_passes.py), so a
 block holds the draft's KV of the same tokens as the target's: the draft `follow`s every pass of
 the target over the same inputs (prompt chunks, decodes, verified drafts), so whatever the target
-computed, the draft computed too, prefix-cache hits included. Rejected drafts' slots are written again by the
-next pass, for both.
+computed, the draft computed too, prefix-cache hits included. Rejected drafts' slots are written
+again by the next pass, for both.
 
 `propose` decodes up to k tokens for each row granted a lookahead, batched and chained on the
 device (draft_passes.py), writing the draft's KV of the row's last token and its drafts. Drafts

@@ -51,7 +51,7 @@ class Eagle3Proposer:
     def __init__(self, config: EngineConfig, platform: Platform, batch: PersistentBatch, tp: TensorParallel, target: CausalLM) -> None:
         spec = config.speculative
         assert spec is not None and spec.draft is not None and spec.eagle is not None
-        self.config, self.batch, self.device = spec.draft, batch, platform.device
+        self.batch, self.device = batch, platform.device
         backend = platform.backend(config.parallel.attention_backend, spec.draft, config.cache.kv_dtype(spec.draft.dtype))
         self.head = load_eagle3_head(spec.draft, spec.eagle, platform.device, backend)
         self.target = target
@@ -102,18 +102,19 @@ class Eagle3Proposer:
                 seq_lens.append(end - 1)
                 pass_slots.append(slot)
             at += n
-        flat = self.features.view(-1, self.features.shape[-1])
         if positions:
-            pool = torch.cat([features, flat.index_select(0, to_device(kept, torch.int64, self.device))]) if kept else features
+            pool = torch.cat([features, self.flat.index_select(0, to_device(kept, torch.int64, self.device))]) if kept else features
             positions_t = to_device(positions, torch.int64, self.device)
             meta_d = self.passes.metadata(pass_slots, query_lens, seq_lens, positions_t)
             embeds = self.embed(inputs.input_ids.index_select(0, to_device(tokens, torch.int64, self.device)))
             hidden = pool.index_select(0, to_device(sources, torch.int64, self.device))
             self.head(embeds, hidden, positions_t, meta_d, self.passes.kv_caches[0])
-        self._keep(features, rows, slots, meta.host_query_lens, meta.host_seq_lens, flat)
+        self._keep(features, rows, slots, meta.host_query_lens, meta.host_seq_lens)
         self.proposed = set()
 
-    def _keep(self, features: torch.Tensor, rows: list[WorkerSeq], slots: list[int], query_lens, seq_lens, flat) -> None:
+    def _keep(
+        self, features: torch.Tensor, rows: list[WorkerSeq], slots: list[int], query_lens: list[int], seq_lens: list[int]
+    ) -> None:
         """Each row's features of its last min(n, width) positions -> its row of self.features."""
         dst: list[int] = []
         src: list[int] = []
@@ -124,7 +125,7 @@ class Eagle3Proposer:
             src.extend(range(at + n - w, at + n))
             self.owner[slot], self.first[slot], self.count[slot] = seq.seq_id, end - w, w
             at += n
-        flat.index_copy_(
+        self.flat.index_copy_(
             0, to_device(dst, torch.int64, self.device), features.index_select(0, to_device(src, torch.int64, self.device))
         )
 
@@ -133,7 +134,7 @@ class Eagle3Proposer:
         """Up to max_drafts[r] greedy drafts for each decoding row whose features of its last
         computed position are kept (the others: none, this pass)."""
         limits = [k if self._holds(slot, seq.seq_id, seq.num_computed - 1) else 0 for seq, slot, k in zip(seqs, slots, max_drafts)]
-        flat = self.features.view(-1, self.features.shape[-1])
+        flat = self.flat
 
         def start(rows: list[int]) -> list[torch.Tensor]:
             index = [slots[r] * self.width + seqs[r].num_computed - 1 - self.first[slots[r]] for r in rows]
@@ -146,6 +147,11 @@ class Eagle3Proposer:
 
         self.proposed = {seq.seq_id for seq, k in zip(seqs, limits) if k > 0}
         return self.passes.chain(seqs, slots, limits, -1, start, step)
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """The kept features as rows [R * width, H]: row slot * width + j is position first[slot] + j."""
+        return self.features.view(-1, self.features.shape[-1])
 
     def _holds(self, slot: int, seq_id: int, position: int) -> bool:
         return slot < len(self.owner) and self.owner[slot] == seq_id and 0 <= position - self.first[slot] < self.count[slot]

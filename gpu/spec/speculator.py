@@ -47,7 +47,7 @@ class Speculator:
             self.proposer = self.drafter = Eagle3Proposer(config, platform, batch, tp, target)
         else:
             self.proposer = NgramProposer(config.speculative)
-        # A draft position's cost in decode steps: verifying it, and (a draft model) proposing it.
+        # A draft position's cost in decode steps: verifying it, and (a draft model or head) proposing it.
         self.row_cost = ROW_COST.get(platform.device.type, ROW_COST["cpu"])
         if self.drafter is not None:
             self.row_cost += self.drafter.step_cost(target)
