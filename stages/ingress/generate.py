@@ -16,8 +16,10 @@ choices are aborted.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
@@ -85,6 +87,38 @@ class Fanout:
         engine.abort(unfinished)
 
 
+class Run:
+    """One admitted HTTP request, from its engine requests' events to its answer: the builder
+    folds them in; `batches()` gives a stream's deltas as they come, `finish()` waits for a
+    one-body answer. The routes that speak another API over the chat path (responses_api/,
+    anthropic/) read its builder's objects instead of its bytes."""
+
+    def __init__(self, fanout: Fanout, stream: RequestStream, deltas: list[tuple[int, TextDelta]], rest: list[Event]):
+        self.fanout = fanout
+        self.builder = fanout.builder
+        self._stream = stream
+        self._deltas = deltas  # folded with the verdicts, not yet sent
+        self._rest = rest  # came with the last verdict, not yet folded
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, TextDelta]]]:
+        """Folded (prompt, delta) pairs, a batch at a time, until every choice has finished. A
+        choice ending in ERROR, or a rejection, raises its ApiError."""
+        deltas, rest = self._deltas, self._rest
+        self._deltas, self._rest = [], []
+        while True:
+            if deltas:
+                yield deltas
+            if self.builder.finished:
+                return
+            events, rest = rest or await self._stream.take(), []  # first what came with the verdicts
+            deltas = self.fanout.fold(events)
+
+    async def finish(self) -> None:
+        """Fold every event until every choice has finished."""
+        async for _ in self.batches():
+            pass
+
+
 class GenerateRoutes:
     def __init__(self, config: EngineConfig, engine: EngineClient, encoder: LazyEncoder, system_fingerprint: str):
         self.config = config
@@ -103,19 +137,33 @@ class GenerateRoutes:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
 
-    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        arrival_time = time.time()
+    def check_serving(self) -> None:
+        """Every generation route's first check: a 503 while draining or (re)loading."""
         if self.engine.draining:
             raise draining()
         if not self.engine.ready:
             raise not_ready()
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        arrival_time = time.time()
+        self.check_serving()
         data = await read_body(request, self.config.server.max_body_bytes)
-        model = self.config.model
-        gen = (parse_chat if chat else parse_completion)(data, model.vocab_size)
+        gen = (parse_chat if chat else parse_completion)(data, self.config.model.vocab_size)
+        async with self.run(gen, chat=chat, arrival_time=arrival_time) as run:
+            if gen.stream:
+                return await self._answer_stream(request, run)
+            await run.finish()
+            return web.Response(body=run.builder.body(), content_type="application/json")
+
+    @contextlib.asynccontextmanager
+    async def run(self, gen: Generation, *, chat: bool, arrival_time: float, id_prefix: str | None = None) -> AsyncIterator[Run]:
+        """Submit `gen` and wait until every prompt is admitted: a rejection raises its ApiError
+        before the caller has sent a byte. On leaving, the finished and rejected engine requests
+        are forgotten and the others aborted (a client gone, an error)."""
         check_num_seqs(gen, self.config.server.max_seqs_per_request)
         check_model(self.config, gen.model)
-
-        response_id = self.engine.new_request_id("chatcmpl" if chat else "cmpl")
+        model = self.config.model
+        response_id = self.engine.new_request_id(id_prefix or ("chatcmpl" if chat else "cmpl"))
         num_prompts = len(gen.prompts)
         request_ids = [response_id] if num_prompts == 1 else [f"{response_id}-{p}" for p in range(num_prompts)]
         builder = ResponseBuilder(
@@ -144,29 +192,17 @@ class GenerateRoutes:
                 cut = fanout.verdicts_end(events)
                 deltas += fanout.fold(events[:cut])
                 rest = events[cut:]
-            if gen.stream:
-                return await self._answer_stream(request, fanout, stream, deltas, rest)
-            fanout.fold(rest)
-            while not builder.finished:
-                fanout.fold(await stream.take())
-            return web.Response(body=builder.body(), content_type="application/json")
+            yield Run(fanout, stream, deltas, rest)
         finally:
             fanout.close(self.engine)
 
-    async def _answer_stream(
-        self, request: web.Request, fanout: Fanout, stream: RequestStream, deltas: list[tuple[int, TextDelta]], rest: list[Event]
-    ) -> web.StreamResponse:
-        builder = fanout.builder
+    async def _answer_stream(self, request: web.Request, run: Run) -> web.StreamResponse:
+        builder = run.builder
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         try:
-            while True:
-                if deltas:
-                    await response.write(builder.sse_chunks(deltas))
-                if builder.finished:
-                    break
-                events, rest = rest or await stream.take(), []  # first what came with the verdicts
-                deltas = fanout.fold(events)
+            async for deltas in run.batches():
+                await response.write(builder.sse_chunks(deltas))
             if builder.include_usage:
                 await response.write(builder.usage_chunk())
             await response.write(DONE)

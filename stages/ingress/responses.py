@@ -2,8 +2,10 @@
 
 A `ResponseBuilder` follows one HTTP request (generate.py makes it), which may fan out as several
 engine requests (a batch of prompts): `accept(p, ...)` records prompt p's length, `add(p, delta)`
-folds in each TextDelta, then `body()` gives the whole answer, or per batch of deltas
-`sse_chunks()` the events of a stream, which `usage_chunk()` and `DONE` end.
+folds in each TextDelta, then `body()` gives the whole answer (`answer()` as an object), or per
+batch of deltas `sse_chunks()` the events of a stream (`chunk_choices()` their choices as objects),
+which `usage_chunk()` and `DONE` end. The objects are for the routes that speak another API over
+the chat path (responses_api/, anthropic/).
 
 Invariants: prompt p's i-th choice is the answer's choice p * n + i; with best_of > n (never
 streamed) the answer holds each prompt's n choices with the highest cumulative logprob, best
@@ -83,10 +85,10 @@ class ResponseBuilder:
         prefixes = echo or [""] * num_prompts
         self.choices = [Choice(prefixes[p]) for p in range(num_prompts) for _ in range(self.num_samples)]
         self.num_finished = 0  # choices with a finish reason
-        self.answer = answer if chat else None
-        if self.answer is not None and stream:
+        self.shape = answer if chat else None  # a shaped chat answer's parser (tools/answer.py)
+        if self.shape is not None and stream:
             for c in self.choices:
-                c.stream = self.answer.stream()
+                c.stream = self.shape.stream()
         # A chunk's bytes around its one choice, the same in every chunk: encoded once, not per token.
         head = _encode(self._head("chat.completion.chunk" if chat else "text_completion"))
         self._chunk_open = b"data: " + head[:-1] + b',"choices":['
@@ -124,6 +126,10 @@ class ResponseBuilder:
     # --- one JSON answer ----------------------------------------------------------------
 
     def body(self) -> bytes:
+        return _encode(self.answer())
+
+    def answer(self) -> dict[str, Any]:
+        """The whole answer (a chat.completion or text_completion object), once finished."""
         choices = []
         for p in range(len(self.num_prompt_tokens)):
             for i, c in enumerate(self._best(p)):
@@ -131,7 +137,7 @@ class ResponseBuilder:
                 offset = len(c.prefix)  # where the first generated token starts in the text
                 choices.append(self._choice(p * self.n + i, c, text, c.token_ids, c.logprobs, c.finish_reason, offset))
         head = self._head("chat.completion" if self.chat else "text_completion")
-        return _encode({**head, "choices": choices, "usage": self._usage()})
+        return {**head, "choices": choices, "usage": self.usage()}
 
     def _samples_of(self, p: int) -> list[Choice]:
         return self.choices[p * self.num_samples : (p + 1) * self.num_samples]
@@ -148,9 +154,15 @@ class ResponseBuilder:
     def sse_chunks(self, deltas: list[tuple[int, TextDelta]]) -> bytes:
         """Events for (prompt, delta) pairs already folded in with `add`: consecutive deltas of a
         choice merge into one event."""
+        return b"".join(self._chunk_open + _encode(choice) + self._chunk_close for choice in self.chunk_choices(deltas))
+
+    def chunk_choices(self, deltas: list[tuple[int, TextDelta]]) -> list[dict[str, Any]]:
+        """The choices of a stream's chunks for (prompt, delta) pairs already folded in with
+        `add`, one per choice that moved (its deltas merged), in order: what `sse_chunks` sends,
+        as objects (a route that speaks another API translates them)."""
         if len(deltas) == 1:  # a step's one delta: what a busy stream gets, token after token
             p, d = deltas[0]
-            return self._chunk(p * self.num_samples + d.index, d.text, d.token_ids, d.logprobs, d.finish_reason)
+            return [self._chunk_choice(p * self.num_samples + d.index, d.text, d.token_ids, d.logprobs, d.finish_reason)]
         merged: dict[int, tuple[list[str], list[int], list[TextLogprob], FinishReason | None]] = {}
         for p, d in deltas:
             texts, ids, logprobs, _ = merged.setdefault(p * self.num_samples + d.index, ([], [], [], None))
@@ -158,13 +170,15 @@ class ResponseBuilder:
             ids.extend(d.token_ids)
             logprobs.extend(d.logprobs)
             merged[p * self.num_samples + d.index] = (texts, ids, logprobs, d.finish_reason)
-        return b"".join(self._chunk(i, "".join(t), ids, lps, reason) for i, (t, ids, lps, reason) in merged.items())
+        return [self._chunk_choice(i, "".join(t), ids, lps, reason) for i, (t, ids, lps, reason) in merged.items()]
 
     def usage_chunk(self) -> bytes:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        return _sse({**head, "choices": [], "usage": self._usage()})
+        return _sse({**head, "choices": [], "usage": self.usage()})
 
-    def _chunk(self, index: int, text: str, token_ids: list[int], logprobs: list[TextLogprob], reason: FinishReason | None) -> bytes:
+    def _chunk_choice(
+        self, index: int, text: str, token_ids: list[int], logprobs: list[TextLogprob], reason: FinishReason | None
+    ) -> dict[str, Any]:
         c = self.choices[index]  # streams never have best_of > n: answer index = choice index
         offset = c.num_chars_sent  # characters of the choice's text before this chunk's tokens
         if c.num_chunks_sent == 0:
@@ -173,7 +187,7 @@ class ResponseBuilder:
         choice = self._choice(index, c, text, token_ids, logprobs, reason, offset)
         c.num_chunks_sent += 1
         c.num_chars_sent += len(text)
-        return self._chunk_open + _encode(choice) + self._chunk_close
+        return choice
 
     # --- shared -------------------------------------------------------------------------
 
@@ -191,7 +205,7 @@ class ResponseBuilder:
         choice: dict[str, Any] = {"index": index}
         if not self.chat:
             choice["text"] = text
-        elif self.answer is not None:
+        elif self.shape is not None:
             self._shaped(choice, c, text, reason)
         elif not self.stream:
             choice["message"] = {"role": "assistant", "content": text}
@@ -216,9 +230,9 @@ class ResponseBuilder:
 
     def _shaped(self, choice: dict[str, Any], c: Choice, text: str, reason: FinishReason | None) -> None:
         """A shaped chat answer's message, or its chunk's delta for `text`."""
-        assert self.answer is not None
+        assert self.shape is not None
         if c.stream is None:
-            choice["message"], c.made_calls = self.answer.message(text)
+            choice["message"], c.made_calls = self.shape.message(text)
             return
         delta: dict[str, Any] = {"role": "assistant"} if c.num_chunks_sent == 0 else {}
         delta |= c.stream.feed(text, final=reason is not None)
@@ -236,7 +250,7 @@ class ResponseBuilder:
             "system_fingerprint": self.system_fingerprint,
         }
 
-    def _usage(self) -> dict[str, Any]:
+    def usage(self) -> dict[str, Any]:
         prompt, out = sum(self.num_prompt_tokens), sum(c.num_output_tokens for c in self.choices)
         return {
             "prompt_tokens": prompt,
