@@ -45,6 +45,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then each one's (token_id and rank set).
+    prompt_logprobs: list[TextLogprob | None] | None = None
 
 
 class LLM:
@@ -73,6 +75,7 @@ class LLM:
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
         self._cached_tokens: dict[str, int] = {}
+        self._prompt_logprobs: dict[str, list[TextLogprob]] = {}  # by request, from its first delta
 
     def generate(
         self,
@@ -145,6 +148,9 @@ class LLM:
                     num_cached_tokens=self._cached_tokens.pop(request.request_id, 0),
                 )
             )
+            prompt_logprobs = self._prompt_logprobs.pop(request.request_id, [])
+            if params.prompt_logprobs is not None:
+                outputs[-1].prompt_logprobs = [None, *prompt_logprobs]
         return outputs
 
     def _drain(self) -> dict[str, dict[int, CompletionOutput]]:
@@ -169,6 +175,8 @@ class LLM:
                 choice.text += d.text
                 choice.token_ids += d.token_ids
                 choice.logprobs += d.logprobs
+                if d.prompt_logprobs:
+                    self._prompt_logprobs[d.request_id] = d.prompt_logprobs
                 choice.cumulative_logprob = d.cumulative_logprob
                 self._cached_tokens[d.request_id] = d.num_cached_tokens
                 if d.finish_reason is not None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from conveyor.gpu.pass_clock import PassClock
 from conveyor.gpu.sampling.draws import DeviceSamples
+from conveyor.gpu.sampling.prompt_logprobs import PromptLogprobsOnDevice
 from conveyor.gpu.spec.draft_length import Acceptance
 from conveyor.gpu.spec.verify import accepted_length
 from conveyor.gpu.step_inputs import PassInputs
@@ -90,6 +91,7 @@ class LaunchedPass:
     # The drafts each verifying sequence's run of draws checks (by seq_id): its draws are
     # consecutive in `draws`, one per draft and one more.
     drafts: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    prompt: PromptLogprobsOnDevice | None = None  # prompt_logprobs of rows that asked (a first pass only)
 
 
 def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
@@ -163,6 +165,7 @@ def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
         masked_draws=out.masked,
         seq_ids=out.seq_ids,
         spec_rows=spec_rows,
+        prompt_logprobs=launched.prompt.on_host() if launched.prompt is not None else [],
     )
 
 

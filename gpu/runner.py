@@ -39,6 +39,7 @@ from conveyor.gpu.profile_steps import profile_run
 from conveyor.gpu.sampling import SamplingRow
 from conveyor.gpu.sampling.draws import DeviceSamples
 from conveyor.gpu.sampling.penalties import penalises_repeats
+from conveyor.gpu.sampling.prompt_logprobs import PromptLogprobsOnDevice, compute_prompt_logprobs, prompt_rows
 from conveyor.gpu.sampling.transfer import to_device
 from conveyor.gpu.spec.speculator import Speculator
 from conveyor.gpu.step_inputs import PassInputs, RowSpec, first_pass_inputs, next_pass_inputs
@@ -248,6 +249,7 @@ class ModelRunner:
         hidden = self._forward(work.inputs)  # [T, H]
         if self.spec is not None:
             self.spec.follow(work.inputs, work.rows)
+        prompt = self._prompt_logprobs(work, hidden) if k == 0 else None
         samples, param_slots = None, None
         if work.sampling:
             drawn = self._sample(work, hidden[work.inputs.logit_index], window, k)
@@ -257,8 +259,20 @@ class ModelRunner:
         draw_seqs = self._advance(work, samples, param_slots)
         clock.stop()
         drafts = {work.rows[i].seq_id: d for i, d in work.drafts.items()}
-        self._report(window, k, active, draw_seqs, samples, clock, drafts)
+        self._report(window, k, active, draw_seqs, samples, clock, drafts, prompt)
         return True
+
+    def _prompt_logprobs(self, work: PassWork, hidden: torch.Tensor) -> PromptLogprobsOnDevice | None:
+        """The prompt logprobs of the pass's rows that ask for them (counts before _advance)."""
+        rows = work.rows
+        if not any(seq.params.prompt_logprobs is not None for seq in rows):
+            return None
+        specs = [
+            (seq.seq_id, seq.num_computed, n, seq.num_prompt_tokens, seq.token_ids, seq.params.prompt_logprobs)
+            for seq, n in zip(rows, work.num_new)
+        ]
+        wanted = prompt_rows(specs)
+        return compute_prompt_logprobs(wanted, hidden, self.model.compute_logits) if wanted else None
 
     def _first_pass(self, window: Window) -> PassWork:
         """A plan's first pass: each row computes its chunk (a window's rows one token) and the
@@ -379,6 +393,7 @@ class ModelRunner:
         samples: DeviceSamples | None,
         clock: PassClock,
         drafts: dict[int, list[int]],
+        prompt: PromptLogprobsOnDevice | None = None,
     ) -> None:
         """Queue the pass for collection, its ids copying to the host. The draws its result
         reports: the first pass's are the ones it drew; pass k's every row with more than k
@@ -390,7 +405,7 @@ class ModelRunner:
             taking_part = [i for i, n in enumerate(window.passes) if n > k]
             reported, computed = [window.rows[i] for i in taking_part], [position.get(i) for i in taking_part]
         copy = self.platform.host_copy(samples.tensors()) if samples is not None else None
-        self._pending.append(LaunchedPass(window, k, reported, computed, samples, copy, clock, drafts))
+        self._pending.append(LaunchedPass(window, k, reported, computed, samples, copy, clock, drafts, prompt))
         window.num_launched = k + 1
         self._last_clock = clock
 

@@ -152,6 +152,20 @@ class StepResult(Struct, tag=5):
     # sequence, the accepted drafts then the token drawn after them, and here (seq_id, drafts
     # verified, drafts accepted) once per such row; a draw after a stopping token is not sent.
     spec_rows: list[tuple[int, int, int]] = []
+    # Sequences asking for prompt_logprobs whose prompt tokens this pass predicted (last, as new fields go).
+    prompt_logprobs: list[PromptLogprobs] = []
+
+
+class PromptLogprobs(Struct):
+    """Prompt tokens [start, start + len(logprobs)) of a sequence, each's log p under the model's
+    raw distribution at the position before it (as sampled_logprobs), its rank there (1: the most
+    likely), and the params.prompt_logprobs most likely alternatives. start >= 1."""
+
+    seq_id: int
+    start: int
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[TopLogprobs] = []  # one per token where params.prompt_logprobs > 0
 
 
 class TopLogprobs(Struct):
@@ -260,12 +274,21 @@ class SeqTokens(Struct):
     # When the sequence asked for logprobs: one entry per token_ids entry.
     logprobs: list[TokenLogprob] = []
     queue_time: float = 0.0  # on the final update: arrival to first scheduled, seconds
+    prompt: PromptTokens | None = None  # prompt_logprobs: on the sequence's first update
 
 
 class TokenLogprob(Struct):
     logprob: float  # of the sampled token
     top_token_ids: list[int] = []
     top_logprobs: list[float] = []
+    rank: int = 0  # a prompt token's rank in its distribution (1: the most likely); 0: not known
+
+
+class PromptTokens(Struct):
+    """A prompt's tokens with, for each after the first, its TokenLogprob (prompt_logprobs)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]  # len(token_ids) - 1: token i + 1's
 
 
 class TokenBatch(Struct, tag=12):
@@ -325,6 +348,8 @@ class TextDelta(Struct):
     logprobs: list[TextLogprob] = []  # one per token in token_ids, when asked for
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     queue_time: float = 0.0  # on the final delta: arrival to first scheduled, seconds
+    # prompt_logprobs: one per prompt token after the first, on the choice's first delta.
+    prompt_logprobs: list[TextLogprob] = []
 
 
 class TextLogprob(Struct):
@@ -334,6 +359,8 @@ class TextLogprob(Struct):
     bytes: list[int]
     logprob: float
     top: list[TextLogprob] = []
+    token_id: int = -1  # set for prompt tokens and their alternatives (vLLM's prompt_logprobs keys them by id)
+    rank: int = 0  # a prompt token's rank in its distribution (1: the most likely)
 
 
 class DeltaBatch(Struct, tag=22):

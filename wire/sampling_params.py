@@ -65,6 +65,10 @@ class SamplingParams(Struct):
     min_tokens: int = 0  # EOS, stop ids and stop strings are ignored (and EOS masked) before this many
     logit_bias: dict[int, float] | None = None  # added to the logits before sampling
     logprobs: int | None = None  # return the sampled token's logprob and this many top alternatives
+    # Return each prompt token's logprob (after the first: nothing predicts it), its rank, and this
+    # many top alternatives, computed in the prompt's own passes (vLLM's extension; `echo` with
+    # `logprobs` on the completions route asks for it too). Such a request skips the prefix cache.
+    prompt_logprobs: int | None = None
     stop: list[str] = []  # stop strings, matched by the detokenizer across token boundaries
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
@@ -86,6 +90,11 @@ class SamplingParams(Struct):
             ("min_tokens", self.min_tokens >= 0, "must be non-negative"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "must be at most max_tokens"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, f"must be in [0, {MAX_LOGPROBS}]"),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"must be in [0, {MAX_LOGPROBS}]",
+            ),
             ("stop", len(self.stop) <= MAX_STOP_STRINGS, f"must have at most {MAX_STOP_STRINGS} strings"),
             (
                 "stop",

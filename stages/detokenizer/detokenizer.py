@@ -117,6 +117,7 @@ class Detokenizer:
             logprobs=logprobs,
             stop_reason=stop_reason,
             queue_time=update.queue_time,
+            prompt_logprobs=self.token_texts.prompt_logprobs(update.prompt) if update.prompt is not None else [],
         )
 
     @staticmethod

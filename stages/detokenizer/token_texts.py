@@ -22,7 +22,7 @@ import re
 
 from tokenizers import Tokenizer
 
-from conveyor.wire.messages import TextLogprob, TokenLogprob
+from conveyor.wire.messages import PromptTokens, TextLogprob, TokenLogprob
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -63,6 +63,18 @@ class TokenTexts:
         for token_id, entry in zip(token_ids, entries):
             top = [TextLogprob(*self.text_and_bytes(i), lp) for i, lp in zip(entry.top_token_ids, entry.top_logprobs)]
             out.append(TextLogprob(*self.text_and_bytes(token_id), entry.logprob, top))
+        return out
+
+    def prompt_logprobs(self, prompt: PromptTokens) -> list[TextLogprob]:
+        """One TextLogprob per prompt token after the first, ids and ranks kept (vLLM's
+        prompt_logprobs keys them by id; the alternatives rank 1, 2, ...)."""
+        out = []
+        for token_id, entry in zip(prompt.token_ids[1:], prompt.logprobs):
+            top = [
+                TextLogprob(*self.text_and_bytes(i), lp, token_id=i, rank=r)
+                for r, (i, lp) in enumerate(zip(entry.top_token_ids, entry.top_logprobs), 1)
+            ]
+            out.append(TextLogprob(*self.text_and_bytes(token_id), entry.logprob, top, token_id, entry.rank))
         return out
 
     def _bytes(self, token_id: int) -> bytes:

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Iterator
 
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
-from conveyor.wire.messages import FinishReason, StepResult, TokenLogprob
+from conveyor.wire.messages import FinishReason, PromptTokens, StepResult, TokenLogprob
 
 
 @dataclasses.dataclass(slots=True)
@@ -109,5 +109,6 @@ class SeqUpdate:
     new_token_ids: list[int]
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when the request asked
+    prompt: PromptTokens | None = None  # prompt_logprobs: with the sequence's first tokens
     # The detokenizer's first update of the sequence: its batch carries the sequence's DetokSeq.
     new_to_detokenizer: bool = False

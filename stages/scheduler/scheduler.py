@@ -209,6 +209,12 @@ class Scheduler:
         updates, self._unsampled_updates = self._unsampled_updates, []
         eos, max_model_len = self.eos_token_ids, self.max_model_len
         register_full_blocks, block_size = self.blocks.register_full_blocks, self.blocks.block_size
+        if result.prompt_logprobs:
+            by_id = {row.seq.seq_id: row.seq for row in step.rows}
+            for entry in result.prompt_logprobs:
+                asking = by_id.get(entry.seq_id)
+                if asking is not None and asking.status is SeqStatus.RUNNING:
+                    asking.take_prompt_logprobs(entry)
         previous = None  # the sequence of the draw before: a run's later draws are accepted drafts
         for draw, ((row, seq), token) in enumerate(zip(draws, result.sampled_token_ids)):
             logprob = logprobs[draw] if logprobs else 0.0
@@ -244,6 +250,8 @@ class Scheduler:
                 update = SeqUpdate(seq, [token], reason)
                 if not seq.known_by_detokenizer:
                     self._introduced(update)
+                if seq.prompt_logprobs is not None:
+                    update.prompt = seq.take_prompt_tokens()
                 updates.append(update)
             if top is not None:
                 update.logprobs.append(TokenLogprob(logprob, top.token_ids, top.logprobs))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 
 from conveyor.stages.scheduler.block_manager import ROOT_HASH, chain_hash
-from conveyor.wire.messages import FinishReason, SamplingParams, ScheduleRequest
+from conveyor.wire.messages import FinishReason, PromptLogprobs, PromptTokens, SamplingParams, ScheduleRequest, TokenLogprob
 
 
 class SeqStatus(enum.Enum):
@@ -49,6 +49,7 @@ class Sequence:
         "num_pending_tokens",
         "num_pending_lookahead",
         "cumulative_logprob",
+        "prompt_logprobs",
         "enqueue_time",
         "first_scheduled_time",
         "first_token_time",
@@ -94,6 +95,9 @@ class Sequence:
         # worker's copy may run ahead of num_tokens.
         self.num_pending_lookahead = 0
         self.cumulative_logprob = 0.0
+        # params.prompt_logprobs: prompt tokens 1.. as the worker's passes predict them, until they
+        # go out with the first update (then None, as for a sequence that did not ask).
+        self.prompt_logprobs: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None else None
         # Wall-clock times (time.time(), comparable with arrival_time) for the metrics.
         self.enqueue_time = arrival_time  # reached the scheduler
         self.first_scheduled_time: float | None = None
@@ -186,7 +190,32 @@ class Sequence:
         child.block_hashes = list(self.block_hashes)
         child.num_pending_forks = 0
         child.known_by_detokenizer = False
+        child.prompt_logprobs = None  # the prompt's, which its parent reports
         return child
+
+    def take_prompt_logprobs(self, entry: PromptLogprobs) -> None:
+        """Join a pass's prompt logprobs: tokens from `entry.start` on, past what it holds (a
+        sequence computed again after preemption predicts its prompt again)."""
+        held = self.prompt_logprobs
+        if held is None:
+            return
+        skip = len(held) + 1 - entry.start
+        if skip < 0:
+            raise ValueError(f"sequence {self.seq_id}: prompt logprobs from token {entry.start}, {len(held)} held")
+        tops = entry.top or [None] * len(entry.logprobs)
+        for logprob, rank, top in list(zip(entry.logprobs, entry.ranks, tops))[skip:]:
+            if top is None:
+                held.append(TokenLogprob(logprob, rank=rank))
+            else:
+                held.append(TokenLogprob(logprob, top.token_ids, top.logprobs, rank))
+
+    def take_prompt_tokens(self) -> PromptTokens | None:
+        """Its prompt with every token's logprob, once (for its first update); None otherwise."""
+        held = self.prompt_logprobs
+        if held is None or len(held) < self.num_prompt_tokens - 1:
+            return None
+        self.prompt_logprobs = None
+        return PromptTokens(self.token_ids[: self.num_prompt_tokens], held)
 
     def __repr__(self) -> str:
         return (
