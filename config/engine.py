@@ -155,6 +155,12 @@ class ServerConfig:
         None, "how the model writes tool calls: hermes, llama3_json or mistral", none="from the model"
     )
     reasoning_parser: str | None = option(None, "split <think>...</think> into reasoning_content: qwen3 or deepseek_r1", none="none")
+    # Stored /v1/responses answers (stages/ingress/responses_api/store.py), per ingress process:
+    # what previous_response_id, GET and cancel find. Least recently used go first past the size.
+    responses_store_size: int = option(1024, "responses kept for previous_response_id and GET /v1/responses/{id}", positive=True)
+    responses_store_ttl_s: float = option(
+        3600.0, "seconds a stored response stays retrievable", flag="responses-store-ttl", positive=True
+    )
     # Sequences one HTTP request may start (prompts x max(n, best_of)): past it, a 400.
     max_seqs_per_request: int = option(256, "sequences one request may start (prompts x n)", positive=True)
     # HTTP hardening, per ingress process: a client slower than these is disconnected.

@@ -1,10 +1,11 @@
 """The aiohttp application: its routes, and the middlewares every request passes through.
 
-Routes: the OpenAI-compatible generation routes (generate.py), /tokenize and /detokenize
+Routes: the OpenAI-compatible generation routes (generate.py; the Responses API in
+responses_api/; Anthropic's Messages API in anthropic/), /tokenize and /detokenize
 (tokens.py), /v1/models, /health, /metrics and /openapi.json. Middlewares, outermost first:
-`errors_as_json` (every failure becomes the OpenAI error object; an unexpected exception is
-logged and a 500, never a bare page), the CORS preflight answer (cors.py), then the API key
-check (auth.py) when a key is configured. CORS headers are added to every response as it is
+`errors_as_json` (every failure becomes the OpenAI error object, or Anthropic's on its paths; an
+unexpected exception is logged and a 500, never a bare page), the CORS preflight answer
+(cors.py), then the API key check (auth.py) when a key is configured. CORS headers are added to every response as it is
 prepared, streams included.
 """
 
@@ -20,6 +21,8 @@ import msgspec
 from aiohttp import web
 
 from conveyor.config import EngineConfig
+from conveyor.stages.ingress.anthropic import errors as anthropic_errors
+from conveyor.stages.ingress.anthropic.routes import MessagesRoutes
 from conveyor.stages.ingress.auth import api_key_middleware
 from conveyor.stages.ingress.cors import Cors
 from conveyor.stages.ingress.engine_client import EngineClient
@@ -27,6 +30,7 @@ from conveyor.stages.ingress.errors import ApiError
 from conveyor.stages.ingress.generate import GenerateRoutes
 from conveyor.stages.ingress.metrics_route import make_registry, metrics_handler
 from conveyor.stages.ingress.openapi import document
+from conveyor.stages.ingress.responses_api.routes import ResponsesRoutes
 from conveyor.stages.ingress.tokens import LazyEncoder, TokenRoutes
 
 log = logging.getLogger(__name__)
@@ -44,6 +48,8 @@ def build_app(config: EngineConfig, engine: EngineClient) -> web.Application:
     encoder = LazyEncoder(config)
     version = package_version()
     generate = GenerateRoutes(config, engine, encoder, system_fingerprint(config, version))
+    responses = ResponsesRoutes(config, generate)
+    messages = MessagesRoutes(config, generate)
     tokens = TokenRoutes(config, encoder)
     info = InfoRoutes(config, engine, document(config, version))
     app.router.add_get("/health", info.health)
@@ -52,6 +58,14 @@ def build_app(config: EngineConfig, engine: EngineClient) -> web.Application:
     app.router.add_get("/v1/models", info.models)
     app.router.add_post("/v1/completions", generate.completions)
     app.router.add_post("/v1/chat/completions", generate.chat_completions)
+    app.router.add_post("/v1/messages", messages.create)
+    app.router.add_post("/v1/messages/count_tokens", messages.count_tokens)
+    app.router.add_post("/v1/responses", responses.create)
+    app.router.add_get("/v1/responses/{response_id}", responses.retrieve)
+    app.router.add_delete("/v1/responses/{response_id}", responses.delete)
+    app.router.add_get("/v1/responses/{response_id}/input_items", responses.input_items)
+    app.router.add_post("/v1/responses/{response_id}/cancel", responses.cancel)
+    app.on_cleanup.append(responses.close)
     app.router.add_post("/tokenize", tokens.tokenize)
     app.router.add_post("/detokenize", tokens.detokenize)
     return app
@@ -62,17 +76,22 @@ async def errors_as_json(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as e:
-        return e.response()
+        return _error_answer(request, e)
     except web.HTTPException as e:  # the router's 404 and 405, aiohttp's own 4xx
         if e.status < 400:
             raise
         message = f"no route {request.method} {request.path}" if e.status in (404, 405) else e.reason
-        return ApiError(e.status, message).response()
+        return _error_answer(request, ApiError(e.status, message))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception:
         log.exception("unexpected error on %s %s", request.method, request.path)
-        return ApiError(500, "internal server error", error_type="server_error").response()
+        return _error_answer(request, ApiError(500, "internal server error", error_type="server_error"))
+
+
+def _error_answer(request: web.Request, error: ApiError) -> web.Response:
+    """The error in the shape of the API its path speaks: Anthropic's under /v1/messages, else OpenAI's."""
+    return anthropic_errors.response(error) if anthropic_errors.speaks_anthropic(request.path) else error.response()
 
 
 class InfoRoutes:

@@ -1,7 +1,7 @@
 """API key check: with `config.server.api_key` set, every route but /health and /metrics needs it.
 
 The key is accepted as `Authorization: Bearer KEY` (what the openai SDK sends) or `X-Api-Key:
-KEY`; a missing or wrong key is a 401 of type authentication_error. Keys are compared in
+KEY` (what the anthropic SDK sends); a missing or wrong key is a 401 of type authentication_error. Keys are compared in
 constant time. CORS preflights never reach this check (cors.py answers them first): browsers
 send them without credentials.
 """

@@ -62,9 +62,11 @@ class ApiError(Exception):
         error = {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}
         return msgspec.json.encode({"error": error})
 
-    def response(self) -> web.Response:
+    def response(self, body: bytes | None = None) -> web.Response:
+        """The JSON answer: `body` (another API's shape of this error: anthropic/errors.py), else OpenAI's."""
         headers = {} if self.retry_after is None else {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
-        response = web.Response(status=self.status, body=self.body(), content_type="application/json", headers=headers)
+        body = self.body() if body is None else body
+        response = web.Response(status=self.status, body=body, content_type="application/json", headers=headers)
         if self.close_connection:
             response.force_close()
         return response

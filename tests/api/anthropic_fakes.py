@@ -1,0 +1,125 @@
+"""What the Anthropic Messages tests share: an engine that writes scripted text (a hermes-format
+model with qwen3 reasoning), a server over it, Anthropic's event stream parsed and checked against
+the order Anthropic documents, and the error shape checked."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import requests
+
+from conveyor.wire.messages import DeltaBatch, FinishReason, RequestAccepted, TextDelta, TokenizeRequest
+from tests.ingress_fakes import FakeEngine, prompt_text
+
+TOOLS = [
+    {
+        "name": "weather",
+        "description": "today's weather in a city",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+    {"name": "time", "input_schema": {"type": "object", "properties": {"zone": {"type": "string"}}}},
+]
+CALLS = (
+    'Let me check.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "time", "arguments": {"zone": "CET"}}\n</tool_call>'
+)
+EXPECTED_CALLS = [("weather", {"city": "Paris"}), ("time", {"zone": "CET"})]
+# The text each script writes: the last word of the conversation names its script; the text
+# streams in pieces that cut through the tags and the JSON.
+SCRIPTS = {
+    "CALLS": CALLS,
+    "PLAIN": "Just words, no call.",
+    "THINK_CALLS": "<think>\nThe user wants weather.\n</think>\n\n" + CALLS,
+    "THINK": "<think>Hmm.</think>\n\nIt is sunny.",
+    "NAMED": '{"city": "Paris"}',
+    "REQUIRED": '[{"name": "weather", "parameters": {"city": "Paris"}}, {"name": "time", "parameters": {"zone": "CET"}}]',
+    "ANSWERED": "It is 21 degrees in Paris and noon in CET.",
+}
+PIECE = 7  # characters per delta
+NUM_PROMPT_TOKENS = 3  # what the scripted engine says every prompt has
+
+
+class ScriptedEngine(FakeEngine):
+    """Answers a conversation whose last word is a SCRIPTS key with that text; a max_tokens below
+    the text's pieces cuts it there with finish "length". Anything else: FakeEngine's answer."""
+
+    def _answer(self, req: TokenizeRequest) -> None:
+        words = prompt_text(req).split()
+        if not words or words[-1] not in SCRIPTS:
+            return super()._answer(req)
+        text = SCRIPTS[words[-1]]
+        pieces = [text[i : i + PIECE] for i in range(0, len(text), PIECE)]
+        finish = FinishReason.STOP
+        if req.params.max_tokens is not None and req.params.max_tokens < len(pieces):
+            pieces, finish = pieces[: req.params.max_tokens], FinishReason.LENGTH
+        self.ingress.send(RequestAccepted(req.request_id, NUM_PROMPT_TOKENS))
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            delta = TextDelta(req.request_id, 0, piece, [100 + i], finish if last else None, NUM_PROMPT_TOKENS, i + 1)
+            self.ingress.send(DeltaBatch([delta]))
+
+
+def events(response: requests.Response) -> list[dict[str, Any]]:
+    """An Anthropic event stream's events: each `event: TYPE` then `data: JSON` of that type."""
+    assert response.status_code == 200 and response.headers["Content-Type"].startswith("text/event-stream")
+    return parse_events(response.content.decode())
+
+
+def parse_events(raw: str) -> list[dict[str, Any]]:
+    assert raw.endswith("\n\n")
+    out = []
+    for block in raw[:-2].split("\n\n"):
+        name_line, data_line = block.split("\n")
+        assert name_line.startswith("event: ") and data_line.startswith("data: "), block
+        data = json.loads(data_line[len("data: ") :])
+        assert data["type"] == name_line[len("event: ") :]
+        out.append(data)
+    return out
+
+
+DELTA_OF = {"text": "text_delta", "thinking": "thinking_delta", "tool_use": "input_json_delta"}
+
+
+def check_order(stream: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assert Anthropic's documented order (message_start; per block start, deltas of its kind,
+    stop, indexes 0, 1, ...; message_delta; one message_stop) and give the blocks assembled."""
+    types = [e["type"] for e in stream]
+    assert types[0] == "message_start" and types[-2:] == ["message_delta", "message_stop"], types
+    assert types.count("message_start") == types.count("message_delta") == types.count("message_stop") == 1
+    start = stream[0]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None and start["role"] == "assistant"
+    blocks: list[dict[str, Any]] = []
+    open_index = None
+    json_text: dict[int, str] = {}
+    for e in stream[1:-2]:
+        if e["type"] == "content_block_start":
+            assert open_index is None and e["index"] == len(blocks)
+            open_index = e["index"]
+            blocks.append(dict(e["content_block"]))
+        elif e["type"] == "content_block_delta":
+            assert e["index"] == open_index
+            block, delta = blocks[open_index], e["delta"]
+            assert delta["type"] == DELTA_OF[block["type"]]
+            if block["type"] == "tool_use":
+                json_text[open_index] = json_text.get(open_index, "") + delta["partial_json"]
+            else:
+                block[block["type"]] += delta[block["type"]]
+        else:
+            assert e["type"] == "content_block_stop" and e["index"] == open_index, e
+            open_index = None
+    assert open_index is None
+    for i, text in json_text.items():
+        blocks[i]["input"] = json.loads(text)
+    return blocks
+
+
+def assert_error(response: requests.Response, status: int, error_type: str) -> str:
+    """Anthropic's error shape, with this status and type; its message."""
+    assert response.status_code == status, response.text
+    assert response.headers["Content-Type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert set(body["error"]) == {"type", "message"} and body["error"]["type"] == error_type, body
+    assert body["error"]["message"]
+    return body["error"]["message"]
