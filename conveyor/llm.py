@@ -150,7 +150,7 @@ class LLM:
             )
             prompt_logprobs = self._prompt_logprobs.pop(request.request_id, [])
             if params.prompt_logprobs is not None:
-                outputs[-1].prompt_logprobs = [None, *prompt_logprobs]
+                outputs[-1].prompt_logprobs = [None, *prompt_logprobs[1:]]
         return outputs
 
     def _drain(self) -> dict[str, dict[int, CompletionOutput]]:

@@ -348,7 +348,8 @@ class TextDelta(Struct):
     logprobs: list[TextLogprob] = []  # one per token in token_ids, when asked for
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     queue_time: float = 0.0  # on the final delta: arrival to first scheduled, seconds
-    # prompt_logprobs: one per prompt token after the first, on the choice's first delta.
+    # prompt_logprobs: one per prompt token, on the first delta of the prompt's first choice. The
+    # first token's has its text only: nothing predicts it (logprob NaN, rank 0).
     prompt_logprobs: list[TextLogprob] = []
 
 

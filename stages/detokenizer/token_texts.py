@@ -18,6 +18,7 @@ Results are cached per token id: a vocabulary is small, a stream asks for the sa
 from __future__ import annotations
 
 import json
+import math
 import re
 
 from tokenizers import Tokenizer
@@ -66,9 +67,11 @@ class TokenTexts:
         return out
 
     def prompt_logprobs(self, prompt: PromptTokens) -> list[TextLogprob]:
-        """One TextLogprob per prompt token after the first, ids and ranks kept (vLLM's
-        prompt_logprobs keys them by id; the alternatives rank 1, 2, ...)."""
-        out = []
+        """One TextLogprob per prompt token, ids and ranks kept (vLLM's prompt_logprobs keys them
+        by id; the alternatives rank 1, 2, ...). The first token's carries its text alone: nothing
+        predicts it, so its logprob is NaN and its rank 0 (TextDelta.prompt_logprobs)."""
+        first = prompt.token_ids[0]
+        out = [TextLogprob(*self.text_and_bytes(first), math.nan, token_id=first)]
         for token_id, entry in zip(prompt.token_ids[1:], prompt.logprobs):
             top = [
                 TextLogprob(*self.text_and_bytes(i), lp, token_id=i, rank=r)

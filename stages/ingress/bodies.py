@@ -156,10 +156,13 @@ class SamplingBody(Body):
     guided_regex: NonEmptyText | None = None
     guided_choice: Choices | None = None
     guided_grammar: NonEmptyText | None = None
+    # vLLM's extension: each prompt token's logprob, rank and this many alternatives.
+    prompt_logprobs: NumLogprobs | None = None
 
 
 class CompletionBody(SamplingBody, kw_only=True):
     prompt: str | PromptList
+    max_tokens: NonNegative | None = None  # 0: the prompt alone (with echo or prompt_logprobs: its logprobs)
     logprobs: NumLogprobs | None = None  # top alternatives per token; 0: the sampled token's only
     echo: bool = False  # the prompt text before each choice's text
     tools: list[Any] | None = None  # a 400: tools are for /v1/chat/completions

@@ -55,10 +55,10 @@ class Fanout:
             p = self.prompt_of[event.request_id]
             self.awaiting_verdict.discard(event.request_id)
             if isinstance(event, TextDelta):
-                self.builder.add(p, event)
+                delta = self.builder.add(p, event)
                 if event.finish_reason is FinishReason.ERROR:
                     raise _sampling_failed()
-                deltas.append((p, event))
+                deltas.append((p, delta))
             elif isinstance(event, RequestAccepted):
                 self.builder.accept(p, event.num_prompt_tokens)
             else:
@@ -178,6 +178,8 @@ class GenerateRoutes:
             echo=await self._echo(gen) if gen.echo else None,
             num_prompts=num_prompts,
             answer=chat_answer(gen.tool_mode, gen.tool_name, self.tool_format, self.reasoning_format) if chat else None,
+            prompt_only=gen.prompt_only,
+            show_prompt_logprobs=gen.show_prompt_logprobs,
         )
         fanout = Fanout(request_ids, builder)
         stream = self.engine.submit(request_ids, gen, arrival_time)

@@ -59,19 +59,29 @@ class Generation:
     tool_mode: str = "none"
     tool_name: str | None = None
     parallel_tool_calls: bool = True
+    # max_tokens 0 (completions): one pass over each prompt, whose draw the answer leaves out.
+    prompt_only: bool = False
+    show_prompt_logprobs: bool = False  # the body asked for vLLM's prompt_logprobs field
 
 
 def parse_completion(data: bytes, vocab_size: int) -> Generation:
     body = decode(data, CompletionBody)
-    if body.echo and body.logprobs is not None:
-        raise ApiError(400, "echo with logprobs is not supported", param="echo")
     if body.tools is not None:
         raise ApiError(400, "tools are only supported on /v1/chat/completions", param="tools")
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
+    prompt_logprobs = body.prompt_logprobs
+    if body.echo and body.logprobs is not None:  # the legacy API's prompt log-likelihoods
+        prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+    if max_tokens == 0:  # the prompt alone: its one pass draws a token, which the answer leaves out
+        if not body.echo and prompt_logprobs is None:
+            raise ApiError(400, "max_tokens 0 generates nothing: it needs echo or prompt_logprobs", param="max_tokens")
+        if body.min_tokens:
+            raise ApiError(400, "min_tokens must be at most max_tokens", param="min_tokens")
     structured = structured_output(body)
-    gen = _generation(body, max_tokens, body.logprobs, vocab_size, structured)
+    gen = _generation(body, max_tokens or 1, body.logprobs, vocab_size, structured, prompt_logprobs)
     gen.prompts = _prompts(body.prompt, vocab_size)
     gen.echo = body.echo
+    gen.prompt_only = max_tokens == 0
     return gen
 
 
@@ -142,7 +152,12 @@ def _param_of(message: str) -> str | None:
 
 
 def _generation(
-    body: SamplingBody, max_tokens: int | None, logprobs: int | None, vocab_size: int, structured: StructuredOutput | None
+    body: SamplingBody,
+    max_tokens: int | None,
+    logprobs: int | None,
+    vocab_size: int,
+    structured: StructuredOutput | None,
+    prompt_logprobs: int | None = None,
 ) -> Generation:
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream set to true", param="stream_options")
@@ -164,6 +179,7 @@ def _generation(
         stop_token_ids=body.stop_token_ids,
         logit_bias=_logit_bias(body.logit_bias, vocab_size),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else body.prompt_logprobs,
     )
     try:
         params = SamplingParams(
@@ -183,6 +199,7 @@ def _generation(
         raise ApiError(400, "best_of greater than n cannot be streamed", param="best_of")
     return Generation(
         params=params,
+        show_prompt_logprobs=body.prompt_logprobs is not None,
         stream=body.stream,
         include_usage=body.stream and body.stream_options is not None and body.stream_options.include_usage,
         return_token_ids=body.return_token_ids,

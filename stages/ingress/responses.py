@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from conveyor.stages.ingress.openai_logprobs import chat_logprobs, completion_logprobs
+from conveyor.stages.ingress.openai_logprobs import chat_logprobs, completion_logprobs, join_completion_logprobs, vllm_prompt_logprobs
 from conveyor.stages.ingress.tools.answer import ChatAnswer, ChoiceStream
 from conveyor.wire.messages import FinishReason, SamplingParams, TextDelta, TextLogprob
 
@@ -68,6 +68,8 @@ class ResponseBuilder:
         echo: list[str] | None = None,
         num_prompts: int = 1,
         answer: ChatAnswer | None = None,
+        prompt_only: bool = False,
+        show_prompt_logprobs: bool = False,
     ):
         self.request_id = request_id
         self.model = model
@@ -85,6 +87,12 @@ class ResponseBuilder:
         prefixes = echo or [""] * num_prompts
         self.choices = [Choice(prefixes[p]) for p in range(num_prompts) for _ in range(self.num_samples)]
         self.num_finished = 0  # choices with a finish reason
+        # Prompt logprobs, each prompt's (from its first choice's first delta): in a completion's
+        # logprobs before its text's when echoed, and as vLLM's `prompt_logprobs` when asked for.
+        self.prompt_logprobs: list[list[TextLogprob]] = [[] for _ in range(num_prompts)]
+        self.echo_logprobs = echo is not None and self.logprobs and not chat
+        self.show_prompt_logprobs = show_prompt_logprobs
+        self.prompt_only = prompt_only  # max_tokens 0: each choice's one draw is left out
         self.shape = answer if chat else None  # a shaped chat answer's parser (tools/answer.py)
         if self.shape is not None and stream:
             for c in self.choices:
@@ -104,10 +112,20 @@ class ResponseBuilder:
     def accept(self, p: int, num_prompt_tokens: int) -> None:
         self.num_prompt_tokens[p] = num_prompt_tokens
 
-    def add(self, p: int, delta: TextDelta) -> None:
+    def add(self, p: int, delta: TextDelta) -> TextDelta:
         """Fold a TextDelta of prompt p into its choice: counts, logprob sum and stop reason always,
-        text, ids and logprobs only for a non-stream answer (a stream sends them as they come)."""
+        text, ids and logprobs only for a non-stream answer (a stream sends them as they come).
+        The delta as the answer has it (a prompt-only answer's: empty), for `sse_chunks`."""
         choice = self.choices[p * self.num_samples + delta.index]
+        if delta.prompt_logprobs:
+            self.prompt_logprobs[p] = delta.prompt_logprobs
+        if self.prompt_only:  # the answer as if its one pass had drawn nothing
+            finish = delta.finish_reason
+            if finish is not None and finish is not FinishReason.ERROR:
+                finish = FinishReason.LENGTH
+            delta = msgspec.structs.replace(
+                delta, text="", token_ids=[], logprobs=[], num_output_tokens=0, finish_reason=finish, stop_reason=None
+            )
         if delta.num_prompt_tokens:
             self.num_prompt_tokens[p] = delta.num_prompt_tokens
         self.num_cached_tokens[p] = max(self.num_cached_tokens[p], delta.num_cached_tokens)
@@ -122,6 +140,7 @@ class ResponseBuilder:
             choice.text_parts.append(delta.text)
             choice.token_ids.extend(delta.token_ids)
             choice.logprobs.extend(delta.logprobs)
+        return delta
 
     # --- one JSON answer ----------------------------------------------------------------
 
@@ -135,9 +154,15 @@ class ResponseBuilder:
             for i, c in enumerate(self._best(p)):
                 text = c.prefix + "".join(c.text_parts)
                 offset = len(c.prefix)  # where the first generated token starts in the text
-                choices.append(self._choice(p * self.n + i, c, text, c.token_ids, c.logprobs, c.finish_reason, offset))
+                choice = self._choice(p * self.n + i, c, text, c.token_ids, c.logprobs, c.finish_reason, offset, p)
+                choices.append(choice)
         head = self._head("chat.completion" if self.chat else "text_completion")
-        return {**head, "choices": choices, "usage": self.usage()}
+        answer = {**head, "choices": choices, "usage": self.usage()}
+        if self.chat and self.show_prompt_logprobs:  # vLLM puts a chat answer's beside its choices
+            answer["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_logprobs[0])
+            for choice in choices:
+                del choice["prompt_logprobs"]
+        return answer
 
     def _samples_of(self, p: int) -> list[Choice]:
         return self.choices[p * self.num_samples : (p + 1) * self.num_samples]
@@ -181,10 +206,12 @@ class ResponseBuilder:
     ) -> dict[str, Any]:
         c = self.choices[index]  # streams never have best_of > n: answer index = choice index
         offset = c.num_chars_sent  # characters of the choice's text before this chunk's tokens
+        prompt = None  # the choice's prompt: its first chunk shows the prompt's logprobs
         if c.num_chunks_sent == 0:
             text = c.prefix + text
             offset += len(c.prefix)
-        choice = self._choice(index, c, text, token_ids, logprobs, reason, offset)
+            prompt = index // self.num_samples
+        choice = self._choice(index, c, text, token_ids, logprobs, reason, offset, prompt)
         c.num_chunks_sent += 1
         c.num_chars_sent += len(text)
         return choice
@@ -200,8 +227,10 @@ class ResponseBuilder:
         logprobs: list[TextLogprob],
         reason: FinishReason | None,
         first_offset: int,
+        prompt: int | None = None,
     ) -> dict[str, Any]:
-        """A choice of the answer, or of a chunk (then with its delta's text, ids and logprobs)."""
+        """A choice of the answer, or of a chunk (then with its delta's text, ids and logprobs);
+        `prompt`: the choice's prompt, where it shows the prompt's logprobs (an answer, a first chunk)."""
         choice: dict[str, Any] = {"index": index}
         if not self.chat:
             choice["text"] = text
@@ -218,8 +247,14 @@ class ResponseBuilder:
             choice["logprobs"] = None
         elif self.chat:
             choice["logprobs"] = chat_logprobs(logprobs)
+        elif self.echo_logprobs and prompt is not None:  # the prompt's tokens first, from offset 0
+            choice["logprobs"] = join_completion_logprobs(
+                completion_logprobs(self.prompt_logprobs[prompt], 0, c.prefix), completion_logprobs(logprobs, first_offset)
+            )
         else:
             choice["logprobs"] = completion_logprobs(logprobs, first_offset)
+        if self.show_prompt_logprobs and prompt is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.prompt_logprobs[prompt])
         choice["finish_reason"] = None if reason is None else reason.openai
         if reason is FinishReason.STOP and c.made_calls:
             choice["finish_reason"] = "tool_calls"
