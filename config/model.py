@@ -24,6 +24,7 @@ from typing import Any
 
 from conveyor.config.errors import ConfigError
 from conveyor.config.moe import MoeConfig
+from conveyor.config.pooling import PoolingConfig, read_pooling
 from conveyor.config.quant import QuantConfig, read_quantization
 from conveyor.config.rope_fields import check_rope_scaling, context_limit, read_rope_scaling, rope_parameters
 
@@ -78,6 +79,8 @@ class ModelConfig:
     moe: MoeConfig | None = None  # a mixture-of-experts model's routing and experts (config/moe.py); None: dense
     # How the linear weights are stored (config/quant.py); None: in `dtype`, as loaded.
     quantization: QuantConfig | None = None
+    # An embedding checkpoint's pooling (config/pooling.py); None: a generative model.
+    pooling: PoolingConfig | None = None
 
     @property
     def rope_type(self) -> str:
@@ -121,7 +124,10 @@ class ModelConfig:
             cfg = adapters[arch](hf, _generic(hf, gen, arch, root, dtype, served_name))
             limit = context_limit(cfg.max_position_embeddings, dict(cfg.rope_scaling))
             cfg = dataclasses.replace(
-                cfg, max_model_len=min(max_model_len or limit, limit), quantization=read_quantization(hf, quantization)
+                cfg,
+                max_model_len=min(max_model_len or limit, limit),
+                quantization=read_quantization(hf, quantization),
+                pooling=read_pooling(root, hf),
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, ConfigError):

@@ -17,13 +17,14 @@ from typing import cast
 import msgspec
 from tokenizers import Tokenizer
 
+from conveyor.config.pooling import check_dimensions
 from conveyor.engine_config import build_engine_config
 from conveyor.stages.detokenizer.detokenizer import Detokenizer
 from conveyor.stages.scheduler.engine_core import EngineCore
 from conveyor.stages.scheduler.plan import token_batches
 from conveyor.stages.tokenizer.encoder import PromptEncoder
 from conveyor.stages.tokenizer.preparation import Rejected, prepare
-from conveyor.wire.messages import ChatMessage, SamplingParams, TextDelta, TextLogprob, TokenizeRequest
+from conveyor.wire.messages import ChatMessage, Pooling, SamplingParams, TextDelta, TextLogprob, TokenizeRequest
 
 
 @dataclasses.dataclass
@@ -47,6 +48,7 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # SamplingParams.prompt_logprobs: None for the first prompt token, then each one's (token_id and rank set).
     prompt_logprobs: list[TextLogprob | None] | None = None
+    embedding: list[float] | None = None  # LLM.embed: the prompt's pooled vector
 
 
 class LLM:
@@ -76,6 +78,7 @@ class LLM:
         self._ids = itertools.count()
         self._cached_tokens: dict[str, int] = {}
         self._prompt_logprobs: dict[str, list[TextLogprob]] = {}  # by request, from its first delta
+        self._embeddings: dict[str, list[float]] = {}  # by request, a pooling request's vector
 
     def generate(
         self,
@@ -92,6 +95,15 @@ class LLM:
             for p in batch
         ]
         return self._run(requests, batch, sampling_params)
+
+    def embed(self, prompts: str | Seq[str] | Seq[int] | Seq[Seq[int]], dimensions: int | None = None) -> list[RequestOutput]:
+        """Each prompt's vector (`RequestOutput.embedding`), from an embedding checkpoint's pooling
+        (config/pooling.py), cut to `dimensions` where the model allows it; outputs in prompt order."""
+        pooling = self.config.model.pooling
+        if pooling is None:
+            raise ValueError(f"{self.config.model.served_name} generates text: it has no pooling (modules.json) to embed with")
+        check_dimensions(pooling, self.config.model.hidden_size, dimensions)
+        return self.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, pooling=Pooling(dimensions)))
 
     def chat(
         self,
@@ -122,6 +134,8 @@ class LLM:
             sampling_params = [sampling_params] * len(requests)
         if len(sampling_params) != len(requests):
             raise ValueError("give one SamplingParams, or one per prompt")
+        if self.config.model.pooling is not None and any(p.pooling is None for p in sampling_params):
+            raise ValueError(f"{self.config.model.served_name} is an embedding model: use LLM.embed")
         prepared = []
         for req, params in zip(requests, sampling_params):
             try:
@@ -151,6 +165,8 @@ class LLM:
             prompt_logprobs = self._prompt_logprobs.pop(request.request_id, [])
             if params.prompt_logprobs is not None:
                 outputs[-1].prompt_logprobs = [None, *prompt_logprobs[1:]]
+            if params.pooling is not None:
+                outputs[-1].embedding = self._embeddings.pop(request.request_id)
         return outputs
 
     def _drain(self) -> dict[str, dict[int, CompletionOutput]]:
@@ -177,6 +193,8 @@ class LLM:
                 choice.logprobs += d.logprobs
                 if d.prompt_logprobs:
                     self._prompt_logprobs[d.request_id] = d.prompt_logprobs
+                if d.embedding:
+                    self._embeddings[d.request_id] = d.embedding
                 choice.cumulative_logprob = d.cumulative_logprob
                 self._cached_tokens[d.request_id] = d.num_cached_tokens
                 if d.finish_reason is not None:

@@ -11,6 +11,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from conveyor.gpu.pass_clock import PassClock
+from conveyor.gpu.pooling import PooledOnDevice
 from conveyor.gpu.sampling.draws import DeviceSamples
 from conveyor.gpu.sampling.prompt_logprobs import PromptLogprobsOnDevice
 from conveyor.gpu.spec.draft_length import Acceptance
@@ -92,6 +93,7 @@ class LaunchedPass:
     # consecutive in `draws`, one per draft and one more.
     drafts: dict[int, list[int]] = dataclasses.field(default_factory=dict)
     prompt: PromptLogprobsOnDevice | None = None  # prompt_logprobs of rows that asked (a first pass only)
+    pooled: PooledOnDevice | None = None  # embeddings of pooling rows whose prompt it finished (a first pass only)
 
 
 def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
@@ -166,6 +168,7 @@ def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
         seq_ids=out.seq_ids,
         spec_rows=spec_rows,
         prompt_logprobs=launched.prompt.on_host() if launched.prompt is not None else [],
+        embeddings=launched.pooled.on_host() if launched.pooled is not None else [],
     )
 
 

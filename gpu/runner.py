@@ -35,6 +35,7 @@ from conveyor.gpu.passes import LaunchedPass, PassWork, Window, WorkerSeq, pass_
 from conveyor.gpu.persistent_batch import PersistentBatch
 from conveyor.gpu.plan_checks import check_plan
 from conveyor.gpu.platform import Platform, platform_for
+from conveyor.gpu.pooling import PooledOnDevice, Pooler
 from conveyor.gpu.profile_steps import profile_run
 from conveyor.gpu.sampling import SamplingRow
 from conveyor.gpu.sampling.draws import DeviceSamples
@@ -91,6 +92,7 @@ class ModelRunner:
         # Speculative decoding (gpu/spec/): the drafts of rows the plan grants a lookahead, and a
         # draft model's or EAGLE-3 head's KV beside the target's.
         self.spec = Speculator(config, self.platform, self.batch, self.tp, self.model) if config.speculative is not None else None
+        self.pooler = Pooler(config.model.pooling) if config.model.pooling is not None else None
 
     def num_available_blocks(self) -> int:
         """KV blocks this device can hold next to the model (and, on CUDA, a full step's peak),
@@ -196,6 +198,8 @@ class ModelRunner:
             if self.seqs.pop(seq_id, None) is not None:
                 self.batch.remove(seq_id)
                 self._constrained.discard(seq_id)
+                if self.pooler is not None:
+                    self.pooler.drop(seq_id)
         for new in plan.new_seqs:
             self.seqs[new.seq_id] = self._register(new)
             if new.params.structured is not None:
@@ -250,6 +254,7 @@ class ModelRunner:
         if self.spec is not None:
             self.spec.follow(work.inputs, work.rows)
         prompt = self._prompt_logprobs(work, hidden) if k == 0 else None
+        pooled = self._pool(work, hidden) if k == 0 and self.pooler is not None else None
         samples, param_slots = None, None
         if work.sampling:
             drawn = self._sample(work, hidden[work.inputs.logit_index], window, k)
@@ -259,8 +264,14 @@ class ModelRunner:
         draw_seqs = self._advance(work, samples, param_slots)
         clock.stop()
         drafts = {work.rows[i].seq_id: d for i, d in work.drafts.items()}
-        self._report(window, k, active, draw_seqs, samples, clock, drafts, prompt)
+        self._report(window, k, active, draw_seqs, samples, clock, drafts, prompt, pooled)
         return True
+
+    def _pool(self, work: PassWork, hidden: torch.Tensor) -> PooledOnDevice | None:
+        """The vectors of the pass's pooling rows whose prompt it finished (counts before _advance)."""
+        assert self.pooler is not None
+        rows = [(seq.seq_id, seq.num_computed, n, seq.num_prompt_tokens, seq.params) for seq, n in zip(work.rows, work.num_new)]
+        return self.pooler.pool(rows, hidden)
 
     def _prompt_logprobs(self, work: PassWork, hidden: torch.Tensor) -> PromptLogprobsOnDevice | None:
         """The prompt logprobs of the pass's rows that ask for them (counts before _advance)."""
@@ -394,6 +405,7 @@ class ModelRunner:
         clock: PassClock,
         drafts: dict[int, list[int]],
         prompt: PromptLogprobsOnDevice | None = None,
+        pooled: PooledOnDevice | None = None,
     ) -> None:
         """Queue the pass for collection, its ids copying to the host. The draws its result
         reports: the first pass's are the ones it drew; pass k's every row with more than k
@@ -405,7 +417,7 @@ class ModelRunner:
             taking_part = [i for i, n in enumerate(window.passes) if n > k]
             reported, computed = [window.rows[i] for i in taking_part], [position.get(i) for i in taking_part]
         copy = self.platform.host_copy(samples.tensors()) if samples is not None else None
-        self._pending.append(LaunchedPass(window, k, reported, computed, samples, copy, clock, drafts, prompt))
+        self._pending.append(LaunchedPass(window, k, reported, computed, samples, copy, clock, drafts, prompt, pooled))
         window.num_launched = k + 1
         self._last_clock = clock
 

@@ -24,6 +24,7 @@ from conveyor.wire.sampling_params import (  # noqa: F401 - every stage imports 
     MAX_STOP_STRINGS,
     MIN_SAMPLING_TEMPERATURE,
     REPETITION_PENALTY_RANGE,
+    Pooling,
     SamplingParams,
     StructuredOutput,
 )
@@ -154,6 +155,13 @@ class StepResult(Struct, tag=5):
     spec_rows: list[tuple[int, int, int]] = []
     # Sequences asking for prompt_logprobs whose prompt tokens this pass predicted (last, as new fields go).
     prompt_logprobs: list[PromptLogprobs] = []
+    # Pooling sequences (SamplingParams.pooling) whose prompt this pass finished: their vectors.
+    embeddings: list[SeqEmbedding] = []
+
+
+class SeqEmbedding(Struct):
+    seq_id: int
+    values: list[float]  # pooled, cut to the request's dimensions, normalized where the model is
 
 
 class PromptLogprobs(Struct):
@@ -275,6 +283,7 @@ class SeqTokens(Struct):
     logprobs: list[TokenLogprob] = []
     queue_time: float = 0.0  # on the final update: arrival to first scheduled, seconds
     prompt: PromptTokens | None = None  # prompt_logprobs: on the sequence's first update
+    embedding: list[float] = []  # a pooling sequence's vector, with its one (discarded) token
 
 
 class TokenLogprob(Struct):
@@ -351,6 +360,7 @@ class TextDelta(Struct):
     # prompt_logprobs: one per prompt token, on the first delta of the prompt's first choice. The
     # first token's has its text only: nothing predicts it (logprob NaN, rank 0).
     prompt_logprobs: list[TextLogprob] = []
+    embedding: list[float] = []  # a pooling request's vector (its text is no answer)
 
 
 class TextLogprob(Struct):

@@ -38,6 +38,13 @@ class StructuredOutput(Struct):
     param: str = ""  # the request field it came from, which a 400 for a spec that cannot compile names
 
 
+class Pooling(Struct):
+    """Pool the prompt's hidden states into one vector instead of generating text (/v1/embeddings):
+    the model's own pooling (config/pooling.py), cut to `dimensions` where it allows that."""
+
+    dimensions: int | None = None
+
+
 class SamplingParams(Struct):
     """How to pick tokens and when to stop; the Python API's `SamplingParams` is this struct.
 
@@ -69,6 +76,8 @@ class SamplingParams(Struct):
     # many top alternatives, computed in the prompt's own passes (vLLM's extension; `echo` with
     # `logprobs` on the completions route asks for it too). Such a request skips the prefix cache.
     prompt_logprobs: int | None = None
+    # An embedding request: the sequence's one draw is discarded, its pooled vector is the answer.
+    pooling: Pooling | None = None
     stop: list[str] = []  # stop strings, matched by the detokenizer across token boundaries
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, choice, grammar)
@@ -96,6 +105,7 @@ class SamplingParams(Struct):
                 f"must be in [0, {MAX_LOGPROBS}]",
             ),
             ("stop", len(self.stop) <= MAX_STOP_STRINGS, f"must have at most {MAX_STOP_STRINGS} strings"),
+            ("dimensions", self.pooling is None or (self.pooling.dimensions or 1) >= 1, "must be at least 1"),
             (
                 "stop",
                 all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),

@@ -100,7 +100,10 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters())  # a tied lm_head appears once, as embed_tokens
         splits, tp = splits_of(self), self.backend.tp
         missing = set(params)
+        pooling = self.config.pooling is not None
         for name, tensor in tensors:
+            if pooling and name not in params and f"model.{name}" in params:
+                name = f"model.{name}"  # an embedding checkpoint saved from the base model: no prefix
             if name not in params:
                 continue  # extras (a tied lm_head shipped anyway) are ignored
             try:
@@ -109,6 +112,9 @@ class CausalLM(nn.Module):
                 raise ConfigError(f"weight {name}: {e}: checkpoint and config.json disagree") from None
             copy_weight(name, tensor, params[name])
             missing.discard(name)
+        if pooling and "lm_head.weight" in missing:  # an embedding model without one: its draws are discarded
+            params["lm_head.weight"].data.zero_()
+            missing.discard("lm_head.weight")
         check_loaded(missing, self.config.path)
 
     def after_load(self) -> None:

@@ -118,6 +118,7 @@ class Detokenizer:
             stop_reason=stop_reason,
             queue_time=update.queue_time,
             prompt_logprobs=self.token_texts.prompt_logprobs(update.prompt) if update.prompt is not None else [],
+            embedding=update.embedding,
         )
 
     @staticmethod

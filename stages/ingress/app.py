@@ -25,6 +25,7 @@ from conveyor.stages.ingress.anthropic import errors as anthropic_errors
 from conveyor.stages.ingress.anthropic.routes import MessagesRoutes
 from conveyor.stages.ingress.auth import api_key_middleware
 from conveyor.stages.ingress.cors import Cors
+from conveyor.stages.ingress.embeddings import EmbeddingRoutes
 from conveyor.stages.ingress.engine_client import EngineClient
 from conveyor.stages.ingress.errors import ApiError
 from conveyor.stages.ingress.generate import GenerateRoutes
@@ -58,6 +59,7 @@ def build_app(config: EngineConfig, engine: EngineClient) -> web.Application:
     app.router.add_get("/v1/models", info.models)
     app.router.add_post("/v1/completions", generate.completions)
     app.router.add_post("/v1/chat/completions", generate.chat_completions)
+    app.router.add_post("/v1/embeddings", EmbeddingRoutes(config, generate).embeddings)
     app.router.add_post("/v1/messages", messages.create)
     app.router.add_post("/v1/messages/count_tokens", messages.count_tokens)
     app.router.add_post("/v1/responses", responses.create)

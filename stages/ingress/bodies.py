@@ -196,6 +196,16 @@ class ChatBody(SamplingBody, kw_only=True):
     parallel_tool_calls: bool = True
 
 
+class EmbeddingsBody(Body, kw_only=True):
+    """POST /v1/embeddings (embeddings.py)."""
+
+    input: str | PromptList  # a string, token ids, or a batch of either
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Positive | None = None  # the vector's first entries, where the model was trained for it
+    user: str | None = None  # accepted, ignored
+
+
 class TokenizeBody(Body):
     """Either `prompt` (encoded with the special tokens the model adds) or chat `messages`."""
 
@@ -236,5 +246,5 @@ class ErrorBody(msgspec.Struct):
     error: ErrorDetail
 
 
-REQUEST_BODIES = (CompletionBody, ChatBody, TokenizeBody, DetokenizeBody)
+REQUEST_BODIES = (CompletionBody, ChatBody, EmbeddingsBody, TokenizeBody, DetokenizeBody)
 RESPONSE_BODIES = (TokenizeResult, DetokenizeResult, ErrorBody)

@@ -163,6 +163,9 @@ class GenerateRoutes:
         check_num_seqs(gen, self.config.server.max_seqs_per_request)
         check_model(self.config, gen.model)
         model = self.config.model
+        if model.pooling is not None and gen.params.pooling is None:
+            message = f"the model `{model.served_name}` is an embedding model: it serves POST /v1/embeddings, not generation"
+            raise ApiError(400, message, param="model", code="model_not_generative")
         response_id = self.engine.new_request_id(id_prefix or ("chatcmpl" if chat else "cmpl"))
         num_prompts = len(gen.prompts)
         request_ids = [response_id] if num_prompts == 1 else [f"{response_id}-{p}" for p in range(num_prompts)]
@@ -243,7 +246,7 @@ async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
 def _sampling_failed() -> ApiError:
     message = (
         "the model produced non-finite logits for this request (NaN, infinity, or every token "
-        "masked, e.g. by min_tokens with stop_token_ids covering the vocabulary), so no token could be sampled"
+        "masked, e.g. by min_tokens past the end of a structured output), so no token could be sampled"
     )
     return ApiError(500, message, code="non_finite_logits")  # a 5xx: its type is server_error
 

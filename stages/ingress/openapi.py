@@ -30,6 +30,7 @@ from conveyor.stages.ingress.bodies import (
     CompletionBody,
     DetokenizeBody,
     DetokenizeResult,
+    EmbeddingsBody,
     ErrorBody,
     TokenizeBody,
     TokenizeResult,
@@ -63,6 +64,9 @@ def document(config: EngineConfig, version: str) -> dict[str, Any]:
             "post": _operation("createCompletion", "Complete a prompt, or a batch of prompts", generation, CompletionBody)
         },
         "/v1/chat/completions": {"post": _operation("createChatCompletion", "Answer a conversation", generation, ChatBody)},
+        "/v1/embeddings": {
+            "post": _operation("createEmbedding", "One vector per input", {"application/json": _OBJECT}, EmbeddingsBody)
+        },
         "/v1/messages": {
             "post": _operation(
                 "createMessage", "Answer a conversation (Anthropic's Messages API)", generation, MessagesBody, error=AnthropicError

@@ -79,7 +79,7 @@ def parse_completion(data: bytes, vocab_size: int) -> Generation:
             raise ApiError(400, "min_tokens must be at most max_tokens", param="min_tokens")
     structured = structured_output(body)
     gen = _generation(body, max_tokens or 1, body.logprobs, vocab_size, structured, prompt_logprobs)
-    gen.prompts = _prompts(body.prompt, vocab_size)
+    gen.prompts = prompts_of(body.prompt, vocab_size)
     gen.echo = body.echo
     gen.prompt_only = max_tokens == 0
     return gen
@@ -223,25 +223,26 @@ def _check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
         raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
 
 
-def _prompts(prompt: str | list[Any], vocab_size: int) -> list[Prompt]:
-    """A string, a list of token ids, or a batch: a list of strings or of token id lists."""
+def prompts_of(prompt: str | list[Any], vocab_size: int, param: str = "prompt", max_prompts: int = MAX_PROMPTS) -> list[Prompt]:
+    """A string, a list of token ids, or a batch: a list of strings or of token id lists
+    (`param` names the field: a completion's prompt, an embedding's input)."""
     if isinstance(prompt, str):
         return [Prompt(text=prompt)]
     if not prompt:
-        raise ApiError(400, "prompt must not be empty", param="prompt")
+        raise ApiError(400, f"{param} must not be empty", param=param)
     if all(_is_token_id(p) for p in prompt):
-        _check_token_ids(prompt, vocab_size, "prompt")
+        _check_token_ids(prompt, vocab_size, param)
         return [Prompt(token_ids=prompt)]
-    if len(prompt) > MAX_PROMPTS:
-        raise ApiError(400, f"a batch holds at most {MAX_PROMPTS} prompts", param="prompt")
+    if len(prompt) > max_prompts:
+        raise ApiError(400, f"a batch holds at most {max_prompts} prompts; this one has {len(prompt)}", param=param)
     if all(isinstance(p, str) for p in prompt):
         return [Prompt(text=p) for p in prompt]
     if all(isinstance(p, list) and p and all(_is_token_id(t) for t in p) for p in prompt):
         for ids in prompt:
-            _check_token_ids(ids, vocab_size, "prompt")
+            _check_token_ids(ids, vocab_size, param)
         return [Prompt(token_ids=ids) for ids in prompt]
-    message = "prompt must be a string, a list of strings, a list of token ids or a list of such lists"
-    raise ApiError(400, message, param="prompt")
+    message = f"{param} must be a string, a list of strings, a list of token ids or a list of such lists"
+    raise ApiError(400, message, param=param)
 
 
 def _is_token_id(value: Any) -> bool:

@@ -93,6 +93,7 @@ class ResponseBuilder:
         self.echo_logprobs = echo is not None and self.logprobs and not chat
         self.show_prompt_logprobs = show_prompt_logprobs
         self.prompt_only = prompt_only  # max_tokens 0: each choice's one draw is left out
+        self.embeddings: list[list[float]] = [[] for _ in range(num_prompts)]  # pooling requests': each prompt's vector
         self.shape = answer if chat else None  # a shaped chat answer's parser (tools/answer.py)
         if self.shape is not None and stream:
             for c in self.choices:
@@ -119,6 +120,8 @@ class ResponseBuilder:
         choice = self.choices[p * self.num_samples + delta.index]
         if delta.prompt_logprobs:
             self.prompt_logprobs[p] = delta.prompt_logprobs
+        if delta.embedding:
+            self.embeddings[p] = delta.embedding
         if self.prompt_only:  # the answer as if its one pass had drawn nothing
             finish = delta.finish_reason
             if finish is not None and finish is not FinishReason.ERROR:

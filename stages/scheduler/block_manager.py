@@ -148,9 +148,11 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks holding the longest prefix of a waiting sequence's known tokens
         (not yet shared), never the block of its last token, whose logits are needed. Nothing
-        for a sequence with computed tokens, nor for one asking for prompt logprobs: a hit's
-        tokens would never be computed, and their logprobs are not kept."""
-        if seq.num_computed_tokens or seq.params.prompt_logprobs is not None:
+        for a sequence with computed tokens, nor for one asking for prompt logprobs or pooling
+        its prompt: a hit's tokens would never be computed, and neither their logprobs nor their
+        hidden states are kept."""
+        params = seq.params
+        if seq.num_computed_tokens or params.prompt_logprobs is not None or params.pooling is not None:
             return []
         bs = self.block_size
         return self.lookup(seq.full_block_hashes(bs, (seq.num_tokens - 1) // bs))

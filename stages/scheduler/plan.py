@@ -60,7 +60,7 @@ def token_batches(step: int, updates: list[SeqUpdate], num_detokenizers: int) ->
                 )
             )
         tokens = SeqTokens(seq.seq_id, update.new_token_ids, update.finish_reason, seq.cumulative_logprob, update.logprobs)
-        tokens.prompt = update.prompt
+        tokens.prompt, tokens.embedding = update.prompt, update.embedding
         if update.finish_reason is not None and seq.first_scheduled_time is not None:
             tokens.queue_time = max(0.0, seq.first_scheduled_time - seq.arrival_time)
         batch.updates.append(tokens)

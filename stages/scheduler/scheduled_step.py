@@ -110,5 +110,6 @@ class SeqUpdate:
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # when the request asked
     prompt: PromptTokens | None = None  # prompt_logprobs: with the sequence's first tokens
+    embedding: list[float] = dataclasses.field(default_factory=list)  # a pooling sequence's vector
     # The detokenizer's first update of the sequence: its batch carries the sequence's DetokSeq.
     new_to_detokenizer: bool = False

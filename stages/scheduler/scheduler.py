@@ -215,6 +215,11 @@ class Scheduler:
                 asking = by_id.get(entry.seq_id)
                 if asking is not None and asking.status is SeqStatus.RUNNING:
                     asking.take_prompt_logprobs(entry)
+        if result.embeddings:
+            pooled = {row.seq.seq_id: row.seq for row in step.rows}
+            for embedding in result.embeddings:
+                if (pooling := pooled.get(embedding.seq_id)) is not None:
+                    pooling.embedding = embedding.values
         previous = None  # the sequence of the draw before: a run's later draws are accepted drafts
         for draw, ((row, seq), token) in enumerate(zip(draws, result.sampled_token_ids)):
             logprob = logprobs[draw] if logprobs else 0.0
@@ -252,6 +257,8 @@ class Scheduler:
                     self._introduced(update)
                 if seq.prompt_logprobs is not None:
                     update.prompt = seq.take_prompt_tokens()
+                if seq.embedding:
+                    update.embedding, seq.embedding = seq.embedding, []
                 updates.append(update)
             if top is not None:
                 update.logprobs.append(TokenLogprob(logprob, top.token_ids, top.logprobs))

@@ -50,6 +50,7 @@ class Sequence:
         "num_pending_lookahead",
         "cumulative_logprob",
         "prompt_logprobs",
+        "embedding",
         "enqueue_time",
         "first_scheduled_time",
         "first_token_time",
@@ -98,6 +99,7 @@ class Sequence:
         # params.prompt_logprobs: prompt tokens 1.. as the worker's passes predict them, until they
         # go out with the first update (then None, as for a sequence that did not ask).
         self.prompt_logprobs: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None else None
+        self.embedding: list[float] = []  # a pooling sequence's vector, once its prompt is done
         # Wall-clock times (time.time(), comparable with arrival_time) for the metrics.
         self.enqueue_time = arrival_time  # reached the scheduler
         self.first_scheduled_time: float | None = None

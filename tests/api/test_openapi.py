@@ -28,6 +28,7 @@ ROUTES = {
     ("get", "/v1/models"),
     ("post", "/v1/completions"),
     ("post", "/v1/chat/completions"),
+    ("post", "/v1/embeddings"),
     ("post", "/v1/responses"),
     ("get", "/v1/responses/{response_id}"),
     ("delete", "/v1/responses/{response_id}"),
@@ -58,6 +59,7 @@ def test_lists_every_route(server, document):
     for path, fields in (
         ("/v1/completions", {"prompt", "temperature", "logprobs", "echo", "stop", "response_format", "guided_json"}),
         ("/v1/chat/completions", {"messages", "top_logprobs", "logit_bias", "tools", "tool_choice", "structured_outputs"}),
+        ("/v1/embeddings", {"input", "dimensions", "encoding_format"}),
         ("/v1/responses", {"input", "instructions", "tools", "text", "previous_response_id", "max_output_tokens"}),
         ("/v1/messages", {"model", "messages", "max_tokens", "system", "tools", "tool_choice", "stop_sequences", "top_k"}),
         ("/v1/messages/count_tokens", {"model", "messages", "system", "tools", "tool_choice"}),
