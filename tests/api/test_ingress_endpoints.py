@@ -200,3 +200,9 @@ def test_openai_sdk(server):
     out = client.completions.create(model=MODEL_NAME, prompt="hello", n=2, best_of=3, max_tokens=4)
     assert [c.text for c in out.choices] == [choice_output(2, 4)[0], choice_output(0, 4)[0]]
     assert out.usage.completion_tokens == 11 and out.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_embeddings_need_an_embedding_model(server):
+    url, _, _ = server
+    error = assert_error(post(url, "/v1/embeddings", {"input": "hi"}), 400, "model", "model_not_embedding")
+    assert "generates text" in error["message"]
