@@ -12,6 +12,9 @@ import jsonschema
 import openai
 import pytest
 
+# A daemon of its own (about 90 s on two cores): kept out of the default run, as test_anthropic_e2e.py.
+pytestmark = pytest.mark.slow
+
 WEATHER = {
     "type": "object",
     "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}, "day": {"enum": ["today", "tomorrow"]}},
