@@ -52,11 +52,11 @@ class Pooler:
                 total = chunk.sum(dim=0)
                 self._partial[seq_id] = self._partial[seq_id] + total if seq_id in self._partial else total
             elif mode == "first" and start == 0:
-                self._partial[seq_id] = chunk[0]
+                self._partial[seq_id] = chunk[0].clone()  # hidden may be a CUDA graph's buffer, replayed next pass
             if start + length < num_prompt:
                 continue
             if mode == "last":
-                vector = chunk[-1]
+                vector = chunk[-1].clone()  # read on the host after later passes (a graph's buffer is reused)
             else:
                 vector = self._partial.pop(seq_id)
                 if mode == "mean":

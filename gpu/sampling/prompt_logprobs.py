@@ -85,8 +85,8 @@ def compute_prompt_logprobs(
     parts: list[tuple[torch.Tensor, ...]] = []
     for at in range(0, index.numel(), SLICE):
         logits = compute_logits(hidden.index_select(0, index[at : at + SLICE]))  # [n, V] float32
-        if logits.shape[-1] == 0:
-            return None
+        if logits.shape[-1] == 0:  # a rank without logits: it still joins every slice's gather
+            continue
         logprobs = torch.log_softmax(logits, dim=-1)
         chosen = logprobs.gather(1, targets[at : at + SLICE, None])  # [n, 1]
         ranks = (logprobs > chosen).sum(dim=1) + 1
@@ -94,5 +94,7 @@ def compute_prompt_logprobs(
         if k:
             part += tuple(torch.topk(logprobs, k, dim=-1))
         parts.append(part)
+    if not parts:
+        return None
     cat = [torch.cat(column) for column in zip(*parts)]
     return PromptLogprobsOnDevice(rows, cat[0], cat[1], cat[2] if k else None, cat[3] if k else None)

@@ -25,6 +25,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from conveyor.tiny.eagle3 import make_eagle3_head
 from tests.daemon.test_pipeline import PROMPTS, complete
@@ -72,8 +73,12 @@ def test_tensor_parallel_greedy_matches_transformers(tp, extra, checkpoints, ref
     assert len(daemon.stage_pids("worker")) == tp
     ref = reference(path)
     expected = {prompt: ref.greedy(ref.encode(prompt), NUM_TOKENS) for prompt in PROMPTS}
+    ids = ref.encode(PROMPTS[1])
+    with torch.inference_mode():  # the prompt's log-likelihoods, which rank 0 gathers in its passes
+        rows = torch.log_softmax(ref.model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    likelihoods = [None] + [rows[i, token].item() for i, token in enumerate(ids[1:])]
     try:
-        check_concurrent_requests(daemon, expected)
+        check_concurrent_requests(daemon, expected, likelihoods)
         if any("DRAFT" in a for a in extra):  # a draft equal to the model: its greedy rows' drafts hold
             drafts = daemon.metric('conveyor_spec_decode_draft_tokens_total{engine="0"}')
             accepted = daemon.metric('conveyor_spec_decode_accepted_tokens_total{engine="0"}')
@@ -83,9 +88,10 @@ def test_tensor_parallel_greedy_matches_transformers(tp, extra, checkpoints, ref
         raise
 
 
-def check_concurrent_requests(daemon, expected: dict[str, list[int]]) -> None:
+def check_concurrent_requests(daemon, expected: dict[str, list[int]], likelihoods: list[float | None]) -> None:
     jobs = [(prompt, stream) for prompt in PROMPTS for stream in (False, True)]
-    with concurrent.futures.ThreadPoolExecutor(len(jobs) + 1 + len(SAMPLED)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(len(jobs) + 2 + len(SAMPLED)) as pool:
+        scored = pool.submit(daemon.post, "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 0, "echo": True, "logprobs": 1})
         forked = pool.submit(
             daemon.post,
             "/v1/completions",
@@ -106,6 +112,8 @@ def check_concurrent_requests(daemon, expected: dict[str, list[int]]) -> None:
     logprobs = penalised.json()["choices"][0]["logprobs"]
     assert len(logprobs["token_logprobs"]) == NUM_TOKENS and all(-50 < lp <= 0 for lp in logprobs["token_logprobs"])
     assert all(2 <= len(top) <= 3 for top in logprobs["top_logprobs"])  # the top 2, and the sampled token where not among them
+    assert scored.result().status_code == 200, scored.result().text
+    assert scored.result().json()["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(likelihoods, abs=1e-4)
 
 
 @pytest.mark.slow  # a rank killed and the engine restarted, twice: half a minute of daemons (-m slow)
