@@ -6,8 +6,9 @@
    logit -= presence * (count > 0) + frequency * count;
 3. logit_bias, added;
 4. min_tokens: while the sequence has fewer outputs than min_tokens, its EOS ids (unless
-   ignore_eos) and stop_token_ids get -inf; ids covering the vocabulary leave nothing to draw,
-   and the sampler fails that draw rather than pick a masked id.
+   ignore_eos) and stop_token_ids get -inf. Ids covering the vocabulary are refused at admission
+   (stages/tokenizer/preparation.py); a grammar that allows only what min_tokens bans still leaves
+   nothing to draw, and the sampler fails that draw rather than pick a masked id.
 
 Invariants: draws.py calls `apply_penalties` on a pass's logits; a row is edited once, whatever
 its number of draws; the raw logits stay intact (for logprobs), and a step where no row needs an

@@ -6,7 +6,8 @@ keyed by the StructuredOutput's (kind, spec). The tokenizer stage compiles to
 validate (`check`), the worker to decode: each process compiles its own.
 
 Specs by kind (wire/sampling_params.py): json_object is any JSON object; json_schema a schema
-(strict: no properties or items beyond those it names, which keeps a model on the schema);
+(strict: no properties or items beyond those it names, which keeps a model on the schema;
+json_schema.py mends its strings and refuses the keywords xgrammar would not enforce);
 regex and grammar (EBNF / GBNF, rule `root`) as given; choice a JSON array of strings, exactly
 one of which the output must be. JSON may hold at most JSON_MAX_WHITESPACE blanks in a row
 between its tokens.
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 import xgrammar as xgr
 
 from conveyor.config.model import ModelConfig
+from conveyor.gpu.structured.json_schema import json_schema_grammar
 from conveyor.gpu.structured.matcher import Matcher
 from conveyor.gpu.structured.vocabulary import tokenizer_info
 from conveyor.wire.sampling_params import StructuredOutput
@@ -84,7 +86,7 @@ class Grammars:
                         '{"type": "object"}', strict_mode=False, max_whitespace_cnt=JSON_MAX_WHITESPACE
                     )
                 case "json_schema":
-                    return self.compiler.compile_json_schema(spec, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+                    return self.compiler.compile_grammar(json_schema_grammar(spec, JSON_MAX_WHITESPACE))
                 case "regex":
                     return self.compiler.compile_regex(spec)
                 case "choice" | "grammar":

@@ -16,7 +16,7 @@ import msgspec
 from conveyor.config import EngineConfig
 from conveyor.stages.tokenizer.encoder import PromptEncoder, template_messages
 from conveyor.stages.tokenizer.length_limit import PromptTooLong
-from conveyor.wire.messages import ScheduleRequest, TokenizeRequest
+from conveyor.wire.messages import SamplingParams, ScheduleRequest, TokenizeRequest
 
 
 class Rejected(Exception):
@@ -41,6 +41,7 @@ def prepare(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest) 
         raise Rejected("the prompt is empty", param="prompt")
 
     params = req.params
+    _check_drawable(params, config)
     budget = max_len - len(ids)
     if params.max_tokens is not None and params.max_tokens > budget:
         raise Rejected(
@@ -62,6 +63,28 @@ def prepare(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest) 
 
         check_structured(params, config.model)
     return ScheduleRequest(req.request_id, req.ingress, list(ids), params, req.arrival_time, priority=req.priority)
+
+
+def _check_drawable(params: SamplingParams, config: EngineConfig) -> None:
+    """The sampler masks the ids whose logit_bias is -inf (only the Python API can send one: the
+    HTTP body bounds a bias), and until min_tokens outputs are out the stop ids, and EOS unless
+    ignore_eos (gpu/sampling/penalties.py). If those cover the whole vocabulary no token could
+    ever be drawn: the request's fault, refused here rather than failed by the worker."""
+    vocab = config.model.vocab_size
+    masked = {t for t, bias in (params.logit_bias or {}).items() if bias == float("-inf")}
+    if params.min_tokens > 0:
+        masked |= {*params.stop_token_ids, *(() if params.ignore_eos else config.model.eos_token_ids)}
+    if sum(0 <= t < vocab for t in masked) < vocab:
+        return
+    if params.min_tokens == 0:
+        raise Rejected(f"logit_bias masks all {vocab} ids of the vocabulary: no token could be sampled", param="logit_bias")
+    eos = "" if params.ignore_eos else " nor the model's EOS ids"
+    bias = " (with the ids logit_bias masks)" if params.logit_bias else ""
+    raise Rejected(
+        f"min_tokens={params.min_tokens} cannot be met: until that many tokens are out no id in "
+        f"stop_token_ids{eos} may be sampled, and they cover all {vocab} ids of the vocabulary{bias}",
+        param="min_tokens",
+    )
 
 
 def _encode(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest, limit: int) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conveyor import SamplingParams
+from conveyor.wire.sampling_params import StructuredOutput
 from tests.conftest import ARCHITECTURES
 
 NUM_TOKENS = 12
@@ -94,13 +95,35 @@ def test_stop_strings_n_and_best_of(engines):
 
 
 def test_a_request_with_nothing_to_sample_finishes_with_error(engines):
-    """min_tokens with every id a stop id masks the whole vocabulary: that request ends with
-    finish_reason "error" and no tokens, the one beside it completes."""
+    """min_tokens past a complete grammar: the grammar allows only EOS, min_tokens bans it, so the
+    whole vocabulary is masked: that request ends with finish_reason "error", the one beside it
+    completes."""
     llm = engines["LlamaForCausalLM"]
-    every_id = list(range(llm.config.model.vocab_size))
-    masked = SamplingParams(temperature=1.0, min_tokens=3, max_tokens=6, stop_token_ids=every_id)
+    masked = SamplingParams(temperature=1.0, min_tokens=6, max_tokens=8, structured=StructuredOutput("choice", '["a"]'))
     normal = SamplingParams(temperature=1e-46, max_tokens=6, ignore_eos=True)  # greedy, not NaN
     bad, good = llm.generate(["Nothing to draw", "Something to say"], [masked, normal])
-    assert (bad.outputs[0].finish_reason, bad.outputs[0].token_ids) == ("error", [])
+    assert bad.outputs[0].finish_reason == "error" and bad.outputs[0].text == "a"
     assert good.outputs[0].finish_reason == "length" and len(good.outputs[0].token_ids) == 6
+    assert llm.core.scheduler.blocks.num_used == 0
+
+
+def test_min_tokens_that_no_token_can_meet_is_refused(engines):
+    """min_tokens bans the stop ids and EOS, a -inf logit_bias its ids: when they cover the
+    vocabulary the request is the caller's error, refused before it is scheduled, not a draw
+    that fails."""
+    llm = engines["LlamaForCausalLM"]
+    model = llm.config.model
+    not_eos = [t for t in range(model.vocab_size) if t not in model.eos_token_ids]
+    for params in [
+        SamplingParams(min_tokens=3, max_tokens=6, stop_token_ids=list(range(model.vocab_size))),
+        SamplingParams(min_tokens=1, max_tokens=6, stop_token_ids=not_eos),  # EOS covers the rest
+    ]:
+        with pytest.raises(ValueError, match="min_tokens=.*stop_token_ids"):
+            llm.generate("x", params)
+    with pytest.raises(ValueError, match="logit_bias masks all"):  # the Python API's bias is unbounded
+        llm.generate("x", SamplingParams(max_tokens=2, logit_bias=dict.fromkeys(range(model.vocab_size), float("-inf"))))
+    # What leaves an id to draw passes: no min_tokens, or EOS not banned under ignore_eos.
+    assert llm.generate("x", SamplingParams(max_tokens=2, stop_token_ids=not_eos))[0].outputs[0].finish_reason == "stop"
+    out = llm.generate("x", SamplingParams(min_tokens=2, max_tokens=2, stop_token_ids=not_eos, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids[0] in model.eos_token_ids
     assert llm.core.scheduler.blocks.num_used == 0

@@ -56,32 +56,52 @@ def loaded_daemon(daemon_factory):
     return daemon
 
 
-# Metrics only a daemon with several engines records (the router's): this daemon has one.
-# tests/daemon/test_data_parallel.py reads them from a daemon with two. Likewise speculative
-# decoding's, which tests/daemon/test_spec_daemon.py reads from a daemon that speculates.
-SEVERAL_ENGINES_ONLY = ("conveyor_router_",)
+# Metrics only a daemon with several engines records (the router's), or one that speculates: the
+# default deployment has neither, and its panels on them fall back to a 0 (`or vector(0)`) so that
+# they show data there too. tests/daemon/test_spec_daemon.py reads speculation's from a daemon that
+# speculates, without the fallback; tests/daemon/test_data_parallel.py the router's.
 SPECULATION_ONLY = ("conveyor_spec_decode_",)
+FALLBACK = re.compile(r"\s+or\s+vector\([0-9.]+\)")
 
 
-def expressions(*, speculation: bool = False) -> list[str]:
-    """The dashboard's and the alert rules' expressions that this test's daemon feeds, or with
-    `speculation` only those of speculative decoding."""
-    dashboard = json.loads((OPS / "grafana/dashboards/conveyor.json").read_text())
+def dashboard_exprs() -> list[tuple[str, str]]:
+    """(panel title, expression) for every query of every panel, those in collapsed rows too."""
     found = []
 
     def walk(panels):
         for panel in panels:
-            found.extend(t["expr"] for t in panel.get("targets", []))
+            found.extend((panel["title"], t["expr"]) for t in panel.get("targets", []))
             walk(panel.get("panels", []))
 
-    walk(dashboard["panels"])
+    walk(json.loads((OPS / "grafana/dashboards/conveyor.json").read_text())["panels"])
+    return found
+
+
+def expressions(*, speculation: bool = False) -> list[str]:
+    """The dashboard's and the alert rules' expressions, which a one-engine daemon must feed, or
+    with `speculation` those of speculative decoding without their fallback."""
+    found = [expr for _, expr in dashboard_exprs()]
     for group in yaml.safe_load((OPS / "prometheus/alerts.yml").read_text())["groups"]:
         for rule in group["rules"]:
             # An alert's condition is false while all is well; its expression must still have data.
             found.append(re.sub(r"\s*(==|!=|>=|<=|>|<)\s*[0-9.e+-]+\s*$", "", rule["expr"].strip()))
     if speculation:
-        return sorted(e for e in set(found) if any(name in e for name in SPECULATION_ONLY))
-    return sorted(e for e in set(found) if not any(name in e for name in SEVERAL_ENGINES_ONLY + SPECULATION_ONLY))
+        return sorted(FALLBACK.sub("", e) for e in set(found) if any(name in e for name in SPECULATION_ONLY))
+    return sorted(set(found))
+
+
+def test_every_panel_has_a_series_on_one_engine(loaded_daemon):
+    """The default deployment (one engine, no speculation) exports a series for every metric a
+    panel's query names, or the query falls back to a 0: no panel says "no data" there. (Whether
+    each query's value is a number, not NaN, takes a Prometheus: the slow test below.)"""
+    from tests.ops.test_ops_assets import promql_names
+
+    text = requests.get(f"{loaded_daemon.url}/metrics", timeout=10).text
+    exported = {"up"} | {re.split(r"[{ ]", line, maxsplit=1)[0] for line in text.splitlines() if line and not line.startswith("#")}
+    without = [
+        (title, expr) for title, expr in dashboard_exprs() if not FALLBACK.search(expr) and not set(promql_names(expr)[0]) <= exported
+    ]
+    assert not without, without
 
 
 @pytest.mark.slow  # a minute of Prometheus scraping load (-m slow)

@@ -119,7 +119,8 @@ def test_bad_requests_get_errors_and_the_daemon_keeps_serving(default_daemon):
 def test_requests_that_break_sampling_fail_alone(default_daemon):
     """Issue 13: one request took the whole daemon down (NaN probabilities, an id equal to the
     vocabulary size, IndexError in the worker). Now a subnormal temperature is greedy, an extreme
-    repetition_penalty is a 400, and a request left with nothing to draw fails by itself."""
+    repetition_penalty is a 400, min_tokens that no token can meet is a 400, and a request left with
+    nothing to draw fails by itself."""
     from conveyor.tiny.tokenizer import VOCAB_SIZE
 
     d = default_daemon
@@ -130,8 +131,23 @@ def test_requests_that_break_sampling_fail_alone(default_daemon):
     r = d.post("/v1/completions", {"prompt": "hi", "max_tokens": 8, "temperature": 1, "repetition_penalty": 1e-50})
     assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"
 
-    # min_tokens with every id a stop id: every logit is masked, there is nothing to draw from.
-    masked = {"prompt": "hi", "max_tokens": 8, "min_tokens": 4, "temperature": 1, "stop_token_ids": list(range(VOCAB_SIZE))}
+    # min_tokens with every id a stop id could never be met: the client's error, refused at admission.
+    every_id = {"prompt": "hi", "max_tokens": 8, "min_tokens": 4, "temperature": 1, "stop_token_ids": list(range(VOCAB_SIZE))}
+    chat = {k: v for k, v in every_id.items() if k != "prompt"} | {"messages": [{"role": "user", "content": "hi"}]}
+    for route, body in [
+        ("/v1/completions", every_id),
+        ("/v1/completions", every_id | {"stream": True}),
+        ("/v1/chat/completions", chat),
+    ]:
+        r = d.post(route, body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", "min_tokens")
+        assert "stop_token_ids" in error["message"]
+        assert complete(d, "still here?", stream=False, max_tokens=3)[0]
+
+    # min_tokens past a complete grammar: it allows only EOS, min_tokens bans it, nothing to draw.
+    masked = {"prompt": "hi", "max_tokens": 8, "min_tokens": 4, "temperature": 1, "guided_choice": ["a"]}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         normal = pool.submit(complete, d, "a request beside it", stream=False, max_tokens=24)
         r = d.post("/v1/completions", masked)

@@ -5,6 +5,7 @@ complete, and a pass's mask touches only its constrained rows. No model runs her
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -131,3 +132,87 @@ def test_the_tokenizer_stage_starts_without_the_grammar_engine():
     code = "import sys, conveyor.stages.tokenizer.main; print(sorted({'xgrammar', 'torch', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# RFC 8259 wants U+0000-U+001F escaped inside strings. xgrammar's own rule for a string with a
+# length bound let them in raw (and let no escape in); gpu/structured/json_schema.py mends it.
+# (schema, the start of an answer that leaves it inside a string)
+STRINGS = {
+    "plain": ({"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}, '{"s": "a'),
+    "bounded": (
+        {"type": "object", "properties": {"s": {"type": "string", "minLength": 2, "maxLength": 9}}, "required": ["s"]},
+        '{"s": "a',
+    ),
+    "bounded items": ({"type": "array", "items": {"type": "string", "maxLength": 9}}, '["a'),
+    "property names": ({"type": "object", "propertyNames": {"maxLength": 3}}, '{"a'),
+}
+
+
+@pytest.mark.parametrize("name", STRINGS)
+def test_json_strings_refuse_raw_control_characters(model, encode, default_model, name):
+    """No id whose bytes hold a control character is allowed inside a string; its escape is."""
+    schema, prefix = STRINGS[name]
+    decode = Tokenizer.from_file(str(default_model / "tokenizer.json")).decode
+    grammars = grammars_for(model)
+    spec = StructuredOutput("json_schema", json.dumps(schema))
+    matcher = grammars.matcher(spec, encode(prefix))
+    assert matcher.num_rejected == 0
+    # An id may close the string and go on with blanks ('",\n'): what comes before its quote counts.
+    inside = [decode([t]).split('"')[0] for t in allowed(matcher, model.vocab_size)]
+    assert inside and not [text for text in inside if any(ord(c) < 0x20 for c in text)]
+    assert len(encode("\x01")) == 1 and not matcher.accept(encode("\x01")[0])  # the raw id exists: refused
+    rest = {"plain": '"}', "bounded": '"}', "bounded items": '"]', "property names": '": 1}'}[name]
+    assert all(matcher.accept(t) for t in encode("\\u0001\\n" + rest)), name
+    assert allowed(matcher, model.vocab_size) == sorted(model.eos_token_ids)  # complete
+
+
+def test_a_bounded_string_counts_an_escape_as_one_character(model, encode):
+    schema = {"type": "string", "minLength": 2, "maxLength": 2}
+    grammars = grammars_for(model)
+    spec = StructuredOutput("json_schema", json.dumps(schema))
+    for text, complete in [('"\\u00e9\\"', False), ('"\\u00e9\\""', True), ('"\\ud83d\\ude00x"', True), ('"é\\t"', True)]:
+        matcher = grammars.matcher(spec, encode(text))
+        assert matcher.num_rejected == 0, text
+        assert (allowed(matcher, model.vocab_size) == sorted(model.eos_token_ids)) is complete, text
+    # a surrogate pair is one code point (too few here); a lone surrogate none
+    for text in ('"\\ud83d\\ude00"', '"\\ud83dx"'):
+        assert grammars.matcher(spec, encode(text)).num_rejected > 0, text
+
+
+# Keywords xgrammar would drop without a word: refused, naming the keyword.
+UNSUPPORTED = [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"not": {"type": "integer"}}, "not"),
+    ({"type": "object", "properties": {"a": {"if": {"type": "integer"}, "then": {"minimum": 5}}}}, "if"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+    ({"allOf": [{"type": "integer"}, {"maximum": 5}]}, "allOf"),
+    ({"type": "number", "multipleOf": 0.5}, "multipleOf"),
+    ({"type": "string", "enum": ["abc", "d"], "maxLength": 1}, "maxLength"),
+    ({"type": "integer", "enum": [1, "a"]}, "is not of type"),
+    ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "pattern"),
+    ({"type": "string", "pattern": '^\\\\"$'}, "pattern"),
+    ({"type": "string", "pattern": "^[\\x00-\\x1f]$"}, "pattern"),
+    ({"type": "string", "format": "date", "maxLength": 3}, "format"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "propertyNames": {"maxLength": 0}}, "propertyNames"),
+    ({"type": "array", "contains": {"const": 1}, "maxContains": 1}, "maxContains"),
+]
+
+
+@pytest.mark.parametrize(("schema", "keyword"), UNSUPPORTED)
+def test_a_schema_keyword_the_grammar_cannot_hold_is_refused(model, schema, keyword):
+    with pytest.raises(Rejected, match=f"invalid JSON schema: .*{keyword}") as e:
+        check_structured(SamplingParams(structured=StructuredOutput("json_schema", json.dumps(schema))), model)
+    assert e.value.param == "response_format"
+
+
+def test_keywords_the_grammar_holds_pass(model):
+    for schema in [
+        {"oneOf": [{"type": "integer"}]},
+        {"oneOf": [{"const": "a"}, {"const": "b"}], "discriminator": {"propertyName": "kind"}},
+        {"type": "integer", "multipleOf": 3},
+        {"type": "integer", "enum": [1, 2.0]},
+        {"type": "object", "properties": {"not": {"type": "string", "maxLength": 2}, "if": {"enum": [True]}}},
+        {"type": "string", "pattern": "^[a-z]+\\d$"},
+    ]:
+        check(StructuredOutput("json_schema", json.dumps(schema)), model)

@@ -1,6 +1,6 @@
 """Constrained decoding through the Python API on the tiny random-weights model, which never
-writes JSON by itself: whatever it draws, every output must parse and validate (parsed with
-strict=False: xgrammar's schema strings admit raw control characters, its issue 286), end on EOS
+writes JSON by itself: whatever it draws, every output must parse and validate (with a strict
+parser: no raw control character in a string, gpu/structured/json_schema.py), end on EOS
 (finish reason "stop"), and leave the unconstrained requests beside it exactly as they are alone.
 Under a single step per plan, multi-step windows, and a pool small enough to preempt (a resumed
 sequence's matcher is rebuilt from its outputs)."""
@@ -73,7 +73,7 @@ def multistep_llm(default_model):
 
 
 def loads(text: str):
-    return json.loads(text, strict=False)
+    return json.loads(text)
 
 
 def constrained(kind: StructuredKind, spec: str = "", **params) -> SamplingParams:
