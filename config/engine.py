@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from conveyor.config.lora import LoraConfig
 from conveyor.config.model import ModelConfig
 from conveyor.config.options import option
 from conveyor.config.speculative import SpeculativeConfig
@@ -213,6 +214,7 @@ class EngineConfig:
     stages: StagesConfig = StagesConfig()
     server: ServerConfig = ServerConfig()
     speculative: SpeculativeConfig | None = None  # --speculative-config; None: no speculation
+    lora: LoraConfig = LoraConfig()  # --enable-lora and its adapters
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

@@ -18,6 +18,7 @@ from conveyor.config.engine import (
     ServerConfig,
     StagesConfig,
 )
+from conveyor.config.lora import LoraConfig
 from conveyor.config.model import DTYPES
 from conveyor.config.options import Setting, option, settings
 from conveyor.config.quant import ONLINE_METHODS
@@ -70,6 +71,7 @@ OPTION_CLASSES: dict[str, type] = {
     "KV cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "speculative decoding": SpeculationOptions,
+    "LoRA adapters": LoraConfig,
     "parallelism": ParallelConfig,
     "stages": StagesConfig,
     "server": ServerConfig,

@@ -7,16 +7,16 @@ from typing import TYPE_CHECKING
 
 from conveyor.wire.messages import SamplingParams
 
-__all__ = ["LLM", "SamplingParams"]  # LLM comes through __getattr__
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]  # LLM and LoRARequest come through __getattr__
 
 if TYPE_CHECKING:
-    from conveyor.llm import LLM
+    from conveyor.llm import LLM, LoRARequest
 
 
 def __getattr__(name: str):
     # LLM pulls in torch; import it only when asked for.
-    if name == "LLM":
-        from conveyor.llm import LLM
+    if name in ("LLM", "LoRARequest"):
+        from conveyor import llm
 
-        return LLM
+        return getattr(llm, name)
     raise AttributeError(name)

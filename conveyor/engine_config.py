@@ -24,6 +24,7 @@ from conveyor.config.engine import (
 )
 from conveyor.config.engine_options import OPTION_CLASSES, ModelOptions, SpeculationOptions
 from conveyor.config.errors import ConfigError
+from conveyor.config.lora import LoraConfig
 from conveyor.config.model import ModelConfig
 from conveyor.config.options import collect
 from conveyor.config.speculative import parse_speculative_config
@@ -77,6 +78,8 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
                 check_tensor_parallel(speculative.draft, parallel)
             except ConfigError as e:
                 raise ConfigError(f"--speculative-config: the draft model: {e}") from None
+    lora = LoraConfig(**fields[LoraConfig])
+    check_lora(lora, model_config)
     server = fields[ServerConfig]
     if "chat_template" in server:
         server["chat_template"] = _read_template(server["chat_template"])
@@ -88,7 +91,26 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
         stages=StagesConfig(**fields[StagesConfig]),
         server=ServerConfig(**server),
         speculative=speculative,
+        lora=lora,
     )
+
+
+def check_lora(lora: LoraConfig, model: ModelConfig) -> None:
+    """Each --lora-modules adapter read and checked against the model (config/lora_adapter.py):
+    one ConfigError line naming the adapter and what is wrong."""
+    if not lora.enable_lora:
+        return
+    from conveyor.config.lora_adapter import read_adapter_info
+
+    names = set()
+    for name, path in lora.modules():
+        if name in names or name == model.served_name:
+            raise ConfigError(f"--lora-modules: the name {name!r} is taken")
+        names.add(name)
+        try:
+            read_adapter_info(name, path, model, lora.max_lora_rank)
+        except (ConfigError, ValueError) as e:
+            raise ConfigError(f"--lora-modules {name}: {e}") from None
 
 
 def check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:

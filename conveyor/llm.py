@@ -17,9 +17,11 @@ from typing import cast
 import msgspec
 from tokenizers import Tokenizer
 
+from conveyor.config.lora_adapter import read_adapter_info
 from conveyor.config.pooling import check_dimensions
 from conveyor.engine_config import build_engine_config
 from conveyor.stages.detokenizer.detokenizer import Detokenizer
+from conveyor.stages.scheduler.adapters import adapters_for
 from conveyor.stages.scheduler.engine_core import EngineCore
 from conveyor.stages.scheduler.plan import token_batches
 from conveyor.stages.tokenizer.encoder import PromptEncoder
@@ -36,6 +38,15 @@ class CompletionOutput:
     cumulative_logprob: float = 0.0
     logprobs: list[TextLogprob] = dataclasses.field(default_factory=list)  # when asked for
     stop_reason: str | int | None = None  # the stop string, or stop token id, that ended it
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter for a prompt (`LLM.generate(..., lora_request=...)`): a PEFT adapter
+    directory, served under `name` (registered on first use; needs `enable_lora=True`)."""
+
+    name: str
+    path: str
 
 
 @dataclasses.dataclass
@@ -73,6 +84,7 @@ class LLM:
             max_model_len=self.config.model.max_model_len,
             eos_token_ids=self.config.model.eos_token_ids,
             speculative=self.config.speculative,
+            adapters=adapters_for(self.config),
         )
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
@@ -84,8 +96,10 @@ class LLM:
         self,
         prompts: str | Seq[str] | Seq[int] | Seq[Seq[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text, or a list of token ids); outputs in prompt order."""
+        """Generate for each prompt (text, or a list of token ids); outputs in prompt order.
+        `lora_request`: one adapter for every prompt, or one (or None: the base) per prompt."""
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         batch = cast(Seq[str | Seq[int]], [prompts] if single else prompts)  # the check mypy cannot follow
         requests = [
@@ -94,7 +108,7 @@ class LLM:
             else TokenizeRequest(f"gen-{next(self._ids)}", 0, SamplingParams(), time.time(), prompt_token_ids=list(p))
             for p in batch
         ]
-        return self._run(requests, batch, sampling_params)
+        return self._run(requests, batch, sampling_params, lora_request)
 
     def embed(self, prompts: str | Seq[str] | Seq[int] | Seq[Seq[int]], dimensions: int | None = None) -> list[RequestOutput]:
         """Each prompt's vector (`RequestOutput.embedding`), from an embedding checkpoint's pooling
@@ -127,13 +141,21 @@ class LLM:
         ]
         return self._run(requests, [None] * len(requests), sampling_params)
 
-    def _run(self, requests: list[TokenizeRequest], prompts: Seq, sampling_params) -> list[RequestOutput]:
+    def _run(self, requests: list[TokenizeRequest], prompts: Seq, sampling_params, lora_request=None) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(requests)
         if len(sampling_params) != len(requests):
             raise ValueError("give one SamplingParams, or one per prompt")
+        if lora_request is not None:
+            loras = [lora_request] * len(requests) if isinstance(lora_request, LoRARequest) else list(lora_request)
+            if len(loras) != len(requests):
+                raise ValueError("give one LoRARequest, or one (or None) per prompt")
+            sampling_params = [
+                p if lora is None else msgspec.structs.replace(p, adapter=self._adapter(lora))
+                for p, lora in zip(sampling_params, loras)
+            ]
         if self.config.model.pooling is not None and any(p.pooling is None for p in sampling_params):
             raise ValueError(f"{self.config.model.served_name} is an embedding model: use LLM.embed")
         prepared = []
@@ -168,6 +190,19 @@ class LLM:
             if params.pooling is not None:
                 outputs[-1].embedding = self._embeddings.pop(request.request_id)
         return outputs
+
+    def _adapter(self, lora: LoRARequest) -> str:
+        """The adapter's name, registered with the scheduler on first use (checked: config/lora_adapter.py)."""
+        adapters = self.core.scheduler.adapters
+        if adapters is None:
+            raise ValueError("a LoRARequest needs LLM(..., enable_lora=True)")
+        known = adapters.registry.get(lora.name)
+        if known is None:
+            lora_config = self.config.lora
+            adapters.register(read_adapter_info(lora.name, lora.path, self.config.model, lora_config.max_lora_rank))
+        elif known.path != lora.path:
+            raise ValueError(f"the adapter name {lora.name!r} is taken by {known.path}")
+        return lora.name
 
     def _drain(self) -> dict[str, dict[int, CompletionOutput]]:
         """Step until every request finished, each plan run to its end, detokenizing each pass

@@ -40,6 +40,7 @@ class WorkerSeq:
     # num_tokens count that pass's token alone until its result says how many drafts held.
     verifying: bool = False
     acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # how its drafts fared: how many to verify
+    lora_slot: int = -1  # its adapter's slot on this worker (gpu/lora/slots.py); -1: the base weights
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:

@@ -27,6 +27,7 @@ import torch
 from conveyor.config.engine import EngineConfig
 from conveyor.gpu.backends import Backend
 from conveyor.gpu.cuda_graphs import DecodeGraphs
+from conveyor.gpu.lora.slots import LoraSlots
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.sampling import share_draws
 from conveyor.gpu.parallel.shard import shard_model_config
@@ -93,6 +94,8 @@ class ModelRunner:
         # draft model's or EAGLE-3 head's KV beside the target's.
         self.spec = Speculator(config, self.platform, self.batch, self.tp, self.model) if config.speculative is not None else None
         self.pooler = Pooler(config.model.pooling) if config.model.pooling is not None else None
+        # LoRA (gpu/lora/slots.py): --max-loras slots beside the weights, allocated before the KV pool is sized.
+        self.lora = LoraSlots(self.model, config, self.backend.ops, self.tp, self.device) if config.lora.enable_lora else None
 
     def num_available_blocks(self) -> int:
         """KV blocks this device can hold next to the model (and, on CUDA, a full step's peak),
@@ -132,7 +135,8 @@ class ModelRunner:
         """Whether decode steps take the CUDA-graph path (captured on CUDA). Not with tp > 1: a graph
         around NCCL collectives is possible but has not been run here, so those steps run eagerly."""
         parallel = self.config.parallel
-        eager = parallel.enforce_eager or (self.spec is not None and self.spec.runs_eagerly)
+        # LoRA's token slots are not graph inputs yet: its steps run eagerly.
+        eager = parallel.enforce_eager or (self.spec is not None and self.spec.runs_eagerly) or self.lora is not None
         return self.platform.runs_graphs and not eager and self.attn.supports_cuda_graphs and self.tp.size == 1
 
     # --- running plans ------------------------------------------------------------------------
@@ -205,6 +209,9 @@ class ModelRunner:
             if new.params.structured is not None:
                 self._constrained.add(new.seq_id)
             self.batch.add(new.seq_id, [], new.params)
+        if self.lora is not None:
+            for load in plan.lora_loads:
+                self.lora.load(load)
         self.attn.copy_blocks(self.kv_caches, plan.copy_blocks)
         if self.spec is not None:
             self.spec.copy_blocks(plan.copy_blocks)
@@ -228,6 +235,7 @@ class ModelRunner:
         # A known seq_id is a resume after preemption, computed again from 0 or from a prefix-cache
         # hit: then the leading num_computed_tokens already have KV in the row's blocks.
         seq = WorkerSeq(new.seq_id, list(new.token_ids), new.params, new.num_prompt_tokens, new.num_computed_tokens, index=new.index)
+        seq.lora_slot = new.lora_slot
         seq.matcher = self._matcher(seq)  # a resumed sequence's outputs replayed into it
         return seq
 
@@ -250,6 +258,8 @@ class ModelRunner:
             return False
         clock = PassClock(self.platform.mark, arrival if arrival is not None else self._last_clock)
         work = self._first_pass(window) if k == 0 else self._next_pass(window, k, active)
+        if self.lora is not None:
+            self.lora.begin_pass([seq.lora_slot for seq, n in zip(work.rows, work.num_new) for _ in range(n)])
         hidden = self._forward(work.inputs)  # [T, H]
         if self.spec is not None:
             self.spec.follow(work.inputs, work.rows)

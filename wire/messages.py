@@ -198,6 +198,7 @@ class NewSeq(Struct):
     # Leading tokens whose KV is already in the blocks its table will name (prefix-cache hit):
     # the worker starts computing after them.
     num_computed_tokens: int = 0
+    lora_slot: int = -1  # the device slot holding its adapter (StepPlan.lora_loads); -1: the base weights
 
 
 class Fork(Struct):
@@ -243,6 +244,15 @@ class StepPlan(Struct, tag=10):
     # passes 0 .. num_tokens - 1 (its new_block_ids hold all of them), each pass's input being the
     # token the pass before drew, on the device. One StepResult per pass.
     num_steps: int = 1
+    # Adapters to place before the forward (a slot's previous adapter is evicted): the plan's
+    # new sequences name these slots.
+    lora_loads: list[LoraLoad] = []
+
+
+class LoraLoad(Struct):
+    slot: int
+    name: str
+    path: str  # a PEFT adapter directory, read and checked by the scheduler (config/lora_adapter.py)
 
 
 class InitializeCache(Struct, tag=13):  # tag 11 (a Shutdown nobody sent) is retired, not reused

@@ -78,6 +78,8 @@ class SamplingParams(Struct):
     prompt_logprobs: int | None = None
     # An embedding request: the sequence's one draw is discarded, its pooled vector is the answer.
     pooling: Pooling | None = None
+    # A LoRA adapter's name (config/lora.py: --lora-modules, /v1/load_lora_adapter); None: the base weights.
+    adapter: str | None = None
     stop: list[str] = []  # stop strings, matched by the detokenizer across token boundaries
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None  # constrained decoding (JSON schema, regex, choice, grammar)

@@ -312,9 +312,32 @@ class Ops(abc.ABC):
 
     def linears(self, x: torch.Tensor, layers: tuple[nn.Module, ...]) -> list[torch.Tensor]:
         """x [T, in] through column-parallel layers that all read it (q/k/v, gate/up) -> each
-        one's product, in order. The model keeps them as the checkpoint's separate layers; a
-        backend may multiply them as one weight. The default calls each layer."""
-        return [layer(x) for layer in layers]
+        one's product, in order (their products alone: the model adds their adapters' deltas,
+        layers.column_products). The model keeps them as the checkpoint's separate layers; a
+        backend may multiply them as one weight. The default multiplies each layer's."""
+        return [layer.product(x) for layer in layers]
+
+    def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """x [T, in], a [S, R, in] (each slot's A, zero rows past its rank), slots [T] int64 (each
+        token's slot; -1: no adapter) -> xa [T, R] float32: x[t] @ a[slots[t]].T, 0 where slots[t] < 0.
+        The default groups the tokens by slot (a host sync: a backend for CUDA graphs overrides it)."""
+        xa = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+        for slot in slots.unique().tolist():
+            if slot >= 0:
+                rows = (slots == slot).nonzero().squeeze(1)
+                xa[rows] = (x[rows] @ a[slot].T).float()
+        return xa
+
+    def lora_expand(
+        self, y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """y [T, out] += scales[slots[t]] * (xa[t] @ b[slots[t]].T) for every token with a slot, in
+        y's dtype, in place; b [S, out, R], scales [S] float32. Returns y."""
+        for slot in slots.unique().tolist():
+            if slot >= 0:
+                rows = (slots == slot).nonzero().squeeze(1)
+                y[rows] += (scales[slot] * (xa[rows] @ b[slot].float().T)).to(y.dtype)
+        return y
 
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate, up [T, I] -> gelu(gate, tanh approximation) * up [T, I] (Gemma's GeGLU, HF's

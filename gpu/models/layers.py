@@ -18,6 +18,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,6 +28,9 @@ from conveyor.gpu.backends.base import Ops
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.shard import Split
 from conveyor.gpu.quant.weight import QuantizedWeight
+
+if TYPE_CHECKING:
+    from conveyor.gpu.lora.slots import LoraProjection
 
 Parts = tuple[tuple[int, int], ...]
 
@@ -42,15 +47,26 @@ class Linear(nn.Linear):
         self.prepared: object | None = None
         self.splits: dict[str, Split] = {}  # parameter name -> how it is cut; absent: whole on every rank
         self.quantized: QuantizedWeight | None = None  # set by the loader where the checkpoint stores it so
+        self.lora: LoraProjection | None = None  # its LoRA adapters' slots, with --enable-lora (gpu/lora/slots.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x)
+        return self.with_lora(x, self.product(x))
+
+    def with_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y = this layer's product of x, plus the pass's adapter rows' deltas (none: y as it is)."""
+        return y if self.lora is None else self.lora.add(x, y)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> x W^T (+ bias) [T, out], by the ops' kernel for the weight's form."""
         if self.quantized is not None:
             return self.ops.quant_linear(x, self.quantized, self.bias)
         return self.ops.linear(x, self)
+
+
+def column_products(ops: Ops, x: torch.Tensor, layers: tuple[Linear, ...]) -> list[torch.Tensor]:
+    """x through column-parallel layers that all read it (q/k/v, gate/up): `ops.linears`, which
+    may multiply them as one weight, then each layer's adapter deltas."""
+    return [layer.with_lora(x, y) for layer, y in zip(layers, ops.linears(x, layers))]
 
 
 class ColumnParallelLinear(Linear):
@@ -77,7 +93,7 @@ class RowParallelLinear(Linear):
         self.tp, self.reduce = tp, reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.product(x)  # [T, out]: this rank's partial sum
+        out = self.with_lora(x, self.product(x))  # [T, out]: this rank's partial sum (an adapter's too: A is split as x is)
         return self.tp.all_reduce(out) if self.reduce else out
 
 

@@ -26,7 +26,7 @@ from conveyor.config.model import ModelConfig, implied_windows
 from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Backend, Ops
 from conveyor.gpu.kv_fp8 import UNIT_SCALES, KVScales
 from conveyor.gpu.models.base import CausalLM
-from conveyor.gpu.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear
+from conveyor.gpu.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, column_products
 from conveyor.gpu.models.layers import Linear as Linear  # re-exported: gpu/backends/cpu/ops.py imports it from here
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.shard import local_units
@@ -67,7 +67,7 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H] -> q [T, Hq * D], k, v [T, Hkv * D]."""
-        q, k, v = self.ops.linears(x, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = column_products(self.ops, x, (self.q_proj, self.k_proj, self.v_proj))
         return q, k, v
 
     def forward(
@@ -107,7 +107,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act_mul = self.ops.gelu_tanh_mul if self.gelu else self.ops.silu_mul
-        gate, up = self.ops.linears(x, (self.gate_proj, self.up_proj))
+        gate, up = column_products(self.ops, x, (self.gate_proj, self.up_proj))
         return self.down_proj(act_mul(gate, up))  # [T, I / tp] -> [T, H]
 
 

@@ -25,6 +25,7 @@ from conveyor.config import EngineConfig
 from conveyor.stages import metrics
 from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
+from conveyor.stages.scheduler.adapters import UnknownAdapter, adapters_for
 from conveyor.stages.scheduler.engine_core import EngineCore
 from conveyor.stages.scheduler.load_report import LoadReports
 from conveyor.stages.scheduler.plan import token_batches
@@ -98,6 +99,7 @@ class SchedulerStage:
             max_model_len=cfg.model.max_model_len,
             eos_token_ids=cfg.model.eos_token_ids,
             seq_ids=seq_ids_of(cfg, self.engine),
+            adapters=adapters_for(cfg),
             speculative=cfg.speculative,
         )
         kv_dtype, num_tokens = cfg.cache.kv_dtype(cfg.model.dtype), num_blocks * cfg.cache.block_size
@@ -165,6 +167,12 @@ class SchedulerStage:
         reply_to = self.ingresses[request.ingress]
         try:
             seq = self.core.add_request(request, detokenizer=self.num_requests % len(self.detokenizers))
+        except UnknownAdapter as e:
+            message = f"the model `{e.args[0]}` does not exist; this server serves `{self.config.model.served_name}` and its adapters"
+            reply_to.send(
+                RequestRejected(request.request_id, 404, message, error_type="not_found_error", param="model", code="model_not_found")
+            )
+            return
         except QueueFull as e:
             queued = self.scheduler.waiting.num_tokens
             retry_after = min(60.0, max(1.0, queued / max(self.prompt_tokens_per_s, 1.0)))

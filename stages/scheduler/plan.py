@@ -13,7 +13,7 @@ def step_plan(step: ScheduledStep) -> StepPlan:
     return StepPlan(
         step=step.step,
         new_seqs=[
-            NewSeq(seq.seq_id, list(seq.token_ids), seq.params, seq.num_prompt_tokens, seq.index, computed)
+            NewSeq(seq.seq_id, list(seq.token_ids), seq.params, seq.num_prompt_tokens, seq.index, computed, seq.lora_slot)
             for seq, computed in zip(step.new_seqs, step.new_seqs_computed)
         ],
         scheduled=[
@@ -30,6 +30,7 @@ def step_plan(step: ScheduledStep) -> StepPlan:
         finished_seq_ids=step.finished_seq_ids,
         copy_blocks=step.copy_blocks,
         num_steps=step.num_steps,
+        lora_loads=step.lora_loads,
     )
 
 

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Iterator
 
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
-from conveyor.wire.messages import FinishReason, PromptTokens, StepResult, TokenLogprob
+from conveyor.wire.messages import FinishReason, LoraLoad, PromptTokens, StepResult, TokenLogprob
 
 
 @dataclasses.dataclass(slots=True)
@@ -43,6 +43,7 @@ class ScheduledStep:
     num_sampled: int  # ids the step's results carry in all: per pass, one per sampling row and fork
     num_steps: int = 1  # forward passes: > 1 is a window of decodes
     num_passes_done: int = 0  # passes whose result the scheduler applied
+    lora_loads: list[LoraLoad] = dataclasses.field(default_factory=list)  # adapters placed before the forward
 
     def draws(self, pass_index: int = 0) -> Iterator[tuple[Row, Sequence]]:
         """(row, sequence) of each draw of a pass: each sampling row's own sequence and its forks;

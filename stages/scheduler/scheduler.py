@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from conveyor.config import SchedulerConfig
 from conveyor.config.speculative import SpeculativeConfig
+from conveyor.stages.scheduler.adapters import Adapters, UnknownAdapter
 from conveyor.stages.scheduler.block_manager import BlockManager, kv_slots
 from conveyor.stages.scheduler.early_aborts import EarlyAborts
 from conveyor.stages.scheduler.scheduled_step import ScheduledStep, SeqUpdate
@@ -40,8 +41,10 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         seq_ids: range = range(0, 2**63),
         speculative: SpeculativeConfig | None = None,
+        adapters: Adapters | None = None,
     ):
         self.config = config
+        self.adapters = adapters  # LoRA (adapters.py); None: the base weights only
         self.speculative = speculative  # speculation.py: which rows get lookahead
         self.blocks = blocks
         self.max_model_len = max_model_len
@@ -71,18 +74,33 @@ class Scheduler:
         eos_token_ids: tuple[int, ...] = (),
         seq_ids: range = range(0, 2**63),
         speculative: SpeculativeConfig | None = None,
+        adapters: Adapters | None = None,
     ) -> Scheduler:
         """A scheduler over a fresh pool of `num_blocks` KV blocks of `block_size` tokens, with
         prefix caching as `config` says, numbering its sequences from `seq_ids`, its decoding
         rows verifying drafts as `speculative` says (None: never)."""
         blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
-        return cls(config, blocks, max_model_len=max_model_len, eos_token_ids=eos_token_ids, seq_ids=seq_ids, speculative=speculative)
+        return cls(
+            config,
+            blocks,
+            max_model_len=max_model_len,
+            eos_token_ids=eos_token_ids,
+            seq_ids=seq_ids,
+            speculative=speculative,
+            adapters=adapters,
+        )
 
     # --- requests in and out -------------------------------------------------------------
 
     def add_request(self, request: ScheduleRequest, detokenizer: int = 0) -> Sequence | None:
         """Queue a request as one sequence (it forks later for several samples). Raises
-        QueueFull past the queue bounds; None when the request was already aborted."""
+        QueueFull past the queue bounds, UnknownAdapter for an adapter it does not serve; None
+        when the request was already aborted."""
+        adapter = request.params.adapter
+        if adapter is not None:
+            if self.adapters is None:
+                raise UnknownAdapter(adapter)
+            self.adapters.check(adapter)
         self.waiting.check_room(len(request.prompt_token_ids), self.config)
         seq = Sequence.from_request(self._new_seq_id(), request, detokenizer)
         return seq if self.add(seq) else None
@@ -149,7 +167,7 @@ class Scheduler:
             if self.num_preemptions == preemptions_before:
                 build.admit(chunk=policy == "splitfuse")
         rows = build.rows
-        if not rows and not self._finished_for_worker:
+        if not rows and not self._finished_for_worker and not build.lora_loads:
             return None
         num_steps = 1
         # Still nothing waiting: no row preempted another (a victim waits, and gets a single step).
@@ -195,6 +213,7 @@ class Scheduler:
             num_tokens=build.num_tokens,
             num_sampled=num_sampled,
             num_steps=num_steps,
+            lora_loads=build.lora_loads,
         )
 
     def update(self, step: ScheduledStep, result: StepResult) -> list[SeqUpdate]:
@@ -279,6 +298,8 @@ class Scheduler:
         children = []
         for index in range(1, seq.num_pending_forks + 1):
             child = seq.fork(self._new_seq_id(), index)
+            if child.lora_slot >= 0 and self.adapters is not None and seq.params.adapter is not None:
+                self.adapters.pin(seq.params.adapter)  # the child runs on its parent's slot
             self.blocks.fork(seq, child)
             child.num_blocks_sent = len(child.block_ids)  # the worker copies the parent's table
             self.by_request[seq.request_id].append(child)
@@ -290,6 +311,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free its blocks; it waits again with every token it has, to be computed again."""
         self.blocks.release(seq)
+        self._leave_slot(seq)
         seq.num_computed_tokens = 0
         seq.num_pending_tokens = 0  # in-flight draws come back to a waiting sequence: dropped
         seq.num_pending_lookahead = 0
@@ -301,6 +323,12 @@ class Scheduler:
         self.waiting.push(seq)
         self.num_preemptions += 1
 
+    def _leave_slot(self, seq: Sequence) -> None:
+        """Unpin its adapter's slot (it may be taken once no running sequence holds it)."""
+        if seq.lora_slot >= 0 and self.adapters is not None and seq.params.adapter is not None:
+            self.adapters.release(seq.params.adapter)
+        seq.lora_slot = -1
+
     def finish(self, seq: Sequence, reason: FinishReason, *, report: bool = True) -> None:
         """End a sequence and free its blocks; `report` queues the update for the detokenizer
         (update() reports the sequences that finish on a sampled token itself)."""
@@ -311,6 +339,7 @@ class Scheduler:
         seq.num_pending_tokens = 0  # draws still in flight are dropped when they come back
         seq.num_pending_lookahead = 0
         self.blocks.release(seq)
+        self._leave_slot(seq)
         if seq.known_by_worker:
             self._finished_for_worker.append(seq.seq_id)
         if report:

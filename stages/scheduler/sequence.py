@@ -51,6 +51,7 @@ class Sequence:
         "cumulative_logprob",
         "prompt_logprobs",
         "embedding",
+        "lora_slot",
         "enqueue_time",
         "first_scheduled_time",
         "first_token_time",
@@ -100,6 +101,7 @@ class Sequence:
         # go out with the first update (then None, as for a sequence that did not ask).
         self.prompt_logprobs: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None else None
         self.embedding: list[float] = []  # a pooling sequence's vector, once its prompt is done
+        self.lora_slot = -1  # the worker's slot of its adapter (params.adapter) while it runs; -1: none
         # Wall-clock times (time.time(), comparable with arrival_time) for the metrics.
         self.enqueue_time = arrival_time  # reached the scheduler
         self.first_scheduled_time: float | None = None
@@ -177,9 +179,15 @@ class Sequence:
         hashes = self.block_hashes
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else self._root_hash()
             hashes.append(chain_hash(parent, self.token_ids[i * block_size : (i + 1) * block_size]))
         return hashes[:num_blocks]
+
+    def _root_hash(self) -> int:
+        """The prefix cache's key before the first block: an adapter's prompts never share blocks
+        with the base model's or another adapter's (-1 is no token id)."""
+        adapter = self.params.adapter
+        return ROOT_HASH if adapter is None else chain_hash(ROOT_HASH, [-1, *adapter.encode()])
 
     def fork(self, seq_id: int, index: int) -> Sequence:
         """A sibling sharing everything computed so far (BlockManager.fork shares the blocks)."""

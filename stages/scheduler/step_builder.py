@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from conveyor.stages.scheduler.scheduled_step import Row
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
 from conveyor.stages.scheduler.speculation import grant_lookahead, reserve_ahead, speculates
-from conveyor.wire.messages import FinishReason
+from conveyor.wire.messages import FinishReason, LoraLoad
 
 if TYPE_CHECKING:
     from conveyor.stages.scheduler.scheduler import Scheduler
@@ -28,6 +28,7 @@ class StepBuilder:
         self.rows: list[Row] = []
         self.copies: list[tuple[int, int]] = []  # (src, dst) block copies before the forward: copy-on-write
         self.scheduled: set[int] = set()  # seq ids with a row: never preempted for another row
+        self.lora_loads: list[LoraLoad] = []  # adapters the admitted sequences need placed first
 
     @property
     def num_tokens(self) -> int:
@@ -77,11 +78,24 @@ class StepBuilder:
         """Start waiting sequences while the budget, the seats and the pool allow; without
         `chunk`, a prompt that does not fit whole waits for a step with room for all of it."""
         sched = self.sched
-        blocks, config = sched.blocks, sched.config
+        waiting_for_slot: list[Sequence] = []  # their adapter found no slot: the next ones may go first
+        try:
+            self._admit(chunk, waiting_for_slot)
+        finally:
+            for seq in waiting_for_slot:
+                sched.waiting.push(seq)
+
+    def _admit(self, chunk: bool, waiting_for_slot: list[Sequence]) -> None:
+        sched = self.sched
+        blocks, config, adapters = sched.blocks, sched.config, sched.adapters
         while self.budget > 0 and len(sched.running) < config.max_num_seqs:
             seq = sched.waiting.peek()
             if seq is None:
                 break
+            adapter = seq.params.adapter
+            if adapter is not None and adapters is not None and seq.lora_slot < 0 and not self._place(seq, adapter):
+                waiting_for_slot.append(sched.waiting.pop())
+                continue
             hits = blocks.match_prefix(seq)
             num_uncached = seq.num_tokens - len(hits) * blocks.block_size
             num = min(num_uncached, self.budget)
@@ -101,6 +115,18 @@ class StepBuilder:
             sched.running.append(seq)
             self.rows.append(Row(seq, num, [], []))
             self.budget -= num
+
+    def _place(self, seq: Sequence, adapter: str) -> bool:
+        """Give a waiting sequence its adapter's slot (pinned until it stops running: Scheduler.stop_running);
+        False when every slot is pinned by other adapters."""
+        assert self.sched.adapters is not None
+        placed = self.sched.adapters.acquire(adapter)
+        if placed is None:
+            return False
+        seq.lora_slot, load = placed
+        if load is not None:
+            self.lora_loads.append(load)
+        return True
 
     def reserve(self, seq: Sequence, num: int) -> Row | None:
         """Blocks for up to `num` more tokens of a running sequence: a prompt chunk shrinks to

@@ -1,0 +1,123 @@
+"""The worker's LoRA slots: `--max-loras` adapters resident on the device at once, in stacks
+preallocated at `--max-lora-rank` for every projection an adapter may target, so placing an
+adapter copies into them and a step never allocates.
+
+Shapes, per projection on this rank: A [S, R, in] and B [S, out, R] (S slots, R the max rank; a
+slot's adapter of rank r fills A's first r rows and B's first r columns, zeros elsewhere, and a
+projection it does not target stays zero), with one scale per slot (lora_alpha / r, or rsLoRA's /
+sqrt(r)). Under tensor parallelism each rank holds what its layer's split gives it: a
+column-parallel layer (q/k/v, gate/up) its rows of B, A whole; a row-parallel one (o, down) its
+columns of A, B whole, so its partial delta joins the layer's partial sum before the all-reduce.
+
+A pass's rows name their slot (NewSeq.lora_slot); `begin_pass` turns them into one slot per token
+[T] (-1: the base weights), which every projection reads (`LoraProjection.add`: the backend's
+lora_shrink, then lora_expand). A pass with no adapter row sets none, and the layers add nothing.
+Adapters read from disk are kept in host memory, `--max-cpu-loras` of them, least recently used
+out first.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import torch
+from torch import nn
+
+from conveyor.config.engine import EngineConfig
+from conveyor.config.lora_adapter import LORA_TARGETS, read_adapter_info
+from conveyor.gpu.backends.base import Ops
+from conveyor.gpu.lora.weights import load_adapter
+from conveyor.gpu.models.layers import Linear, RowParallelLinear
+from conveyor.gpu.parallel.group import TensorParallel
+from conveyor.gpu.parallel.shard import cut
+from conveyor.wire.messages import LoraLoad
+
+_PROJECTION = re.compile(rf"layers\.(\d+)\.(?:self_attn|mlp)\.({'|'.join(LORA_TARGETS)})$")
+
+
+class LoraPass:
+    """What every projection of one pass reads: each token's slot, and each slot's scale."""
+
+    def __init__(self, ops: Ops, num_slots: int, device: torch.device) -> None:
+        self.ops = ops
+        self.slots: torch.Tensor | None = None  # [T] int64; None: no adapter row in the pass
+        self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
+
+
+class LoraProjection:
+    def __init__(self, layer: Linear, lora_pass: LoraPass, num_slots: int, rank: int, dtype: torch.dtype) -> None:
+        device = lora_pass.scales.device
+        self.layer = layer
+        self.lora_pass = lora_pass
+        # [S, R, in] and [S, out, R]: a row-parallel layer's in and a column-parallel one's out are this rank's
+        self.a = torch.zeros(num_slots, rank, layer.in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, layer.out_features, rank, dtype=dtype, device=device)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y [T, out] (the layer's product of x [T, in]) plus scale * x A^T B^T for each adapter token."""
+        slots = self.lora_pass.slots
+        if slots is None:
+            return y
+        ops = self.lora_pass.ops
+        return ops.lora_expand(y, ops.lora_shrink(x, self.a, slots), self.b, self.lora_pass.scales, slots)
+
+    def place(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, tp: TensorParallel) -> None:
+        """Slot `slot` <- the adapter's whole A [r, in] and B [out, r] (None: not a target), cut to this rank."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        if a is None or b is None:
+            return
+        split = self.layer.splits.get("weight")
+        if isinstance(self.layer, RowParallelLinear):
+            a = cut(a, split, tp.rank, tp.size)  # A's columns are the layer's input: split as its weight's
+        else:
+            b = cut(b, split, tp.rank, tp.size)  # B's rows are the layer's output: split as its weight's
+        r = a.shape[0]
+        self.a[slot, :r].copy_(a)
+        self.b[slot, :, :r].copy_(b)
+
+
+class LoraSlots:
+    def __init__(self, model: nn.Module, config: EngineConfig, ops: Ops, tp: TensorParallel, device: torch.device) -> None:
+        lora = config.lora
+        self.config = config
+        self.tp = tp
+        self.pass_ = LoraPass(ops, lora.max_loras, device)
+        self.dtype: torch.dtype = getattr(torch, config.model.dtype)
+        self.projections: dict[tuple[int, str], LoraProjection] = {}
+        for name, module in model.named_modules():
+            match = _PROJECTION.search(name)
+            if match and isinstance(module, Linear):
+                projection = LoraProjection(module, self.pass_, lora.max_loras, lora.max_lora_rank, self.dtype)
+                module.lora = projection
+                self.projections[(int(match.group(1)), match.group(2))] = projection
+        self._host: collections.OrderedDict[str, dict] = collections.OrderedDict()  # name -> its weights, LRU first
+        self._host_capacity = lora.host_capacity
+
+    @property
+    def bytes(self) -> int:
+        """Device memory the slots hold (the KV pool is sized after them)."""
+        return sum(p.a.numel() * p.a.element_size() + p.b.numel() * p.b.element_size() for p in self.projections.values())
+
+    def load(self, load: LoraLoad) -> None:
+        """Place an adapter in a slot (the one there before, if any, is gone from the device)."""
+        model = self.config.model
+        info = read_adapter_info(load.name, load.path, model, self.config.lora.max_lora_rank)
+        weights = self._host.pop(load.name, None)
+        if weights is None:
+            weights = load_adapter(info, model.num_layers, self.dtype, torch.device("cpu"))
+        self._host[load.name] = weights
+        while len(self._host) > self._host_capacity:
+            self._host.popitem(last=False)
+        for key, projection in self.projections.items():
+            a, b = weights.get(key, (None, None))
+            projection.place(load.slot, a, b, self.tp)
+        self.pass_.scales[load.slot] = info.scaling
+
+    def begin_pass(self, token_slots: list[int]) -> None:
+        """One slot per token of the next pass (-1: the base weights)."""
+        if all(s < 0 for s in token_slots):
+            self.pass_.slots = None
+            return
+        self.pass_.slots = torch.tensor(token_slots, dtype=torch.int64).to(self.pass_.scales.device, non_blocking=True)
