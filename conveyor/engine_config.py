@@ -80,6 +80,8 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
                 raise ConfigError(f"--speculative-config: the draft model: {e}") from None
     lora = LoraConfig(**fields[LoraConfig])
     check_lora(lora, model_config)
+    if lora.enable_lora and parallel.data_parallel_size > 1:
+        raise ConfigError("--enable-lora with --data-parallel-size above 1 is not supported yet (each engine would load each adapter)")
     server = fields[ServerConfig]
     if "chat_template" in server:
         server["chat_template"] = _read_template(server["chat_template"])

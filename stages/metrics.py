@@ -205,6 +205,12 @@ def record_speculation(rows: list[tuple[int, int, int]]) -> None:
                 spec_accepted_by_position.labels(engine, str(position)).inc()
 
 
+# --- LoRA adapters (the scheduler's: stages/scheduler/adapters.py) -------------------------
+lora_requests = Counter("conveyor_lora_requests", "Requests admitted, by adapter (base: none)", ["engine", "adapter"])
+lora_resident = _gauge("conveyor_lora_adapters_resident", "LoRA adapters in the worker's slots")
+lora_loads = _per_engine(Counter, "conveyor_lora_adapter_loads", "Adapters placed in a slot")
+lora_evictions = _per_engine(Counter, "conveyor_lora_adapter_evictions", "Adapters evicted from a slot for another")
+
 errors = Counter("conveyor_errors", "Error answers by type", ["type"])
 
 # --- router (data parallelism; reasons: stages/router/policy.py's REASONS) -------------------

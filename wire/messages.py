@@ -181,7 +181,18 @@ class TopLogprobs(Struct):
     logprobs: list[float]
 
 
-SchedulerInbound = ScheduleRequest | AbortRequest | FinishSeqs | WorkerReady | StepResult | StageFailed
+class AdapterCommand(Struct, tag=7):
+    """From an ingress (/v1/load_lora_adapter, /v1/unload_lora_adapter): serve the LoRA adapter at
+    `path` as `name`, or (path None) stop serving it. Answered under request_id with RequestAccepted
+    or RequestRejected."""
+
+    request_id: str
+    ingress: int
+    name: str
+    path: str | None = None
+
+
+SchedulerInbound = ScheduleRequest | AbortRequest | FinishSeqs | WorkerReady | StepResult | StageFailed | AdapterCommand
 
 
 # --- received by a worker -------------------------------------------------------------------

@@ -29,6 +29,7 @@ from conveyor.stages.ingress.embeddings import EmbeddingRoutes
 from conveyor.stages.ingress.engine_client import EngineClient
 from conveyor.stages.ingress.errors import ApiError
 from conveyor.stages.ingress.generate import GenerateRoutes
+from conveyor.stages.ingress.lora_routes import LoraRoutes, ServedAdapters
 from conveyor.stages.ingress.metrics_route import make_registry, metrics_handler
 from conveyor.stages.ingress.openapi import document
 from conveyor.stages.ingress.responses_api.routes import ResponsesRoutes
@@ -52,7 +53,8 @@ def build_app(config: EngineConfig, engine: EngineClient) -> web.Application:
     responses = ResponsesRoutes(config, generate)
     messages = MessagesRoutes(config, generate)
     tokens = TokenRoutes(config, encoder)
-    info = InfoRoutes(config, engine, document(config, version))
+    adapters = ServedAdapters(config)
+    info = InfoRoutes(config, engine, document(config, version), adapters)
     app.router.add_get("/health", info.health)
     app.router.add_get("/metrics", metrics_handler(make_registry()))
     app.router.add_get("/openapi.json", info.openapi)
@@ -60,6 +62,9 @@ def build_app(config: EngineConfig, engine: EngineClient) -> web.Application:
     app.router.add_post("/v1/completions", generate.completions)
     app.router.add_post("/v1/chat/completions", generate.chat_completions)
     app.router.add_post("/v1/embeddings", EmbeddingRoutes(config, generate).embeddings)
+    lora = LoraRoutes(config, engine, adapters)
+    app.router.add_post("/v1/load_lora_adapter", lora.load)
+    app.router.add_post("/v1/unload_lora_adapter", lora.unload)
     app.router.add_post("/v1/messages", messages.create)
     app.router.add_post("/v1/messages/count_tokens", messages.count_tokens)
     app.router.add_post("/v1/responses", responses.create)
@@ -97,8 +102,9 @@ def _error_answer(request: web.Request, error: ApiError) -> web.Response:
 
 
 class InfoRoutes:
-    def __init__(self, config: EngineConfig, engine: EngineClient, openapi: dict):
+    def __init__(self, config: EngineConfig, engine: EngineClient, openapi: dict, adapters: ServedAdapters):
         self.config = config
+        self.adapters = adapters
         self.engine = engine
         self.created = int(time.time())
         self.openapi_body = msgspec.json.encode(openapi)
@@ -123,7 +129,11 @@ class InfoRoutes:
         }
         if self.config.parallel.device == "emulated":  # no model runs: answers and timings are modelled
             card["emulated_device"] = self.config.parallel.emulate
-        return web.json_response({"object": "list", "data": [card]})
+        adapters = [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "conveyor", "root": path, "parent": model.served_name}
+            for name, path in self.adapters.paths.items()
+        ]
+        return web.json_response({"object": "list", "data": [card, *adapters]})
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.Response(body=self.openapi_body, content_type="application/json")

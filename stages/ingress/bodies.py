@@ -206,6 +206,19 @@ class EmbeddingsBody(Body, kw_only=True):
     user: str | None = None  # accepted, ignored
 
 
+class LoadLoraBody(Body, kw_only=True):
+    """POST /v1/load_lora_adapter (lora_routes.py), as vLLM's."""
+
+    lora_name: NonEmptyText
+    lora_path: NonEmptyText  # a PEFT adapter directory on the server
+
+
+class UnloadLoraBody(Body, kw_only=True):
+    """POST /v1/unload_lora_adapter."""
+
+    lora_name: NonEmptyText
+
+
 class TokenizeBody(Body):
     """Either `prompt` (encoded with the special tokens the model adds) or chat `messages`."""
 
@@ -246,5 +259,5 @@ class ErrorBody(msgspec.Struct):
     error: ErrorDetail
 
 
-REQUEST_BODIES = (CompletionBody, ChatBody, EmbeddingsBody, TokenizeBody, DetokenizeBody)
+REQUEST_BODIES = (CompletionBody, ChatBody, EmbeddingsBody, LoadLoraBody, UnloadLoraBody, TokenizeBody, DetokenizeBody)
 RESPONSE_BODIES = (TokenizeResult, DetokenizeResult, ErrorBody)

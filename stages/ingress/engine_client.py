@@ -30,6 +30,7 @@ from conveyor.stages.ingress.telemetry import Telemetry
 from conveyor.wire.channel import Sender
 from conveyor.wire.messages import (
     AbortRequest,
+    AdapterCommand,
     DeltaBatch,
     EngineStatus,
     RequestAccepted,
@@ -76,7 +77,7 @@ class EngineClient:
         self,
         index: int,
         tokenizers: list[Sender[TokenizerInbound]],
-        scheduler: Sender[ScheduleRequest | AbortRequest],
+        scheduler: Sender[ScheduleRequest | AbortRequest | AdapterCommand],
         on_drained: Callable[[], None] = lambda: None,
         num_engines: int = 1,
     ):
@@ -146,6 +147,17 @@ class EngineClient:
                 )
             )
         return stream
+
+    async def command(self, msg: AdapterCommand) -> RequestAccepted | RequestRejected:
+        """Send an adapter command to the scheduler and wait for its verdict."""
+        stream = self._streams[msg.request_id] = RequestStream()
+        try:
+            self._scheduler.send(msg)
+            (verdict,) = await stream.take()
+            assert not isinstance(verdict, TextDelta)
+            return verdict
+        finally:
+            self._forget(msg.request_id)
 
     def release(self, request_id: str) -> None:
         """The request is done (finished or rejected): forget it."""

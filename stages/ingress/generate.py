@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 from aiohttp import web
 
 from conveyor.config import EngineConfig
@@ -161,8 +162,11 @@ class GenerateRoutes:
         before the caller has sent a byte. On leaving, the finished and rejected engine requests
         are forgotten and the others aborted (a client gone, an error)."""
         check_num_seqs(gen, self.config.server.max_seqs_per_request)
-        check_model(self.config, gen.model)
         model = self.config.model
+        if self.config.lora.enable_lora and gen.model not in (None, model.served_name):
+            gen.params = msgspec.structs.replace(gen.params, adapter=gen.model)  # the scheduler knows the adapters: 404 there
+        else:
+            check_model(self.config, gen.model)
         if model.pooling is not None and gen.params.pooling is None:
             message = f"the model `{model.served_name}` is an embedding model: it serves POST /v1/embeddings, not generation"
             raise ApiError(400, message, param="model", code="model_not_generative")

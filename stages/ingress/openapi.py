@@ -32,8 +32,10 @@ from conveyor.stages.ingress.bodies import (
     DetokenizeResult,
     EmbeddingsBody,
     ErrorBody,
+    LoadLoraBody,
     TokenizeBody,
     TokenizeResult,
+    UnloadLoraBody,
 )
 from conveyor.stages.ingress.responses_api.bodies import ResponsesBody
 
@@ -64,6 +66,12 @@ def document(config: EngineConfig, version: str) -> dict[str, Any]:
             "post": _operation("createCompletion", "Complete a prompt, or a batch of prompts", generation, CompletionBody)
         },
         "/v1/chat/completions": {"post": _operation("createChatCompletion", "Answer a conversation", generation, ChatBody)},
+        "/v1/load_lora_adapter": {
+            "post": _operation("loadLoraAdapter", "Serve a LoRA adapter (--enable-lora)", {"application/json": _OBJECT}, LoadLoraBody)
+        },
+        "/v1/unload_lora_adapter": {
+            "post": _operation("unloadLoraAdapter", "Stop serving a LoRA adapter", {"application/json": _OBJECT}, UnloadLoraBody)
+        },
         "/v1/embeddings": {
             "post": _operation("createEmbedding", "One vector per input", {"application/json": _OBJECT}, EmbeddingsBody)
         },

@@ -22,6 +22,7 @@ import time
 import zmq
 
 from conveyor.config import EngineConfig
+from conveyor.config.lora_adapter import read_adapter_info
 from conveyor.stages import metrics
 from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
@@ -35,6 +36,7 @@ from conveyor.stages.scheduler.stats_log import StatsLog
 from conveyor.stages.scheduler.waiting_queue import QueueFull
 from conveyor.wire.messages import (
     AbortRequest,
+    AdapterCommand,
     EngineLoad,
     EngineStarted,
     FinishReason,
@@ -73,7 +75,7 @@ class SchedulerStage:
         # nothing else runs before it.
         self.core: EngineCore
         self.num_requests = 0
-        self.seen = {"aborts": 0, "preemptions": 0, "queries": 0, "hits": 0}
+        self.seen = {"aborts": 0, "preemptions": 0, "queries": 0, "hits": 0, "lora_loads": 0, "lora_evictions": 0}
         self.prompt_tokens_per_s = 0.0  # moving average, for Retry-After
         self.last_step_end = time.monotonic()
         self.stats = StatsLog()
@@ -138,6 +140,8 @@ class SchedulerStage:
                 self.admit(msg)
             case AbortRequest():
                 self.core.abort(msg.request_ids)
+            case AdapterCommand():
+                self.ingresses[msg.ingress].send(self.adapter_command(msg))
             case FinishSeqs():
                 self.core.finish_seqs(msg.seq_ids)
             case StepResult():
@@ -163,6 +167,26 @@ class SchedulerStage:
                 log.warning("unexpected WorkerReady from rank %d", msg.rank)
         return []
 
+    def adapter_command(self, msg: AdapterCommand) -> RequestAccepted | RequestRejected:
+        """Load or unload an adapter (adapters.py): accepted, or why not (a 4xx for the client)."""
+        adapters, model = self.scheduler.adapters, self.config.model
+        if adapters is None:
+            return RequestRejected(msg.request_id, 400, "LoRA adapters need the server started with --enable-lora", param="lora_name")
+        if msg.name == model.served_name:
+            return RequestRejected(msg.request_id, 400, f"`{msg.name}` is the base model, not an adapter", param="lora_name")
+        if msg.path is None:
+            if msg.name not in adapters.registry:
+                return RequestRejected(msg.request_id, 404, f"no adapter named `{msg.name}` is loaded", "not_found_error", "lora_name")
+            adapters.unregister(msg.name)
+        else:
+            try:
+                adapters.register(read_adapter_info(msg.name, msg.path, model, self.config.lora.max_lora_rank))
+            except ValueError as e:  # LoraError (a ConfigError) among them
+                param = "lora_name" if "loaded already" in str(e) or "unloaded" in str(e) else "lora_path"
+                return RequestRejected(msg.request_id, 400, str(e), param=param)
+        self.core.stalled = False  # waiting sequences may now take the freed slot
+        return RequestAccepted(msg.request_id, 0, engine=self.engine)
+
     def admit(self, request: ScheduleRequest) -> None:
         reply_to = self.ingresses[request.ingress]
         try:
@@ -187,6 +211,8 @@ class SchedulerStage:
         if seq is not None:
             seq.enqueue_time = time.time()
             reply_to.send(RequestAccepted(request.request_id, len(request.prompt_token_ids), engine=self.engine))
+            if self.scheduler.adapters is not None:
+                metrics.lora_requests.labels(str(self.engine), request.params.adapter or "base").inc()
             metrics.prompt_tokens.inc(len(request.prompt_token_ids))
 
     def may_plan(self) -> bool:
@@ -263,11 +289,14 @@ class SchedulerStage:
         metrics.requests_running.set(len(s.running))
         metrics.requests_waiting.set(len(s.waiting))
         metrics.requests_preempted.set(s.waiting.num_preempted)
+        metrics.lora_resident.set(len(s.adapters.resident) if s.adapters else 0)
         for name, counter, value in (
             ("aborts", metrics.aborts, s.num_aborts),
             ("preemptions", metrics.preemptions, s.num_preemptions),
             ("queries", metrics.prefix_cache_queries, blocks.num_cache_queries),
             ("hits", metrics.prefix_cache_hits, blocks.num_cache_hits),
+            ("lora_loads", metrics.lora_loads, s.adapters.num_loads if s.adapters else 0),
+            ("lora_evictions", metrics.lora_evictions, s.adapters.num_evictions if s.adapters else 0),
         ):
             if value > self.seen[name]:
                 counter.inc(value - self.seen[name])

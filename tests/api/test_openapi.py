@@ -29,6 +29,8 @@ ROUTES = {
     ("post", "/v1/completions"),
     ("post", "/v1/chat/completions"),
     ("post", "/v1/embeddings"),
+    ("post", "/v1/load_lora_adapter"),
+    ("post", "/v1/unload_lora_adapter"),
     ("post", "/v1/responses"),
     ("get", "/v1/responses/{response_id}"),
     ("delete", "/v1/responses/{response_id}"),
