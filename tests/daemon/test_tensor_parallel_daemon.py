@@ -30,6 +30,7 @@ import torch
 from conveyor.tiny.eagle3 import make_eagle3_head
 from tests.daemon.test_pipeline import PROMPTS, complete
 from tests.daemon.test_supervision import LONG, ended_with_error, health, ok, streaming, wait_until
+from tests.gpu.test_lora import make_adapters, peft_greedy
 
 ARCH = "Qwen2ForCausalLM"  # q/k/v biases: a column-parallel bias is cut with its rows
 NUM_TOKENS = 8
@@ -133,3 +134,19 @@ def test_a_dead_rank_takes_the_engine_down_cleanly_and_it_comes_back(checkpoints
         wait_until(lambda: health(daemon) == 200, timeout=90)
         assert ok(daemon)
         assert len(daemon.stage_pids("worker")) == 2 and not set(workers) & set(daemon.stage_pids("worker"))
+
+
+def test_tensor_parallel_lora_matches_peft(checkpoints, daemon_factory, tmp_path):
+    """Adapters split as their layers are (A like a row-parallel layer's input, B like a
+    column-parallel one's output): each rank's delta joins its partial sums."""
+    base = checkpoints[ARCH]
+    paths = make_adapters(base, tmp_path)
+    modules = [f"{name}={paths[name]}" for name in ("all16", "mlp8")]
+    args = ["--model", str(base), "--tensor-parallel-size", "2", "--enable-lora", "--lora-modules", *modules, "--max-loras", "2"]
+    daemon = daemon_factory(*args, "--max-num-batched-tokens", "32", "--num-kv-blocks", "128")
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    for name in ("all16", "mlp8", None):
+        response = daemon.post("/v1/completions", {**body, **({"model": name} if name else {})})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["token_ids"] == peft_greedy(base, paths.get(name) if name else None, prompt, 6), name

@@ -46,7 +46,7 @@ def setup(request, checkpoints, tmp_path_factory):
     return base, paths
 
 
-def peft_greedy(base, path: str | None, prompt_ids: list[int]) -> list[int]:
+def peft_greedy(base, path: str | None, prompt_ids: list[int], num_tokens: int = NUM_TOKENS) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
@@ -54,14 +54,16 @@ def peft_greedy(base, path: str | None, prompt_ids: list[int]) -> list[int]:
         model = peft.PeftModel.from_pretrained(model, path)
     model.eval()
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NUM_TOKENS, do_sample=False, min_new_tokens=NUM_TOKENS)
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=num_tokens, do_sample=False, min_new_tokens=num_tokens)
     return out[0, len(prompt_ids) :].tolist()
 
 
-def test_each_adapter_and_a_mixed_batch_match_peft(setup):
+@pytest.mark.parametrize("steps", [1, 4], ids=["one-step", "multi-step"])
+def test_each_adapter_and_a_mixed_batch_match_peft(setup, steps):
     base, paths = setup
     options = dict(device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2, num_kv_blocks=256, block_size=4)
-    llm = LLM(str(base), **options)
+    # A 16-token budget: the long prompt is chunked; multi-step windows decode 4 passes a plan.
+    llm = LLM(str(base), **options, max_num_batched_tokens=16, num_scheduler_steps=steps)
     names = [None, *ADAPTERS]
     jobs = [(prompt, name) for prompt in PROMPTS for name in names]  # base + 3 adapters, 2 slots: some wait
     loras = [None if name is None else LoRARequest(name, paths[name]) for _, name in jobs]
