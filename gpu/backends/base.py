@@ -320,24 +320,28 @@ class Ops(abc.ABC):
     def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """x [T, in], a [S, R, in] (each slot's A, zero rows past its rank), slots [T] int64 (each
         token's slot; -1: no adapter) -> xa [T, R] float32: x[t] @ a[slots[t]].T, 0 where slots[t] < 0.
-        The default groups the tokens by slot (a host sync: a backend for CUDA graphs overrides it)."""
-        xa = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
-        for slot in slots.unique().tolist():
-            if slot >= 0:
-                rows = (slots == slot).nonzero().squeeze(1)
-                xa[rows] = (x[rows] @ a[slot].T).float()
-        return xa
+        The default multiplies x by every slot's A at once (one [T, S R] product: S R is small next
+        to `in`) and keeps each token's own: no host sync, no per-slot loop."""
+        num_slots, rank, _ = a.shape
+        every = (x @ a.reshape(num_slots * rank, -1).T).view(-1, num_slots, rank)  # [T, S, R]
+        own = every[torch.arange(x.shape[0], device=x.device), slots.clamp(min=0)]  # [T, R]
+        return own.float() * (slots >= 0).unsqueeze(1)
 
     def lora_expand(
         self, y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
         """y [T, out] += scales[slots[t]] * (xa[t] @ b[slots[t]].T) for every token with a slot, in
-        y's dtype, in place; b [S, out, R], scales [S] float32. Returns y."""
-        for slot in slots.unique().tolist():
-            if slot >= 0:
-                rows = (slots == slot).nonzero().squeeze(1)
-                y[rows] += (scales[slot] * (xa[rows] @ b[slot].float().T)).to(y.dtype)
-        return y
+        y's dtype, in place; b [S, out, R], scales [S] float32. Returns y. The default puts each
+        token's scaled xa in its slot's R columns of a [T, S R] row and multiplies once by every
+        slot's B side by side ([out, S R]: a view where b is stored [out, S, R], as gpu/lora/slots.py does)."""
+        num_slots, out, rank = b.shape
+        tokens = torch.arange(xa.shape[0], device=xa.device)
+        valid = slots >= 0
+        own = slots.clamp(min=0)
+        spread = xa.new_zeros(xa.shape[0], num_slots, rank)  # [T, S, R]
+        spread[tokens, own] = xa * (scales[own] * valid).unsqueeze(1)
+        side_by_side = b.permute(1, 0, 2).reshape(out, num_slots * rank)  # [out, S R]
+        return y.add_((spread.view(xa.shape[0], -1).to(b.dtype) @ side_by_side.T).to(y.dtype))
 
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate, up [T, I] -> gelu(gate, tanh approximation) * up [T, I] (Gemma's GeGLU, HF's

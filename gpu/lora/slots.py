@@ -41,7 +41,8 @@ class LoraPass:
 
     def __init__(self, ops: Ops, num_slots: int, device: torch.device) -> None:
         self.ops = ops
-        self.slots: torch.Tensor | None = None  # [T] int64; None: no adapter row in the pass
+        self.slots: torch.Tensor | None = None  # [T'] int64, the adapter tokens' slots; None: no adapter row in the pass
+        self.rows: torch.Tensor | None = None  # [T'] int64: which tokens of the pass those are; None: all of them
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
 
 
@@ -50,17 +51,24 @@ class LoraProjection:
         device = lora_pass.scales.device
         self.layer = layer
         self.lora_pass = lora_pass
-        # [S, R, in] and [S, out, R]: a row-parallel layer's in and a column-parallel one's out are this rank's
+        # [S, R, in] and [S, out, R]: a row-parallel layer's in and a column-parallel one's out are this rank's.
+        # B is stored [out, S, R]: every slot's B side by side is then a view (Ops.lora_expand's default).
         self.a = torch.zeros(num_slots, rank, layer.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, layer.out_features, rank, dtype=dtype, device=device)
+        self.b = torch.zeros(layer.out_features, num_slots, rank, dtype=dtype, device=device).permute(1, 0, 2)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y [T, out] (the layer's product of x [T, in]) plus scale * x A^T B^T for each adapter token."""
-        slots = self.lora_pass.slots
+        """y [T, out] (the layer's product of x [T, in]) plus scale * x A^T B^T for each adapter
+        token; the base rows of a mixed pass are left out of the products (LoraPass.rows)."""
+        lora_pass = self.lora_pass
+        slots, rows, ops = lora_pass.slots, lora_pass.rows, lora_pass.ops
         if slots is None:
             return y
-        ops = self.lora_pass.ops
-        return ops.lora_expand(y, ops.lora_shrink(x, self.a, slots), self.b, self.lora_pass.scales, slots)
+        if rows is None:  # every token has an adapter
+            return ops.lora_expand(y, ops.lora_shrink(x, self.a, slots), self.b, lora_pass.scales, slots)
+        x_rows = x.index_select(0, rows)
+        xa = ops.lora_shrink(x_rows, self.a, slots)
+        delta = ops.lora_expand(y.new_zeros(rows.shape[0], y.shape[1]), xa, self.b, lora_pass.scales, slots)
+        return y.index_add_(0, rows, delta)
 
     def place(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, tp: TensorParallel) -> None:
         """Slot `slot` <- the adapter's whole A [r, in] and B [out, r] (None: not a target), cut to this rank."""
@@ -117,7 +125,14 @@ class LoraSlots:
 
     def begin_pass(self, token_slots: list[int]) -> None:
         """One slot per token of the next pass (-1: the base weights)."""
-        if all(s < 0 for s in token_slots):
-            self.pass_.slots = None
+        device = self.pass_.scales.device
+        rows = [t for t, s in enumerate(token_slots) if s >= 0]
+        if not rows:
+            self.pass_.slots = self.pass_.rows = None
             return
-        self.pass_.slots = torch.tensor(token_slots, dtype=torch.int64).to(self.pass_.scales.device, non_blocking=True)
+        if len(rows) == len(token_slots):
+            self.pass_.rows = None
+            self.pass_.slots = torch.tensor(token_slots, dtype=torch.int64).to(device, non_blocking=True)
+            return
+        self.pass_.rows = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        self.pass_.slots = torch.tensor([token_slots[t] for t in rows], dtype=torch.int64).to(device, non_blocking=True)
