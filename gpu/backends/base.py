@@ -341,7 +341,7 @@ class Ops(abc.ABC):
         spread = xa.new_zeros(xa.shape[0], num_slots, rank)  # [T, S, R]
         spread[tokens, own] = xa * (scales[own] * valid).unsqueeze(1)
         side_by_side = b.permute(1, 0, 2).reshape(out, num_slots * rank)  # [out, S R]
-        return y.add_((spread.view(xa.shape[0], -1).to(b.dtype) @ side_by_side.T).to(y.dtype))
+        return y.add_((spread.view(xa.shape[0], num_slots * rank).to(b.dtype) @ side_by_side.T).to(y.dtype))
 
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate, up [T, I] -> gelu(gate, tanh approximation) * up [T, I] (Gemma's GeGLU, HF's

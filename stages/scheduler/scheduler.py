@@ -228,16 +228,14 @@ class Scheduler:
         updates, self._unsampled_updates = self._unsampled_updates, []
         eos, max_model_len = self.eos_token_ids, self.max_model_len
         register_full_blocks, block_size = self.blocks.register_full_blocks, self.blocks.block_size
-        if result.prompt_logprobs:
-            by_id = {row.seq.seq_id: row.seq for row in step.rows}
+        if result.prompt_logprobs or result.embeddings:  # what a prompt's passes computed beside the draws
+            of_row = {row.seq.seq_id: row.seq for row in step.rows}
             for entry in result.prompt_logprobs:
-                asking = by_id.get(entry.seq_id)
+                asking = of_row.get(entry.seq_id)
                 if asking is not None and asking.status is SeqStatus.RUNNING:
                     asking.take_prompt_logprobs(entry)
-        if result.embeddings:
-            pooled = {row.seq.seq_id: row.seq for row in step.rows}
             for embedding in result.embeddings:
-                if (pooling := pooled.get(embedding.seq_id)) is not None:
+                if (pooling := of_row.get(embedding.seq_id)) is not None:
                     pooling.embedding = embedding.values
         previous = None  # the sequence of the draw before: a run's later draws are accepted drafts
         for draw, ((row, seq), token) in enumerate(zip(draws, result.sampled_token_ids)):

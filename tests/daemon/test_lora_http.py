@@ -105,3 +105,9 @@ def test_bad_commands(daemon, setup, tmp_path):
         assert response.status_code == status, (body, response.text)
         assert response.json()["error"]["param"] == param, (body, response.text)
     assert complete(daemon, "attn8", [5, 6, 7]) == peft_greedy(base, paths["attn8"], [5, 6, 7])  # still serving
+
+
+def test_metrics_count_adapters(daemon):
+    assert daemon.metric('conveyor_lora_requests_total{engine="0",adapter="attn8"}') > 0
+    assert daemon.metric("conveyor_lora_adapter_loads_total") > 0
+    assert daemon.metric("conveyor_lora_adapters_resident") >= 1

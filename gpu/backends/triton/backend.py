@@ -4,7 +4,7 @@
 (KV write, one paged_attention launch per mixed step) and TritonOps (add + RMSNorm, rotary,
 SiLU x up as Triton kernels; MoE experts as fused_moe.py's grouped GEMM; linear is torch's, as
 cuBLAS already does the GEMM; a quantized linear is quant_linear.py's dequantize-in-GEMM kernel, or
-FP8 in the tensor cores where fp8_linear.py takes the weight).
+FP8 in the tensor cores where fp8_linear.py takes the weight; LoRA shrink and expand as lora.py's kernels).
 
 Invariants:
 - the KV cache is one zeroed tensor per layer, [2, num_blocks, block_size, Hkv, D] in the KV
@@ -30,6 +30,7 @@ from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Back
 from conveyor.gpu.backends.triton.add_rms_norm import add_rms_norm, rms_norm
 from conveyor.gpu.backends.triton.fp8_linear import Fp8Weight, can_multiply_in_fp8, fp8_linear, fp8_weight
 from conveyor.gpu.backends.triton.kv_write import write_kv
+from conveyor.gpu.backends.triton.lora import lora_expand, lora_shrink
 from conveyor.gpu.backends.triton.paged_attention import paged_attention
 from conveyor.gpu.backends.triton.quant_linear import KernelWeight, kernel_takes, kernel_weight, quant_linear
 from conveyor.gpu.backends.triton.rotary import apply_rotary_
@@ -128,6 +129,15 @@ class TritonOps(Ops):
 
     def linear(self, x: torch.Tensor, layer: LinearLayer) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
+
+    def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """lora.py's kernel: each token's slot read on the device, no host sync."""
+        return lora_shrink(x, a, slots)
+
+    def lora_expand(
+        self, y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        return lora_expand(y, xa, b, scales, slots)
 
 
 def triton_backend(model: ModelConfig, device: torch.device, kv_dtype: str | None = None) -> Backend:
