@@ -102,7 +102,7 @@ class ModelRunner:
         less the scratch block (a fixed --num-kv-blocks is the pool itself: the scratch block
         comes on top)."""
         if self._uses_graphs() and self.device.type == "cuda":
-            self._graph_probe = DecodeGraphs.memory_probe(self.config, self.model, self.attn, self.device)
+            self._graph_probe = DecodeGraphs.memory_probe(self.config, self._decode_model(), self.attn, self.device)
             seconds, graph_bytes = self._graph_probe.capture_all()
             log.info("CUDA graphs: the largest bucket takes %.1f MiB (probe captured in %.2f s)", graph_bytes / 2**20, seconds)
         if self.device.type == "cuda" and self.config.cache.num_kv_blocks is None:
@@ -126,17 +126,20 @@ class ModelRunner:
         if self._uses_graphs():
             pool = self._graph_probe.pool if self._graph_probe is not None else None
             self.graphs = DecodeGraphs.from_config(
-                self.config, self.model, self.attn, self.kv_caches, scratch_block=num_blocks, device=self.device, pool=pool
+                self.config, self._decode_model(), self.attn, self.kv_caches, scratch_block=num_blocks, device=self.device, pool=pool
             )
             self.graphs.capture_all()  # logs each bucket's time and memory
             self._graph_probe = None
+
+    def _decode_model(self):
+        """The model as decode graphs run it: with LoRA, its projections read the graphs' static slots."""
+        return self.lora.graph_model(self.model) if self.lora is not None else self.model
 
     def _uses_graphs(self) -> bool:
         """Whether decode steps take the CUDA-graph path (captured on CUDA). Not with tp > 1: a graph
         around NCCL collectives is possible but has not been run here, so those steps run eagerly."""
         parallel = self.config.parallel
-        # LoRA's token slots are not graph inputs yet: its steps run eagerly.
-        eager = parallel.enforce_eager or (self.spec is not None and self.spec.runs_eagerly) or self.lora is not None
+        eager = parallel.enforce_eager or (self.spec is not None and self.spec.runs_eagerly)
         return self.platform.runs_graphs and not eager and self.attn.supports_cuda_graphs and self.tp.size == 1
 
     # --- running plans ------------------------------------------------------------------------
@@ -259,7 +262,8 @@ class ModelRunner:
         clock = PassClock(self.platform.mark, arrival if arrival is not None else self._last_clock)
         work = self._first_pass(window) if k == 0 else self._next_pass(window, k, active)
         if self.lora is not None:
-            self.lora.begin_pass([seq.lora_slot for seq, n in zip(work.rows, work.num_new) for _ in range(n)])
+            token_slots = [seq.lora_slot for seq, n in zip(work.rows, work.num_new) for _ in range(n)]
+            self.lora.begin_pass(token_slots, graphed=work.inputs.meta is None)
         hidden = self._forward(work.inputs)  # [T, H]
         if self.spec is not None:
             self.spec.follow(work.inputs, work.rows)

@@ -12,6 +12,8 @@ columns of A, B whole, so its partial delta joins the layer's partial sum before
 A pass's rows name their slot (NewSeq.lora_slot); `begin_pass` turns them into one slot per token
 [T] (-1: the base weights), which every projection reads (`LoraProjection.add`: the backend's
 lora_shrink, then lora_expand). A pass with no adapter row sets none, and the layers add nothing.
+A decode step replayed from a CUDA graph reads the slots from a static buffer instead (the graph's
+input, `graph_model`), its padding rows -1: no host sync in the kernels, so they were captured.
 Adapters read from disk are kept in host memory, `--max-cpu-loras` of them, least recently used
 out first.
 """
@@ -27,6 +29,7 @@ from torch import nn
 from conveyor.config.engine import EngineConfig
 from conveyor.config.lora_adapter import LORA_TARGETS, read_adapter_info
 from conveyor.gpu.backends.base import Ops
+from conveyor.gpu.cuda_graphs import DecodeModel
 from conveyor.gpu.lora.weights import load_adapter
 from conveyor.gpu.models.layers import Linear, RowParallelLinear
 from conveyor.gpu.parallel.group import TensorParallel
@@ -100,6 +103,8 @@ class LoraSlots:
                 projection = LoraProjection(module, self.pass_, lora.max_loras, lora.max_lora_rank, self.dtype)
                 module.lora = projection
                 self.projections[(int(match.group(1)), match.group(2))] = projection
+        # A captured decode graph's input: each row's slot, -1 past the pass's rows (buckets up to max_num_seqs).
+        self.graph_slots = torch.full((config.scheduler.max_num_seqs,), -1, dtype=torch.int64, device=device)
         self._host: collections.OrderedDict[str, dict] = collections.OrderedDict()  # name -> its weights, LRU first
         self._host_capacity = lora.host_capacity
 
@@ -123,9 +128,25 @@ class LoraSlots:
             projection.place(load.slot, a, b, self.tp)
         self.pass_.scales[load.slot] = info.scaling
 
-    def begin_pass(self, token_slots: list[int]) -> None:
-        """One slot per token of the next pass (-1: the base weights)."""
+    def graph_model(self, model: DecodeModel) -> DecodeModel:
+        """`model` as a decode graph runs it (gpu/cuda_graphs.py): every projection reads the
+        static `graph_slots` of the bucket's rows, so a captured graph's kernels read the slots
+        `begin_pass(..., graphed=True)` writes there before each replay."""
+
+        def decode(input_ids, positions, meta, kv_caches):
+            self.pass_.slots, self.pass_.rows = self.graph_slots[: input_ids.shape[0]], None
+            return model(input_ids, positions, meta, kv_caches)
+
+        return decode
+
+    def begin_pass(self, token_slots: list[int], graphed: bool = False) -> None:
+        """One slot per token of the next pass (-1: the base weights); `graphed`: the pass replays a
+        decode graph, whose rows read `graph_slots` (its padding rows -1)."""
         device = self.pass_.scales.device
+        if graphed:
+            self.graph_slots.fill_(-1)
+            self.graph_slots[: len(token_slots)].copy_(torch.tensor(token_slots, dtype=torch.int64), non_blocking=True)
+            return
         rows = [t for t, s in enumerate(token_slots) if s >= 0]
         if not rows:
             self.pass_.slots = self.pass_.rows = None

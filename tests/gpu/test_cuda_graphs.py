@@ -9,17 +9,23 @@ The GPU tests capture every bucket and check each replay against the eager forwa
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from conveyor.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from conveyor.config.lora import LoraConfig
 from conveyor.gpu.backends import select, torch_backend
 from conveyor.gpu.backends.base import AttentionMetadata
 from conveyor.gpu.cuda_graphs import DecodeGraphs, bucket_sizes, buckets_for, can_capture
 from conveyor.gpu.loader import load_model
+from conveyor.gpu.lora.slots import LoraSlots
 from conveyor.gpu.models.registry import read_model_config
+from conveyor.gpu.parallel.group import SINGLE
+from conveyor.tiny.lora import make_random_adapter
+from conveyor.wire.messages import LoraLoad
 from tests.gpu_checkpoints import VOCAB, checkpoint
 
 pytest.importorskip("triton")
@@ -243,3 +249,34 @@ def test_every_captured_bucket_replays_the_eager_forward(dtype, kv_dtype):
             torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=f"bucket {bucket}, {num_rows} rows")
             for graph_cache, eager_cache in zip(kv, eager_kv):
                 torch.testing.assert_close(graph_cache[:, 1:].float(), eager_cache[:, 1:].float(), atol=tol, rtol=tol)
+
+
+def test_lora_rows_read_the_graphs_static_slots(tiny_model, config, tmp_path):
+    """A decode step through the graphs' buffers with LoRA rows (some on the base, one padding row
+    past them) equals the eager step: the projections read the static slots the pass wrote."""
+    model, attn = tiny_model
+    lora_config = dataclasses.replace(config, lora=LoraConfig(enable_lora=True, max_loras=2, max_lora_rank=8))
+    adapter = make_random_adapter(checkpoint("llama"), tmp_path / "adapter", rank=8, seed=3)
+    slots = LoraSlots(model, lora_config, select("triton", "cpu", config.model).ops, SINGLE, torch.device("cpu"))
+    try:
+        slots.load(LoraLoad(1, "a", str(adapter)))
+        kv = attn.allocate_kv_caches(NUM_BLOCKS, BLOCK_SIZE)
+        input_ids, positions, tables, seq_lens = decode_step(3, seed=7)
+        token_slots = [1, -1, 1]
+        meta = attn.build_metadata([1] * 3, seq_lens.tolist(), tables, positions, BLOCK_SIZE, None)
+        with torch.inference_mode():
+            slots.begin_pass(token_slots)
+            want = model(input_ids, positions, meta, [c.clone() for c in kv])
+            slots.begin_pass([-1, -1, -1])
+            base = model(input_ids, positions, meta, [c.clone() for c in kv])
+            graphs = graphs_on_cpu(slots.graph_model(model), attn, [c.clone() for c in kv], [4])
+            slots.begin_pass(token_slots, graphed=True)
+            got = graphs.run(input_ids, positions, tables, seq_lens)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(want[0], base[0]) and torch.allclose(
+            want[1], base[1], atol=1e-5
+        )  # the adapter acts on its rows only
+        assert slots.graph_slots[:4].tolist() == [1, -1, 1, -1]  # the padding row reads no adapter
+    finally:
+        for projection in slots.projections.values():
+            projection.layer.lora = None  # the module's model is shared with the other tests

@@ -104,3 +104,18 @@ def test_refusals(setup, tmp_path):
         llm.generate("x", GREEDY, lora_request=LoRARequest("all16", paths["all16"]))
     with pytest.raises(ValueError, match="adapter"):
         llm.generate("x", GREEDY, lora_request=LoRARequest("none", str(tmp_path)))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_with_graphs_matches_peft(setup):
+    """On CUDA the decode steps replay graphs whose projections read the static slots: greedy text
+    of the base and of each adapter, in one batch, equal to peft's (float32)."""
+    base, paths = setup
+    llm = LLM(str(base), device="cuda", dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16, num_kv_blocks=256)
+    assert llm.runner.graphs is not None
+    names = [None, *ADAPTERS]
+    loras = [None if name is None else LoRARequest(name, paths[name]) for name in names]
+    outs = llm.generate([PROMPTS[0]] * len(names), GREEDY, lora_request=loras)
+    for name, out in zip(names, outs):
+        assert out.outputs[0].token_ids == peft_greedy(base, paths.get(name) if name else None, out.prompt_token_ids), name
