@@ -24,6 +24,7 @@ import json
 import math
 import re
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,9 @@ class LoraError(ConfigError):
     """An adapter that cannot be served: one line naming the key at fault."""
 
 
+Fail = Callable[[str], LoraError]  # what is wrong -> the error naming the adapter
+
+
 @dataclasses.dataclass(frozen=True)
 class AdapterInfo:
     name: str
@@ -94,7 +98,7 @@ def read_adapter_info(name: str, path: str, model: ModelConfig, max_rank: int) -
     return AdapterInfo(name, str(root), rank, scaling, frozenset(target for _, target in expected))
 
 
-def _rank_and_scaling(config: dict[str, Any], max_rank: int, fail) -> tuple[int, float]:
+def _rank_and_scaling(config: dict[str, Any], max_rank: int, fail: Fail) -> tuple[int, float]:
     if config.get("peft_type") != "LORA":
         raise fail(f"peft_type {config.get('peft_type')!r} is not LORA")
     for key, what in UNSUPPORTED.items():
@@ -115,12 +119,13 @@ def _rank_and_scaling(config: dict[str, Any], max_rank: int, fail) -> tuple[int,
     return rank, float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
-def _targeted(config: dict[str, Any], modules: dict[str, tuple[int, str] | None], fail) -> set[tuple[int, str]]:
+def _targeted(config: dict[str, Any], modules: dict[str, tuple[int, str] | None], fail: Fail) -> set[tuple[int, str]]:
     """The (layer, target) pairs PEFT wrapped: the model's modules that the config matches
     (peft's check_target_module_exists, over `modules`)."""
     targets = config.get("target_modules")
     if targets == "all-linear":  # PEFT saves the names it chose; an older file may keep the alias
         targets = list(LORA_TARGETS)
+    matches: Callable[[str], object]
     if isinstance(targets, str):
         try:
             matches = re.compile(targets).fullmatch
@@ -211,7 +216,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
     return header
 
 
-def _read_weights_header(root: Path, fail) -> dict[str, dict[str, Any]]:
+def _read_weights_header(root: Path, fail: Fail) -> dict[str, dict[str, Any]]:
     path = root / WEIGHTS_FILE
     if not path.is_file():
         other = " (only safetensors are read: save with safe_serialization=True)" if (root / "adapter_model.bin").exists() else ""
@@ -228,7 +233,7 @@ def _check_tensors(
     modules: dict[str, tuple[int, str] | None],
     rank: int,
     model: ModelConfig,
-    fail,
+    fail: Fail,
 ) -> None:
     """Every tensor is lora_A [r, in] or lora_B [out, r] of an expected module, in a float dtype,
     and every expected module has both."""

@@ -26,6 +26,7 @@ from conveyor.wire.addresses import address
 from conveyor.wire.channel import AsyncReceiver, Receiver, Sender
 from conveyor.wire.messages import (
     AbortRequest,
+    AdapterCommand,
     DetokenizerInbound,
     IngressInbound,
     LauncherInbound,
@@ -172,9 +173,10 @@ def engine_workers(ctx: zmq.Context, config: EngineConfig, engine: int) -> list[
     return [sender(ctx, config, WORKER, i) for i in worker_indices(config, engine)]
 
 
-def admission(ctx: zmq.Context, config: EngineConfig) -> Sender[ScheduleRequest | AbortRequest]:
+def admission(ctx: zmq.Context, config: EngineConfig) -> Sender[ScheduleRequest | AbortRequest | AdapterCommand]:
     """Where requests and their aborts go: the router with several engines, else the scheduler
-    (no extra hop). Both take ScheduleRequest and AbortRequest."""
+    (no extra hop). Both take ScheduleRequest and AbortRequest; AdapterCommand only the scheduler
+    (LoRA is refused with several engines: conveyor/engine_config.py)."""
     stage = ROUTER if ROUTER.num_processes(config) else SCHEDULER
     return Sender(ctx, address_of(config, stage, 0))
 

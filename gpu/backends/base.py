@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -254,6 +254,12 @@ class AttentionBackend(abc.ABC):
         return self.attend(q, k, v, kv_cache, meta, scale, kv_scales)
 
 
+class LinearProducts(Protocol):
+    """A model's linear layer as Ops.linears multiplies it (gpu/models/layers.py Linear)."""
+
+    def product(self, x: torch.Tensor) -> torch.Tensor: ...  # x W^T (+ bias), no adapter deltas
+
+
 class LinearLayer(Protocol):
     """What ops.linear reads from a model's linear layer (gpu/models/llama.py Linear)."""
 
@@ -315,7 +321,7 @@ class Ops(abc.ABC):
         one's product, in order (their products alone: the model adds their adapters' deltas,
         layers.column_products). The model keeps them as the checkpoint's separate layers; a
         backend may multiply them as one weight. The default multiplies each layer's."""
-        return [layer.product(x) for layer in layers]
+        return [cast(LinearProducts, layer).product(x) for layer in layers]
 
     def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """x [T, in], a [S, R, in] (each slot's A, zero rows past its rank), slots [T] int64 (each

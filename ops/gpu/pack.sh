@@ -3,7 +3,7 @@
 # the GPU image lacks and cannot fetch there, having no network:
 #   - wheels for CPython 3.12 manylinux x86_64, one version each: conveyor's own requirements that
 #     the image does not hold (pyzmq, msgspec, gguf, xgrammar and its needs), and the test suite's
-#     (openai, jsonschema and theirs), so that more than the GPU-marked tests can run there;
+#     (openai, jsonschema and theirs; peft, the LoRA tests' reference), so that more than the GPU-marked tests can run there;
 #   - the ShareGPT sample the races send (../shared does not travel);
 #   - SmolLM2's tokenizer files (smollm2/): a real 49k-id BPE, for `conveyor.tiny.generate
 #     --tokenizer-from` runs by hand. The runbook's checkpoint keeps the tiny tokenizer, whose
@@ -20,7 +20,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # none of these; each is pinned to the version installed here, the one this machine's tests pass
 # with (pydantic pins pydantic-core exactly, so the two must come as a pair).
 RUNTIME="pyzmq msgspec gguf xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection typing-extensions"
-TESTS="openai jiter sniffio httpx2 httpcore2 truststore jsonschema jsonschema-specifications referencing rpds-py"
+TESTS="openai jiter sniffio httpx2 httpcore2 truststore jsonschema jsonschema-specifications referencing rpds-py peft"
 PLATFORMS="manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64"
 # Tried only where none of the above matches: the image is Ubuntu 24.04's Python 3.12 (glibc 2.39).
 MORE_PLATFORMS="manylinux_2_24_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64 manylinux_2_35_x86_64"

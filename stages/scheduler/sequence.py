@@ -13,7 +13,15 @@ from __future__ import annotations
 import enum
 
 from conveyor.stages.scheduler.block_manager import ROOT_HASH, chain_hash
-from conveyor.wire.messages import FinishReason, PromptLogprobs, PromptTokens, SamplingParams, ScheduleRequest, TokenLogprob
+from conveyor.wire.messages import (
+    FinishReason,
+    PromptLogprobs,
+    PromptTokens,
+    SamplingParams,
+    ScheduleRequest,
+    TokenLogprob,
+    TopLogprobs,
+)
 
 
 class SeqStatus(enum.Enum):
@@ -212,7 +220,7 @@ class Sequence:
         skip = len(held) + 1 - entry.start
         if skip < 0:
             raise ValueError(f"sequence {self.seq_id}: prompt logprobs from token {entry.start}, {len(held)} held")
-        tops = entry.top or [None] * len(entry.logprobs)
+        tops: list[TopLogprobs | None] = [*entry.top] if entry.top else [None] * len(entry.logprobs)
         for logprob, rank, top in list(zip(entry.logprobs, entry.ranks, tops))[skip:]:
             if top is None:
                 held.append(TokenLogprob(logprob, rank=rank))

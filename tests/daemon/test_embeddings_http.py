@@ -12,6 +12,9 @@ from conveyor.tiny.embedding import make_embedding_checkpoint
 
 sentence_transformers = pytest.importorskip("sentence_transformers")
 
+# A daemon of its own (about 45 s on two cores): the slow group (-m slow); the in-process
+# tests cover the same behaviour in the default run.
+pytestmark = pytest.mark.slow
 TEXTS = ["Hello there", "The quick brown fox jumps over the lazy dog " * 3, "Embeddings"]
 
 

@@ -5,6 +5,8 @@ for one, none blocks the base); the prefix cache never shares blocks across adap
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -39,28 +41,48 @@ def make_adapters(base, root) -> dict[str, str]:
     return paths
 
 
-@pytest.fixture(scope="module", params=["LlamaForCausalLM", "Qwen2ForCausalLM"])
-def setup(request, checkpoints, tmp_path_factory):
-    base = checkpoints[request.param]
-    paths = make_adapters(base, tmp_path_factory.mktemp("adapters"))
-    return base, paths
+@pytest.fixture(scope="module")
+def adapters_of(checkpoints, tmp_path_factory):
+    """arch -> (its checkpoint, its adapters' paths by name), made once."""
+    made: dict[str, tuple] = {}
+
+    def get(arch: str):
+        if arch not in made:
+            made[arch] = (checkpoints[arch], make_adapters(checkpoints[arch], tmp_path_factory.mktemp(arch)))
+        return made[arch]
+
+    return get
 
 
-def peft_greedy(base, path: str | None, prompt_ids: list[int], num_tokens: int = NUM_TOKENS) -> list[int]:
+@pytest.fixture(scope="module")
+def setup(adapters_of):
+    return adapters_of("LlamaForCausalLM")
+
+
+@functools.cache
+def reference_model(base, path: str | None):
+    """transformers' model of `base`, with peft's adapter at `path` on it (None: the base alone)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if path is not None:
         model = peft.PeftModel.from_pretrained(model, path)
-    model.eval()
+    return model.eval()
+
+
+def peft_greedy(base, path: str | None, prompt_ids: list[int], num_tokens: int = NUM_TOKENS) -> list[int]:
+    model = reference_model(base, path)
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=num_tokens, do_sample=False, min_new_tokens=num_tokens)
     return out[0, len(prompt_ids) :].tolist()
 
 
-@pytest.mark.parametrize("steps", [1, 4], ids=["one-step", "multi-step"])
-def test_each_adapter_and_a_mixed_batch_match_peft(setup, steps):
-    base, paths = setup
+CASES = [("LlamaForCausalLM", 1), ("LlamaForCausalLM", 4), ("Qwen2ForCausalLM", 1)]
+
+
+@pytest.mark.parametrize("arch, steps", CASES, ids=["llama", "llama-multi-step", "qwen2"])
+def test_each_adapter_and_a_mixed_batch_match_peft(adapters_of, arch, steps):
+    base, paths = adapters_of(arch)
     options = dict(device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2, num_kv_blocks=256, block_size=4)
     # A 16-token budget: the long prompt is chunked; multi-step windows decode 4 passes a plan.
     llm = LLM(str(base), **options, max_num_batched_tokens=16, num_scheduler_steps=steps)

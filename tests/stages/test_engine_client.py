@@ -11,6 +11,7 @@ from conveyor.stages.ingress.protocol import Generation, Prompt
 from conveyor.wire.channel import Sender
 from conveyor.wire.messages import (
     AbortRequest,
+    AdapterCommand,
     DeltaBatch,
     EngineStatus,
     FinishReason,
@@ -41,7 +42,7 @@ class Outbox(Sender[T]):
 
 def client(num_tokenizers: int = 2, num_engines: int = 1):
     tokenizers: list[Outbox[TokenizerInbound]] = [Outbox() for _ in range(num_tokenizers)]
-    scheduler: Outbox[ScheduleRequest | AbortRequest] = Outbox()
+    scheduler: Outbox[ScheduleRequest | AbortRequest | AdapterCommand] = Outbox()
     drained: list[bool] = []
     # [*tokenizers]: the client takes a list[Sender[...]] (lists are invariant); the same outboxes.
     engine = EngineClient(0, [*tokenizers], scheduler, on_drained=lambda: drained.append(True), num_engines=num_engines)
@@ -53,7 +54,7 @@ def submit(engine: EngineClient, request_id: str):
     return engine.submit([request_id], Generation(SamplingParams(), [Prompt(text="hi")]))
 
 
-def aborted(scheduler: Outbox[ScheduleRequest | AbortRequest]) -> list[str]:
+def aborted(scheduler: Outbox[ScheduleRequest | AbortRequest | AdapterCommand]) -> list[str]:
     return [rid for msg in scheduler.sent if isinstance(msg, AbortRequest) for rid in msg.request_ids]
 
 

@@ -22,8 +22,11 @@ def message(answer: dict[str, Any], stop_sequences: list[str]) -> dict[str, Any]
     content: list[dict[str, Any]] = []
     if chat.get("reasoning_content"):
         content.append({"type": "thinking", "thinking": chat["reasoning_content"], "signature": ""})
-    if chat.get("content"):
-        content.append({"type": "text", "text": chat["content"]})
+    # Before tool calls the text ends at its last non-blank character: the whitespace around the
+    # calls' markup is no one's text (stream.py holds it back the same way, whatever the chunking).
+    text = (chat.get("content") or "").rstrip() if chat.get("tool_calls") else chat.get("content")
+    if text:
+        content.append({"type": "text", "text": text})
     for call in chat.get("tool_calls") or []:
         function = call["function"]
         content.append({"type": "tool_use", "id": call["id"], "name": function["name"], "input": json.loads(function["arguments"])})

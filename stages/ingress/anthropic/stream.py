@@ -35,6 +35,9 @@ class MessageEvents:
         self.num_blocks = 0  # started so far; the open one, if any, is the last
         self.open_kind: str | None = None  # "text", "thinking" or "tool_use"
         self.tool_blocks: dict[int, int] = {}  # chat tool call index -> its block's index
+        # Trailing whitespace of the text so far, sent only once more text follows: dropped when a
+        # tool_use block opens, sent at the end otherwise (as reply.py cuts the whole text).
+        self._held = ""
 
     def start(self, chat_usage: dict[str, Any]) -> bytes:
         message: dict[str, Any] = {
@@ -62,10 +65,14 @@ class MessageEvents:
         while calls and "id" not in calls[0] and self.tool_blocks.get(calls[0]["index"]) == self._open_tool_block:
             out.append(self._arguments(calls.pop(0)))
         if text := delta.get("content"):
-            out += self._into("text", {"type": "text", "text": ""})
-            out.append(self._delta({"type": "text_delta", "text": text}))
+            text = self._held + text
+            body = text.rstrip()
+            self._held = text[len(body) :]
+            if body:
+                out += self._text(body)
         for call in calls:
             if "id" in call:
+                self._held = ""
                 block = {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": {}}
                 out += self._open("tool_use", block)
                 self.tool_blocks[call["index"]] = self.num_blocks - 1
@@ -76,7 +83,11 @@ class MessageEvents:
         """The last events, for the choice's terminal chunk (already fed)."""
         reason, sequence = stop_reason(choice, self.stop_sequences)
         delta = event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": usage(chat_usage)})
-        return self._close() + delta + event("message_stop", {})
+        held = b"".join(self._text(self._held)) if self._held and not self.tool_blocks else b""
+        return held + self._close() + delta + event("message_stop", {})
+
+    def _text(self, text: str) -> list[bytes]:
+        return [*self._into("text", {"type": "text", "text": ""}), self._delta({"type": "text_delta", "text": text})]
 
     @property
     def _open_tool_block(self) -> int | None:
