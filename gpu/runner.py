@@ -96,6 +96,10 @@ class ModelRunner:
         self.pooler = Pooler(config.model.pooling) if config.model.pooling is not None else None
         # LoRA (gpu/lora/slots.py): --max-loras slots beside the weights, allocated before the KV pool is sized.
         self.lora = LoraSlots(self.model, config, self.backend.ops, self.tp, self.device) if config.lora.enable_lora else None
+        if self.lora is not None:
+            lora = config.lora
+            size = self.lora.bytes / 2**20
+            log.info("LoRA: %d slots at rank %d hold %.1f MiB beside the weights", lora.max_loras, lora.max_lora_rank, size)
 
     def num_available_blocks(self) -> int:
         """KV blocks this device can hold next to the model (and, on CUDA, a full step's peak),
