@@ -266,8 +266,7 @@ class ModelRunner:
         clock = PassClock(self.platform.mark, arrival if arrival is not None else self._last_clock)
         work = self._first_pass(window) if k == 0 else self._next_pass(window, k, active)
         if self.lora is not None:
-            token_slots = [seq.lora_slot for seq, n in zip(work.rows, work.num_new) for _ in range(n)]
-            self.lora.begin_pass(token_slots, graphed=work.inputs.meta is None)
+            self.lora.begin_pass([seq.lora_slot for seq in work.rows], work.num_new, graphed=work.inputs.meta is None)
         hidden = self._forward(work.inputs)  # [T, H]
         if self.spec is not None:
             self.spec.follow(work.inputs, work.rows)

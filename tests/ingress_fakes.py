@@ -319,6 +319,32 @@ class FakeEngine(threading.Thread):
             self.ingress.send(DeltaBatch([deltas[i] for deltas in per_choice if i < len(deltas)]))
 
 
+class ScriptedEngine(FakeEngine):
+    """Answers a conversation whose last word is a key of `scripts` (a subclass's) with that text,
+    in deltas of PIECE characters that cut through tags and JSON, every choice alike; a max_tokens
+    below the pieces cuts the text there with finish "length". Anything else: FakeEngine's answer."""
+
+    scripts: dict[str, str] = {}
+    PIECE = 7  # characters per delta
+    NUM_PROMPT_TOKENS = 3  # what it says every prompt has
+
+    def _answer(self, req: TokenizeRequest) -> None:
+        words = prompt_text(req).split()
+        if not words or words[-1] not in self.scripts:
+            return super()._answer(req)
+        text = self.scripts[words[-1]]
+        pieces = [text[i : i + self.PIECE] for i in range(0, len(text), self.PIECE)]
+        finish = FinishReason.STOP
+        if req.params.max_tokens is not None and req.params.max_tokens < len(pieces):
+            pieces, finish = pieces[: req.params.max_tokens], FinishReason.LENGTH
+        num_prompt = self.NUM_PROMPT_TOKENS
+        self.ingress.send(RequestAccepted(req.request_id, num_prompt))
+        for i, piece in enumerate(pieces):
+            reason = finish if i == len(pieces) - 1 else None
+            deltas = [TextDelta(req.request_id, j, piece, [100 + i], reason, num_prompt, i + 1) for j in range(req.params.num_samples)]
+            self.ingress.send(DeltaBatch(deltas))
+
+
 class ServerThread(threading.Thread):
     """serve(config, 0) on a uvloop loop; `stop()` cancels it and re-raises what it raised."""
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from conveyor.config.engine import EngineConfig
-from conveyor.config.lora_adapter import LORA_TARGETS, read_adapter_info
+from conveyor.config.lora_adapter import LORA_TARGETS, AdapterInfo, read_adapter_info
 from conveyor.gpu.backends.base import Ops
 from conveyor.gpu.cuda_graphs import DecodeModel
 from conveyor.gpu.lora.weights import load_adapter
@@ -36,6 +36,8 @@ from conveyor.gpu.parallel.group import TensorParallel
 from conveyor.gpu.parallel.shard import cut
 from conveyor.wire.messages import LoraLoad
 
+Weights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, target) -> (A, B): gpu/lora/weights.py
+NOT_TARGETED: tuple[None, None] = (None, None)
 _PROJECTION = re.compile(rf"layers\.(\d+)\.(?:self_attn|mlp)\.({'|'.join(LORA_TARGETS)})$")
 
 
@@ -105,7 +107,8 @@ class LoraSlots:
                 self.projections[(int(match.group(1)), match.group(2))] = projection
         # A captured decode graph's input: each row's slot, -1 past the pass's rows (buckets up to max_num_seqs).
         self.graph_slots = torch.full((config.scheduler.max_num_seqs,), -1, dtype=torch.int64, device=device)
-        self._host: collections.OrderedDict[str, dict] = collections.OrderedDict()  # name -> its weights, LRU first
+        # (name, path) -> (its AdapterInfo, its weights): read from disk once while held, LRU first
+        self._host: collections.OrderedDict[tuple[str, str], tuple[AdapterInfo, Weights]] = collections.OrderedDict()
         self._host_capacity = lora.host_capacity
 
     @property
@@ -115,16 +118,17 @@ class LoraSlots:
 
     def load(self, load: LoraLoad) -> None:
         """Place an adapter in a slot (the one there before, if any, is gone from the device)."""
-        model = self.config.model
-        info = read_adapter_info(load.name, load.path, model, self.config.lora.max_lora_rank)
-        weights = self._host.pop(load.name, None)
-        if weights is None:
-            weights = load_adapter(info, model.num_layers, self.dtype, torch.device("cpu"))
-        self._host[load.name] = weights
+        model, source = self.config.model, (load.name, load.path)  # a name unloaded and loaded again may name another path
+        held = self._host.pop(source, None)
+        if held is None:
+            info = read_adapter_info(load.name, load.path, model, self.config.lora.max_lora_rank)
+            held = info, load_adapter(info, model.num_layers, self.dtype, torch.device("cpu"))
+        self._host[source] = held
+        info, weights = held
         while len(self._host) > self._host_capacity:
             self._host.popitem(last=False)
         for key, projection in self.projections.items():
-            a, b = weights.get(key, (None, None))
+            a, b = weights.get(key, NOT_TARGETED)
             projection.place(load.slot, a, b, self.tp)
         self.pass_.scales[load.slot] = info.scaling
 
@@ -139,18 +143,19 @@ class LoraSlots:
 
         return decode
 
-    def begin_pass(self, token_slots: list[int], graphed: bool = False) -> None:
-        """One slot per token of the next pass (-1: the base weights); `graphed`: the pass replays a
-        decode graph, whose rows read `graph_slots` (its padding rows -1)."""
+    def begin_pass(self, row_slots: list[int], row_tokens: list[int] | None = None, graphed: bool = False) -> None:
+        """The next pass's rows' slots (-1: the base weights) and tokens (None: one each);
+        `graphed`: the pass replays a decode graph, whose rows read `graph_slots` (padding rows -1)."""
         device = self.pass_.scales.device
+        if not graphed and max(row_slots, default=-1) < 0:  # base rows only: nothing per token
+            self.pass_.slots = self.pass_.rows = None
+            return
+        token_slots = row_slots if row_tokens is None else [s for s, n in zip(row_slots, row_tokens) for _ in range(n)]
         if graphed:
             self.graph_slots.fill_(-1)
             self.graph_slots[: len(token_slots)].copy_(torch.tensor(token_slots, dtype=torch.int64), non_blocking=True)
             return
         rows = [t for t, s in enumerate(token_slots) if s >= 0]
-        if not rows:
-            self.pass_.slots = self.pass_.rows = None
-            return
         if len(rows) == len(token_slots):
             self.pass_.rows = None
             self.pass_.slots = torch.tensor(token_slots, dtype=torch.int64).to(device, non_blocking=True)

@@ -28,7 +28,7 @@ from conveyor.config import EngineConfig
 from conveyor.stages.ingress.engine_client import EngineClient, Event, RequestStream
 from conveyor.stages.ingress.errors import ApiError, check_model, draining, not_ready, read_body
 from conveyor.stages.ingress.protocol import Generation, check_num_seqs, parse_chat, parse_completion
-from conveyor.stages.ingress.responses import DONE, SSE_HEADERS, ResponseBuilder
+from conveyor.stages.ingress.responses import DONE, SSE_HEADERS, ResponseBuilder, write_quietly
 from conveyor.stages.ingress.tokens import LazyEncoder
 from conveyor.stages.ingress.tools.answer import chat_answer
 from conveyor.stages.ingress.tools.reasoning import ReasoningParser
@@ -219,11 +219,11 @@ class GenerateRoutes:
         except ConnectionResetError:
             log.debug("client of %s went away", builder.request_id)
         except ApiError as e:  # after the stream began: say so in the stream, then end it
-            await _write_quietly(response, b"data: " + e.body() + b"\n\n" + DONE)
+            await write_quietly(response, b"data: " + e.body() + b"\n\n" + DONE)
         except Exception:
             log.exception("failed while streaming %s", builder.request_id)
             error = ApiError(500, "internal server error", error_type="server_error")
-            await _write_quietly(response, b"data: " + error.body() + b"\n\n" + DONE)
+            await write_quietly(response, b"data: " + error.body() + b"\n\n" + DONE)
         return response
 
     async def _echo(self, gen: Generation) -> list[str]:
@@ -237,14 +237,6 @@ class GenerateRoutes:
                 assert prompt.text is not None  # a prompt is text or token ids (messages are not echoed)
                 texts.append(prompt.text)
         return texts
-
-
-async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
-    try:
-        await response.write(data)
-        await response.write_eof()
-    except ConnectionResetError:
-        pass
 
 
 def _sampling_failed() -> ApiError:

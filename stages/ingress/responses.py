@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import msgspec
+from aiohttp import web
 
 from conveyor.stages.ingress.openai_logprobs import chat_logprobs, completion_logprobs, join_completion_logprobs, vllm_prompt_logprobs
 from conveyor.stages.ingress.tools.answer import ChatAnswer, ChoiceStream
@@ -296,6 +297,16 @@ class ResponseBuilder:
             "total_tokens": prompt + out,
             "prompt_tokens_details": {"cached_tokens": sum(self.num_cached_tokens)},
         }
+
+
+async def write_quietly(response: web.StreamResponse, data: bytes) -> None:
+    """The last bytes of a stream that failed after it began (an error event), then its end; a
+    client already gone is no error."""
+    try:
+        await response.write(data)
+        await response.write_eof()
+    except ConnectionResetError:
+        pass
 
 
 def _sse(obj: dict[str, Any]) -> bytes:

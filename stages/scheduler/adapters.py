@@ -25,6 +25,10 @@ class UnknownAdapter(LookupError):
     """A request named an adapter this engine does not serve (a 404 for the client)."""
 
 
+class NameTaken(ValueError):
+    """An adapter's name is served already, or still finishing requests after its unload."""
+
+
 class Adapters:
     def __init__(self, max_loras: int) -> None:
         self.registry: dict[str, AdapterInfo] = {}
@@ -37,11 +41,11 @@ class Adapters:
         self.num_evictions = 0
 
     def register(self, info: AdapterInfo) -> None:
-        """A ValueError for a name served already, or still finishing requests after its unload."""
+        """NameTaken for a name served already, or still finishing requests after its unload."""
         if info.name in self.registry:
-            raise ValueError(f"an adapter named {info.name!r} is loaded already")
+            raise NameTaken(f"an adapter named {info.name!r} is loaded already")
         if info.name in self._unloaded:
-            raise ValueError(f"the adapter {info.name!r} was unloaded and still finishes requests; try again shortly")
+            raise NameTaken(f"the adapter {info.name!r} was unloaded and still finishes requests; try again shortly")
         self.registry[info.name] = info
 
     def unregister(self, name: str) -> None:

@@ -26,7 +26,7 @@ from conveyor.config.lora_adapter import read_adapter_info
 from conveyor.stages import metrics
 from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
-from conveyor.stages.scheduler.adapters import UnknownAdapter, adapters_for
+from conveyor.stages.scheduler.adapters import NameTaken, UnknownAdapter, adapters_for
 from conveyor.stages.scheduler.engine_core import EngineCore
 from conveyor.stages.scheduler.load_report import LoadReports
 from conveyor.stages.scheduler.plan import token_batches
@@ -181,9 +181,10 @@ class SchedulerStage:
         else:
             try:
                 adapters.register(read_adapter_info(msg.name, msg.path, model, self.config.lora.max_lora_rank))
-            except ValueError as e:  # LoraError (a ConfigError) among them
-                param = "lora_name" if "loaded already" in str(e) or "unloaded" in str(e) else "lora_path"
-                return RequestRejected(msg.request_id, 400, str(e), param=param)
+            except NameTaken as e:
+                return RequestRejected(msg.request_id, 400, str(e), param="lora_name")
+            except ValueError as e:  # LoraError (a ConfigError): the directory is no adapter this model takes
+                return RequestRejected(msg.request_id, 400, str(e), param="lora_path")
         self.core.stalled = False  # waiting sequences may now take the freed slot
         return RequestAccepted(msg.request_id, 0, engine=self.engine)
 

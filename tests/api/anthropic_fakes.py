@@ -9,8 +9,7 @@ from typing import Any
 
 import requests
 
-from conveyor.wire.messages import DeltaBatch, FinishReason, RequestAccepted, TextDelta, TokenizeRequest
-from tests.ingress_fakes import FakeEngine, prompt_text
+from tests import ingress_fakes
 
 TOOLS = [
     {
@@ -36,28 +35,12 @@ SCRIPTS = {
     "REQUIRED": '[{"name": "weather", "parameters": {"city": "Paris"}}, {"name": "time", "parameters": {"zone": "CET"}}]',
     "ANSWERED": "It is 21 degrees in Paris and noon in CET.",
 }
-PIECE = 7  # characters per delta
-NUM_PROMPT_TOKENS = 3  # what the scripted engine says every prompt has
+PIECE = ingress_fakes.ScriptedEngine.PIECE
+NUM_PROMPT_TOKENS = ingress_fakes.ScriptedEngine.NUM_PROMPT_TOKENS
 
 
-class ScriptedEngine(FakeEngine):
-    """Answers a conversation whose last word is a SCRIPTS key with that text; a max_tokens below
-    the text's pieces cuts it there with finish "length". Anything else: FakeEngine's answer."""
-
-    def _answer(self, req: TokenizeRequest) -> None:
-        words = prompt_text(req).split()
-        if not words or words[-1] not in SCRIPTS:
-            return super()._answer(req)
-        text = SCRIPTS[words[-1]]
-        pieces = [text[i : i + PIECE] for i in range(0, len(text), PIECE)]
-        finish = FinishReason.STOP
-        if req.params.max_tokens is not None and req.params.max_tokens < len(pieces):
-            pieces, finish = pieces[: req.params.max_tokens], FinishReason.LENGTH
-        self.ingress.send(RequestAccepted(req.request_id, NUM_PROMPT_TOKENS))
-        for i, piece in enumerate(pieces):
-            last = i == len(pieces) - 1
-            delta = TextDelta(req.request_id, 0, piece, [100 + i], finish if last else None, NUM_PROMPT_TOKENS, i + 1)
-            self.ingress.send(DeltaBatch([delta]))
+class ScriptedEngine(ingress_fakes.ScriptedEngine):
+    scripts = SCRIPTS
 
 
 def events(response: requests.Response) -> list[dict[str, Any]]:

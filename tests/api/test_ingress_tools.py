@@ -10,8 +10,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from conveyor.wire.messages import DeltaBatch, FinishReason, RequestAccepted, TextDelta, TokenizeRequest
-from tests.ingress_fakes import MODEL_NAME, FakeEngine, post, prompt_text, running_server, sse
+from tests.ingress_fakes import MODEL_NAME, ScriptedEngine, post, running_server, sse
 
 TOOLS = [
     {
@@ -39,36 +38,17 @@ SCRIPTS = {
     "NAMED": '{"city": "Paris"}',
     "REQUIRED": '[{"name": "weather", "parameters": {"city": "Paris"}}, {"name": "time", "parameters": {"zone": "CET"}}]',
 }
-PIECE = 7  # characters per delta
+PIECE = ScriptedEngine.PIECE
 
 
-class ScriptedEngine(FakeEngine):
-    """Answers a chat whose last message is a SCRIPTS key with that text, every choice alike; a
-    max_tokens below the text's pieces cuts it there with finish "length"."""
-
-    def _answer(self, req: TokenizeRequest) -> None:
-        key = prompt_text(req).split()[-1]
-        if key not in SCRIPTS:
-            return super()._answer(req)
-        text = SCRIPTS[key]
-        pieces = [text[i : i + PIECE] for i in range(0, len(text), PIECE)]
-        finish = FinishReason.STOP
-        if req.params.max_tokens is not None and req.params.max_tokens < len(pieces):
-            pieces, finish = pieces[: req.params.max_tokens], FinishReason.LENGTH
-        self.ingress.send(RequestAccepted(req.request_id, 3))
-        for i, piece in enumerate(pieces):
-            last = i == len(pieces) - 1
-            deltas = [
-                TextDelta(req.request_id, j, piece, [100 + i], finish if last else None, 3, i + 1)
-                for j in range(req.params.num_samples)
-            ]
-            self.ingress.send(DeltaBatch(deltas))
+class ToolScripts(ScriptedEngine):
+    scripts = SCRIPTS
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("tools")
-    with running_server(root, ScriptedEngine, tool_call_parser="hermes", reasoning_parser="qwen3") as running:
+    with running_server(root, ToolScripts, tool_call_parser="hermes", reasoning_parser="qwen3") as running:
         yield running
 
 

@@ -10,8 +10,8 @@ import json
 import openai
 import pytest
 
-from conveyor.wire.messages import DeltaBatch, FinishReason, RequestAccepted, TextDelta, TokenizeRequest
-from tests.ingress_fakes import MODEL_NAME, FakeEngine, assert_error, post, prompt_text, running_server, wait_for
+from tests import ingress_fakes
+from tests.ingress_fakes import MODEL_NAME, assert_error, post, running_server, wait_for
 
 TOOLS = [
     {
@@ -32,28 +32,13 @@ SCRIPTS = {
     "THINK_CALL": "<think>\nThe user wants weather.\n</think>\n\n" + CALL,
     "JSON": '{"city": "Paris"}',
 }
-PIECE = 7  # characters per delta
+PIECE = ingress_fakes.ScriptedEngine.PIECE
 
 
-class ScriptedEngine(FakeEngine):
-    """Answers a conversation whose last word is a SCRIPTS key with that text; a max_tokens below
-    the text's pieces cuts it there with finish "length". Anything else: the FakeEngine's answer
-    (SLOW: a token every 20 ms until aborted)."""
+class ScriptedEngine(ingress_fakes.ScriptedEngine):
+    """Anything not scripted is FakeEngine's answer (SLOW: a token every 20 ms until aborted)."""
 
-    def _answer(self, req: TokenizeRequest) -> None:
-        words = prompt_text(req).split()
-        key = words[-1] if words else ""
-        if key not in SCRIPTS:
-            return super()._answer(req)
-        text = SCRIPTS[key]
-        pieces = [text[i : i + PIECE] for i in range(0, len(text), PIECE)]
-        finish = FinishReason.STOP
-        if req.params.max_tokens is not None and req.params.max_tokens < len(pieces):
-            pieces, finish = pieces[: req.params.max_tokens], FinishReason.LENGTH
-        self.ingress.send(RequestAccepted(req.request_id, 3))
-        for i, piece in enumerate(pieces):
-            last = i == len(pieces) - 1
-            self.ingress.send(DeltaBatch([TextDelta(req.request_id, 0, piece, [100 + i], finish if last else None, 3, i + 1)]))
+    scripts = SCRIPTS
 
 
 @pytest.fixture(scope="module")

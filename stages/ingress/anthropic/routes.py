@@ -27,7 +27,7 @@ from conveyor.stages.ingress.anthropic.translate import generation, prompt_of
 from conveyor.stages.ingress.errors import ApiError, check_model, read_body
 from conveyor.stages.ingress.generate import GenerateRoutes, Run
 from conveyor.stages.ingress.protocol import decode
-from conveyor.stages.ingress.responses import SSE_HEADERS
+from conveyor.stages.ingress.responses import SSE_HEADERS, write_quietly
 from conveyor.stages.ingress.tokens import TOKENIZE_CONTEXTS
 from conveyor.stages.tokenizer.encoder import template_messages
 from conveyor.stages.tokenizer.length_limit import PromptTooLong
@@ -96,8 +96,4 @@ class MessagesRoutes:
 
 
 async def _end_with(response: web.StreamResponse, error: ApiError) -> None:
-    try:
-        await response.write(event("error", {"error": msgspec.to_builtins(errors.error_object(error).error)}))
-        await response.write_eof()
-    except ConnectionResetError:
-        pass
+    await write_quietly(response, event("error", {"error": msgspec.to_builtins(errors.error_object(error).error)}))

@@ -25,7 +25,7 @@ from conveyor.config import EngineConfig
 from conveyor.stages.ingress.errors import ApiError, check_json, check_model, read_body
 from conveyor.stages.ingress.generate import GenerateRoutes
 from conveyor.stages.ingress.protocol import Generation, decode, parse_chat
-from conveyor.stages.ingress.responses import SSE_HEADERS, ResponseBuilder
+from conveyor.stages.ingress.responses import SSE_HEADERS, ResponseBuilder, write_quietly
 from conveyor.stages.ingress.responses_api.answer import fail_response, finish_response, new_response
 from conveyor.stages.ingress.responses_api.bodies import ResponsesBody
 from conveyor.stages.ingress.responses_api.events import ResponseEvents
@@ -168,10 +168,10 @@ class ResponsesRoutes:
                 log.debug("client of %s went away", entry.response["id"])
                 return response  # not stored: it never finished
             except ApiError as e:  # after the stream began: its terminal event says so
-                await _write_quietly(response, events.fail(e))
+                await write_quietly(response, events.fail(e))
             except Exception:
                 log.exception("failed while streaming %s", entry.response["id"])
-                await _write_quietly(response, events.fail(ApiError(500, "internal server error")))
+                await write_quietly(response, events.fail(ApiError(500, "internal server error")))
         if store:
             self.store.put(entry)
         return response
@@ -192,11 +192,3 @@ def _json(obj: dict) -> web.Response:
 def _not_found(response_id: str, param: str) -> ApiError:
     message = f"no response with id {response_id!r}: unknown, expired, or not stored (store: false)"
     return ApiError(404, message, param=param, code="response_not_found")
-
-
-async def _write_quietly(response: web.StreamResponse, data: bytes) -> None:
-    try:
-        await response.write(data)
-        await response.write_eof()
-    except ConnectionResetError:
-        pass
