@@ -1,0 +1,109 @@
+"""The batched LoRA microbenchmark (issue 32): what adapters add to a projection on a GPU.
+
+`python3 ops/gpu/lora_bench.py [--json]` times, on Llama-3-8B's seven projections (q, k, v, o,
+gate, up, down; one rank, bf16), the base product (F.linear, cuBLAS) alone and with the LoRA
+update of `--max-loras 4` rank-16 slots added, through each backend's shrink and expand: the Triton
+kernels (gpu/backends/triton/lora.py: one program per token, BGMV) and the torch default
+(gpu/backends/base.py: one [T, S R] product over every slot, then each token's own). Rows:
+- decode steps of M = 1, 16, 64, 256 rows spread over the 4 adapters (row t: slot t mod 4), and 64
+  rows of which half are base rows (slot -1), as a mixed graph-replayed step has them;
+- a 512-token prompt chunk of one adapter.
+Each time is the device's: the call replayed from a CUDA graph, the median of 50 replays, the L2
+cleared before each (kernel_bench.py's `graph_us`). The sum over the seven projections is one
+layer's; its ratio to the base is what a step's linears pay for the adapters. Without CUDA it runs
+under Triton's interpreter on shapes cut to 1/64, timed by the wall clock: those times mean nothing.
+Prints a markdown table; --json adds the figures as one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # a checkout without `pip install -e .`
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch.nn.functional as F  # noqa: E402
+from kernel_bench import graph_us  # noqa: E402
+
+from conveyor.gpu.backends.torch import TorchOps  # noqa: E402
+from conveyor.gpu.backends.triton.backend import TritonOps  # noqa: E402
+
+PROJECTIONS = {  # name -> (out, in)
+    **{"q": (4096, 4096), "k": (1024, 4096), "v": (1024, 4096), "o": (4096, 4096)},
+    **{"gate": (14336, 4096), "up": (14336, 4096), "down": (4096, 14336)},
+}
+SLOTS, RANK = 4, 16
+CASES = {  # name -> (rows, each row's slot)
+    "decode M=1": (1, lambda m: torch.arange(m) % SLOTS),
+    "decode M=16": (16, lambda m: torch.arange(m) % SLOTS),
+    "decode M=64": (64, lambda m: torch.arange(m) % SLOTS),
+    "decode M=64, half base": (64, lambda m: torch.where(torch.arange(m) % 2 == 0, torch.arange(m) // 2 % SLOTS, -1)),
+    "decode M=256": (256, lambda m: torch.arange(m) % SLOTS),
+    "prompt chunk 512, one adapter": (512, lambda m: torch.zeros(m, dtype=torch.long)),
+}
+BACKENDS = {"triton": TritonOps(), "torch": TorchOps()}  # the default of gpu/backends/base.py
+
+
+def wall_us(fn, x: torch.Tensor) -> float:
+    start = time.perf_counter()
+    fn(x)
+    return (time.perf_counter() - start) * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="the figures as one JSON line last")
+    args = parser.parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    device, cut, timer = ("cuda", 1, graph_us) if on_gpu else ("cpu", 64, wall_us)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    name = torch.cuda.get_device_name() if on_gpu else "no CUDA device: interpreter, 1/64 of the shapes, times mean nothing"
+    torch.manual_seed(0)
+    scales = torch.full((SLOTS,), 2.0, device=device)
+    figures = []
+    for case, (rows, slot_of) in CASES.items():
+        slots = slot_of(rows).to(device)
+        totals = {"base": 0.0, **{b: 0.0 for b in BACKENDS}}
+        for proj, (out, fan_in) in PROJECTIONS.items():
+            out, fan_in = max(out // cut, 16), max(fan_in // cut, 16)
+            w = torch.randn(out, fan_in, device=device, dtype=dtype) / fan_in**0.5
+            a = torch.randn(SLOTS, RANK, fan_in, device=device, dtype=dtype) / fan_in**0.5
+            b = torch.randn(out, SLOTS, RANK, device=device, dtype=dtype).permute(1, 0, 2)  # stored as gpu/lora/slots.py does
+            x = torch.randn(rows, fan_in, device=device, dtype=dtype)
+            row = {"case": case, "projection": proj, "base_us": timer(lambda x, w=w: F.linear(x, w), x)}
+            for backend, ops in BACKENDS.items():
+
+                def with_lora(x, ops=ops, w=w, a=a, b=b, slots=slots):
+                    return ops.lora_expand(F.linear(x, w), ops.lora_shrink(x, a, slots), b, scales, slots)
+
+                row[f"{backend}_us"] = timer(with_lora, x)
+            figures.append(row)
+            totals["base"] += row["base_us"]
+            for backend in BACKENDS:
+                totals[backend] += row[f"{backend}_us"]
+        layer = {f"{b}_us": totals[b] for b in BACKENDS}
+        figures.append({"case": case, "projection": "layer (7)", "base_us": totals["base"], **layer})
+    print(f"device: {name}; {SLOTS} slots of rank {RANK}, {dtype}; times in us ({'CUDA graph replay' if on_gpu else 'wall clock'})\n")
+    print("| case | projection | base us | + LoRA, triton us | + LoRA, torch us | triton / base | torch / base |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in figures:
+        tri, tor = r["triton_us"] / r["base_us"], r["torch_us"] / r["base_us"]
+        times = f"{r['base_us']:.1f} | {r['triton_us']:.1f} | {r['torch_us']:.1f}"
+        print(f"| {r['case']} | {r['projection']} | {times} | {tri:.2f}x | {tor:.2f}x |")
+    if args.json:
+        print(json.dumps({"device": name, "rows": figures}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
