@@ -326,8 +326,10 @@ class Ops(abc.ABC):
     def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """x [T, in], a [S, R, in] (each slot's A, zero rows past its rank), slots [T] int64 (each
         token's slot; -1: no adapter) -> xa [T, R] float32: x[t] @ a[slots[t]].T, 0 where slots[t] < 0.
-        The default multiplies x by every slot's A at once (one [T, S R] product: S R is small next
-        to `in`) and keeps each token's own: no host sync, no per-slot loop."""
+        A backend may give it as [P, T, R] partial sums instead, which its lora_expand adds (the
+        Triton kernels split `in` over programs so). The default multiplies x by every slot's A at
+        once (one [T, S R] product: S R is small next to `in`) and keeps each token's own: no host
+        sync, no per-slot loop."""
         num_slots, rank, _ = a.shape
         every = (x @ a.reshape(num_slots * rank, -1).T).view(-1, num_slots, rank)  # [T, S, R]
         own = every[torch.arange(x.shape[0], device=x.device), slots.clamp(min=0)]  # [T, R]

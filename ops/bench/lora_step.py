@@ -4,9 +4,12 @@ decode step with every row on the base weights, against the same step with the r
 rows of a server started with --enable-lora (no adapter row: what the slots cost when idle).
 Configurations interleaved step by step, so the machine's drift falls on all alike.
 
-    python ops/bench/lora_step.py [ROWS] [STEPS] [--rank 16]
+    python ops/bench/lora_step.py [ROWS] [STEPS] [--rank 16] [--model DIR --device cuda --dtype bfloat16]
 
-Prints each configuration's median step time and its ratio to the base.
+--model serves another checkpoint (on a GPU: one of Llama-3-8B's shape, ops/gpu/README.md), on
+--device in --dtype. Prints each configuration's median step time (the wall clock: on a GPU the
+host's preparation of a step included, which a server overlaps with the step before) and its ratio
+to the base.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ from conveyor.wire.messages import LoraLoad, NewSeq, SamplingParams, ScheduledSe
 BLOCK_SIZE, PROMPT_TOKENS = 16, 32
 
 
-def runner_for(path: str, rows: int, steps: int, adapters: list[Path] | None) -> tuple[ModelRunner, list]:
+def runner_for(path: str, rows: int, steps: int, adapters: list[Path] | None, **load) -> tuple[ModelRunner, list]:
     blocks_per_row = -(-(PROMPT_TOKENS + steps + 8) // BLOCK_SIZE)
-    options = dict(device="cpu", num_kv_blocks=blocks_per_row * rows, block_size=BLOCK_SIZE, max_num_seqs=max(rows, 8))
+    options = dict(**load, num_kv_blocks=blocks_per_row * rows, block_size=BLOCK_SIZE, max_num_seqs=max(rows, 8))
     if adapters is not None:
         options.update(enable_lora=True, max_loras=4, max_lora_rank=16)
     runner = ModelRunner(build_engine_config(path, **options))
@@ -51,14 +54,18 @@ def main() -> None:
     parser.add_argument("rows", nargs="?", type=int, default=64)
     parser.add_argument("steps", nargs="?", type=int, default=60)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--model", help="a checkpoint directory (default: SmolLM2's Q4_1 GGUF, kept packed)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    path = str(ensure_checkpoint(default_gguf(), "float32", packed=True))
+    path = args.model or str(ensure_checkpoint(default_gguf(), "float32", packed=True))
+    load = dict(device=args.device, dtype=args.dtype)
     root = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     adapters = [make_random_adapter(Path(path), root / f"a{i}", rank=args.rank, seed=i) for i in range(4)]
     configs = {
-        "base": runner_for(path, args.rows, args.steps, None),
-        "lora enabled, base rows": runner_for(path, args.rows, args.steps, []),
-        "4 adapters": runner_for(path, args.rows, args.steps, adapters),
+        "base": runner_for(path, args.rows, args.steps, None, **load),
+        "lora enabled, base rows": runner_for(path, args.rows, args.steps, [], **load),
+        "4 adapters": runner_for(path, args.rows, args.steps, adapters, **load),
     }
     times: dict[str, list[float]] = {name: [] for name in configs}
     step = 10_000

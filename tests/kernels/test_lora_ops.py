@@ -75,6 +75,11 @@ def adapters(
     return a.to(DEVICE, dtype), b.to(DEVICE, dtype), torch.tensor(SCALES, device=DEVICE)
 
 
+def summed(xa: torch.Tensor) -> torch.Tensor:
+    """xa [T, R], or [P, T, R] partial sums (the Triton kernels' form: Ops.lora_shrink) -> [T, R]."""
+    return xa.sum(0) if xa.dim() == 3 else xa
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     bound = TOLERANCE[dtype] * max(1.0, expected.abs().max().item())
     torch.testing.assert_close(actual.cpu().float(), expected.float(), rtol=0, atol=bound)
@@ -82,13 +87,15 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("fan_in", "ranks"), [(48, RANKS), (64, NARROW_RANKS)])
+@pytest.mark.parametrize(("fan_in", "ranks"), [(48, RANKS), (64, NARROW_RANKS), (600, RANKS), (4396, NARROW_RANKS)])
 def test_shrink_matches_a_per_token_loop(backend, dtype, fan_in, ranks):
+    """600 inputs: the Triton shrink's three tiles in three programs a token; 4396: 18 tiles, two a
+    program (its parts at most 16), the last one ragged."""
     ops = make_ops(backend)
     a, _, _ = adapters(fan_in, 32, dtype, ranks=ranks)
     x = torch.randn(len(SLOTS), fan_in, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     slots = torch.tensor(SLOTS, device=DEVICE)
-    xa = ops.lora_shrink(x, a, slots)
+    xa = summed(ops.lora_shrink(x, a, slots))
     assert xa.dtype == torch.float32 and xa.shape == (len(SLOTS), max(ranks))
     assert_close(xa, shrink_reference(x, a, slots), dtype)
     assert (xa[slots < 0] == 0).all()
@@ -119,11 +126,13 @@ def test_expand_matches_a_per_token_loop_and_leaves_base_rows_alone(backend, dty
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_shrink_then_expand_adds_each_tokens_own_adapter(backend, dtype):
+@pytest.mark.parametrize("fan_in", [64, 600])
+def test_shrink_then_expand_adds_each_tokens_own_adapter(backend, dtype, fan_in):
     """y[t] += scale_s * B_s A_s x[t] with each slot's unpadded A_s [r_s, in] and B_s [out, r_s],
-    into a strided y (columns of a fused projection's output)."""
+    into a strided y (columns of a fused projection's output); at 600 inputs the Triton expand adds
+    three partial sums."""
     ops = make_ops(backend)
-    fan_in, fan_out = 64, 48
+    fan_out = 48
     a, b, scales = adapters(fan_in, fan_out, dtype, seed=3, b_by_output=True)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(len(SLOTS), fan_in, generator=gen).to(DEVICE, dtype)
@@ -152,7 +161,7 @@ def test_a_step_without_adapters_changes_nothing(backend):
     before = y.clone()
     slots = torch.full((5,), -1, device=DEVICE)
     xa = ops.lora_shrink(x, a, slots)
-    assert torch.equal(xa, torch.zeros(5, 16, device=DEVICE))
+    assert torch.equal(summed(xa), torch.zeros(5, 16, device=DEVICE))
     assert torch.equal(ops.lora_expand(y, xa, b, scales, slots), before)
 
 
@@ -162,7 +171,7 @@ def test_an_empty_step(backend):
     a, b, scales = adapters(32, 24, torch.float32)
     empty = torch.zeros(0, dtype=torch.int64, device=DEVICE)
     xa = ops.lora_shrink(torch.zeros(0, 32, device=DEVICE), a, empty)
-    assert xa.shape == (0, 16)
+    assert summed(xa).shape == (0, 16)
     assert ops.lora_expand(torch.zeros(0, 24, device=DEVICE), xa, b, scales, empty).shape == (0, 24)
 
 
@@ -234,7 +243,7 @@ COMPILE_FOR_SM90 = textwrap.dedent("""
         for rank, width in ((8, 4096), (16, 4096), (64, 14336)):
             block_r = max(16, triton.next_power_of_2(rank))
             types = dict(x_ptr="*" + dtype, a_ptr="*" + dtype, slots_ptr="*i64", xa_ptr="*fp32")
-            compile_(lora._lora_shrink_kernel, types, dict(BLOCK_R=block_r, BLOCK_K=lora._block(width, block_r)))
+            compile_(lora._lora_shrink_kernel, types, dict(BLOCK_R=block_r, BLOCK_K=lora._block(width, block_r), PART_TILES=4))
             types = dict(y_ptr="*" + dtype, xa_ptr="*fp32", b_ptr="*" + dtype, scales_ptr="*fp32", slots_ptr="*i64")
             compile_(lora._lora_expand_kernel, types, dict(BLOCK_N=lora._block(width, block_r), BLOCK_R=block_r))
 """)
