@@ -339,9 +339,10 @@ class Ops(abc.ABC):
         self, y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
         """y [T, out] += scales[slots[t]] * (xa[t] @ b[slots[t]].T) for every token with a slot, in
-        y's dtype, in place; b [S, out, R], scales [S] float32. Returns y. The default puts each
-        token's scaled xa in its slot's R columns of a [T, S R] row and multiplies once by every
-        slot's B side by side ([out, S R]: a view where b is stored [out, S, R], as gpu/lora/slots.py does)."""
+        y's dtype, in place; b [S, out, R] (any strides: gpu/lora/slots.py stores it [S, R, out]),
+        scales [S] float32. Returns y. The default puts each token's scaled xa in its slot's R
+        columns of a [T, S R] row and multiplies once by every slot's B side by side ([out, S R]:
+        a view where b is stored [S, R, out] or [out, S, R])."""
         num_slots, out, rank = b.shape
         tokens = torch.arange(xa.shape[0], device=xa.device)
         valid = slots >= 0
@@ -350,6 +351,14 @@ class Ops(abc.ABC):
         spread[tokens, own] = xa * (scales[own] * valid).unsqueeze(1)
         side_by_side = b.permute(1, 0, 2).reshape(out, num_slots * rank)  # [out, S R]
         return y.add_((spread.view(xa.shape[0], num_slots * rank).to(b.dtype) @ side_by_side.T).to(y.dtype))
+
+    def lora_add(
+        self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """y [T, out] += scales[s] * x[t] A_s^T B_s^T for every token with a slot s = slots[t]: a
+        projection's whole update (gpu/lora/slots.py), in place; returns y. The default is
+        lora_expand(lora_shrink); a backend may do both in one call (the cpu kernels)."""
+        return self.lora_expand(y, self.lora_shrink(x, a, slots), b, scales, slots)
 
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """gate, up [T, I] -> gelu(gate, tanh approximation) * up [T, I] (Gemma's GeGLU, HF's

@@ -2,8 +2,8 @@
 preallocated at `--max-lora-rank` for every projection an adapter may target, so placing an
 adapter copies into them and a step never allocates.
 
-Shapes, per projection on this rank: A [S, R, in] and B [S, out, R] (S slots, R the max rank; a
-slot's adapter of rank r fills A's first r rows and B's first r columns, zeros elsewhere, and a
+Shapes, per projection on this rank: A [S, R, in] and B [S, out, R], stored [S, R, out] (S slots,
+R the max rank; a slot's adapter of rank r fills A's first r rows and B's first r columns, zeros elsewhere, and a
 projection it does not target stays zero), with one scale per slot (lora_alpha / r, or rsLoRA's /
 sqrt(r)). Under tensor parallelism each rank holds what its layer's split gives it: a
 column-parallel layer (q/k/v, gate/up) its rows of B, A whole; a row-parallel one (o, down) its
@@ -11,7 +11,8 @@ columns of A, B whole, so its partial delta joins the layer's partial sum before
 
 A pass's rows name their slot (NewSeq.lora_slot); `begin_pass` turns them into one slot per token
 [T] (-1: the base weights), which every projection reads (`LoraProjection.add`: the backend's
-lora_shrink, then lora_expand). A pass with no adapter row sets none, and the layers add nothing.
+lora_add, its lora_shrink then lora_expand unless it fuses them). A pass with no adapter row sets
+none, and the layers add nothing.
 A decode step replayed from a CUDA graph reads the slots from a static buffer instead (the graph's
 input, `graph_model`), its padding rows -1: no host sync in the kernels, so they were captured.
 Adapters read from disk are kept in host memory, `--max-cpu-loras` of them, least recently used
@@ -57,9 +58,11 @@ class LoraProjection:
         self.layer = layer
         self.lora_pass = lora_pass
         # [S, R, in] and [S, out, R]: a row-parallel layer's in and a column-parallel one's out are this rank's.
-        # B is stored [out, S, R]: every slot's B side by side is then a view (Ops.lora_expand's default).
+        # B is stored [S, R, out], each slot's B^T: every slot's side by side is then a [S R, out]
+        # view (Ops.lora_expand's default), and a token's update sums R rows of outputs (the cpu
+        # kernel's vectors, the Triton kernel's coalesced loads).
         self.a = torch.zeros(num_slots, rank, layer.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(layer.out_features, num_slots, rank, dtype=dtype, device=device).permute(1, 0, 2)
+        self.b = torch.zeros(num_slots, rank, layer.out_features, dtype=dtype, device=device).transpose(1, 2)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] (the layer's product of x [T, in]) plus scale * x A^T B^T for each adapter
@@ -69,10 +72,9 @@ class LoraProjection:
         if slots is None:
             return y
         if rows is None:  # every token has an adapter
-            return ops.lora_expand(y, ops.lora_shrink(x, self.a, slots), self.b, lora_pass.scales, slots)
-        x_rows = x.index_select(0, rows)
-        xa = ops.lora_shrink(x_rows, self.a, slots)
-        delta = ops.lora_expand(y.new_zeros(rows.shape[0], y.shape[1]), xa, self.b, lora_pass.scales, slots)
+            return ops.lora_add(x, y, self.a, self.b, lora_pass.scales, slots)
+        delta = y.new_zeros(rows.shape[0], y.shape[1])
+        delta = ops.lora_add(x.index_select(0, rows), delta, self.a, self.b, lora_pass.scales, slots)
         return y.index_add_(0, rows, delta)
 
     def place(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, tp: TensorParallel) -> None:

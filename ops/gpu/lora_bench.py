@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             out, fan_in = max(out // cut, 16), max(fan_in // cut, 16)
             w = torch.randn(out, fan_in, device=device, dtype=dtype) / fan_in**0.5
             a = torch.randn(SLOTS, RANK, fan_in, device=device, dtype=dtype) / fan_in**0.5
-            b = torch.randn(out, SLOTS, RANK, device=device, dtype=dtype).permute(1, 0, 2)  # stored as gpu/lora/slots.py does
+            b = torch.randn(SLOTS, RANK, out, device=device, dtype=dtype).transpose(1, 2)  # stored as gpu/lora/slots.py does
             x = torch.randn(rows, fan_in, device=device, dtype=dtype)
             row = {"case": case, "projection": proj, "base_us": timer(lambda x, w=w: F.linear(x, w), x)}
             for backend, ops in BACKENDS.items():

@@ -1,5 +1,6 @@
 """Every backend's batched LoRA (`Ops.lora_shrink`, `Ops.lora_expand`: the torch default, the cpu
-ops, the Triton kernels of gpu/backends/triton/lora.py) against a per-token loop in float32.
+ops' C++ kernels of gpu/backends/cpu/kernels/lora.cpp, the Triton kernels of
+gpu/backends/triton/lora.py) against a per-token loop in float32.
 
 A step mixes tokens of three adapter slots of different ranks (zero-padded to R) and base-model
 tokens (slot -1), whose xa rows must be exactly zero and whose y rows exactly unchanged. Without
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from conveyor.gpu.backends.base import Ops
+from conveyor.gpu.backends.cpu.kernels import cpu_lora
 from conveyor.gpu.backends.cpu.ops import CpuOps
 from conveyor.gpu.backends.torch import TorchOps
 from tests.triton_compile import compile_for_sm90
@@ -35,7 +37,9 @@ def make_ops(name: str) -> Ops:
     if name == "torch":
         return TorchOps()
     if name == "cpu":
-        return CpuOps(None, None)  # the C++ kernels are for other ops: LoRA's is the same class either way
+        lora = cpu_lora()
+        assert lora is not None, "lora.cpp did not build"
+        return CpuOps(None, None, None, lora)
     pytest.importorskip("triton")
     from conveyor.gpu.backends.triton.backend import TritonOps
 
@@ -59,11 +63,11 @@ def expand_reference(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scales:
 
 
 def adapters(
-    fan_in: int, fan_out: int, dtype: torch.dtype, seed: int = 0, b_by_output: bool = False, ranks: tuple[int, ...] = RANKS
+    fan_in: int, fan_out: int, dtype: torch.dtype, seed: int = 0, b_layout: str = "slot", ranks: tuple[int, ...] = RANKS
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """a [S, R, in], b [S, out, R] with slot s's rows (of a) and columns (of b) past ranks[s] zero,
-    as the slot stacks hold them; scales [S] float32. b_by_output: b a view of [out, S, R] storage
-    (gpu/lora/slots.py's layout, every slot's B side by side)."""
+    as the slot stacks hold them; scales [S] float32. b_layout: its storage, "slot" [S, out, R],
+    "output" [out, S, R] or "rank" [S, R, out] (gpu/lora/slots.py's: each slot's B^T), b a view."""
     gen = torch.Generator().manual_seed(seed)
     max_rank = max(ranks)
     a = torch.zeros(len(ranks), max_rank, fan_in)
@@ -71,7 +75,10 @@ def adapters(
     for s, rank in enumerate(ranks):
         a[s, :rank] = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
         b[s, :, :rank] = torch.randn(fan_out, rank, generator=gen)
-    b = b.permute(1, 0, 2).contiguous().permute(1, 0, 2) if b_by_output else b
+    if b_layout == "output":
+        b = b.permute(1, 0, 2).contiguous().permute(1, 0, 2)
+    elif b_layout == "rank":
+        b = b.transpose(1, 2).contiguous().transpose(1, 2)
     return a.to(DEVICE, dtype), b.to(DEVICE, dtype), torch.tensor(SCALES, device=DEVICE)
 
 
@@ -105,12 +112,12 @@ def test_shrink_matches_a_per_token_loop(backend, dtype, fan_in, ranks):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("fan_out", "b_by_output", "ranks"), [(40, False, RANKS), (64, True, NARROW_RANKS)])
-def test_expand_matches_a_per_token_loop_and_leaves_base_rows_alone(backend, dtype, fan_out, b_by_output, ranks):
+@pytest.mark.parametrize(("fan_out", "b_layout", "ranks"), [(40, "slot", RANKS), (64, "output", NARROW_RANKS), (300, "rank", RANKS)])
+def test_expand_matches_a_per_token_loop_and_leaves_base_rows_alone(backend, dtype, fan_out, b_layout, ranks):
     """Base-model rows stay as they were whatever xa holds there (here: not zero)."""
     ops = make_ops(backend)
-    _, b, scales = adapters(32, fan_out, dtype, b_by_output=b_by_output, ranks=ranks)
-    assert b.is_contiguous() != b_by_output
+    _, b, scales = adapters(32, fan_out, dtype, b_layout=b_layout, ranks=ranks)
+    assert b.is_contiguous() == (b_layout == "slot")
     gen = torch.Generator().manual_seed(2)
     slots = torch.tensor(SLOTS, device=DEVICE)
     xa = torch.randn(len(SLOTS), max(ranks), generator=gen).to(DEVICE)
@@ -133,7 +140,7 @@ def test_shrink_then_expand_adds_each_tokens_own_adapter(backend, dtype, fan_in)
     three partial sums."""
     ops = make_ops(backend)
     fan_out = 48
-    a, b, scales = adapters(fan_in, fan_out, dtype, seed=3, b_by_output=True)
+    a, b, scales = adapters(fan_in, fan_out, dtype, seed=3, b_layout="rank")
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(len(SLOTS), fan_in, generator=gen).to(DEVICE, dtype)
     fused = torch.randn(len(SLOTS), fan_out + 32, generator=gen).to(DEVICE, dtype)
@@ -196,7 +203,7 @@ def test_triton_lora_captures_in_a_cuda_graph_with_slots_as_an_input():
     from conveyor.gpu.backends.triton.backend import TritonOps
 
     ops, dtype = TritonOps(), torch.bfloat16
-    a, b, scales = adapters(4096, 1024, dtype)
+    a, b, scales = adapters(4096, 1024, dtype, b_layout="rank")  # as the slots hold B
     x = torch.randn(len(SLOTS), 4096, device=DEVICE, dtype=dtype)
     y = torch.randn(len(SLOTS), 1024, device=DEVICE, dtype=dtype)
     slots = torch.tensor(SLOTS, device=DEVICE)
@@ -252,3 +259,22 @@ COMPILE_FOR_SM90 = textwrap.dedent("""
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the GPU test compiles and runs the kernels")
 def test_kernels_compile_for_sm90_without_spills():
     compile_for_sm90(COMPILE_FOR_SM90, timeout_s=240)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fan_in", [64, 600])
+def test_lora_add_is_shrink_then_expand(backend, fan_in):
+    """Ops.lora_add (the cpu kernels: both in one call) adds what shrink then expand add, into a
+    strided y, base rows untouched."""
+    ops = make_ops(backend)
+    a, b, scales = adapters(fan_in, 300, torch.float32, seed=5, b_layout="rank")
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(len(SLOTS), fan_in, generator=gen).to(DEVICE)
+    fused = torch.randn(len(SLOTS), 340, generator=gen).to(DEVICE)
+    before = fused.clone()
+    slots = torch.tensor(SLOTS, device=DEVICE)
+    y = fused[:, 20:320]
+    assert ops.lora_add(x, y, a, b, scales, slots) is y
+    expected = expand_reference(before[:, 20:320], shrink_reference(x, a, slots), b, scales, slots)
+    assert_close(y, expected, torch.float32)
+    assert torch.equal(fused[slots < 0], before[slots < 0]) and torch.equal(fused[:, :20], before[:, :20])

@@ -10,6 +10,9 @@ CPU tensors, torch's (TorchOps) for anything else.
   rows stacked (one call, x quantized once: a one-row step of SmolLM2 makes 121 calls instead of
   211). The stacked weight is built at a group's first call (`FusedGroup`) and each layer's
   QuantizedWeight becomes a view of its rows, so no byte is stored twice.
+- lora_add (and lora_shrink / lora_expand alone): lora.cpp's products, a projection's update in
+  one call, each token reading only its own slot's matrices, where `CpuLora.supports` the call;
+  torch's otherwise.
 - linear: for the layers small_linear.cpp supports (at most 1024 input features: small models),
   `prepare` moves each weight's storage to [in, out] (the kernel reads it transposed), leaving
   `weight` a transposed view of it so torch's GEMM serves what the kernel does not take, and
@@ -29,6 +32,7 @@ from torch import nn
 from conveyor.gpu.backends.base import LinearLayer
 from conveyor.gpu.backends.cpu.kernels import packed_linear as packed
 from conveyor.gpu.backends.cpu.kernels.fused_ops import CpuFusedOps, supports
+from conveyor.gpu.backends.cpu.kernels.lora import CpuLora
 from conveyor.gpu.backends.cpu.kernels.quant_linear import MAX_ROWS as QUANT_MAX_ROWS
 from conveyor.gpu.backends.cpu.kernels.quant_linear import CpuQuantLinear, QuantArgs
 from conveyor.gpu.backends.cpu.kernels.small_linear import CpuSmallLinear
@@ -58,14 +62,21 @@ class SmallLinearWeight:
 class CpuOps(TorchOps):
     """fused: the C++ elementwise ops (None: torch's); small_linear: the narrow-linear kernel
     (None: every linear is torch's GEMM on the weight as loaded); quant: the quantized-linear
-    kernel (None: the reference)."""
+    kernel (None: the reference); lora: the LoRA kernels (None: torch's path)."""
 
     name = "cpu"
 
-    def __init__(self, fused: CpuFusedOps | None, small_linear: CpuSmallLinear | None, quant: CpuQuantLinear | None = None) -> None:
+    def __init__(
+        self,
+        fused: CpuFusedOps | None,
+        small_linear: CpuSmallLinear | None,
+        quant: CpuQuantLinear | None = None,
+        lora: CpuLora | None = None,
+    ) -> None:
         self.fused = fused
         self.small_linear = small_linear
         self.quant = quant
+        self.lora = lora
         self._groups: dict[tuple[int, ...], FusedGroup | None] = {}  # by the layers' ids; None: not fusable
 
     def prepare(self, model: nn.Module) -> None:
@@ -95,6 +106,25 @@ class CpuOps(TorchOps):
             if x.shape[0] <= small.max_rows:
                 return small(x, layer.weight.t(), layer.bias)
         return F.linear(x, layer.weight, layer.bias)
+
+    def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        if self.lora is not None and self.lora.supports(slots, x, a):
+            return self.lora.shrink(x, a, slots)
+        return super().lora_shrink(x, a, slots)
+
+    def lora_expand(
+        self, y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        if self.lora is not None and self.lora.supports(slots, y, xa, scales, b=b):
+            return self.lora.expand(y, xa, b, scales, slots)
+        return super().lora_expand(y, xa, b, scales, slots)
+
+    def lora_add(
+        self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        if self.lora is not None and self.lora.supports(slots, x, a, y, scales, b=b):
+            return self.lora.add(x, y, a, b, scales, slots)
+        return super().lora_add(x, y, a, b, scales, slots)
 
     def quant_linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quant is not None and self._kernel_takes(x, weight, bias):

@@ -6,7 +6,8 @@ Computes `Ops.lora_shrink` and `Ops.lora_expand` (gpu/backends/base.py) for the 
   xa [P, T, R] float32, partial sums over P slices of `in` (their sum: x[t] @ a[slots[t]]^T), zero
   where slots[t] < 0;
 - expand: y [T, out] += scales[slots[t]] * (sum over p of xa[p, t]) @ b[slots[t]]^T in place
-  (xa [T, R] is taken as P = 1), b [S, out, R], scales [S] float32; rows with slots[t] < 0 are not
+  (xa [T, R] is taken as P = 1), b [S, out, R] (any strides: stored [S, R, out] by
+  gpu/lora/slots.py, so that a tile's loads run along the outputs), scales [S] float32; rows with slots[t] < 0 are not
   written (not even rewritten with their own value).
 
 In the BGMV manner, each program loads its token's slot, returns at once for a base-model token,
@@ -86,6 +87,7 @@ def _lora_expand_kernel(
     stride_xat,
     stride_bs,
     stride_bn,
+    stride_br,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
@@ -99,7 +101,8 @@ def _lora_expand_kernel(
     xa = tl.zeros((BLOCK_R,), tl.float32)
     for part in range(P):  # shrink's partial sums, in order
         xa += tl.load(xa_ptr + part * stride_xap + token * stride_xat + r, mask=r_ok, other=0.0)
-    b = tl.load(b_ptr + slot * stride_bs + n[:, None] * stride_bn + r[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    b_tile = b_ptr + slot * stride_bs + n[:, None] * stride_bn + r[None, :] * stride_br  # [BLOCK_N, BLOCK_R]
+    b = tl.load(b_tile, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
     delta = tl.sum(b.to(tl.float32) * xa[None, :], 1) * tl.load(scales_ptr + slot).to(tl.float32)  # [BLOCK_N]
     y_row = y_ptr + token * stride_yt + n
     y = tl.load(y_row, mask=n_ok, other=0.0).to(tl.float32)
@@ -163,7 +166,7 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scales: torc
         raise ValueError(f"lora_expand: {shapes} are not [T, out], [P, T, R] or [T, R], [S, out, R], [T]")
     if scales.shape != (b.shape[0],):
         raise ValueError(f"lora_expand: scales {tuple(scales.shape)} are not one per slot ({b.shape[0]})")
-    _check_unit_stride("lora_expand", y=y, xa=parts, b=b)
+    _check_unit_stride("lora_expand", y=y, xa=parts)
     rank = b.shape[2]
     if num_tokens and rank and fan_out:
         block_r = max(16, triton.next_power_of_2(rank))
@@ -182,6 +185,7 @@ def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scales: torc
             parts.stride(1),
             b.stride(0),
             b.stride(1),
+            b.stride(2),
             BLOCK_N=block_n,
             BLOCK_R=block_r,
             num_warps=4,

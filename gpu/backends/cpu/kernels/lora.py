@@ -1,0 +1,78 @@
+"""The ctypes face of lora.cpp: batched LoRA shrink and expand for float32 CPU tensors.
+
+`CpuLora.supports` says whether a call's tensors can go to C (float32 on the CPU, each matrix's
+last dimension contiguous but B's, which may have its output or its rank dimension contiguous;
+slots contiguous int64); the cpu ops fall back to torch's path
+(gpu/backends/base.py) otherwise. `cpu_lora()` is None where the library cannot be had
+(build.load_library).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from conveyor.gpu.backends.cpu.kernels.build import load_library
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+def _rows_ok(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and (t.shape[-1] <= 1 or t.stride(-1) == 1) for t in tensors)
+
+
+def _b_ok(b: torch.Tensor) -> bool:
+    return b.dtype == torch.float32 and b.device.type == "cpu" and 1 in (b.stride(1), b.stride(2))
+
+
+class CpuLora:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._shrink = lib.conveyor_lora_shrink_f32
+        self._shrink.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64]
+        self._expand = lib.conveyor_lora_expand_f32
+        self._expand.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64]
+        self._add = lib.conveyor_lora_add_f32
+        self._add.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr] + [_i64] * 4
+        for fn in (self._shrink, self._expand, self._add):
+            fn.restype = None
+
+    @staticmethod
+    def supports(slots: torch.Tensor, *matrices: torch.Tensor, b: torch.Tensor | None = None) -> bool:
+        """matrices: last dimension contiguous; b (expand's): its output or rank dimension."""
+        slots_ok = slots.dtype == torch.int64 and slots.device.type == "cpu" and slots.is_contiguous()
+        return slots_ok and _rows_ok(*matrices) and (b is None or _b_ok(b))
+
+    def shrink(self, x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """x [T, in], a [S, R, in], slots [T] -> xa [T, R] float32 (zero rows where slots < 0)."""
+        num_tokens, fan_in = x.shape
+        rank = a.shape[1]
+        xa = torch.empty(num_tokens, rank, dtype=torch.float32)
+        a_args = (a.data_ptr(), a.stride(0), a.stride(1))
+        self._shrink(x.data_ptr(), x.stride(0), *a_args, slots.data_ptr(), xa.data_ptr(), num_tokens, fan_in, rank)
+        return xa
+
+    def expand(self, y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """y [T, out] += scales[s] * xa[t] @ b[s]^T for s = slots[t] >= 0, in place; returns y."""
+        num_tokens, fan_out = y.shape
+        xa = xa.contiguous()
+        args = (b.data_ptr(), *b.stride(), scales.data_ptr(), slots.data_ptr(), num_tokens, fan_out, b.shape[2])
+        self._expand(y.data_ptr(), y.stride(0), xa.data_ptr(), *args)
+        return y
+
+    def add(
+        self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
+        """Both in one call: y [T, out] += scales[s] * x[t] @ a[s]^T @ b[s]^T, in place; returns y."""
+        num_tokens, fan_out = y.shape
+        a_args = (a.data_ptr(), a.stride(0), a.stride(1))
+        b_args = (b.data_ptr(), *b.stride(), scales.data_ptr(), slots.data_ptr())
+        self._add(x.data_ptr(), x.stride(0), *a_args, y.data_ptr(), y.stride(0), *b_args, num_tokens, x.shape[1], fan_out, a.shape[1])
+        return y
+
+
+@functools.cache
+def cpu_lora() -> CpuLora | None:
+    lib = load_library("lora")
+    return None if lib is None else CpuLora(lib)
