@@ -34,7 +34,7 @@ class CpuLora:
         self._expand = lib.conveyor_lora_expand_f32
         self._expand.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64]
         self._add = lib.conveyor_lora_add_f32
-        self._add.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr] + [_i64] * 4
+        self._add.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]
         for fn in (self._shrink, self._expand, self._add):
             fn.restype = None
 
