@@ -108,14 +108,26 @@ def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
     top_iter = iter(host.top_logprobs if host else [])
     failed_computed = set(host.failed_draws if host else [])
     spec_rows: list[tuple[int, int, int]] = []
-    d, draws = 0, launched.draws
+    d, draws, computed, all_drafts = 0, launched.draws, launched.computed, launched.drafts
     while d < len(draws):
-        seq, c = draws[d], launched.computed[d]
-        drafts = launched.drafts.get(seq.seq_id, [])
+        seq, c = draws[d], computed[d]
+        drafts = all_drafts.get(seq.seq_id, ()) if all_drafts else ()
         d += 1 + len(drafts)
         wants_top = seq.params.logprobs is not None
         out.any_top |= wants_top
         tops = [next(top_iter) for _ in range(1 + len(drafts))] if wants_top and c is not None else []
+        if not drafts and c is not None and host is not None and not seq.stopped:  # the common row: one draw
+            token = host.token_ids[c]
+            seq.token_ids.append(token)
+            out.add(seq, token, host.logprobs[c], tops[0] if tops else None)
+            if c in failed_computed:  # its id is the placeholder 0, as on the device
+                out.failed.append(len(out.ids) - 1)
+                seq.stopped = True
+            else:
+                if seq.matcher is not None:
+                    seq.matcher.accept(token)
+                seq.stopped = _stops(seq, token, eos)
+            continue
         if c is not None and host is not None and not drafts:
             # Every id the device holds joins the host's copy, even a masked one: the next
             # plan may still name the sequence (planned before the scheduler saw it stop).

@@ -8,7 +8,8 @@
 #   - SmolLM2's tokenizer files (smollm2/): a real 49k-id BPE, for `conveyor.tiny.generate
 #     --tokenizer-from` runs by hand. The runbook's checkpoint keeps the tiny tokenizer, whose
 #     vocabulary the embedding rows were drawn for;
-#   - commit.txt: the commit packed, for a machine where `git rev-parse` cannot answer.
+#   - commit.txt: the commit packed, which the runbook reports on the device (its copy of the tree
+#     may have no .git, or an older commit's). Pack again after committing.
 # Run it here, where PyPI answers: bash ops/gpu/pack.sh [NAME==VERSION ...] (extra wheels, e.g. a
 # newer aiohttp if the setup step finds the image's too old). ops/gpu/README.md has the procedure.
 set -euo pipefail

@@ -79,12 +79,17 @@ def run(cmd: list[str], timeout_s: float, **kw) -> tuple[int | None, str]:
             proc.wait()
 
 
-def commit() -> str:
+def commit(packed_first: bool) -> str:
+    """The commit the tree is. On the device (packed_first) the pack's word comes first: the copy of
+    the tree there may come without .git, or with the .git of an older commit (a second GPU run
+    reported its session's first commit "with uncommitted changes")."""
+    packed = PACK / "commit.txt"
+    if packed_first and packed.is_file():
+        return f"{packed.read_text().strip()} (as packed)"
     status, out = run(["git", "-C", str(REPO), "rev-parse", "HEAD"], 30)
     if status == 0:
         _, changes = run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], 30)
         return out.strip() + (" (with uncommitted changes)" if changes.strip() else "")
-    packed = PACK / "commit.txt"  # the device's copy of the tree may come without .git
     return f"{packed.read_text().strip()} (as packed)" if packed.is_file() else "unknown"
 
 
@@ -327,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     state, resumed = record.load(opts.work / "state.json", opts.emulated, opts.resume)
     if resumed:
         print(f"resumed from {resumed} (this machine had no state)")
-    state["commit"] = commit()
+    state["commit"] = commit(packed_first=not opts.emulated)
     if opts.emulated:
         state["device"] = "EMULATED h100"
     elif not state.get("device") and opts.step not in ("setup", "report"):

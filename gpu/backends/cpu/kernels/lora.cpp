@@ -65,7 +65,6 @@ inline void add_dot_rows(const float* x, const float* a, int64_t stride_ar, int6
   }
 }
 
-
 // shrink for one thread's share of the grouped tokens (order[lo, hi)), block of columns by block.
 void shrink_run(const float* x, int64_t stride_x, const float* a, int64_t stride_as, int64_t stride_ar,
                 const int64_t* slots, const int64_t* order, int64_t lo, int64_t hi, float* xa, int64_t K,
