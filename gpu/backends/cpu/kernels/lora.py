@@ -2,9 +2,9 @@
 
 `CpuLora.supports` says whether a call's tensors can go to C (float32 on the CPU, each matrix's
 last dimension contiguous but B's, which may have its output or its rank dimension contiguous;
-slots contiguous int64); the cpu ops fall back to torch's path
-(gpu/backends/base.py) otherwise. `cpu_lora()` is None where the library cannot be had
-(build.load_library).
+slots contiguous int64); the cpu ops fall back to torch's path (gpu/backends/base.py) otherwise.
+`cpu_lora()` is None where the library cannot be had (build.load_library). Slots are not checked
+against the stacks' S: the worker writes them (gpu/lora/slots.py), as for the Triton kernels.
 """
 
 from __future__ import annotations
