@@ -168,6 +168,7 @@ def bubble_fraction(daemon: Daemon) -> float:
     return idle / (idle + busy)
 
 
+@pytest.mark.slow  # two daemons under load, 30 s
 def test_the_bubble_rises_when_the_worker_waits_for_its_host(daemon_factory, monkeypatch):
     steady = bubble_fraction(daemon_factory("--num-kv-blocks", "256"))
     # The delay (0.1 s) is longer than a step of this load on a slow CPU (~30-60 ms without

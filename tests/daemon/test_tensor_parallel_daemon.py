@@ -61,7 +61,9 @@ SPECS = {
 
 @pytest.mark.parametrize(
     ("tp", "extra"),
-    [(2, ()), (4, ("--num-scheduler-steps", "4"))] + [(2, ("--speculative-config", spec)) for spec in SPECS.values()],
+    [(2, ()), (4, ("--num-scheduler-steps", "4")), (2, ("--speculative-config", SPECS["ngram"]))]
+    # The model proposers at TP = 2 (a draft model, an EAGLE-3 head): 12 s each, in the slow group.
+    + [pytest.param(2, ("--speculative-config", SPECS[name]), marks=pytest.mark.slow) for name in ("draft", "eagle3")],
     ids=["tp2", "tp4-multistep", "tp2-speculative", "tp2-draft-model", "tp2-eagle3"],
 )
 def test_tensor_parallel_greedy_matches_transformers(tp, extra, checkpoints, reference, daemon_factory, tmp_path):
