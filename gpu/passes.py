@@ -120,13 +120,7 @@ def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
             token = host.token_ids[c]
             seq.token_ids.append(token)
             out.add(seq, token, host.logprobs[c], tops[0] if tops else None)
-            if c in failed_computed:  # its id is the placeholder 0, as on the device
-                out.failed.append(len(out.ids) - 1)
-                seq.stopped = True
-            else:
-                if seq.matcher is not None:
-                    seq.matcher.accept(token)
-                seq.stopped = _stops(seq, token, eos)
+            _follow(seq, token, c in failed_computed, out, eos)
             continue
         if c is not None and host is not None and not drafts:
             # Every id the device holds joins the host's copy, even a masked one: the next
@@ -149,13 +143,7 @@ def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
             out.add(seq, token, host.logprobs[c + j], tops[j] if tops else None)
             if drafts:
                 seq.token_ids.append(token)
-            if c + j in failed_computed:  # its id is the placeholder 0, as on the device
-                out.failed.append(len(out.ids) - 1)
-                seq.stopped = True
-            else:
-                if seq.matcher is not None:
-                    seq.matcher.accept(token)
-                seq.stopped = _stops(seq, token, eos)
+            _follow(seq, token, c + j in failed_computed, out, eos)
             if seq.stopped:
                 keep = keep[: j + 1]
                 break
@@ -203,6 +191,19 @@ class _Draws:
         self.ids.append(token)
         self.logprobs.append(logprob)
         self.seq_ids.append(seq.seq_id)
+
+
+def _follow(seq: WorkerSeq, token: int, failed: bool, out: _Draws, eos: tuple[int, ...]) -> None:
+    """The sequence after its draw `token` (just added to `out`): a failed draw stops it (its id is
+    the placeholder 0, as on the device); otherwise its grammar takes the token and the stop rule
+    is asked."""
+    if failed:
+        out.failed.append(len(out.ids) - 1)
+        seq.stopped = True
+        return
+    if seq.matcher is not None:
+        seq.matcher.accept(token)
+    seq.stopped = _stops(seq, token, eos)
 
 
 def _dense(tops: dict[int, TopLogprobs], num_draws: int) -> list[TopLogprobs]:

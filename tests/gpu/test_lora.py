@@ -128,17 +128,22 @@ def test_refusals(setup, tmp_path):
         llm.generate("x", GREEDY, lora_request=LoRARequest("none", str(tmp_path)))
 
 
+def graphed_batch(base, paths: dict[str, str], dtype: str) -> tuple[list[str | None], list]:
+    """The first prompt greedily for the base and every adapter, one batch on CUDA with graphs."""
+    llm = LLM(str(base), device="cuda", dtype=dtype, enable_lora=True, max_loras=3, max_lora_rank=16, num_kv_blocks=256)
+    assert llm.runner.graphs is not None
+    names = [None, *ADAPTERS]
+    loras = [None if name is None else LoRARequest(name, paths[name]) for name in names]
+    return names, llm.generate([PROMPTS[0]] * len(names), GREEDY, lora_request=loras)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_with_graphs_matches_peft(setup):
     """On CUDA the decode steps replay graphs whose projections read the static slots: greedy text
     of the base and of each adapter, in one batch, equal to peft's (float32)."""
     base, paths = setup
-    llm = LLM(str(base), device="cuda", dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16, num_kv_blocks=256)
-    assert llm.runner.graphs is not None
-    names = [None, *ADAPTERS]
-    loras = [None if name is None else LoRARequest(name, paths[name]) for name in names]
-    outs = llm.generate([PROMPTS[0]] * len(names), GREEDY, lora_request=loras)
+    names, outs = graphed_batch(base, paths, "float32")
     for name, out in zip(names, outs):
         assert out.outputs[0].token_ids == peft_greedy(base, paths.get(name) if name else None, out.prompt_token_ids), name
 
@@ -152,11 +157,7 @@ def test_cuda_bfloat16_with_graphs_is_within_rounding_of_peft(setup):
     from transformers import AutoModelForCausalLM
 
     base, paths = setup
-    llm = LLM(str(base), device="cuda", dtype="bfloat16", enable_lora=True, max_loras=3, max_lora_rank=16, num_kv_blocks=256)
-    assert llm.runner.graphs is not None
-    names = [None, *ADAPTERS]
-    loras = [None if name is None else LoRARequest(name, paths[name]) for name in names]
-    outs = llm.generate([PROMPTS[0]] * len(names), GREEDY, lora_request=loras)
+    names, outs = graphed_batch(base, paths, "bfloat16")
     texts = {name: out.outputs[0].token_ids for name, out in zip(names, outs)}
     assert all(texts[name] != texts[None] for name in ADAPTERS), texts
     for name, out in zip(names, outs):

@@ -10,9 +10,9 @@ CPU tensors, torch's (TorchOps) for anything else.
   rows stacked (one call, x quantized once: a one-row step of SmolLM2 makes 121 calls instead of
   211). The stacked weight is built at a group's first call (`FusedGroup`) and each layer's
   QuantizedWeight becomes a view of its rows, so no byte is stored twice.
-- lora_add (and lora_shrink / lora_expand alone): lora.cpp's products, a projection's update in
-  one call, each token reading only its own slot's matrices, where `CpuLora.supports` the call;
-  torch's otherwise.
+- lora_add: lora.cpp's products, a projection's update in one call, each token reading only its
+  own slot's matrices, where `CpuLora.supports` the call; torch's otherwise (and for lora_shrink
+  and lora_expand alone, which the layers do not call).
 - linear: for the layers small_linear.cpp supports (at most 1024 input features: small models),
   `prepare` moves each weight's storage to [in, out] (the kernel reads it transposed), leaving
   `weight` a transposed view of it so torch's GEMM serves what the kernel does not take, and
@@ -106,18 +106,6 @@ class CpuOps(TorchOps):
             if x.shape[0] <= small.max_rows:
                 return small(x, layer.weight.t(), layer.bias)
         return F.linear(x, layer.weight, layer.bias)
-
-    def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        if self.lora is not None and self.lora.supports(slots, x, a):
-            return self.lora.shrink(x, a, slots)
-        return super().lora_shrink(x, a, slots)
-
-    def lora_expand(
-        self, y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
-    ) -> torch.Tensor:
-        if self.lora is not None and self.lora.supports(slots, y, xa, scales, b=b):
-            return self.lora.expand(y, xa, b, scales, slots)
-        return super().lora_expand(y, xa, b, scales, slots)
 
     def lora_add(
         self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor

@@ -9,8 +9,8 @@ Only what torch does badly on a CPU lives here, float32 only:
   torch's sgemm repacks them on every call (decode steps above all);
 - quant_linear.cpp: linear layers of quantized weights (QuantizedWeight), read packed: int8
   activations against the codes for a few rows, float tiles decoded once per chunk of many;
-- lora.cpp: batched LoRA shrink and expand, a token reading only its own adapter slot, one call
-  a projection instead of torch's thirty-odd small ops.
+- lora.cpp: a projection's batched LoRA update, a token reading only its own adapter slot, one
+  call a projection instead of torch's thirty-odd small ops.
 packed_linear.py is not C++: it holds the same narrow layers' weights in oneDNN's blocked
 layout, for steps of many rows (prefill), through ops torch already ships.
 `paged_attention_kernel()`, `cpu_fused_ops()`, `cpu_small_linear()`, `cpu_quant_linear()` and `cpu_lora()` return

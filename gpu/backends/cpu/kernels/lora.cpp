@@ -1,21 +1,19 @@
-// Batched LoRA on the CPU (Ops.lora_shrink, Ops.lora_expand), each token's adapter slot read from
-// `slots` (-1: the base weights), in float32:
-//   shrink: xa[t, :] = A[s] x[t]                     (A [S, R, in]; zero where s < 0)
-//   expand: y[t, :] += scales[s] * B[s] xa[t]        (B [S, out, R]; base rows not written)
+// Batched LoRA on the CPU (Ops.lora_add): each token's update from its adapter slot, read from
+// `slots` (-1: the base weights, left alone), in float32:
+//   y[t, :] += scales[s] * B[s] (A[s] x[t])       (A [S, R, in], B [S, out, R] stored [S, R, out])
 //
 // torch's path (gpu/backends/base.py) multiplies by every slot's A and B at once and picks each
 // token's own with gathers, masks and scatters: about thirty small ops a projection, each a
 // dispatch of several microseconds, which on SmolLM2 (210 projections a step) cost more than the
-// products themselves. Here a projection is one call of each, and a token touches only its own
-// slot's matrices. Tokens are taken grouped by slot, and each slot's matrices a block at a time
-// (a block of A's columns, a block of B's outputs: a few KB), so that the tokens of one adapter
-// read the block from L1 in turn instead of the whole matrix from L2 each (which bound both
-// products to about 15 GMAC/s on SmolLM2's shapes).
-// Compiled with -ffast-math, so sums are reassociated: results differ from torch's in the last
-// bits, as two BLAS builds would.
+// products themselves. Here a projection is one call and one parallel region, and a token touches
+// only its own slot's matrices. Tokens are taken grouped by slot, and each slot's matrices a block
+// at a time (a block of A's columns, a block of B's outputs: a few KB), so that the tokens of one
+// adapter read the block from L1 in turn instead of the whole matrix from L2 each (which bound
+// both products to about 15 GMAC/s on SmolLM2's shapes). Compiled with -ffast-math, so sums are
+// reassociated: results differ from torch's in the last bits, as two BLAS builds would.
 //
-// Strides are in elements; x's, a's and y's last dimension is contiguous. The OpenMP pool is
-// torch's (see build.py). C ABI for ctypes.
+// Strides are in elements; x's, a's, y's and B's output dimension is contiguous. The OpenMP pool
+// is torch's (see build.py). C ABI for ctypes.
 
 #include <omp.h>
 
@@ -83,29 +81,27 @@ void shrink_run(const float* x, int64_t stride_x, const float* a, int64_t stride
   }
 }
 
-// expand of one block of outputs [n0, n0 + kOutputs) for every grouped token. Stored [S, R, N]
-// (stride_bn 1, as gpu/lora/slots.py stores it), a slot's block is R short rows of outputs: y's
-// block gains one scaled row at a time, in registers. Stored with R innermost, each output is a
-// dot product of R summed across the vector: several times slower.
+// expand of one block of outputs [n0, n0 + kOutputs) for every grouped token: a slot's block of
+// B (stored [S, R, N]) is R short rows of outputs, and y's block gains one scaled row at a time,
+// in registers.
 void expand_block(float* y, int64_t stride_y, const float* xa, const float* b, int64_t stride_bs,
-                  int64_t stride_bn, int64_t stride_br, const float* scales, const int64_t* slots,
+                  int64_t stride_br, const float* scales, const int64_t* slots,
                   const std::vector<int64_t>& order, int64_t n0, int64_t N, int64_t R) {
   const int64_t width = std::min<int64_t>(kOutputs, N - n0);
   for (const int64_t t : order) {
     const int64_t s = slots[t];
     const float* xt = xa + t * R;
-    const float* bs = b + s * stride_bs + n0 * stride_bn;
+    const float* bs = b + s * stride_bs + n0;
     float acc[kOutputs] = {};
-    if (stride_bn == 1 && width == kOutputs) {
-      for (int64_t r = 0; r < R; ++r) {
-        const float c = xt[r];
-        const float* row = bs + r * stride_br;
+    for (int64_t r = 0; r < R; ++r) {
+      const float c = xt[r];
+      const float* row = bs + r * stride_br;
+      if (width == kOutputs) {
 #pragma omp simd
         for (int l = 0; l < kOutputs; ++l) acc[l] += c * row[l];
+      } else {
+        for (int64_t l = 0; l < width; ++l) acc[l] += c * row[l];
       }
-    } else {
-      for (int64_t l = 0; l < width; ++l)
-        for (int64_t r = 0; r < R; ++r) acc[l] += bs[l * stride_bn + r * stride_br] * xt[r];
     }
     float* yt = y + t * stride_y + n0;
     const float scale = scales[s];
@@ -117,44 +113,14 @@ void expand_block(float* y, int64_t stride_y, const float* xa, const float* b, i
 
 extern "C" {
 
-// x [T, K] (row stride stride_x), a [S, R, K] (strides stride_as, stride_ar), slots [T],
-// xa [T, R] contiguous. Each thread takes a run of the grouped tokens.
-void conveyor_lora_shrink_f32(const float* x, int64_t stride_x, const float* a, int64_t stride_as,
-                              int64_t stride_ar, const int64_t* slots, float* xa, int64_t T,
-                              int64_t K, int64_t R) {
-  std::fill(xa, xa + T * R, 0.0f);
-  const std::vector<int64_t> order = by_slot(slots, T);
-  const int64_t n = static_cast<int64_t>(order.size());
-#pragma omp parallel if (n * R * K > kSerialMacs)
-  {
-    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-    shrink_run(x, stride_x, a, stride_as, stride_ar, slots, order.data(), n * me / threads,
-               n * (me + 1) / threads, xa, K, R);
-  }
-}
-
-// y [T, N] (row stride stride_y), xa [T, R] contiguous, b [S, N, R] (strides stride_bs,
-// stride_bn, stride_br: one of the last two is 1), scales [S], slots [T]. Parallel over blocks of
-// outputs; in each, the grouped tokens in turn.
-void conveyor_lora_expand_f32(float* y, int64_t stride_y, const float* xa, const float* b,
-                              int64_t stride_bs, int64_t stride_bn, int64_t stride_br,
-                              const float* scales, const int64_t* slots, int64_t T, int64_t N,
-                              int64_t R) {
-  const std::vector<int64_t> order = by_slot(slots, T);
-  const int64_t n = static_cast<int64_t>(order.size());
-  const int64_t blocks = (N + kOutputs - 1) / kOutputs;
-#pragma omp parallel for schedule(static) if (n * R * N > kSerialMacs)
-  for (int64_t blk = 0; blk < blocks; ++blk)
-    expand_block(y, stride_y, xa, b, stride_bs, stride_bn, stride_br, scales, slots, order, blk * kOutputs, N, R);
-}
-
-// Both in one call and one parallel region (Ops.lora_add): y [T, N] += scales[s] * B[s] A[s] x[t],
-// xa kept here. A projection's update then wakes the threads once, not twice.
+// x [T, K] (row stride stride_x), a [S, R, K] (strides stride_as, stride_ar), y [T, N] (row stride
+// stride_y), b [S, R, N] (strides stride_bs, stride_br), scales [S], slots [T]: y[t] += scales[s]
+// * b[s]^T (a[s] x[t]). Each thread first shrinks a run of the grouped tokens into xa [T, R]
+// (kept here), then all expand blocks of outputs.
 void conveyor_lora_add_f32(const float* x, int64_t stride_x, const float* a, int64_t stride_as,
                            int64_t stride_ar, float* y, int64_t stride_y, const float* b,
-                           int64_t stride_bs, int64_t stride_bn, int64_t stride_br,
-                           const float* scales, const int64_t* slots, int64_t T, int64_t K,
-                           int64_t N, int64_t R) {
+                           int64_t stride_bs, int64_t stride_br, const float* scales,
+                           const int64_t* slots, int64_t T, int64_t K, int64_t N, int64_t R) {
   const std::vector<int64_t> order = by_slot(slots, T);
   const int64_t n = static_cast<int64_t>(order.size());
   std::vector<float> xa(T * R, 0.0f);
@@ -167,7 +133,7 @@ void conveyor_lora_add_f32(const float* x, int64_t stride_x, const float* a, int
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < blocks; ++blk)
-      expand_block(y, stride_y, xa.data(), b, stride_bs, stride_bn, stride_br, scales, slots, order,
+      expand_block(y, stride_y, xa.data(), b, stride_bs, stride_br, scales, slots, order,
                    blk * kOutputs, N, R);
   }
 }

@@ -1,8 +1,9 @@
-"""The ctypes face of lora.cpp: batched LoRA shrink and expand for float32 CPU tensors.
+"""The ctypes face of lora.cpp: a projection's batched LoRA update (Ops.lora_add) for float32 CPU
+tensors, in one call.
 
 `CpuLora.supports` says whether a call's tensors can go to C (float32 on the CPU, each matrix's
-last dimension contiguous but B's, which may have its output or its rank dimension contiguous;
-slots contiguous int64); the cpu ops fall back to torch's path (gpu/backends/base.py) otherwise.
+last dimension contiguous and B's output dimension, as gpu/lora/slots.py stores it; slots
+contiguous int64); the cpu ops fall back to torch's path (gpu/backends/base.py) otherwise.
 `cpu_lora()` is None where the library cannot be had (build.load_library). Slots are not checked
 against the stacks' S: the worker writes them (gpu/lora/slots.py), as for the Triton kernels.
 """
@@ -24,50 +25,28 @@ def _rows_ok(*tensors: torch.Tensor) -> bool:
 
 
 def _b_ok(b: torch.Tensor) -> bool:
-    return b.dtype == torch.float32 and b.device.type == "cpu" and 1 in (b.stride(1), b.stride(2))
+    return b.dtype == torch.float32 and b.device.type == "cpu" and b.stride(1) == 1  # [S, out, R] stored [S, R, out]
 
 
 class CpuLora:
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._shrink = lib.conveyor_lora_shrink_f32
-        self._shrink.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64]
-        self._expand = lib.conveyor_lora_expand_f32
-        self._expand.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64]
         self._add = lib.conveyor_lora_add_f32
-        self._add.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]
-        for fn in (self._shrink, self._expand, self._add):
-            fn.restype = None
+        self._add.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]
+        self._add.restype = None
 
     @staticmethod
-    def supports(slots: torch.Tensor, *matrices: torch.Tensor, b: torch.Tensor | None = None) -> bool:
-        """matrices: last dimension contiguous; b (expand's): its output or rank dimension."""
+    def supports(slots: torch.Tensor, *matrices: torch.Tensor, b: torch.Tensor) -> bool:
+        """matrices: last dimension contiguous; b: its output dimension."""
         slots_ok = slots.dtype == torch.int64 and slots.device.type == "cpu" and slots.is_contiguous()
-        return slots_ok and _rows_ok(*matrices) and (b is None or _b_ok(b))
-
-    def shrink(self, x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """x [T, in], a [S, R, in], slots [T] -> xa [T, R] float32 (zero rows where slots < 0)."""
-        num_tokens, fan_in = x.shape
-        rank = a.shape[1]
-        xa = torch.empty(num_tokens, rank, dtype=torch.float32)
-        a_args = (a.data_ptr(), a.stride(0), a.stride(1))
-        self._shrink(x.data_ptr(), x.stride(0), *a_args, slots.data_ptr(), xa.data_ptr(), num_tokens, fan_in, rank)
-        return xa
-
-    def expand(self, y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """y [T, out] += scales[s] * xa[t] @ b[s]^T for s = slots[t] >= 0, in place; returns y."""
-        num_tokens, fan_out = y.shape
-        xa = xa.contiguous()
-        args = (b.data_ptr(), *b.stride(), scales.data_ptr(), slots.data_ptr(), num_tokens, fan_out, b.shape[2])
-        self._expand(y.data_ptr(), y.stride(0), xa.data_ptr(), *args)
-        return y
+        return slots_ok and _rows_ok(*matrices) and _b_ok(b)
 
     def add(
         self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
-        """Both in one call: y [T, out] += scales[s] * x[t] @ a[s]^T @ b[s]^T, in place; returns y."""
+        """y [T, out] += scales[s] * x[t] @ a[s]^T @ b[s]^T for s = slots[t] >= 0, in place; returns y."""
         num_tokens, fan_out = y.shape
         a_args = (a.data_ptr(), a.stride(0), a.stride(1))
-        b_args = (b.data_ptr(), *b.stride(), scales.data_ptr(), slots.data_ptr())
+        b_args = (b.data_ptr(), b.stride(0), b.stride(2), scales.data_ptr(), slots.data_ptr())
         self._add(x.data_ptr(), x.stride(0), *a_args, y.data_ptr(), y.stride(0), *b_args, num_tokens, x.shape[1], fan_out, a.shape[1])
         return y
 
