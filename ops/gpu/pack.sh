@@ -8,6 +8,8 @@
 #   - SmolLM2's tokenizer files (smollm2/): a real 49k-id BPE, for `conveyor.tiny.generate
 #     --tokenizer-from` runs by hand. The runbook's checkpoint keeps the tiny tokenizer, whose
 #     vocabulary the embedding rows were drawn for;
+#   - with BASELINE=COMMIT, that commit's tree in baseline/ (git archive, about 1 MiB) and its
+#     commit.txt: ops/gpu/ab_race.py races it against this checkout;
 #   - commit.txt: the commit packed, which the runbook reports on the device (its copy of the tree
 #     may have no .git, or an older commit's). Pack again after committing.
 # Run it here, where PyPI answers: bash ops/gpu/pack.sh [NAME==VERSION ...] (extra wheels, e.g. a
@@ -57,6 +59,13 @@ mkdir -p "$PACK/smollm2"
 for f in tokenizer.json tokenizer_config.json chat_template.jinja generation_config.json config.json; do
   install -m 644 "$smollm2/$f" "$PACK/smollm2/"
 done
+
+rm -rf "$PACK/baseline"
+if [ -n "${BASELINE:-}" ]; then
+  mkdir -p "$PACK/baseline"
+  git archive "$BASELINE" | tar -x -C "$PACK/baseline"
+  git rev-parse "$BASELINE^{commit}" >"$PACK/baseline/commit.txt"
+fi
 
 echo "$(git rev-parse HEAD)$(git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')" >"$PACK/commit.txt"
 
