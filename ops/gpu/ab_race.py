@@ -9,8 +9,12 @@ after `bash ops/gpu/run.sh checkpoint` (the served checkpoint, the wheels on the
 
 Each round races both trees with race.measure (the runbook's race-k1 configuration with CUDA
 graphs, or --steps K), in ABBA order across rounds so that neither side always runs on a warmer
-machine. Only the daemon comes from the baseline tree (first on its PYTHONPATH); the client and the
-CPU accounting are this checkout's for both. Prints each race and the medians and ratios
+machine, after a short race that is thrown away (--warmup-prompts): on a fresh machine the first
+daemon compiles the Triton kernels, and the first run of the third GPU run lost 15% of its req/s
+and tripled its TTFT p50 so (docs/benchmarks.md). Only the daemon comes from the baseline tree
+(run there, the tree first on its PYTHONPATH: `python -m` puts its working directory before
+PYTHONPATH, so the third GPU run's "baseline", run from here, was this checkout); the client and
+the CPU accounting are this checkout's for both. Prints each race and the medians and ratios
 (this / baseline), and writes them to $OUT/ab-race.json. Stdlib only, as race.py.
 """
 
@@ -37,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=1, help="--num-scheduler-steps")
     p.add_argument("--num-prompts", type=int, help="default: 500; 16 with --emulated")
+    p.add_argument("--warmup-prompts", type=int, default=64, help="the thrown-away first race's (0: none)")
+    p.add_argument("--sharegpt", type=Path, help="default: .gpu-pack's, else ../shared/workloads'")
     p.add_argument("--budget-s", type=float, default=540.0)
     p.add_argument("--emulated", action="store_true", help="conveyor serve --device emulated on the runbook's emulated checkpoint")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-runbook-out"))
@@ -50,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"no tree at {args.baseline}: pack one with BASELINE=COMMIT bash ops/gpu/pack.sh")
     device = ("--device", "emulated", "--emulate", "h100") if args.emulated else ("--device", "cuda", "--attention-backend", "triton")
     steps = ("--num-scheduler-steps", str(args.steps)) if args.steps > 1 else ()
-    sharegpt = REPO / ".gpu-pack" / "sharegpt_sample.json"
+    sharegpt = args.sharegpt or REPO / ".gpu-pack" / "sharegpt_sample.json"
     if not sharegpt.is_file():
         sharegpt = REPO.parent / "shared" / "workloads" / "sharegpt_sample.json"
     trees = {"this": None, "baseline": args.baseline.resolve()}
@@ -58,30 +64,32 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "ab-race").mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {"this": [], "baseline": []}
     failures = []
+    order = [("warm-up", "this")] if args.warmup_prompts else []
     for i in range(args.rounds):
-        for side in ("this", "baseline") if i % 2 == 0 else ("baseline", "this"):
-            label = f"{side} round {i + 1}"
-            config = race.RaceConfig(
-                label,
-                model,
-                (*device, *steps),
-                sharegpt,
-                args.num_prompts or (16 if args.emulated else 500),
-                args.out / "ab-race",
-                deadline,
-                600.0,
-                90.0,
-                trees[side],
-            )
-            print(f"{label} ({commits[side]}) ...", flush=True)
-            try:
-                figures = race.measure(config)
-            except race.RaceFailed as e:
-                failures.append({**e.record, "what": f"{label}: {e.record['what']}"})
-                print(f"  failed: {e.record['what']}\n{e.record.get('output_tail', '')}", flush=True)
-                continue
+        order += [(f"{side} round {i + 1}", side) for side in (("this", "baseline") if i % 2 == 0 else ("baseline", "this"))]
+    for label, side in order:
+        config = race.RaceConfig(
+            label,
+            model,
+            (*device, *steps),
+            sharegpt,
+            args.warmup_prompts if label == "warm-up" else args.num_prompts or (16 if args.emulated else 500),
+            args.out / "ab-race",
+            deadline,
+            600.0,
+            90.0,
+            trees[side],
+        )
+        print(f"{label} ({commits[side]}) ...", flush=True)
+        try:
+            figures = race.measure(config)
+        except race.RaceFailed as e:
+            failures.append({**e.record, "what": f"{label}: {e.record['what']}"})
+            print(f"  failed: {e.record['what']}\n{e.record.get('output_tail', '')}", flush=True)
+            continue
+        if label != "warm-up":
             runs[side].append(figures)
-            print("  " + ", ".join(f"{k} {figures[k]:.4g}" for k in FIGURES), flush=True)
+        print("  " + ", ".join(f"{k} {figures[k]:.4g}" for k in FIGURES), flush=True)
     medians = {side: {k: statistics.median(r[k] for r in rs) for k in FIGURES} for side, rs in runs.items() if rs}
     ratios = {}
     if len(medians) == 2:

@@ -44,7 +44,7 @@ class RaceConfig:
     deadline: float  # time.monotonic() by which everything must be over
     start_timeout_s: float  # loading 16 GB and capturing graphs on the GPU
     reserve_s: float  # of the time left, kept for the client and the stop when waiting for /health
-    daemon_tree: Path | None = None  # another checkout's root, first on the daemon's PYTHONPATH (ab_race.py), not the client's
+    daemon_tree: Path | None = None  # another checkout's root: the daemon's (ab_race.py), not the client's
 
 
 class RaceFailed(Exception):
@@ -150,11 +150,12 @@ def measure(config: RaceConfig) -> dict:
     client += ["--dataset-path", str(config.sharegpt), "--num-prompts", str(config.num_prompts), "--result-json", str(serve_json)]
     result: dict = {"command": " ".join(serve[1:])}
     failure: RaceFailed | None = None
-    env = None
-    if config.daemon_tree is not None:
+    env, cwd = None, None
+    if config.daemon_tree is not None:  # run from there too: `python -m` puts its working directory first
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(config.daemon_tree), os.environ.get("PYTHONPATH"))))}
+        cwd = config.daemon_tree
     with daemon_log.open("wb") as log:
-        daemon = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        daemon = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=cwd)
     try:
         left = config.deadline - time.monotonic()
         result["startup_s"] = wait_healthy(daemon, url, max(min(config.start_timeout_s, left - config.reserve_s), 1))
