@@ -323,6 +323,13 @@ class Ops(abc.ABC):
         backend may multiply them as one weight. The default multiplies each layer's."""
         return [cast(LinearProducts, layer).product(x) for layer in layers]
 
+    def lora_b(self, num_slots: int, out: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed stack of every slot's B, [S, out, R], stored as this backend's lora_expand reads
+        it best (gpu/lora/slots.py allocates through it once). The default stores it [S, R, out],
+        each slot's B^T: a token's update sums R rows of outputs (the cpu kernel's vectors), and
+        every slot's side by side is a [S R, out] view (lora_expand's default)."""
+        return torch.zeros(num_slots, rank, out, dtype=dtype, device=device).transpose(1, 2)
+
     def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """x [T, in], a [S, R, in] (each slot's A, zero rows past its rank), slots [T] int64 (each
         token's slot; -1: no adapter) -> xa [T, R] float32: x[t] @ a[slots[t]].T, 0 where slots[t] < 0.
@@ -339,7 +346,7 @@ class Ops(abc.ABC):
         self, y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
         """y [T, out] += scales[slots[t]] * (xa[t] @ b[slots[t]].T) for every token with a slot, in
-        y's dtype, in place; b [S, out, R] (any strides: gpu/lora/slots.py stores it [S, R, out]),
+        y's dtype, in place; b [S, out, R] (any strides; stored as lora_b gives it),
         scales [S] float32. Returns y. The default puts each token's scaled xa in its slot's R
         columns of a [T, S R] row and multiplies once by every slot's B side by side ([out, S R]:
         a view where b is stored [S, R, out] or [out, S, R])."""

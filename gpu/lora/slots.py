@@ -2,7 +2,7 @@
 preallocated at `--max-lora-rank` for every projection an adapter may target, so placing an
 adapter copies into them and a step never allocates.
 
-Shapes, per projection on this rank: A [S, R, in] and B [S, out, R], stored [S, R, out] (S slots,
+Shapes, per projection on this rank: A [S, R, in] and B [S, out, R], stored as Ops.lora_b says (S slots,
 R the max rank; a slot's adapter of rank r fills A's first r rows and B's first r columns, zeros elsewhere, and a
 projection it does not target stays zero), with one scale per slot (lora_alpha / r, or rsLoRA's /
 sqrt(r)). Under tensor parallelism each rank holds what its layer's split gives it: a
@@ -58,11 +58,9 @@ class LoraProjection:
         self.layer = layer
         self.lora_pass = lora_pass
         # [S, R, in] and [S, out, R]: a row-parallel layer's in and a column-parallel one's out are this rank's.
-        # B is stored [S, R, out], each slot's B^T: every slot's side by side is then a [S R, out]
-        # view (Ops.lora_expand's default), and a token's update sums R rows of outputs (the cpu
-        # kernel's vectors, the Triton kernel's coalesced loads).
+        # B is stored as the backend's expand reads it best (Ops.lora_b: [S, R, out] by default).
         self.a = torch.zeros(num_slots, rank, layer.in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(num_slots, rank, layer.out_features, dtype=dtype, device=device).transpose(1, 2)
+        self.b = lora_pass.ops.lora_b(num_slots, layer.out_features, rank, dtype, device)
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] (the layer's product of x [T, in]) plus scale * x A^T B^T for each adapter

@@ -4,7 +4,9 @@
 gate, up, down; one rank, bf16), the base product (F.linear, cuBLAS) alone and with the LoRA
 update of `--max-loras 4` rank-16 slots added, through each backend's shrink and expand: the Triton
 kernels (gpu/backends/triton/lora.py: one program per token, BGMV) and the torch default
-(gpu/backends/base.py: one [T, S R] product over every slot, then each token's own). Rows:
+(gpu/backends/base.py: one [T, S R] product over every slot, then each token's own), each with B
+stored as its backend's `lora_b` stores it, and the Triton kernels again with B stored as the
+default does ([S, R, out]: the layout the Triton expand lost at many rows). Rows:
 - decode steps of M = 1, 16, 64, 256 rows spread over the 4 adapters (row t: slot t mod 4), and 64
   rows of which half are base rows (slot -1), as a mixed graph-replayed step has them;
 - a 512-token prompt chunk of one adapter.
@@ -51,7 +53,9 @@ CASES = {  # name -> (rows, each row's slot)
     "decode M=256": (256, lambda m: torch.arange(m) % SLOTS),
     "prompt chunk 512, one adapter": (512, lambda m: torch.zeros(m, dtype=torch.long)),
 }
-BACKENDS = {"triton": TritonOps(), "torch": TorchOps()}  # the default of gpu/backends/base.py
+# name -> (ops, the B storage of which ops): Ops.lora_b of the second, filled with random values.
+VARIANTS = {"triton": (TritonOps(), TritonOps()), "triton_b_sro": (TritonOps(), TorchOps()), "torch": (TorchOps(), TorchOps())}
+HEADS = {"triton": "triton", "triton_b_sro": "triton, B [S, R, out]", "torch": "torch"}
 
 
 def wall_us(fn, x: torch.Tensor) -> float:
@@ -73,33 +77,32 @@ def main(argv: list[str] | None = None) -> int:
     figures = []
     for case, (rows, slot_of) in CASES.items():
         slots = slot_of(rows).to(device)
-        totals = {"base": 0.0, **{b: 0.0 for b in BACKENDS}}
+        totals = {"base": 0.0, **{v: 0.0 for v in VARIANTS}}
         for proj, (out, fan_in) in PROJECTIONS.items():
             out, fan_in = max(out // cut, 16), max(fan_in // cut, 16)
             w = torch.randn(out, fan_in, device=device, dtype=dtype) / fan_in**0.5
             a = torch.randn(SLOTS, RANK, fan_in, device=device, dtype=dtype) / fan_in**0.5
-            b = torch.randn(SLOTS, RANK, out, device=device, dtype=dtype).transpose(1, 2)  # stored as gpu/lora/slots.py does
             x = torch.randn(rows, fan_in, device=device, dtype=dtype)
             row = {"case": case, "projection": proj, "base_us": timer(lambda x, w=w: F.linear(x, w), x)}
-            for backend, ops in BACKENDS.items():
+            for variant, (ops, storage) in VARIANTS.items():
+                b = storage.lora_b(SLOTS, out, RANK, dtype, torch.device(device))  # [S, out, R]
+                b.copy_(torch.randn(b.shape, device=device, dtype=dtype))
 
                 def with_lora(x, ops=ops, w=w, a=a, b=b, slots=slots):
                     return ops.lora_expand(F.linear(x, w), ops.lora_shrink(x, a, slots), b, scales, slots)
 
-                row[f"{backend}_us"] = timer(with_lora, x)
+                row[f"{variant}_us"] = timer(with_lora, x)
             figures.append(row)
-            totals["base"] += row["base_us"]
-            for backend in BACKENDS:
-                totals[backend] += row[f"{backend}_us"]
-        layer = {f"{b}_us": totals[b] for b in BACKENDS}
+            for name in totals:
+                totals[name] += row[f"{name}_us"]
+        layer = {f"{v}_us": totals[v] for v in VARIANTS}
         figures.append({"case": case, "projection": "layer (7)", "base_us": totals["base"], **layer})
     print(f"device: {name}; {SLOTS} slots of rank {RANK}, {dtype}; times in us ({'CUDA graph replay' if on_gpu else 'wall clock'})\n")
-    print("| case | projection | base us | + LoRA, triton us | + LoRA, torch us | triton / base | torch / base |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| case | projection | base us | " + " | ".join(f"+ LoRA, {HEADS[v]} us (/ base)" for v in VARIANTS) + " |")
+    print("|---|---|---:|" + "---:|" * len(VARIANTS))
     for r in figures:
-        tri, tor = r["triton_us"] / r["base_us"], r["torch_us"] / r["base_us"]
-        times = f"{r['base_us']:.1f} | {r['triton_us']:.1f} | {r['torch_us']:.1f}"
-        print(f"| {r['case']} | {r['projection']} | {times} | {tri:.2f}x | {tor:.2f}x |")
+        times = " | ".join(f"{r[f'{v}_us']:.1f} ({r[f'{v}_us'] / r['base_us']:.2f}x)" for v in VARIANTS)
+        print(f"| {r['case']} | {r['projection']} | {r['base_us']:.1f} | {times} |")
     if args.json:
         print(json.dumps({"device": name, "rows": figures}))
     return 0

@@ -72,7 +72,8 @@ def adapters(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """a [S, R, in], b [S, out, R] with slot s's rows (of a) and columns (of b) past ranks[s] zero,
     as the slot stacks hold them; scales [S] float32. b_layout: its storage, "slot" [S, out, R],
-    "output" [out, S, R] or "rank" [S, R, out] (gpu/lora/slots.py's: each slot's B^T), b a view."""
+    "output" [out, S, R] (TritonOps.lora_b's) or "rank" [S, R, out] (the default Ops.lora_b's:
+    each slot's B^T), b a view."""
     gen = torch.Generator().manual_seed(seed)
     max_rank = max(ranks)
     a = torch.zeros(len(ranks), max_rank, fan_in)
@@ -208,7 +209,7 @@ def test_triton_lora_captures_in_a_cuda_graph_with_slots_as_an_input():
     from conveyor.gpu.backends.triton.backend import TritonOps
 
     ops, dtype = TritonOps(), torch.bfloat16
-    a, b, scales = adapters(4096, 1024, dtype, b_layout="rank")  # as the slots hold B
+    a, b, scales = adapters(4096, 1024, dtype, b_layout="output")  # as TritonOps.lora_b stores B
     x = torch.randn(len(SLOTS), 4096, device=DEVICE, dtype=dtype)
     y = torch.randn(len(SLOTS), 1024, device=DEVICE, dtype=dtype)
     slots = torch.tensor(SLOTS, device=DEVICE)
@@ -264,6 +265,23 @@ COMPILE_FOR_SM90 = textwrap.dedent("""
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the GPU test compiles and runs the kernels")
 def test_kernels_compile_for_sm90_without_spills():
     compile_for_sm90(COMPILE_FOR_SM90, timeout_s=240)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_backend_stores_b_as_its_expand_reads_it(backend):
+    """Ops.lora_b (gpu/lora/slots.py allocates B through it): zeros [S, out, R] in the dtype and
+    on the device asked; the Triton expand's R innermost (a [S, R, out] B cost its layer 1.9x the
+    base at 64 rows on an H200 against 1.5x), the others' outputs innermost, which the cpu kernel
+    needs (else lora_add falls back to torch's ops)."""
+    ops = make_ops(backend)
+    b = ops.lora_b(3, 40, 16, torch.float32, torch.device(DEVICE))
+    assert b.shape == (3, 40, 16) and b.dtype == torch.float32 and b.device.type == DEVICE
+    assert not b.any()
+    innermost = 2 if backend == "triton" else 1
+    assert b.stride(innermost) == 1
+    if backend.startswith("cpu"):
+        x, slots = torch.zeros(2, 8), torch.tensor([0, -1])
+        assert ops.lora.supports(slots, x, torch.zeros(3, 16, 8), torch.zeros(2, 40), torch.ones(3), b=b)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -6,9 +6,9 @@ Computes `Ops.lora_shrink` and `Ops.lora_expand` (gpu/backends/base.py) for the 
   xa [P, T, R] float32, partial sums over P slices of `in` (their sum: x[t] @ a[slots[t]]^T), zero
   where slots[t] < 0;
 - expand: y [T, out] += scales[slots[t]] * (sum over p of xa[p, t]) @ b[slots[t]]^T in place
-  (xa [T, R] is taken as P = 1), b [S, out, R] (any strides: stored [S, R, out] by
-  gpu/lora/slots.py, so that a tile's loads run along the outputs), scales [S] float32; rows with slots[t] < 0 are not
-  written (not even rewritten with their own value).
+  (xa [T, R] is taken as P = 1), b [S, out, R] (any strides; fastest with R innermost, as
+  TritonOps.lora_b stores it), scales [S] float32; rows with slots[t] < 0 are not written (not even
+  rewritten with their own value).
 
 In the BGMV manner, each program loads its token's slot, returns at once for a base-model token,
 and otherwise multiplies its row by its slot's matrix tile by tile, upcast to float32 on load,
