@@ -312,7 +312,7 @@ class ModelRunner:
         for i, (seq, row) in enumerate(zip(rows, plan.scheduled)):
             n = row.num_tokens if one_step else 1  # a window's first pass decodes
             end = seq.num_computed + n
-            known, extra = seq.token_ids, len(drafts[i]) if drafts and i in drafts else 0
+            known, extra = seq.token_ids, len(drafts.get(i, ()))
             if extra:  # it computes its token and its drafts, and draws at each
                 known = seq.token_ids + drafts[i]
                 seq.verifying = True
@@ -357,13 +357,13 @@ class ModelRunner:
             choices = [seq.index, *(f.index for f in forks)] if forks else [seq.index]
             sampling_rows.append(SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, choices, seq.num_output_tokens))
             param_slots += [self.batch.slots[seq.seq_id]] * len(choices)
-            row_drafts = work.drafts.get(i) if work.drafts else None
-            if row_drafts:  # position j draws output n + j as if row_drafts[:j] were drawn (verify.py)
+            drafts = work.drafts.get(i, [])
+            if drafts:  # position j draws output n + j as if drafts[:j] were drawn (verify.py)
                 reads = penalises_repeats(seq.params)
-                for j in range(1, len(row_drafts) + 1):
-                    history = seq.token_ids + row_drafts[:j] if reads else seq.token_ids
+                for j in range(1, len(drafts) + 1):
+                    history = seq.token_ids + drafts[:j] if reads else seq.token_ids
                     sampling_rows.append(SamplingRow(seq.params, history, seq.num_prompt_tokens, choices, seq.num_output_tokens + j))
-                param_slots += [self.batch.slots[seq.seq_id]] * len(row_drafts)
+                param_slots += [self.batch.slots[seq.seq_id]] * len(drafts)
         param_slots_t = to_device(param_slots, torch.int64, self.device)
         drawn = None
         if self.tp.samples:
@@ -375,9 +375,9 @@ class ModelRunner:
         """The host's counts after the pass, each fork a copy of its parent plus its own draw,
         and the draws fed back into the batch as the rows' next inputs; the sequence of each
         draw, in draw order."""
-        rows, drafts = work.rows, work.drafts
+        rows = work.rows
         for i, (seq, n) in enumerate(zip(rows, work.num_new)):
-            seq.num_computed += n - len(drafts[i]) if drafts and i in drafts else n  # a verifying row: its token alone until collected
+            seq.num_computed += n - len(work.drafts.get(i, ()))  # a verifying row: its token alone until collected
         for i in work.sampling:
             rows[i].num_tokens += 1
         if samples is None:

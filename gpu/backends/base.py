@@ -324,10 +324,8 @@ class Ops(abc.ABC):
         return [cast(LinearProducts, layer).product(x) for layer in layers]
 
     def lora_b(self, num_slots: int, out: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zeroed stack of every slot's B, [S, out, R], stored as this backend's lora_expand reads
-        it best (gpu/lora/slots.py allocates through it once). The default stores it [S, R, out],
-        each slot's B^T: a token's update sums R rows of outputs (the cpu kernel's vectors), and
-        every slot's side by side is a [S R, out] view (lora_expand's default)."""
+        """Every slot's B, zeroed, [S, out, R], stored as this backend's expand reads it best
+        (gpu/lora/slots.py). The default stores [S, R, out], each slot's B^T: rows of outputs."""
         return torch.zeros(num_slots, rank, out, dtype=dtype, device=device).transpose(1, 2)
 
     def lora_shrink(self, x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -346,10 +344,9 @@ class Ops(abc.ABC):
         self, y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
         """y [T, out] += scales[slots[t]] * (xa[t] @ b[slots[t]].T) for every token with a slot, in
-        y's dtype, in place; b [S, out, R] (any strides; stored as lora_b gives it),
-        scales [S] float32. Returns y. The default puts each token's scaled xa in its slot's R
-        columns of a [T, S R] row and multiplies once by every slot's B side by side ([out, S R]:
-        a view where b is stored [S, R, out] or [out, S, R])."""
+        y's dtype, in place; b [S, out, R] (any strides), scales [S] float32. Returns y. The default
+        puts each token's scaled xa in its slot's R columns of a [T, S R] row and multiplies once by
+        every slot's B side by side ([out, S R]: a view of lora_b's storage)."""
         num_slots, out, rank = b.shape
         tokens = torch.arange(xa.shape[0], device=xa.device)
         valid = slots >= 0
