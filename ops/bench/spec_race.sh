@@ -7,6 +7,9 @@
 #             "1 4 16 64") concurrent streams, all 64 prompts at each
 #   sharegpt  64 ShareGPT prompts the same way, no speculation then SHAREGPT_SPEC (default: k = 4)
 #   repeat    the grounded and ShareGPT runs at one stream again, in the reverse order (none last)
+#   abba      the grounded runs at one stream, ROUNDS (default 2) rounds of none, k, k, none for k
+#             the first of KS: each speculative run beside a run without, so the machine's drift
+#             over the minutes between runs falls on both sides of each pair
 # One server per configuration, at its defaults otherwise. Results under OUT: vLLM's
 # --save-result JSON per run (NAME.json), and the server's spec_decode counters before and after
 # it (NAME.before, NAME.after); ops/bench/spec_table.py tabulates them. SHARED (default ../shared)
@@ -56,6 +59,12 @@ for part in "$@"; do
       run grounded none-again "" 1
       run sharegpt spec-again "${SHAREGPT_SPEC:-$(spec 4)}" 1
       run sharegpt none-again "" 1 ;;
-    *) echo "unknown part: $part (grounded, sharegpt, repeat)" >&2; exit 2 ;;
+    abba)
+      k=${KS:-8}; k=${k%% *}
+      for r in $(seq 1 "${ROUNDS:-2}"); do
+        run grounded "none-r${r}a" "" 1; run grounded "k$k-r${r}a" "$(spec "$k")" 1
+        run grounded "k$k-r${r}b" "$(spec "$k")" 1; run grounded "none-r${r}b" "" 1
+      done ;;
+    *) echo "unknown part: $part (grounded, sharegpt, repeat, abba)" >&2; exit 2 ;;
   esac
 done

@@ -1,6 +1,7 @@
 """Tabulate ops/bench/spec_race.sh's results: per workload and stream count, each configuration's
 output tokens/s, median TPOT and TTFT from vLLM's result JSON, its ratio of output tokens/s to
-the run without speculation, and the draft acceptance from the server's spec_decode counters
+the run without speculation of the same suffix (k8-again against none-again, k8-r1a against
+none-r1a: spec_race.sh's abba pairs), and the draft acceptance from the server's spec_decode counters
 (accepted / drafted, and tokens per verifying row: 1 + accepted / verify steps).
 
     python ops/bench/spec_table.py OUT
@@ -38,7 +39,8 @@ def main(out: Path) -> None:
     print(f"| workload | streams | config | {columns} |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for (workload, streams, config), (result, delta) in sorted(runs.items()):
-        base = runs.get((workload, streams, "none-again" if config.endswith("-again") else "none"))
+        suffix = config[config.find("-") :] if "-" in config else ""
+        base = runs.get((workload, streams, "none" + suffix))
         ratio = result["output_throughput"] / base[0]["output_throughput"] if base else float("nan")
         drafted, accepted, rows = delta.get("draft_tokens", 0), delta.get("accepted_tokens", 0), delta.get("verify_steps", 0)
         rate = f"{accepted / drafted:.2f} ({accepted:.0f} / {drafted:.0f})" if drafted else "-"
