@@ -26,6 +26,13 @@ from conveyor.gpu import runner as runner_module
 from conveyor.wire.messages import SamplingParams
 
 PROMPTS = Path(__file__).with_name("grounded") / "prompts.json"
+MAX_TOKENS = 256
+
+
+def grounded_prompts(num: int) -> list[str]:
+    """The first num prompts of the grounded workload, as the user's text (ops/bench/verify_cost.py
+    and spec_replay.py take them from here too)."""
+    return [d["conversations"][0]["value"] for d in json.loads(PROMPTS.read_text())[:num]]
 
 
 def main() -> None:
@@ -35,7 +42,7 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1, help="prompts generated together, as one batch")
     parser.add_argument("--ks", default="4", help="n-gram k values to run, comma-separated")
     args = parser.parse_args()
-    prompts = [d["conversations"][0]["value"] for d in json.loads(PROMPTS.read_text())[: args.num]]
+    prompts = grounded_prompts(args.num)
     configs: dict[str, dict | None] = {"none": None}
     for k in map(int, args.ks.split(",")):
         configs[f"ngram-k{k}"] = {"method": "ngram", "num_speculative_tokens": k}
@@ -56,7 +63,7 @@ def main() -> None:
     runner_module.pass_result = counting
     totals = {name: [0, 0.0, 0, 0, 0] for name in configs}  # tokens, seconds, steps, drafted, accepted
     outputs: dict[str, set] = {}
-    params = SamplingParams(temperature=0.0, max_tokens=256)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     for at in range(0, len(prompts), args.streams):
         group = prompts[at : at + args.streams]
         for name, llm in llms.items():

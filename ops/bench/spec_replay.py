@@ -30,12 +30,11 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from spec_inprocess import MAX_TOKENS, grounded_prompts  # beside this script
+
 from conveyor.config.speculative import SpeculativeConfig
 from conveyor.gpu.spec.draft_length import ROW_COST, Acceptance
 from conveyor.gpu.spec.ngram import NgramProposer
-
-PROMPTS = Path(__file__).with_name("grounded") / "prompts.json"
-MAX_TOKENS = 256
 
 
 def make_answers(path: Path, num: int) -> None:
@@ -43,8 +42,7 @@ def make_answers(path: Path, num: int) -> None:
     from conveyor.wire.messages import SamplingParams
 
     llm = LLM()
-    prompts = [d["conversations"][0]["value"] for d in json.loads(PROMPTS.read_text())[:num]]
-    ids = [llm.encoder.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    ids = [llm.encoder.encode_chat([{"role": "user", "content": p}]) for p in grounded_prompts(num)]
     outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     path.write_text(
         json.dumps([{"prompt": p, "output": list(o.outputs[0].token_ids), "max_tokens": MAX_TOKENS} for p, o in zip(ids, outs)])

@@ -39,8 +39,8 @@ def main(out: Path) -> None:
     print(f"| workload | streams | config | {columns} |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     for (workload, streams, config), (result, delta) in sorted(runs.items()):
-        suffix = config[config.find("-") :] if "-" in config else ""
-        base = runs.get((workload, streams, "none" + suffix))
+        _, dash, suffix = config.partition("-")
+        base = runs.get((workload, streams, "none" + dash + suffix))
         ratio = result["output_throughput"] / base[0]["output_throughput"] if base else float("nan")
         drafted, accepted, rows = delta.get("draft_tokens", 0), delta.get("accepted_tokens", 0), delta.get("verify_steps", 0)
         rate = f"{accepted / drafted:.2f} ({accepted:.0f} / {drafted:.0f})" if drafted else "-"

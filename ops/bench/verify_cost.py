@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import statistics
 import time
-from pathlib import Path
+
+from spec_inprocess import grounded_prompts  # beside this script
 
 from conveyor import LLM
 from conveyor.gpu import runner as runner_module
 from conveyor.gpu.spec.ngram import NgramProposer
 from conveyor.wire.messages import SamplingParams
-
-PROMPTS = Path(__file__).with_name("grounded") / "prompts.json"
 
 
 def main() -> None:
@@ -37,7 +35,7 @@ def main() -> None:
     NgramProposer.lookup = lambda self, histories, limits: [[h[-1]] * n for h, n in zip(histories, limits)]  # the stub
     fixed = {"method": "ngram", "draft_length": "fixed"}
     llms = {d: LLM(speculative_config={**fixed, "num_speculative_tokens": d}) if d else LLM() for d in counts}
-    prompts = [d["conversations"][0]["value"] for d in json.loads(PROMPTS.read_text())[: args.num]]
+    prompts = grounded_prompts(args.num)
     timing: list[int | None] = [None]  # the configuration being timed; None: untimed
     times: dict[int, list[float]] = collections.defaultdict(list)
     execute = runner_module.ModelRunner.execute
