@@ -35,7 +35,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", or "error": its logits were not finite, it ended
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None  # with logprobs or best_of; None otherwise (as vLLM)
     logprobs: list[TextLogprob] = dataclasses.field(default_factory=list)  # when asked for
     stop_reason: str | int | None = None  # the stop string, or stop token id, that ended it
 
@@ -172,7 +172,10 @@ class LLM:
             params = request.params
             choices = sorted(samples[request.request_id].values(), key=lambda c: c.index)
             if params.num_samples > params.n:  # best_of: the n most likely
-                choices = sorted(choices, key=lambda c: -c.cumulative_logprob)[: params.n]
+                choices = sorted(choices, key=lambda c: -(c.cumulative_logprob or 0.0))[: params.n]
+            elif params.logprobs is None:  # not computed for every token (gpu/sampling/draws.py): None, as vLLM
+                for choice in choices:
+                    choice.cumulative_logprob = None
             for i, choice in enumerate(choices):
                 choice.index = i
             outputs.append(

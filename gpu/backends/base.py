@@ -316,6 +316,14 @@ class Ops(abc.ABC):
         reference, on any device; backends override it with kernels that read it packed."""
         return torch.nn.functional.linear(x, weight.dequantize(dtype=x.dtype), bias)
 
+    def argmax_product(self, x: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """x [T, in] -> (ids [T] int64, valid [T] bool): each row's argmax over the outputs of the
+        layer's product, the very id the full product's argmax gives (the first of equals), where
+        the ops find it for less than the product; valid False (id 0) where the row's product is
+        not finite. None: they cannot here, the caller takes the product. A greedy draw that
+        wants nothing else asks this of the LM head (ParallelLMHead.argmax). The default: None."""
+        return None
+
     def linears(self, x: torch.Tensor, layers: tuple[nn.Module, ...]) -> list[torch.Tensor]:
         """x [T, in] through column-parallel layers that all read it (q/k/v, gate/up) -> each
         one's product, in order (their products alone: the model adds their adapters' deltas,

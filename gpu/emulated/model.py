@@ -34,6 +34,10 @@ class EmulatedModel:
         """hidden [S, 0] -> logits [S, 0]: sampled within the pass's time already queued."""
         return hidden
 
+    def compute_greedy(self, hidden: torch.Tensor) -> None:
+        """No shortcut: the emulated draw reads no logits (compute_logits)."""
+        return None
+
 
 def pass_shape(meta: AttentionMetadata) -> StepShape:
     """The cost model's view of a pass, from its metadata's per-row tensors (a CUDA graph's

@@ -3,12 +3,13 @@
 The loader and the runner know a model only through it: built as `cls(config, rope_device,
 backend)` (on the meta device when loading), filled by `load_weights(tensors)` from the
 checkpoint's (name, tensor) stream, adjusted once by `after_load()`, then run as
-`forward(input_ids, positions, meta, kv_caches)` -> hidden [T, H] and `compute_logits(hidden)`.
+`forward(input_ids, positions, meta, kv_caches)` -> hidden [T, H] and `compute_logits(hidden)` (or,
+for greedy draws that want nothing else, `compute_greedy(hidden)`: the ids alone, where it can).
 
 Invariants: there is one forward for every family, mixture-of-experts included; a family names
 its `layer_class` (built as (config, backend, layer_index), called as (x, residual, positions,
-rope, meta, kv_cache) -> (x, residual)) and overrides only the hooks `embed`, `compute_logits`,
-`load_weights`, `after_load`. The skeleton and the parameter names are the checkpoint's
+rope, meta, kv_cache) -> (x, residual)) and overrides only the hooks `embed`, `compute_logits`
+(with `compute_greedy`), `load_weights`, `after_load`. The skeleton and the parameter names are the checkpoint's
 (`model.embed_tokens`, `model.layers`, `model.norm`, `lm_head`, the embedding's weight where
 tied), so the default `load_weights` is a name lookup; every parameter is required, and an
 error is one ConfigError line naming the weight.
@@ -92,6 +93,13 @@ class CausalLM(nn.Module):
         """hidden [N, H] -> logits [N, V] float32 (the matmul runs in the model dtype, as HF); with
         several tensor-parallel ranks, [N, 0] on all but rank 0, which samples."""
         return self.lm_head(hidden).float()
+
+    def compute_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """hidden [N, H] -> (ids [N] int64, valid [N] bool): the argmax of compute_logits' rows, for
+        greedy draws that want nothing else, where the backend finds it without the logits
+        (ParallelLMHead.argmax); None: compute the logits. A family whose logits are not the
+        head's product overrides it."""
+        return self.lm_head.argmax(hidden)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill every parameter from the checkpoint's (name, tensor) pairs, which may stream, casting

@@ -81,6 +81,11 @@ class GemmaForCausalLM(CausalLM):
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
+    def compute_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # Capping saturates: logits that differ can tie once capped, and the argmax of the capped
+        # ones (the lowest id of a tie) is not the product's.
+        return None if self.config.final_logit_softcap is not None else super().compute_greedy(hidden)
+
 
 def gemma2_config(hf: dict[str, Any], cfg: ModelConfig) -> ModelConfig:
     """Gemma 2: query_pre_attn_scalar, both soft-caps, and (transformers 4) a window on every

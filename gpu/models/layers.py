@@ -139,6 +139,14 @@ class ParallelLMHead(Linear):
         logits = self.tp.gather_first(self.product(hidden), dim=-1)  # [N, padded V] on rank 0
         return logits[:, : self.vocab_size] if logits.shape[-1] > self.vocab_size else logits
 
+    def argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """hidden [N, H] -> (argmax of each row's logits [N] int64, valid [N] bool) without the
+        logits, where the ops can (Ops.argmax_product); None: take forward's. One rank, unpadded:
+        a gather, or padding rows, would need the logits."""
+        if self.tp.size > 1 or self.out_features != self.vocab_size:
+            return None
+        return self.ops.argmax_product(hidden, self)
+
 
 class RMSNorm(nn.Module):
     """x [T, H] -> norm(x); with `residual`, the pre-norm residual add is folded in: returns

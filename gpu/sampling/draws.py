@@ -6,6 +6,10 @@ history, so penalties, bias and min_tokens edit its logits row once (penalties.p
 a grammar's mask (gpu/structured/mask.py); each draw then reads its row (sampler.py). Logprobs,
 sampled and top, come from the raw logits.
 
+A step whose every draw is greedy and wants nothing but its token (`only_argmax`: no logprobs, no
+best_of ranking, nothing that edits the logits) may skip the logits: the model's head gives the
+ids (CausalLM.compute_greedy) and `argmax_draws` wraps them, their logprobs NaN (not computed).
+
 `draw_step` leaves everything on the device (DeviceSamples): the runner feeds the ids into the
 next step there and copies them to the host behind an event (gpu/pass_output.py). `sample_step`
 is the same followed by a wait, for callers that want host lists at once. Draws that had nothing
@@ -21,7 +25,7 @@ import torch
 
 from conveyor.gpu.sampling.model_logprobs import sampled_logprobs, top_logprobs
 from conveyor.gpu.sampling.params_table import DrawParams
-from conveyor.gpu.sampling.penalties import apply_penalties
+from conveyor.gpu.sampling.penalties import apply_penalties, penalises_repeats
 from conveyor.gpu.sampling.sampler import sample
 from conveyor.gpu.sampling.transfer import to_device, to_host
 from conveyor.wire.messages import SamplingParams, TopLogprobs
@@ -59,7 +63,7 @@ class DeviceSamples:
     """A step's draws, still on the device: what StepSamples holds once copied to the host."""
 
     token_ids: torch.Tensor  # [N] int64, in draw order
-    logprobs: torch.Tensor  # [N] float32
+    logprobs: torch.Tensor  # [N] float32; NaN from argmax_draws, where no draw asked
     valid: torch.Tensor  # [N] bool: False where the logits were not finite
     top_values: torch.Tensor | None  # [R, k] float32 for the R rows that asked for logprobs
     top_ids: torch.Tensor | None  # [R, k] int64
@@ -120,6 +124,29 @@ def draw_step(
     if k > 0:
         top_values, top_ids = top_logprobs(logits[to_device(wanted, torch.int64, device)], k)  # [R, k]
     return DeviceSamples(token_ids, logprobs, valid, top_values, top_ids, rows, wanted)
+
+
+def only_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a draw of output `num_output_tokens` (or a later one) of a request with `params` is
+    its logits' argmax and nothing more is read of them: greedy, no logprobs or best_of ranking
+    (the sampled logprob), no penalties, bias or min_tokens still to apply, no grammar, no pooling."""
+    return (
+        params.greedy
+        and params.logprobs is None
+        and params.num_samples == params.n
+        and not penalises_repeats(params)
+        and not params.logit_bias
+        and num_output_tokens >= params.min_tokens
+        and params.structured is None
+        and params.pooling is None
+    )
+
+
+def argmax_draws(ids: torch.Tensor, valid: torch.Tensor, rows: list[SamplingRow]) -> DeviceSamples:
+    """The draws of rows that each draw once (no forks) and all take `only_argmax`, from their
+    argmaxes ids [S] int64 and valid [S] bool (CausalLM.compute_greedy)."""
+    nan = torch.full(ids.shape, float("nan"), dtype=torch.float32, device=ids.device)
+    return DeviceSamples(ids, nan, valid, None, None, rows, [])
 
 
 def _tops(rows: list[SamplingRow], wanted: list[int], values: torch.Tensor | None, ids: torch.Tensor | None):

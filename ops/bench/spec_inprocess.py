@@ -5,13 +5,15 @@ machine's speed falls on all alike); per configuration the output tokens/s and i
 tokens per step, and drafts accepted over drafts verified. Configurations: none, n-gram at each k
 of --ks (default 4), and each DRAFT.
 
-    python ops/bench/spec_inprocess.py N [DRAFT ...] [--streams S] [--ks 4,8]
+    python ops/bench/spec_inprocess.py N [DRAFT ...] [--streams S] [--ks 4,8] [--logits-too]
 
 DRAFT is a checkpoint directory for {"method": "draft_model"} (e.g. one from
 `python -m conveyor.tiny.truncate`), or an EAGLE-3 head's for {"method": "eagle3"} (e.g. a random
 one from `python -m conveyor.tiny.eagle3`); a trailing "!" makes every row take all k = 4 drafts
 (`"draft_length": "fixed"`) instead of what gpu/spec/draft_length.py judges worth it, to read the
-draft's acceptance as such.
+draft's acceptance as such. --logits-too adds, for each k, the same n-gram engine with the
+head's argmax from one plane turned off (gpu/backends/cpu/kernels/quant_argmax.py): every pass
+computes the full logits, as before that shortcut.
 """
 
 from __future__ import annotations
@@ -41,17 +43,23 @@ def main() -> None:
     parser.add_argument("drafts", nargs="*", help="draft model or EAGLE-3 head directories (a trailing ! : every draft verified)")
     parser.add_argument("--streams", type=int, default=1, help="prompts generated together, as one batch")
     parser.add_argument("--ks", default="4", help="n-gram k values to run, comma-separated")
+    parser.add_argument("--logits-too", action="store_true", help="each k also with the head's one-plane argmax off")
     args = parser.parse_args()
     prompts = grounded_prompts(args.num)
     configs: dict[str, dict | None] = {"none": None}
     for k in map(int, args.ks.split(",")):
         configs[f"ngram-k{k}"] = {"method": "ngram", "num_speculative_tokens": k}
+        if args.logits_too:
+            configs[f"ngram-k{k} logits"] = configs[f"ngram-k{k}"]
     for draft in args.drafts:
         path = Path(draft.rstrip("!"))
         method = "eagle3" if "Eagle3" in str(json.loads((path / "config.json").read_text()).get("architectures")) else "draft_model"
         length = "fixed" if draft.endswith("!") else "adaptive"
         configs[f"{method} {draft}"] = {"method": method, "model": str(path), "num_speculative_tokens": 4, "draft_length": length}
     llms = {name: LLM(**({"speculative_config": c} if c else {})) for name, c in configs.items()}
+    for name, llm in llms.items():
+        if name.endswith(" logits"):
+            llm.runner.model.lm_head.ops.argmax = None  # the cpu ops' QuantArgmax: every pass takes the logits
     spec_rows: list[tuple[int, int, int]] = []  # every result's (seq, drafted, accepted), as the scheduler counts them
     real = runner_module.pass_result
 

@@ -87,11 +87,12 @@ def test_stop_strings_n_and_best_of(engines):
     assert out.outputs[0].text == free[: free.index(stop)]
     assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop)
 
-    many = llm.generate("Pick one:", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True))[0]
+    many = llm.generate("Pick one:", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True, logprobs=0))[0]
     assert [c.index for c in many.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in many.outputs}) > 1
     best = llm.generate("Pick one:", SamplingParams(n=1, best_of=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True))[0]
     assert best.outputs[0].cumulative_logprob == max(c.cumulative_logprob for c in many.outputs)
+    assert all(c.cumulative_logprob is None for c in out.outputs)  # neither logprobs nor best_of: None, as vLLM
 
 
 def test_a_request_with_nothing_to_sample_finishes_with_error(engines):

@@ -34,7 +34,7 @@ PROMPTS = [
     "Dear team, the meeting moves to Thursday at ten. Please bring the notes from last week and the budget sheet.",
 ]
 NUM_TOKENS = 4
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)  # logprobs: the cumulative one too
 ENGINE = dict(device="cpu", max_num_batched_tokens=16, num_kv_blocks=64)
 
 
@@ -44,13 +44,13 @@ def models(checkpoints, default_model, tmp_path_factory) -> dict[str, str]:
     return {"tiny-llama": str(default_model), "qwen2": str(checkpoints["Qwen2ForCausalLM"]), "mistral-window-8": str(window)}
 
 
-def greedy(model: str, backend: str) -> list[tuple[list[int], float]]:
+def greedy(model: str, backend: str) -> list[tuple[list[int], float | None]]:
     outputs = LLM(model, attention_backend=backend, **ENGINE).generate(PROMPTS, GREEDY)
     return [(out.outputs[0].token_ids, out.outputs[0].cumulative_logprob) for out in outputs]
 
 
 @pytest.fixture(scope="module")
-def torch_greedy(models) -> dict[str, list[tuple[list[int], float]]]:
+def torch_greedy(models) -> dict[str, list[tuple[list[int], float | None]]]:
     return {name: greedy(path, "torch") for name, path in models.items()}
 
 

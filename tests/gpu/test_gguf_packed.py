@@ -16,11 +16,13 @@ gguf = pytest.importorskip("gguf")
 from conveyor import LLM, SamplingParams  # noqa: E402
 from conveyor.config.errors import ConfigError  # noqa: E402
 from conveyor.config.quant import QuantConfig  # noqa: E402
+from conveyor.gpu.backends.cpu.kernels.quant_argmax import QuantArgmax  # noqa: E402
 from conveyor.gpu.gguf import ensure_checkpoint  # noqa: E402
 from conveyor.gpu.loader import load_model  # noqa: E402
 from conveyor.gpu.models.layers import Linear  # noqa: E402
 from conveyor.gpu.models.registry import read_model_config  # noqa: E402
 from conveyor.gpu.quant.formats.gguf import BLOCK_BYTES, GgufScheme  # noqa: E402
+from conveyor.gpu.spec.ngram import NgramProposer  # noqa: E402
 from conveyor.tiny.checkpoint import make_checkpoint  # noqa: E402
 from tests.gpu.test_gguf import PROMPTS, GGUFReference, write_gguf  # noqa: E402
 
@@ -152,3 +154,32 @@ def test_tensor_parallel_cuts_packed_weights(packed_files, tmp_path):
     for name in checkpoints:
         torch.testing.assert_close(sharded[name], whole[name], rtol=1e-4, atol=1e-4)
         assert sharded[f"{name} greedy"] == whole[f"{name} greedy"], name
+
+
+def test_greedy_draws_that_want_only_their_token_take_the_heads_argmax(packed_files, monkeypatch):
+    """Passes of 2 to 16 greedy rows that want nothing but their token (a batch, a verifying
+    row's drafts) take the packed head's argmax from one plane of x (QuantArgmax) and decode
+    the very tokens of the full logits; a request that wants its logprobs takes the logits."""
+    calls: list[int] = []
+    real = QuantArgmax.__call__
+    monkeypatch.setattr(QuantArgmax, "__call__", lambda self, x, *rest: calls.append(len(x)) or real(self, x, *rest))
+    engine = dict(device="cpu", num_kv_blocks=64, max_num_batched_tokens=32)
+    logits = LLM(str(packed_files["Q4_1"]), **engine)
+    logits.runner.model.lm_head.ops.argmax = None  # the head's product and the sampler's argmax, every pass
+    # Every pass drafts: the last token four times (the random model copies nothing from its prompts).
+    monkeypatch.setattr(NgramProposer, "lookup", lambda self, histories, limits: [[h[-1]] * n for h, n in zip(histories, limits)])
+    drafting = {"method": "ngram", "num_speculative_tokens": 4, "draft_length": "fixed"}
+    spec = LLM(str(packed_files["Q4_1"]), speculative_config=drafting, **engine)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [*PROMPTS, "one two three one two three one two"]
+    want = [out.outputs[0].token_ids for out in logits.generate(prompts, params)]
+    assert not calls
+    for batch in ([prompts], [[p] for p in prompts]):  # together, then each alone: a pass of 2+ rows verifies drafts
+        before = len(calls)
+        got = [out.outputs[0].token_ids for group in batch for out in spec.generate(group, params)]
+        assert got == want and len(calls) > before
+    assert min(calls) >= 2
+    before = len(calls)
+    with_logprobs = spec.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0))
+    assert [out.outputs[0].token_ids for out in with_logprobs] == want and len(calls) == before
+    assert all(out.outputs[0].cumulative_logprob is not None for out in with_logprobs)

@@ -1,13 +1,17 @@
 """The sampler: greedy, top-k, top-p, temperature, per-request seeds, draws sharing a row, logprobs,
-and rows with nothing to draw from (NaN, +inf, every token masked) failing alone."""
+and rows with nothing to draw from (NaN, +inf, every token masked) failing alone; which draws may
+take their argmax without logits (only_argmax), and what those draws carry."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
-from conveyor.gpu.sampling import sample, sampled_logprobs, seed_for
-from conveyor.wire.messages import SamplingParams
+from conveyor.gpu.sampling import SamplingRow, sample, sampled_logprobs, seed_for
+from conveyor.gpu.sampling.draws import argmax_draws, only_argmax
+from conveyor.wire.messages import SamplingParams, StructuredOutput
 
 V = 50
 
@@ -206,3 +210,32 @@ def test_subnormal_temperature_is_greedy():
         assert torch.equal(sample_ids(x, [params] * 4, [0] * 4), x.argmax(-1))
     assert not SamplingParams(temperature=1e-5).greedy
     assert sample_ids(x, [SamplingParams(temperature=1e-5)] * 4, [0] * 4).tolist() == x.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "changes,num_output,argmax_only",
+    [
+        ({}, 0, True),
+        ({"temperature": 0.7}, 0, False),
+        ({"logprobs": 0}, 0, False),  # the sampled token's logprob
+        ({"n": 2, "best_of": 3}, 0, False),  # ranked by cumulative logprob
+        ({"repetition_penalty": 1.2}, 0, False),
+        ({"presence_penalty": 0.5}, 0, False),
+        ({"logit_bias": {3: 2.0}}, 0, False),
+        ({"min_tokens": 4}, 3, False),  # EOS still masked at this draw
+        ({"min_tokens": 4}, 4, True),
+        ({"structured": StructuredOutput("choice", '["a", "b"]')}, 0, False),
+        ({"stop": ["x"], "max_tokens": 5, "seed": 3}, 0, True),  # stop strings and seeds read no logits
+    ],
+)
+def test_only_argmax_is_a_greedy_draw_that_wants_nothing_else(changes, num_output, argmax_only):
+    assert only_argmax(SamplingParams(**{"temperature": 0.0, **changes}), num_output) is argmax_only
+
+
+def test_argmax_draws_carry_the_ids_and_no_logprobs():
+    ids, valid = torch.tensor([4, 0, 7]), torch.tensor([True, False, True])
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [1, 2], 1, [0]) for _ in range(3)]
+    samples = argmax_draws(ids, valid, rows)
+    host = samples.on_host([t if t is None else t.clone() for t in samples.tensors()])
+    assert host.token_ids == [4, 0, 7] and host.failed_draws == [1] and host.top_logprobs == []
+    assert all(math.isnan(lp) for lp in host.logprobs)

@@ -16,7 +16,14 @@ import torch
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends.base import AttentionBackend, Backend, BackendUnavailable
 from conveyor.gpu.backends.cpu.attention import CpuAttention
-from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops, cpu_lora, cpu_quant_linear, cpu_small_linear, paged_attention_kernel
+from conveyor.gpu.backends.cpu.kernels import (
+    cpu_fused_ops,
+    cpu_lora,
+    cpu_quant_argmax,
+    cpu_quant_linear,
+    cpu_small_linear,
+    paged_attention_kernel,
+)
 from conveyor.gpu.backends.cpu.kernels.small_linear import CpuSmallLinear, pays_on_this_cpu
 from conveyor.gpu.backends.cpu.ops import CpuOps
 from conveyor.gpu.backends.torch import TorchAttention
@@ -45,7 +52,10 @@ def cpu_backend(model: ModelConfig, device: torch.device, kv_dtype: str | None =
     parts.append("C++ quantized linears" if quant is not None else "reference quantized linears")
     lora = cpu_lora()
     parts.append("C++ LoRA" if lora is not None else "torch LoRA")
-    ops = CpuOps(fused, small_linear, quant, lora)
+    argmax = cpu_quant_argmax() if quant is not None else None
+    if argmax is not None:
+        parts.append("the head's argmax from one plane")
+    ops = CpuOps(fused, small_linear, quant, lora, argmax)
     return Backend(name="cpu", attn=attn, ops=ops, description=f"cpu ({', '.join(parts)})")
 
 

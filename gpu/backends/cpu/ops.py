@@ -10,6 +10,9 @@ CPU tensors, torch's (TorchOps) for anything else.
   rows stacked (one call, x quantized once: a one-row step of SmolLM2 makes 121 calls instead of
   211). The stacked weight is built at a group's first call (`FusedGroup`) and each layer's
   QuantizedWeight becomes a view of its rows, so no byte is stored twice.
+- argmax_product: the LM head's argmax for greedy draws that want nothing else, by one plane of
+  x, a bound and the few candidates in three (quant_argmax.py), from ARGMAX_MIN_ROWS rows; the
+  head's `prepared` is its bound table.
 - lora_add: lora.cpp's products, a projection's update in one call, each token reading only its
   own slot's matrices, where `CpuLora.supports` the call; torch's otherwise (and for lora_shrink
   and lora_expand alone, which the layers do not call).
@@ -33,10 +36,12 @@ from conveyor.gpu.backends.base import LinearLayer
 from conveyor.gpu.backends.cpu.kernels import packed_linear as packed
 from conveyor.gpu.backends.cpu.kernels.fused_ops import CpuFusedOps, supports
 from conveyor.gpu.backends.cpu.kernels.lora import CpuLora
+from conveyor.gpu.backends.cpu.kernels.quant_argmax import ArgmaxTable, QuantArgmax
 from conveyor.gpu.backends.cpu.kernels.quant_linear import MAX_ROWS as QUANT_MAX_ROWS
 from conveyor.gpu.backends.cpu.kernels.quant_linear import CpuQuantLinear, QuantArgs
 from conveyor.gpu.backends.cpu.kernels.small_linear import CpuSmallLinear
 from conveyor.gpu.backends.torch.ops import TorchOps
+from conveyor.gpu.models.layers import ParallelLMHead
 from conveyor.gpu.models.llama import Linear
 from conveyor.gpu.quant.weight import QuantizedWeight
 
@@ -59,10 +64,17 @@ class SmallLinearWeight:
     packed: torch.Tensor | None  # oneDNN's blocked copy, for steps of many rows; None: unavailable
 
 
+# From this many rows the head's argmax costs less than its product (SmolLM2's u8 head [49152,
+# 576], medians over its real decode rows, ms: 1 row 0.79 product, 0.86 argmax; 2 rows 1.39, 1.22;
+# 4 rows 2.26, 1.80; 9 rows 5.29, 3.86): a verifying pass's rows, not a one-row decode step.
+ARGMAX_MIN_ROWS = 2
+
+
 class CpuOps(TorchOps):
     """fused: the C++ elementwise ops (None: torch's); small_linear: the narrow-linear kernel
     (None: every linear is torch's GEMM on the weight as loaded); quant: the quantized-linear
-    kernel (None: the reference); lora: the LoRA kernels (None: torch's path)."""
+    kernel (None: the reference); lora: the LoRA kernels (None: torch's path); argmax: the
+    quantized head's argmax (None: the product's)."""
 
     name = "cpu"
 
@@ -72,11 +84,13 @@ class CpuOps(TorchOps):
         small_linear: CpuSmallLinear | None,
         quant: CpuQuantLinear | None = None,
         lora: CpuLora | None = None,
+        argmax: QuantArgmax | None = None,
     ) -> None:
         self.fused = fused
         self.small_linear = small_linear
         self.quant = quant
         self.lora = lora
+        self.argmax = argmax
         self._groups: dict[tuple[int, ...], FusedGroup | None] = {}  # by the layers' ids; None: not fusable
 
     def prepare(self, model: nn.Module) -> None:
@@ -87,6 +101,8 @@ class CpuOps(TorchOps):
             if isinstance(weight, QuantizedWeight) and quant is not None and quant.supports(weight):
                 weight.compact()  # float16 scales where exact: fewer bytes per step
                 weight.prepared = quant.prepare(weight)  # a tied head's is its embedding's: prepared twice, alike
+                if isinstance(layer, ParallelLMHead) and self.argmax is not None and self.argmax.supports(weight):
+                    layer.prepared = self.argmax.table(weight)  # the head's product stays quant_linear's
             if not isinstance(layer, Linear) or layer.weight is None or id(layer.weight) in tied:
                 continue  # a quantized layer (weight None) is read packed by quant_linear
             weight_t = layer.weight.data.t().contiguous()  # no copy when already moved
@@ -106,6 +122,14 @@ class CpuOps(TorchOps):
             if x.shape[0] <= small.max_rows:
                 return small(x, layer.weight.t(), layer.bias)
         return F.linear(x, layer.weight, layer.bias)
+
+    def argmax_product(self, x: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+        table, weight = getattr(layer, "prepared", None), getattr(layer, "quantized", None)
+        if self.argmax is None or not isinstance(table, ArgmaxTable) or not isinstance(weight, QuantizedWeight):
+            return None
+        if x.dim() != 2 or x.shape[0] < ARGMAX_MIN_ROWS or not supports(x):
+            return None
+        return self.argmax(x, weight, table)
 
     def lora_add(
         self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
