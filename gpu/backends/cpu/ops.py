@@ -65,8 +65,9 @@ class SmallLinearWeight:
 
 
 # From this many rows the head's argmax costs less than its product (SmolLM2's u8 head [49152,
-# 576], medians over its real decode rows, ms: 1 row 0.79 product, 0.86 argmax; 2 rows 1.39, 1.22;
-# 4 rows 2.26, 1.80; 9 rows 5.29, 3.86): a verifying pass's rows, not a one-row decode step.
+# 576] over its real decode rows, ops/bench/head_argmax.py, ms: 1 row 0.81 product and argmax,
+# 0.81 one-plane argmax; 2 rows 1.30, 1.11; 4 rows 2.21, 1.65; 9 rows 5.93, 3.72): a verifying
+# pass's rows and small batches, not a one-row decode step (no gain there).
 ARGMAX_MIN_ROWS = 2
 
 

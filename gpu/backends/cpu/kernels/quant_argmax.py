@@ -49,7 +49,8 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 @dataclasses.dataclass(frozen=True)
 class ArgmaxTable:
-    """An LM head's prepared form for QuantArgmax: table [N, K / 32] float32 (module docstring)."""
+    """An LM head's prepared form for QuantArgmax: table [N, K / 32] float32 (module docstring),
+    4 bytes per 32 weights: 3.5 MB for SmolLM2's head, 64 MB for a [128256, 4096] one."""
 
     table: torch.Tensor
     widest: torch.Tensor  # [K / 32]: each block's largest entry of the table
