@@ -16,7 +16,7 @@ gguf = pytest.importorskip("gguf")
 from conveyor import LLM, SamplingParams  # noqa: E402
 from conveyor.config.errors import ConfigError  # noqa: E402
 from conveyor.config.quant import QuantConfig  # noqa: E402
-from conveyor.gpu.backends.cpu.kernels.quant_argmax import QuantArgmax  # noqa: E402
+from conveyor.gpu.backends.cpu.kernels.quant_argmax import QuantArgmax, cpu_quant_argmax  # noqa: E402
 from conveyor.gpu.gguf import ensure_checkpoint  # noqa: E402
 from conveyor.gpu.loader import load_model  # noqa: E402
 from conveyor.gpu.models.layers import Linear  # noqa: E402
@@ -156,6 +156,10 @@ def test_tensor_parallel_cuts_packed_weights(packed_files, tmp_path):
         assert sharded[f"{name} greedy"] == whole[f"{name} greedy"], name
 
 
+ARGMAX = cpu_quant_argmax()
+
+
+@pytest.mark.skipif(ARGMAX is None or not ARGMAX.kernel.has_int8, reason="no C++ kernels, or no int8 path (AVX2)")
 def test_greedy_draws_that_want_only_their_token_take_the_heads_argmax(packed_files, monkeypatch):
     """Passes of 2 to 16 greedy rows that want nothing but their token (a batch, a verifying
     row's drafts) take the packed head's argmax from one plane of x (QuantArgmax) and decode

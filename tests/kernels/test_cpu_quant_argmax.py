@@ -22,7 +22,9 @@ from conveyor.gpu.quant.weight import QuantizedWeight, quantize_groups
 from tests.kernels.test_cpu_quant_linear import build
 
 NATIVE = cpu_quant_argmax()
-pytestmark = pytest.mark.skipif(NATIVE is None, reason="no C++ compiler for the CPU kernels")
+pytestmark = pytest.mark.skipif(
+    NATIVE is None or not NATIVE.kernel.has_int8, reason="no C++ compiler for the CPU kernels, or no int8 path (AVX2)"
+)
 
 VOCAB, HIDDEN = 3000, 192
 HEADS = [("u8", 16, True), ("u8", 64, False), ("u4", 32, True), ("u4", 64, False)]  # kind, group (16: K-quants), mins
@@ -91,7 +93,7 @@ def test_a_product_over_some_rows_is_the_full_products_columns(kind, group, mins
         assert torch.equal(kernel(x, sub), full[:, some])
 
 
-@pytest.mark.parametrize("build_name", ["native", "avx2"])
+@pytest.mark.parametrize("build_name", ["native", "avx2", "avx2-maddubs"])
 @pytest.mark.parametrize("kind,group,mins", HEADS)
 def test_the_argmax_is_the_full_products(kind, group, mins, build_name):
     """Random rows (flat: many candidates, or past ROW_CANDIDATES and the full product) at every
