@@ -341,11 +341,10 @@ class ModelRunner:
         parameters' slot [D], a fork drawing with its parent's). None: the pass turned void
         while its grammar masks waited for the ids in flight."""
         drawing = [work.rows[i] for i in work.sampling]
+        greedy: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, valid) [S], no logits: draws wanting only an argmax
         if not any(work.forks) and all(only_argmax(seq.params, seq.num_output_tokens) for seq in drawing):
-            found = self.model.compute_greedy(hidden)  # the ids without the logits, where the head can
-            if found is not None:
-                return self._argmax_draws(work, drawing, *found)
-        logits = self.model.compute_logits(hidden)  # [S, V] float32 (other ranks: [S, 0])
+            greedy = self.model.compute_greedy(hidden)
+        logits = self.model.compute_logits(hidden) if greedy is None else None  # [S, V] float32 (other ranks: [S, 0])
         mask: TokenMask | None = None
         if self._constrained and any(seq.params.structured is not None for seq in drawing):
             # One mask row per logits row: a verifying row's position j masked as if its first j drafts were drawn.
@@ -370,23 +369,13 @@ class ModelRunner:
                 param_slots += [self.batch.slots[seq.seq_id]] * len(drafts)
         param_slots_t = to_device(param_slots, torch.int64, self.device)
         drawn = None
-        if self.tp.samples:
+        if greedy is not None:
+            drawn = argmax_draws(*greedy, sampling_rows)
+        elif self.tp.samples:
+            assert logits is not None
             draw_params = self.batch.params.gather(param_slots_t)
             drawn = self.platform.draw(logits, sampling_rows, self.config.model.eos_token_ids, draw_params, mask)
         return share_draws(self.tp, drawn, sampling_rows, self.device), param_slots_t  # rank 0's ids on every rank
-
-    def _argmax_draws(
-        self, work: PassWork, drawing: list[WorkerSeq], ids: torch.Tensor, valid: torch.Tensor
-    ) -> tuple[DeviceSamples, torch.Tensor]:
-        """_sample's result for rows that each draw once and want only their argmax: ids, valid
-        [S] from compute_greedy, one row per draw (a verifying row's positions in order)."""
-        rows, param_slots = [], []
-        for i, seq in zip(work.sampling, drawing):
-            outputs = range(seq.num_output_tokens, seq.num_output_tokens + 1 + len(work.drafts.get(i, ())))
-            rows += [SamplingRow(seq.params, seq.token_ids, seq.num_prompt_tokens, [seq.index], n) for n in outputs]
-            param_slots += [self.batch.slots[seq.seq_id]] * len(outputs)
-        samples = share_draws(self.tp, argmax_draws(ids, valid, rows), rows, self.device)
-        return samples, to_device(param_slots, torch.int64, self.device)
 
     def _advance(self, work: PassWork, samples: DeviceSamples | None, param_slots: torch.Tensor | None) -> list[WorkerSeq]:
         """The host's counts after the pass, each fork a copy of its parent plus its own draw,

@@ -317,11 +317,9 @@ class Ops(abc.ABC):
         return torch.nn.functional.linear(x, weight.dequantize(dtype=x.dtype), bias)
 
     def argmax_product(self, x: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """x [T, in] -> (ids [T] int64, valid [T] bool): each row's argmax over the outputs of the
-        layer's product, the very id the full product's argmax gives (the first of equals), where
-        the ops find it for less than the product; valid False (id 0) where the row's product is
-        not finite. None: they cannot here, the caller takes the product. A greedy draw that
-        wants nothing else asks this of the LM head (ParallelLMHead.argmax). The default: None."""
+        """x [T, in] -> (ids [T] int64, valid [T] bool): each row's argmax of the layer's product, id
+        for id the full product's (the first of equals; valid False, id 0, where not finite), where
+        the ops find it for less (ParallelLMHead.argmax); None, the default: take the product."""
         return None
 
     def linears(self, x: torch.Tensor, layers: tuple[nn.Module, ...]) -> list[torch.Tensor]:
