@@ -35,7 +35,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE_DIRS = ("conveyor", "stages", "wire", "gpu", "config")
-DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
+DOCS = sorted((REPO / "docs").rglob("*.md")) + [REPO / "README.md"]  # docs/benchmarks/ too
 EXTENSIONS = {"py", "md", "json", "yml", "yaml", "sh", "cpp", "txt", "toml", "safetensors", "Dockerfile", "png", "pid", "csv"}
 REPO_FILE_EXTENSIONS = {"py", "md", "sh", "cpp"}  # bare names with these are the repository's own files
 
