@@ -100,7 +100,7 @@ def make_eagle3_head(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m conveyor.tiny.eagle3", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m conveyor.tiny.eagle3", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("target", type=Path)
     parser.add_argument("dst", type=Path)
     parser.add_argument("--draft-vocab", type=int, default=None, help="the head's vocabulary (default: the target's)")

@@ -47,7 +47,7 @@ def make_embedding_checkpoint(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m conveyor.tiny.embedding", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m conveyor.tiny.embedding", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("src", type=Path, help="a causal-LM checkpoint directory")
     parser.add_argument("dst", type=Path)
     parser.add_argument("--pooling", choices=sorted(set(MODES.values())), default="last")

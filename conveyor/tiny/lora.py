@@ -51,7 +51,7 @@ def make_random_adapter(model: Path, dst: Path, *, rank: int = 16, targets: tupl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m conveyor.tiny.lora", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m conveyor.tiny.lora", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("model", type=Path)
     parser.add_argument("dst", type=Path)
     parser.add_argument("--rank", type=int, default=16)

@@ -53,7 +53,7 @@ def truncate(src: Path, dst: Path, num_layers: int) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m conveyor.tiny.truncate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m conveyor.tiny.truncate", description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("src", type=Path)
     parser.add_argument("dst", type=Path)
     parser.add_argument("--layers", type=int, required=True, help="decoder layers to keep, from the first")

@@ -73,7 +73,7 @@ def check_order(stream: list[dict[str, Any]]) -> list[dict[str, Any]]:
     start = stream[0]["message"]
     assert start["content"] == [] and start["stop_reason"] is None and start["role"] == "assistant"
     blocks: list[dict[str, Any]] = []
-    open_index = None
+    open_index: int | None = None
     json_text: dict[int, str] = {}
     for e in stream[1:-2]:
         if e["type"] == "content_block_start":
@@ -81,7 +81,7 @@ def check_order(stream: list[dict[str, Any]]) -> list[dict[str, Any]]:
             open_index = e["index"]
             blocks.append(dict(e["content_block"]))
         elif e["type"] == "content_block_delta":
-            assert e["index"] == open_index
+            assert open_index is not None and e["index"] == open_index
             block, delta = blocks[open_index], e["delta"]
             assert delta["type"] == DELTA_OF[block["type"]]
             if block["type"] == "tool_use":

@@ -41,12 +41,12 @@ def write_compressed(src: Path, dst: Path, fmt: str, groups: dict[str, Any], ign
     each weight's scale and zero point from calculate_qparams over the strategy's min and max,
     then ModelCompressor compresses the model into `fmt` and writes its config."""
     from compressed_tensors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus, apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    config = QuantizationConfig(config_groups=groups, ignore=list(ignore), format=fmt, quantization_status="frozen")
+    config = QuantizationConfig(config_groups=groups, ignore=list(ignore), format=fmt, quantization_status=QuantizationStatus.FROZEN)
     apply_quantization_config(model, config)
     modules: list[Any] = list(model.modules())
     for module in modules:
@@ -82,11 +82,13 @@ def _ranges(w: torch.Tensor, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
 def decompress_layer(config: dict[str, Any], parts: dict[str, torch.Tensor]) -> torch.Tensor:
     """compressed-tensors' own decompression of one layer's tensors (by suffix) to its float weight."""
     from compressed_tensors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
     ct = QuantizationConfig.model_validate(config)
     (scheme,) = ct.config_groups.values()  # the tests' checkpoints have one group
-    return BaseCompressor.get_value_from_registry(scheme.format or ct.format).decompress(parts, scheme)["weight"]
+    assert isinstance(scheme, QuantizationScheme)
+    compressor: Any = BaseCompressor.get_value_from_registry(scheme.format or ct.format)
+    return compressor.decompress(parts, scheme)["weight"]
 
 
 def write_fp8(src: Path, dst: Path, block: tuple[int, int] | None) -> Path:

@@ -107,6 +107,7 @@ def reference_weight(variant: Variant, parts: dict[str, torch.Tensor]) -> torch.
             q[:, out::8] = (words >> (4 * i)) & 0xF
             z[:, out::8] = (zwords >> (4 * i)) & 0xF
         group = spec.get("group_size", spec.get("q_group_size"))
+        assert group is not None
         g = np.arange(q.shape[0]) // group
     else:  # inputs 8r + i (4-bit) or 4r + i (8-bit) in bits b * i of row r; zeros along outputs
         bits = spec["bits"]

@@ -56,9 +56,9 @@ class FixedDrafts:
     def __init__(self, table: dict[int, list[int]]) -> None:
         self.table = table
 
-    def propose(self, seqs, slots, limits):
+    def propose(self, seqs, slots, max_drafts):
         histories = [seq.token_ids for seq in seqs]
-        return [self.table.get(h[len(PROMPT)], [])[:k] if len(h) > len(PROMPT) else [] for h, k in zip(histories, limits)]
+        return [self.table.get(h[len(PROMPT)], [])[:k] if len(h) > len(PROMPT) else [] for h, k in zip(histories, max_drafts)]
 
 
 def joint(exact: Exact) -> tuple[dict[tuple[int, int, int], float], dict[int, list[int]]]:

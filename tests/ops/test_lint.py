@@ -1,8 +1,8 @@
-"""ruff (lint and format) and mypy over the whole tree, through .ci/lint, so that the README's
+"""ruff (lint and format), mypy and pyright over the whole tree, through .ci/lint, so that the README's
 test command runs them.
 
-Marked `lint` (`-m "not lint"` leaves them out). Skipped where ruff or mypy is not installed (the
-`test` extra pins both).
+Marked `lint` (`-m "not lint"` leaves them out). Skipped where a tool is not installed (the
+`test` extra pins them).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.lint
 
 
-@pytest.mark.parametrize("tool", ["ruff-check", "ruff-format", "mypy"])
+@pytest.mark.parametrize("tool", ["ruff-check", "ruff-format", "mypy", "pyright"])
 def test_clean(tool: str):
     module = tool.split("-")[0]
     if importlib.util.find_spec(module) is None:
