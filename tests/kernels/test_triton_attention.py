@@ -21,6 +21,7 @@ from tests.triton_compile import compile_for_sm90
 pytest.importorskip("triton")
 
 from conveyor.gpu.backends.triton.paged_attention import num_splits_for, paged_attention  # noqa: E402
+from conveyor.gpu.backends.triton.paged_attention_launch import DEFAULT_VARIANT, Tiling, Variant  # noqa: E402
 from conveyor.gpu.backends.triton.paged_attention_reference import reference_paged_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,8 +71,8 @@ def make_step(
     )
 
 
-def assert_matches(args, sliding_window=None, num_splits=None, out=None):
-    got = paged_attention(*args, sliding_window, out, num_splits=num_splits)
+def assert_matches(args, sliding_window=None, num_splits=None, out=None, variant=DEFAULT_VARIANT):
+    got = paged_attention(*args, sliding_window, out, num_splits=num_splits, variant=variant)
     want = reference_paged_attention(*args, sliding_window)
     tol = TOLERANCE[args[0].dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
@@ -159,6 +160,35 @@ def test_bfloat16_loads_and_upcasts():
     assert_matches(args, num_splits=2)
 
 
+# The candidates ops/gpu/attention_bench.py times against the default: more keys per loop step
+# (several cache blocks per load), decode rows mapped to programs directly, another pipeline depth.
+VARIANTS = [Variant(keys_per_step=32), Variant(keys_per_step=64), Variant(direct_decode=True), Variant(64, True, 2)]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
+def test_variants_compute_the_same_attention(variant, block_size):
+    """Each variant on a decode-only step (where direct_decode applies) and a mixed one (where it
+    must not), plain and split-K, with a window that starts inside a loop step."""
+    decodes = make_step([(50, 1), (3, 1), (90, 1)], 2, 4, 32, block_size, torch.float32)
+    mixed = make_step([(37, 1), (0, 9), (20, 5)], 2, 2, 32, block_size, torch.float32)
+    for args in (decodes, mixed):
+        assert_matches(args, variant=variant)
+        assert_matches(args, sliding_window=20, num_splits=3, variant=variant)
+
+
+def test_direct_decode_only_where_every_row_decodes():
+    """direct_decode launches one program per row, and only for T == B (query_lens >= 1 makes
+    every row one token then); a mixed step keeps the searched tiles."""
+    decodes, mixed = make_step([(5, 1), (7, 1)], 2, 4, 32, 16, torch.float32), make_step([(5, 3), (7, 1)], 2, 4, 32, 16, torch.float32)
+    direct = Variant(direct_decode=True)
+    assert Tiling.of(*decodes[:3], None, None, direct).num_tiles == 2
+    assert Tiling.of(*decodes[:3], None, None).num_tiles == 2 // 4 + 2
+    assert not Tiling.of(*mixed[:3], None, None, direct).direct_decode
+    with pytest.raises(ValueError, match="power of two"):
+        Tiling.of(*decodes[:3], None, None, Variant(keys_per_step=24))
+
+
 def test_split_heuristic():
     assert num_splits_for(num_rows=2, num_tokens=2, num_kv_heads=8, max_keys=8192, num_sms=132) == 8
     assert num_splits_for(num_rows=1, num_tokens=1, num_kv_heads=8, max_keys=32768, num_sms=132) == 16  # capped
@@ -211,6 +241,48 @@ COMPILE_FOR_SM90 = textwrap.dedent("""
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the GPU tests compile and run the kernels")
 def test_kernels_compile_for_sm90():
     compile_for_sm90(COMPILE_FOR_SM90, timeout_s=240)
+
+
+# The decode candidates at Llama-3-8B's shape (Hq 32, Hkv 8, D 128, bf16, blocks of 16), compiled
+# as the launcher specializes them (16-divisible pointers and strides: the loads then pipeline
+# through cp.async), and ptxas's own count of spilled bytes, which the PTX cannot show.
+COMPILE_VARIANTS_FOR_SM90 = textwrap.dedent("""
+    import os, re, subprocess, tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from conveyor.gpu.backends.triton import paged_attention, paged_attention_split_k
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    aligned = {"stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kv", "stride_kb", "stride_ks", "stride_kh"}
+    types = dict(out_ptr="*bf16", q_ptr="*bf16", kv_ptr="*bf16", block_tables_ptr="*i32", query_start_loc_ptr="*i32",
+                 seq_lens_ptr="*i32", scale_log2="fp32", v_scale="fp32", softcap_log2="fp32", o_part_ptr="*fp32",
+                 m_part_ptr="*fp32", l_part_ptr="*fp32")
+    for keys, direct, stages in [(16, False, 3), (32, False, 3), (64, False, 3), (64, True, 3), (64, True, 2)]:
+        constexprs = dict(GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_D=128, BLOCK_M=16, BLOCK_Q=4, BLOCK_N=keys,
+                          HAS_WINDOW=False, HAS_SOFTCAP=False, UPCAST=False, PRECISION=None, KV_FP8=False, DIRECT_DECODE=direct)
+        split = paged_attention_split_k._paged_attention_split_kernel
+        for fn, extra in [(paged_attention._paged_attention_kernel, {}), (split, dict(NUM_SPLITS=4))]:
+            c = dict(constexprs, **extra)
+            signature = {n: "constexpr" if n in c else types.get(n, "i32") for n in fn.arg_names}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.endswith("_ptr") or n in aligned}
+            kernel = triton.compile(ASTSource(fn, signature, c, attrs), target=GPUTarget("cuda", 90, 32),
+                                    options=dict(num_warps=4, num_stages=stages))
+            with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+                ptx.write(kernel.asm["ptx"]); ptx.flush()
+                report = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", ptx.name, "-o", os.devnull],
+                                        capture_output=True, text=True, check=True).stderr
+            spilled = sum(int(n) for n in re.findall(r"(\\d+) bytes spill stores", report))
+            assert spilled == 0, (fn.__name__, keys, direct, stages, report)
+            assert kernel.metadata.shared <= 227 * 1024, (fn.__name__, keys, kernel.metadata.shared)
+            if stages > 1:  # the block table's indirection must not stop the pipeliner
+                assert "cp.async" in kernel.asm["ptx"], (fn.__name__, keys, direct, stages)
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the GPU tests compile and run the kernels")
+def test_decode_variants_compile_for_sm90_without_spills():
+    compile_for_sm90(COMPILE_VARIANTS_FOR_SM90, timeout_s=240)
 
 
 @pytest.mark.cuda

@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from conveyor.gpu.backends.triton.paged_attention_launch import DEFAULT_VARIANT, Tiling, Variant, check_inputs
 from conveyor.gpu.backends.triton.paged_attention_split_k import paged_attention_split_k
-from conveyor.gpu.backends.triton.paged_attention_tile import Tiling, attend_keys, check_inputs, find_tile, key_range, load_queries
+from conveyor.gpu.backends.triton.paged_attention_tile import attend_keys, find_tile, key_range, load_queries
 from conveyor.gpu.kv_fp8 import as_bytes
 
 # Split-K heuristic (only on CUDA, and only for steps where every row decodes): split when the
@@ -67,6 +68,7 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    DIRECT_DECODE: tl.constexpr,
 ):
     # Grid: (T // BLOCK_Q + B, Hkv). A program owns one tile: BLOCK_Q tokens of one row times the
     # Hq / Hkv query heads of one kv head, and runs the online softmax over the keys its tile can
@@ -78,7 +80,7 @@ def _paged_attention_kernel(
     # correctness only, over head dims 16, 32, 64, 80, 128 and 256 and block sizes 16 and 32.
     # Timing and tuning on a GPU (Llama-3-8B shapes: Hq 32, Hkv 8, D 128, block 16) wait for one.
     kv_head = tl.program_id(1)
-    row, q_start, q_len, tok0 = find_tile(query_start_loc_ptr, tl.program_id(0), num_rows, BLOCK_Q)
+    row, q_start, q_len, tok0 = find_tile(query_start_loc_ptr, tl.program_id(0), num_rows, BLOCK_Q, DIRECT_DECODE)
     if tok0 >= q_len:
         return
     q, tok, head, row_valid = load_queries(
@@ -133,17 +135,19 @@ def paged_attention(
     softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    variant: Variant = DEFAULT_VARIANT,
 ) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D] (written into `out` when given). num_splits: None lets
     `choose_num_splits` decide; 1 forces this kernel, more forces split-K with that many splits.
     softcap: scores -> softcap * tanh(scores / softcap) after the scale (Gemma 2); None: none.
-    k_scale, v_scale: an fp8 cache's (gpu/kv_fp8.py); a float cache takes 1.0."""
+    k_scale, v_scale: an fp8 cache's (gpu/kv_fp8.py); a float cache takes 1.0. variant: launch
+    choices (paged_attention_launch.py), the same result whatever they are."""
     check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window, out)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0] == 0:
         return out
-    tiling = Tiling.of(q, kv_cache, block_tables, sliding_window, softcap)
+    tiling = Tiling.of(q, kv_cache, block_tables, sliding_window, softcap, variant)
     if not tiling.kv_fp8 and (k_scale, v_scale) != (1.0, 1.0):
         raise ValueError("paged_attention: KV scales are for an fp8 cache")
     if num_splits is None:

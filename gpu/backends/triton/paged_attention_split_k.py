@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from conveyor.gpu.backends.triton.paged_attention_launch import Tiling
 from conveyor.gpu.backends.triton.paged_attention_reduce import reduce_splits
-from conveyor.gpu.backends.triton.paged_attention_tile import Tiling, attend_keys, find_tile, key_range, load_queries
+from conveyor.gpu.backends.triton.paged_attention_tile import attend_keys, find_tile, key_range, load_queries
 
 
 @triton.jit
@@ -61,10 +62,11 @@ def _paged_attention_split_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    DIRECT_DECODE: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    row, q_start, q_len, tok0 = find_tile(query_start_loc_ptr, tl.program_id(0), num_rows, BLOCK_Q)
+    row, q_start, q_len, tok0 = find_tile(query_start_loc_ptr, tl.program_id(0), num_rows, BLOCK_Q, DIRECT_DECODE)
     if tok0 >= q_len:
         return
     q, tok, head, row_valid = load_queries(
