@@ -362,12 +362,25 @@ class Ops(abc.ABC):
         side_by_side = b.permute(1, 0, 2).reshape(out, num_slots * rank)  # [out, S R]
         return y.add_((spread.view(xa.shape[0], num_slots * rank).to(b.dtype) @ side_by_side.T).to(y.dtype))
 
+    def lora_groups(self, slots: torch.Tensor, num_slots: int) -> torch.Tensor | None:
+        """A pass's slots [T] -> what this backend's lora_add reads beside them, computed once a pass
+        for all its projections (gpu/lora/slots.py; inside a decode graph, so replays recompute it):
+        the Triton backend's tokens grouped by slot (triton/lora_groups.py). None, the default: nothing."""
+        return None
+
     def lora_add(
-        self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scales: torch.Tensor,
+        slots: torch.Tensor,
+        groups: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """y [T, out] += scales[s] * x[t] A_s^T B_s^T for every token with a slot s = slots[t]: a
-        projection's whole update (gpu/lora/slots.py), in place; returns y. The default is
-        lora_expand(lora_shrink); a backend may do both in one call (the cpu kernels)."""
+        projection's whole update (gpu/lora/slots.py), in place; returns y; groups: lora_groups(slots).
+        The default is lora_expand(lora_shrink); a backend may do both in one call (the cpu kernels)."""
         return self.lora_expand(y, self.lora_shrink(x, a, slots), b, scales, slots)
 
     def gelu_tanh_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,9 @@ columns of A, B whole, so its partial delta joins the layer's partial sum before
 
 A pass's rows name their slot (NewSeq.lora_slot); `begin_pass` turns them into one slot per token
 [T] (-1: the base weights), which every projection reads (`LoraProjection.add`: the backend's
-lora_add, its lora_shrink then lora_expand unless it fuses them). A pass with no adapter row sets
-none, and the layers add nothing.
+lora_add, its lora_shrink then lora_expand unless it fuses them), with what the backend derives
+from them once a pass (`Ops.lora_groups`: the Triton backend's tokens grouped by slot, at the row
+counts where it multiplies them so). A pass with no adapter row sets none, and the layers add nothing.
 A decode step replayed from a CUDA graph reads the slots from a static buffer instead (the graph's
 input, `graph_model`), its padding rows -1: no host sync in the kernels, so they were captured.
 Adapters read from disk are kept in host memory, `--max-cpu-loras` of them, least recently used
@@ -50,6 +51,12 @@ class LoraPass:
         self.slots: torch.Tensor | None = None  # [T'] int64, the adapter tokens' slots; None: no adapter row in the pass
         self.rows: torch.Tensor | None = None  # [T'] int64: which tokens of the pass those are; None: all of them
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        self.groups: torch.Tensor | None = None  # ops.lora_groups(slots): once a pass, for every projection
+
+    def set_slots(self, slots: torch.Tensor | None, rows: torch.Tensor | None) -> None:
+        """The pass's adapter tokens' slots and rows (as the fields say), and the backend's groups of them."""
+        self.slots, self.rows = slots, rows
+        self.groups = None if slots is None else self.ops.lora_groups(slots, self.scales.shape[0])
 
 
 class LoraProjection:
@@ -70,9 +77,9 @@ class LoraProjection:
         if slots is None:
             return y
         if rows is None:  # every token has an adapter
-            return ops.lora_add(x, y, self.a, self.b, lora_pass.scales, slots)
+            return ops.lora_add(x, y, self.a, self.b, lora_pass.scales, slots, lora_pass.groups)
         delta = y.new_zeros(rows.shape[0], y.shape[1])
-        delta = ops.lora_add(x.index_select(0, rows), delta, self.a, self.b, lora_pass.scales, slots)
+        delta = ops.lora_add(x.index_select(0, rows), delta, self.a, self.b, lora_pass.scales, slots, lora_pass.groups)
         return y.index_add_(0, rows, delta)
 
     def place(self, slot: int, a: torch.Tensor | None, b: torch.Tensor | None, tp: TensorParallel) -> None:
@@ -138,7 +145,7 @@ class LoraSlots:
         `begin_pass(..., graphed=True)` writes there before each replay."""
 
         def decode(input_ids, positions, meta, kv_caches):
-            self.pass_.slots, self.pass_.rows = self.graph_slots[: input_ids.shape[0]], None
+            self.pass_.set_slots(self.graph_slots[: input_ids.shape[0]], None)  # groups captured too: replays regroup
             return model(input_ids, positions, meta, kv_caches)
 
         return decode
@@ -148,7 +155,7 @@ class LoraSlots:
         `graphed`: the pass replays a decode graph, whose rows read `graph_slots` (padding rows -1)."""
         device = self.pass_.scales.device
         if not graphed and max(row_slots, default=-1) < 0:  # base rows only: nothing per token
-            self.pass_.slots = self.pass_.rows = None
+            self.pass_.set_slots(None, None)
             return
         token_slots = row_slots if row_tokens is None else [s for s, n in zip(row_slots, row_tokens) for _ in range(n)]
         if graphed:
@@ -157,8 +164,9 @@ class LoraSlots:
             return
         rows = [t for t, s in enumerate(token_slots) if s >= 0]
         if len(rows) == len(token_slots):
-            self.pass_.rows = None
-            self.pass_.slots = torch.tensor(token_slots, dtype=torch.int64).to(device, non_blocking=True)
+            self.pass_.set_slots(torch.tensor(token_slots, dtype=torch.int64).to(device, non_blocking=True), None)
             return
-        self.pass_.rows = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-        self.pass_.slots = torch.tensor([token_slots[t] for t in rows], dtype=torch.int64).to(device, non_blocking=True)
+        self.pass_.set_slots(
+            torch.tensor([token_slots[t] for t in rows], dtype=torch.int64).to(device, non_blocking=True),
+            torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),
+        )

@@ -11,7 +11,9 @@ Invariants:
   its own window (`attn.for_window`);
 - no device or backend branches: every layer calls the backend's `ops.*` and `attn.forward(...)`;
 - parameter names equal the Hugging Face safetensors names (model.layers.0.self_attn.q_proj.weight,
-  ...), so loading is CausalLM's name lookup; projections are kept unfused for that reason.
+  ...), so loading is CausalLM's name lookup; projections are kept unfused for that reason (the
+  ops may stack q/k/v and gate/up once loaded, each layer's weight a view of its rows:
+  gpu/backends/column_groups.py).
 """
 
 from __future__ import annotations
@@ -65,9 +67,15 @@ class Attention(nn.Module):
         self.v_proj = ColumnParallelLinear(h, ((kv_heads, d),), config.qkv_bias, ops, tp)
         self.o_proj = RowParallelLinear(((heads, d),), h, config.o_bias, ops, tp)
 
+    def sibling_projections(self) -> tuple[tuple[ColumnParallelLinear, ...], ...]:
+        """The projections that read the layer's input, as `project` multiplies them (ops.linears:
+        an ops' prepare may stack them into one weight: gpu/backends/column_groups.py)."""
+        return ((self.q_proj, self.k_proj, self.v_proj),)
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, H] -> q [T, Hq * D], k, v [T, Hkv * D]."""
-        q, k, v = column_products(self.ops, x, (self.q_proj, self.k_proj, self.v_proj))
+        """x [T, H] -> q [T, Hq * D], k, v [T, Hkv * D] (column views of one product where stacked)."""
+        (qkv,) = self.sibling_projections()
+        q, k, v = column_products(self.ops, x, qkv)
         return q, k, v
 
     def forward(
@@ -105,9 +113,14 @@ class MLP(nn.Module):
         self.ops = ops
         self.gelu = getattr(config, "hidden_act", "silu") == "gelu_pytorch_tanh"
 
+    def sibling_projections(self) -> tuple[tuple[ColumnParallelLinear, ...], ...]:
+        """gate and up, which read x (as Attention's)."""
+        return ((self.gate_proj, self.up_proj),)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act_mul = self.ops.gelu_tanh_mul if self.gelu else self.ops.silu_mul
-        gate, up = column_products(self.ops, x, (self.gate_proj, self.up_proj))
+        (gate_up,) = self.sibling_projections()
+        gate, up = column_products(self.ops, x, gate_up)
         return self.down_proj(act_mul(gate, up))  # [T, I / tp] -> [T, H]
 
 

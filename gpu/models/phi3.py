@@ -34,6 +34,9 @@ class Phi3Attention(Attention):
         self.qkv_proj = ColumnParallelLinear(h, ((heads, d), (kv_heads, d), (kv_heads, d)), config.qkv_bias, ops, tp)
         self.o_proj = RowParallelLinear(((heads, d),), h, config.o_bias, ops, tp)
 
+    def sibling_projections(self) -> tuple[tuple[ColumnParallelLinear, ...], ...]:
+        return ()  # qkv_proj is one layer already
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split((q_width, kv_width, kv_width), dim=-1)  # views of [T, (Hq + 2 Hkv) D]

@@ -251,9 +251,14 @@ def test_every_captured_bucket_replays_the_eager_forward(dtype, kv_dtype):
                 torch.testing.assert_close(graph_cache[:, 1:].float(), eager_cache[:, 1:].float(), atol=tol, rtol=tol)
 
 
-def test_lora_rows_read_the_graphs_static_slots(tiny_model, config, tmp_path):
+@pytest.mark.parametrize("kernel", ["bgmv", "sgmv"])
+def test_lora_rows_read_the_graphs_static_slots(tiny_model, config, tmp_path, monkeypatch, kernel):
     """A decode step through the graphs' buffers with LoRA rows (some on the base, one padding row
-    past them) equals the eager step: the projections read the static slots the pass wrote."""
+    past them) equals the eager step: the projections read the static slots the pass wrote (sgmv:
+    grouped by slot inside the graph, triton/lora_groups.py)."""
+    from conveyor.gpu.backends.triton import lora_groups
+
+    monkeypatch.setattr(lora_groups, "KERNEL_BY_ROWS", ((1, kernel),))
     model, attn = tiny_model
     lora_config = dataclasses.replace(config, lora=LoraConfig(enable_lora=True, max_loras=2, max_lora_rank=8))
     adapter = make_random_adapter(checkpoint("llama"), tmp_path / "adapter", rank=8, seed=3)

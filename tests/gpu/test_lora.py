@@ -150,6 +150,20 @@ def test_cuda_with_graphs_matches_peft(setup):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_sgmv_with_graphs_matches_peft(setup, monkeypatch):
+    """The same with the Triton backend's LoRA table at SGMV for every row count
+    (triton/lora_groups.py): the decode graphs group their static slots by adapter on each replay."""
+    from conveyor.gpu.backends.triton import lora_groups
+
+    monkeypatch.setattr(lora_groups, "KERNEL_BY_ROWS", ((1, "sgmv"),))
+    base, paths = setup
+    names, outs = graphed_batch(base, paths, "float32")
+    for name, out in zip(names, outs):
+        assert out.outputs[0].token_ids == peft_greedy(base, paths.get(name) if name else None, out.prompt_token_ids), name
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bfloat16_with_graphs_is_within_rounding_of_peft(setup):
     """bf16 rounds differently in every implementation, so tokens may part ways: each token drawn
     greedily in one graphed batch (base and every adapter) is within 0.1 nats of the best choice
@@ -170,3 +184,26 @@ def test_cuda_bfloat16_with_graphs_is_within_rounding_of_peft(setup):
         steps = logp[len(out.prompt_token_ids) - 1 : -1]  # [8, V]: the distributions our tokens were drawn from
         chosen = steps.gather(-1, torch.tensor(out.outputs[0].token_ids, device="cuda")[:, None])
         assert (steps.max(-1, keepdim=True).values - chosen).max() < 0.1, name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter is off where CUDA is present: the cuda tests run the kernels")
+def test_triton_sgmv_under_the_interpreter_matches_peft(setup, monkeypatch):
+    """The Triton backend with its LoRA table at SGMV for every row count (triton/lora_groups.py):
+    each pass's tokens grouped once (LoraPass.set_slots) and read by every projection; a batch of
+    the base and two adapters, prompts and decodes, greedy tokens equal to peft's (float32)."""
+    pytest.importorskip("triton")
+    from conveyor.gpu.backends.triton import backend, lora_groups
+
+    monkeypatch.setattr(lora_groups, "KERNEL_BY_ROWS", ((1, "sgmv"),))
+    calls = []
+    shrink = backend.sgmv_shrink
+    monkeypatch.setattr(backend, "sgmv_shrink", lambda x, a, groups: calls.append(x.shape[0]) or shrink(x, a, groups))
+    base, paths = setup
+    llm = LLM(str(base), device="cpu", attention_backend="triton", enable_lora=True, max_loras=2, max_lora_rank=16, num_kv_blocks=64)
+    names = [None, "attn8", "all16"]
+    loras = [None if name is None else LoRARequest(name, paths[name]) for name in names]
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate([PROMPTS[0]] * len(names), greedy, lora_request=loras)
+    for name, out in zip(names, outs):
+        assert out.outputs[0].token_ids == peft_greedy(base, paths.get(name) if name else None, out.prompt_token_ids, 3), name
+    assert calls, "the SGMV kernels did not run"

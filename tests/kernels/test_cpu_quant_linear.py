@@ -223,6 +223,7 @@ def test_layers_of_one_input_multiply_as_one_weight(rows, bias, monkeypatch):
     ops.prepare(nn.ModuleList(layers))
     x = torch.randn(rows, 64)
     alone = [layer(x) for layer in layers]
+    dequantized = [w.dequantize() for w in weights]
     calls = []
     call = CpuQuantLinear.__call__
     monkeypatch.setattr(CpuQuantLinear, "__call__", lambda self, *a, **k: calls.append(1) or call(self, *a, **k))
@@ -233,10 +234,11 @@ def test_layers_of_one_input_multiply_as_one_weight(rows, bias, monkeypatch):
     assert len(calls) == 2  # one per step, not one per layer
     stacked = ops._groups[tuple(map(id, layers))]
     assert stacked is not None and stacked.bounds == (0, 48, 64, 80)
-    base = stacked.weight.qweight.untyped_storage().data_ptr()
+    assert stacked.quantized is not None
+    base = stacked.quantized.qweight.untyped_storage().data_ptr()
     assert all(layer.quantized.qweight.untyped_storage().data_ptr() == base for layer in layers)
-    for layer, w in zip(layers, weights):  # each layer alone still gives its own product
-        assert torch.equal(layer.quantized.dequantize(), w.dequantize())
+    for layer, w in zip(layers, dequantized):  # each layer alone still gives its own product
+        assert torch.equal(layer.quantized.dequantize(), w)
 
 
 def test_layers_that_do_not_stack_are_multiplied_one_by_one():

@@ -8,8 +8,9 @@ CPU tensors, torch's (TorchOps) for anything else.
   as `prepared`. Otherwise the reference (dequantize + F.linear).
 - linears: quantized layers that read one input (q/k/v, gate/up) multiply as one weight, their
   rows stacked (one call, x quantized once: a one-row step of SmolLM2 makes 121 calls instead of
-  211). The stacked weight is built at a group's first call (`FusedGroup`) and each layer's
-  QuantizedWeight becomes a view of its rows, so no byte is stored twice.
+  211). The stacked weight is built at a group's first call (gpu/backends/column_groups.py's
+  `stack`) and each layer's QuantizedWeight becomes a view of its rows, so no byte is stored
+  twice. Float groups stay apart: their narrow kernels and fused ops take contiguous outputs.
 - argmax_product: the LM head's argmax for greedy draws that want nothing else, by one plane of
   x, a bound and the few candidates in three (quant_argmax.py), from ARGMAX_MIN_ROWS rows; the
   head's `prepared` is its bound table.
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conveyor.gpu.backends.base import LinearLayer
+from conveyor.gpu.backends.column_groups import ColumnGroup, stack
 from conveyor.gpu.backends.cpu.kernels import packed_linear as packed
 from conveyor.gpu.backends.cpu.kernels.fused_ops import CpuFusedOps, supports
 from conveyor.gpu.backends.cpu.kernels.lora import CpuLora
@@ -44,17 +46,6 @@ from conveyor.gpu.backends.torch.ops import TorchOps
 from conveyor.gpu.models.layers import ParallelLMHead
 from conveyor.gpu.models.llama import Linear
 from conveyor.gpu.quant.weight import QuantizedWeight
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedGroup:
-    """Layers of one input as one weight: `weight` [sum N_i, K] their rows stacked, `bias` likewise
-    (or None), `bounds` each layer's first output column and the total: layer i owns columns
-    [bounds[i], bounds[i + 1])."""
-
-    weight: QuantizedWeight
-    bias: torch.Tensor | None
-    bounds: tuple[int, ...]
 
 
 @dataclasses.dataclass
@@ -87,12 +78,13 @@ class CpuOps(TorchOps):
         lora: CpuLora | None = None,
         argmax: QuantArgmax | None = None,
     ) -> None:
+        super().__init__()  # TorchOps' stacks stay empty: prepare below stacks only quantized groups (linears)
         self.fused = fused
         self.small_linear = small_linear
         self.quant = quant
         self.lora = lora
         self.argmax = argmax
-        self._groups: dict[tuple[int, ...], FusedGroup | None] = {}  # by the layers' ids; None: not fusable
+        self._groups: dict[tuple[int, ...], ColumnGroup | None] = {}  # by the layers' ids; None: not fusable
 
     def prepare(self, model: nn.Module) -> None:
         small, quant = self.small_linear, self.quant
@@ -133,7 +125,14 @@ class CpuOps(TorchOps):
         return self.argmax(x, weight, table)
 
     def lora_add(
-        self, x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scales: torch.Tensor,
+        slots: torch.Tensor,
+        groups: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.lora is not None and self.lora.supports(slots, x, a, y, scales, b=b):
             return self.lora.add(x, y, a, b, scales, slots)
@@ -149,9 +148,10 @@ class CpuOps(TorchOps):
         if key not in self._groups:
             self._groups[key] = self._fuse(layers)
         group = self._groups[key]
-        if group is None or self.quant is None or not self._kernel_takes(x, group.weight, group.bias):
+        weight = None if group is None else group.quantized
+        if group is None or weight is None or self.quant is None or not self._kernel_takes(x, weight, group.bias):
             return super().linears(x, layers)
-        y = self.quant(x, group.weight, group.bias)  # [T, sum N_i]
+        y = self.quant(x, weight, group.bias)  # [T, sum N_i]
         b = group.bounds
         return [y[:, b[i] : b[i + 1]].contiguous() for i in range(len(layers))]  # one row: views, no copy
 
@@ -166,46 +166,19 @@ class CpuOps(TorchOps):
             and (bias is None or supports(bias))
         )
 
-    def _fuse(self, layers: tuple[nn.Module, ...]) -> FusedGroup | None:
-        """The layers' weights stacked, each layer's weight then a view of its rows; None where they
-        are not all prepared quantized weights of one kind, group size, input width and input order
-        (act-order weights each have their own), all with biases or none, or all with mins or none."""
+    def _fuse(self, layers: tuple[nn.Module, ...]) -> ColumnGroup | None:
+        """The layers' weights stacked (column_groups.py `stack`: each layer's weight then a view of
+        its rows), each with the kernel's arguments; None where they are not all quantized weights
+        the kernel takes (`prepared`), or cannot stack (float, kinds, group sizes, act-order, ...)."""
         weights = [w for w in (getattr(layer, "quantized", None) for layer in layers) if isinstance(w, QuantizedWeight)]
-        biases = [getattr(layer, "bias", None) for layer in layers]
-        if self.quant is None or len(layers) < 2 or len(weights) < len(layers):
+        if self.quant is None or len(weights) < len(layers) or not all(isinstance(w.prepared, QuantArgs) for w in weights):
             return None
-        first = weights[0]
-        same = {(w.kind, w.group_size, w.shape[1], w.perm is None, w.mins is None, w.scales.dtype) for w in weights}
-        if len(same) != 1 or first.perm is not None or not all(isinstance(w.prepared, QuantArgs) for w in weights):
+        group = stack(layers)
+        if group is None or group.quantized is None:
             return None
-        if len({b is None for b in biases}) != 1:
-            return None
-
-        def stack(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-            return None if parts[0] is None else torch.cat([t for t in parts if t is not None])
-
-        stacked = dataclasses.replace(
-            first,
-            qweight=torch.cat([w.qweight for w in weights]),
-            scales=torch.cat([w.scales for w in weights]),
-            mins=stack([w.mins for w in weights]),
-            prepared=None,
-        )
-        stacked.prepared = self.quant.prepare(stacked)
-        bounds = [0]
-        for layer, w in zip(layers, weights):
-            rows = slice(bounds[-1], bounds[-1] + w.shape[0])
-            mine = dataclasses.replace(
-                w,
-                qweight=stacked.qweight[rows],
-                scales=stacked.scales[rows],
-                mins=None if stacked.mins is None else stacked.mins[rows],
-                prepared=None,
-            )
-            mine.prepared = self.quant.prepare(mine)
-            setattr(layer, "quantized", mine)  # noqa: B010 (nn.Module types attributes as tensors or modules)
-            bounds.append(rows.stop)
-        return FusedGroup(stacked, stack(biases), tuple(bounds))
+        for weight in [group.quantized, *weights]:
+            weight.prepared = self.quant.prepare(weight)
+        return group
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.fused is not None and supports(x):

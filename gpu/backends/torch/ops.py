@@ -2,19 +2,32 @@
 
 Each method computes what Hugging Face's Llama computes, in the same order of roundings (RMSNorm
 in float32 then cast back before the weight; cos/sin cast to the activation dtype before the
-rotation), so logits match transformers in bf16 too.
+rotation), so logits match transformers in bf16 too. q/k/v and gate/up are one product each:
+`prepare` stacks each group's weights (gpu/backends/column_groups.py), `linears` multiplies the stack.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from conveyor.gpu.backends.base import LinearLayer, Ops
+from conveyor.gpu.backends.column_groups import ColumnGroups
 
 
 class TorchOps(Ops):
     name = "torch"
+
+    def __init__(self) -> None:
+        self.columns = ColumnGroups()  # the stacks prepare makes; none: each layer multiplied apart
+
+    def prepare(self, model: nn.Module) -> None:
+        self.columns.prepare(model)
+
+    def linears(self, x: torch.Tensor, layers: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+        group = self.columns.get(layers)
+        return super().linears(x, layers) if group is None else group.products(self, x)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)

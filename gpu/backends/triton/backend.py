@@ -3,8 +3,10 @@
 `triton_backend(model, device)` builds it for `select` (gpu/backends/__init__.py): TritonAttention
 (KV write, one paged_attention launch per mixed step) and TritonOps (add + RMSNorm, rotary,
 SiLU x up as Triton kernels; MoE experts as fused_moe.py's grouped GEMM; linear is torch's, as
-cuBLAS already does the GEMM; a quantized linear is quant_linear.py's dequantize-in-GEMM kernel, or
-FP8 in the tensor cores where fp8_linear.py takes the weight; LoRA shrink and expand as lora.py's kernels).
+cuBLAS already does the GEMM, q/k/v and gate/up one product each (gpu/backends/column_groups.py);
+a quantized linear is quant_linear.py's dequantize-in-GEMM kernel, or FP8 in the tensor cores
+where fp8_linear.py takes the weight (quant_forms.py); LoRA shrink and expand as lora.py's kernels,
+or over tokens grouped by slot, lora_sgmv_*.py's, at the row counts lora_groups.py's table gives them).
 
 Invariants:
 - the KV cache is one zeroed tensor per layer, [2, num_blocks, block_size, Hkv, D] in the KV
@@ -19,6 +21,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -27,12 +31,20 @@ from torch import nn
 from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Backend, LinearLayer, Ops
+from conveyor.gpu.backends.column_groups import ColumnGroups
 from conveyor.gpu.backends.triton.add_rms_norm import add_rms_norm, rms_norm
-from conveyor.gpu.backends.triton.fp8_linear import Fp8Weight, can_multiply_in_fp8, fp8_linear, fp8_weight
+from conveyor.gpu.backends.triton.fp8_linear import Fp8Weight, fp8_linear
+from conveyor.gpu.backends.triton.gemm_picks import Picked
+from conveyor.gpu.backends.triton.int4pack import Int4PackWeight, int4pack_linear
 from conveyor.gpu.backends.triton.kv_write import write_kv
 from conveyor.gpu.backends.triton.lora import lora_expand, lora_shrink
+from conveyor.gpu.backends.triton.lora_groups import kernel_for, lora_groups
+from conveyor.gpu.backends.triton.lora_sgmv_expand import sgmv_expand
+from conveyor.gpu.backends.triton.lora_sgmv_shrink import sgmv_shrink
 from conveyor.gpu.backends.triton.paged_attention import paged_attention
+from conveyor.gpu.backends.triton.quant_forms import form_of, form_type, rows_of
 from conveyor.gpu.backends.triton.quant_linear import KernelWeight, kernel_takes, kernel_weight, quant_linear
+from conveyor.gpu.backends.triton.quant_linear_words import WordWeight, words_linear
 from conveyor.gpu.backends.triton.rotary import apply_rotary_
 from conveyor.gpu.backends.triton.silu_mul import silu_mul
 from conveyor.gpu.kv_fp8 import UNIT_SCALES, KVScales
@@ -78,21 +90,40 @@ class TritonAttention(AttentionBackend):
 class TritonOps(Ops):
     name = "triton"
 
+    def __init__(self, lora_kernels: tuple[tuple[int, str], ...] | None = None) -> None:
+        self.lora_kernels = lora_kernels  # LoRA's kernels by a pass's rows (None: lora_groups.py's KERNEL_BY_ROWS)
+        self.columns = ColumnGroups()  # q/k/v and gate/up stacked by prepare
+
     def prepare(self, model: nn.Module) -> None:
-        """Each quantized weight (a tied head's is its embedding's, prepared once) gets the form its
-        kernel reads: FP8 in the tensor cores where fp8_linear.py takes it, else the Triton
-        kernel's, with float16 scales and mins for 16-bit activations; else none (the reference)."""
+        """q/k/v and gate/up stacked into one weight each (gpu/backends/column_groups.py); then each
+        quantized weight (a tied head's is its embedding's, prepared once) gets the form its kernel
+        reads (quant_forms.py), a stacked layer's its rows of the stack's."""
         config = getattr(model, "config", None)
         dtype = getattr(torch, config.dtype) if config is not None else torch.float32
+        done: set[int] = set()
+        for group, layers in self.columns.prepare(model):
+            if group.quantized is None:
+                continue
+            group.quantized.prepared = form = form_of(group.quantized, dtype)
+            for layer, rows in zip(layers, group.rows()):
+                own = cast(QuantizedWeight, layer.quantized)
+                own.prepared = rows_of(form, rows) if form is not None and form_type(own) is type(form) else form_of(own, dtype)
+                done.add(id(own))
         weights = {id(w): w for w in (getattr(m, "quantized", None) for m in model.modules()) if isinstance(w, QuantizedWeight)}
-        for weight in weights.values():
-            if can_multiply_in_fp8(weight):
-                weight.prepared = fp8_weight(weight)
-            elif kernel_takes(weight):
-                weight.prepared = kernel_weight(weight, dtype)
+        for key, weight in weights.items():
+            if key not in done:
+                weight.prepared = form_of(weight, dtype)
+
+    def linears(self, x: torch.Tensor, layers: tuple[nn.Module, ...]) -> list[torch.Tensor]:
+        group = self.columns.get(layers)
+        return super().linears(x, layers) if group is None else group.products(self, x)
 
     def quant_linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         prepared = weight.prepared
+        if isinstance(prepared, Picked):  # gemm_picks.py's kernel for this many rows
+            prepared = prepared.form_for(x.shape[0])
+        if isinstance(prepared, (WordWeight, Int4PackWeight)):
+            return words_linear(x, prepared, bias) if isinstance(prepared, WordWeight) else int4pack_linear(x, prepared, bias)
         if isinstance(prepared, Fp8Weight):
             return fp8_linear(x, prepared, bias)
         if isinstance(prepared, KernelWeight):
@@ -144,6 +175,25 @@ class TritonOps(Ops):
         self, y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
     ) -> torch.Tensor:
         return lora_expand(y, xa, b, scales, slots)
+
+    def lora_groups(self, slots: torch.Tensor, num_slots: int) -> torch.Tensor | None:
+        """The tokens grouped by slot (lora_groups.py) where the table picks SGMV for the pass's rows."""
+        return lora_groups(slots, num_slots) if kernel_for(slots.shape[0], self.lora_kernels) == "sgmv" else None
+
+    def lora_add(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scales: torch.Tensor,
+        slots: torch.Tensor,
+        groups: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """With groups: the SGMV kernels (tiles of one slot's tokens on the tensor cores); else lora.py's."""
+        if groups is None:
+            return lora_expand(y, lora_shrink(x, a, slots), b, scales, slots)
+        return sgmv_expand(y, sgmv_shrink(x, a, groups), b, scales, groups)
 
 
 def triton_backend(model: ModelConfig, device: torch.device, kv_dtype: str | None = None) -> Backend:

@@ -2,7 +2,8 @@
 cores through `torch._scaled_mm` (CUDA compute capability 8.9 and up).
 
 Each step quantizes its activations per token, dynamically: row t's scale is amax|x[t]| / 448
-(448: e4m3's largest finite value), x[t] / scale rounded to e4m3. Then y = (xq @ wq^T) * x_scale
+(448: e4m3's largest finite value), x[t] / scale rounded to e4m3, in one Triton launch
+(fp8_quant_rows.py; `quantize_per_token` is its torch reference, five launches). Then y = (xq @ wq^T) * x_scale
 * w_scale (+ bias), accumulated in float32 by cuBLAS (or CUTLASS) and written in x's dtype:
 vLLM's dynamic per-token FP8. Its reference is `fp8_reference` (the same rounding of x, then a
 float32 product), which the cuda-marked tests compare with; against the weight-only reference
@@ -20,6 +21,7 @@ import dataclasses
 
 import torch
 
+from conveyor.gpu.backends.triton.fp8_quant_rows import quantize_rows
 from conveyor.gpu.quant.weight import QuantizedWeight
 
 E4M3_MAX = 448.0
@@ -60,7 +62,7 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> x @ W^T + bias [M, N] in x's dtype."""
-    xq, x_scale = quantize_per_token(x)
+    xq, x_scale = quantize_rows(x if x.shape[1] < 2 or x.stride(1) == 1 else x.contiguous())
     # _scaled_mm adds a bias of the output's 16-bit dtype itself; any other is added after.
     fused = bias is not None and bias.dtype == x.dtype and x.dtype in (torch.float16, torch.bfloat16)
     y = torch._scaled_mm(xq, weight.codes_t, scale_a=x_scale, scale_b=weight.scale, bias=bias if fused else None, out_dtype=x.dtype)
