@@ -82,6 +82,8 @@ class SchedulerConfig:
     )
 
 
+# gpu/emulated: what an emulated device's pass times come from.
+EMULATE_COSTS = ("table", "roofline")
 # gpu/backends: auto is triton on CUDA and cpu (the C++ kernels) on a CPU.
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 # The router's policies (stages/router/): see docs/architecture.md.
@@ -93,6 +95,11 @@ class ParallelConfig:
     device: str = "cpu"  # "cpu", "cuda" or "emulated": resolved from the --device option at build time
     # --device emulated: the GPU whose passes are modelled (gpu/emulated/, a row of conveyor/sim/devices.py).
     emulate: str | None = option(None, "with --device emulated: the GPU to model", choices=DEVICE_NAMES, none="h100")
+    # Its pass times: the device's calibration table of measured kernel times where it has one for
+    # the model (conveyor/sim/calibrated.py), else the roofline; or the roofline alone.
+    emulate_cost: str = option(
+        "table", "with --device emulated: pass times from measured kernel times (table) or a bare roofline", choices=EMULATE_COSTS
+    )
     # Worker ranks one engine's model is split over (gpu/parallel/): one process per rank, a
     # torch.distributed group (gloo on a CPU, NCCL on CUDA).
     tensor_parallel_size: int = option(1, "worker ranks (devices) one engine's model is split over", minimum=1)

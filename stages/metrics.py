@@ -134,6 +134,14 @@ worker_busy = _per_engine(Counter, "conveyor_worker_busy_seconds", "Device time 
 worker_idle = _per_engine(
     Counter, "conveyor_worker_idle_seconds", "Device time spent waiting for the host between steps", per_device=True
 )
+# The emulated device's model of a GPU host's CPU that this host did not spend (gpu/emulated/stream.py:
+# launches, eager forwards, spin-waits); `conveyor bench cpu` adds it to the worker's. 0 on a real device.
+worker_emulated_host_cpu = _per_engine(
+    Counter,
+    "conveyor_worker_emulated_host_cpu_seconds",
+    "CPU a GPU host would spend that the emulated device modelled (launches, eager forwards, spin-waits)",
+    per_device=True,
+)
 worker_step_busy = _per_engine(
     Histogram, "conveyor_worker_step_busy_seconds", "Device compute time per step", buckets=_STEP_SECONDS, per_device=True
 )

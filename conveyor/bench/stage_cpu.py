@@ -7,7 +7,9 @@ Runs the client command (any benchmark client: conveyor's, vLLM's) and reads, be
 - the client's own CPU time (its process tree's, from the kernel's accounting of waited-for
   children);
 - from the server's /metrics: the output tokens generated and the worker's busy and idle device
-  time (the bubble: idle / (busy + idle)).
+  time (the bubble: idle / (busy + idle)); on an emulated device, the CPU its calibration says a
+  GPU host's driver would have spent (gpu/emulated/stream.py), added to the worker's and shown
+  apart as `emulated_host_cpu_s`.
 Each stage's CPU is reported in seconds and in ms per 1,000 output tokens; their sum, the host's
 cost, also in us per output token. Only processes alive at both reads count wholly; one started
 during the run (a restart) counts from its start.
@@ -30,7 +32,12 @@ from pathlib import Path
 from conveyor.bench.server_metrics import sample_totals
 
 TICKS = os.sysconf("SC_CLK_TCK")
-COUNTERS = ("conveyor_generation_tokens_total", "conveyor_worker_busy_seconds_total", "conveyor_worker_idle_seconds_total")
+COUNTERS = (
+    "conveyor_generation_tokens_total",
+    "conveyor_worker_busy_seconds_total",
+    "conveyor_worker_idle_seconds_total",
+    "conveyor_worker_emulated_host_cpu_seconds_total",
+)
 
 
 def stage_of(cmdline: list[str]) -> str | None:
@@ -88,6 +95,7 @@ class HostCost:
     client_cpu_s: float
     busy_s: float
     idle_s: float
+    emulated_host_cpu_s: float = 0.0  # within stage_cpu_s["worker"]: modelled, not spent here
 
     @property
     def host_cpu_s(self) -> float:
@@ -118,7 +126,8 @@ class HostCost:
         return "\n".join(
             [
                 f"{self.output_tokens:.0f} output tokens in {self.wall_s:.2f} s; bubble {bubble} "
-                f"(device busy {self.busy_s:.2f} s, idle {self.idle_s:.2f} s)",
+                f"(device busy {self.busy_s:.2f} s, idle {self.idle_s:.2f} s)"
+                + (f"; the worker's includes {self.emulated_host_cpu_s:.2f} s EMULATED host CPU" if self.emulated_host_cpu_s else ""),
                 "| process | CPU s | ms per 1,000 output tokens |",
                 "|---|---:|---:|",
                 *rows,
@@ -144,7 +153,10 @@ def measure(command: list[str], base_url: str) -> tuple[HostCost, int]:
         stages[stage] = stages.get(stage, 0.0) + seconds - (before[1] if before and before[0] == stage else 0.0)
     client = (children1.ru_utime + children1.ru_stime) - (children0.ru_utime + children0.ru_stime)
     delta = {name: counters1[name] - counters0[name] for name in COUNTERS}
-    cost = HostCost(wall, delta[COUNTERS[0]], stages, client, delta[COUNTERS[1]], delta[COUNTERS[2]])
+    modelled = delta[COUNTERS[3]]
+    if modelled:
+        stages["worker"] = stages.get("worker", 0.0) + modelled
+    cost = HostCost(wall, delta[COUNTERS[0]], stages, client, delta[COUNTERS[1]], delta[COUNTERS[2]], modelled)
     return cost, status
 
 

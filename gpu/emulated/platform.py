@@ -2,10 +2,14 @@
 a real one (gpu/platform.py has the seam).
 
 Runs for real: everything on the host, the runner's whole CUDA-graph path included. Emulated:
-the device's work only. Each pass is queued on a virtual stream (stream.py) for its roofline time
-on this device (footprint.py), its ids are drawn on the host (draws.py) but readable only once
-the stream reaches the pass's end, as a CUDA copy behind an event would land. Tensors live in
-host memory; no weights are loaded and no KV is held.
+the device's work, and the CPU a GPU host's driver spends beside that host code. Each pass is
+queued on a virtual stream (stream.py) for its time on this device: from the device's calibration
+table of kernel times measured on it (conveyor/sim/calibrated.py; with it the eager forwards' host
+time and CUDA's spin-waits, counted in conveyor_worker_emulated_host_cpu_seconds), or from the
+roofline (footprint.py) where the table has not the model's shapes or `--emulate-cost roofline`
+asks; the start-up log says which. Its ids are drawn on the host (draws.py) but readable only
+once the stream reaches the pass's end, as a CUDA copy behind an event would land. Tensors live
+in host memory; no weights are loaded and no KV is held.
 
 KV capacity is the real device's: gpu_memory_utilization of its memory, less the weights (the
 rank's share with tensor parallelism) and an ASSUMED activation peak, which stands for the
@@ -32,7 +36,10 @@ from conveyor.gpu.emulated.footprint import footprint, pass_cost
 from conveyor.gpu.emulated.model import EmulatedAttention, EmulatedModel
 from conveyor.gpu.emulated.stream import VirtualCopy, VirtualEvent, VirtualStream
 from conveyor.gpu.sampling.draws import DeviceSamples
+from conveyor.sim.calibrated import for_model, load_table
+from conveyor.sim.costmodel import PassCost
 from conveyor.sim.devices import DEVICES, MIB
+from conveyor.stages import metrics
 
 log = logging.getLogger(__name__)
 
@@ -48,21 +55,34 @@ class EmulatedPlatform:
         self.spec = DEVICES[config.parallel.emulate]
         self.device = torch.device("cpu")
         self.stream = VirtualStream()
-        self.cost = pass_cost(config.model, self.spec, num_ranks, config.cache.kv_dtype(config.model.dtype))
+        kv_dtype = config.cache.kv_dtype(config.model.dtype)
+        self.cost: PassCost = pass_cost(config.model, self.spec, num_ranks, kv_dtype)
+        table = None if config.parallel.emulate_cost == "roofline" else load_table(self.spec.name)
+        calibrated = for_model(table, self.spec, config.model, num_ranks, kv_dtype)
+        if calibrated is not None:
+            self.cost = calibrated
+            self.stream.spin_waits = True  # CUDA's default wait on a host with more cores than GPUs
+            self.stream.on_modelled_cpu = lambda seconds: metrics.worker_emulated_host_cpu.inc(seconds)
+            source = f"the calibration table conveyor/sim/calibration/{self.spec.name}.json (kernel times measured on the device)"
+        elif table is not None:
+            source = f"roofline: {self.spec.name}'s calibration table has no entries for this model's shapes"
+        else:
+            asked = config.parallel.emulate_cost == "roofline"
+            source = "roofline" + ("" if asked else f": no calibration table for {self.spec.name}")
         self.draws = EmulatedDraws(ordinary_ids(config.model), config.model.vocab_size)
         torch.set_num_threads(1)  # host tensors of a few hundred ids: threads would only contend
         log.warning(
-            "EMULATED device: %s%s, modelled, not measured (roofline of conveyor/sim/devices.py: %.0f TFLOP/s, "
-            "%.2f TB/s, %.1f ms launch floor); no weights loaded; every device time and figure is emulated",
+            "EMULATED device: %s%s, modelled, not measured: pass times from %s (conveyor/sim/devices.py: %.0f TFLOP/s, "
+            "%.2f TB/s); no weights loaded; every device time and figure is emulated",
             self.spec.name,
             f" x {num_ranks} (tensor parallel)" if num_ranks > 1 else "",
+            source,
             self.spec.peak_flops / 1e12,
             self.spec.mem_bw / 1e12,
-            self.spec.launch_s * 1e3,
         )
 
     def backend(self, name: str, model: ModelConfig, kv_dtype: str) -> Backend:
-        description = f"emulated {self.spec.name} (the CUDA-graph host path; device time from a roofline, no kernels)"
+        description = f"emulated {self.spec.name} (the CUDA-graph host path; device time from {self.cost.name}, no kernels)"
         return Backend("emulated", EmulatedAttention(model, self.device, kv_dtype), TorchOps(), description)
 
     def load_model(self, model: ModelConfig, backend: Backend) -> EmulatedModel:

@@ -12,6 +12,12 @@ A pass's results come back through a VirtualCopy: an event recorded after the pa
 (already in host memory: the emulated device keeps its tensors there) the runner may read only
 once the stream has reached it, as a CUDA copy behind an event would land.
 
+The host's side of the driver is modelled too, where the calibration table has it (gpu/emulated/
+model.py decides how much): `hold` keeps the host busy for the CPU a launch costs a GPU host (a
+graph replay, an eager forward's Python and launches), and `synchronize` waits as CUDA's default
+spin-wait does. Neither burns this machine's CPU (two shared cores would lose it to the other
+stages); both add to `modelled_cpu_s`, which the worker exports beside its /proc CPU.
+
 Clock and sleep are injectable, so tests drive the stream without waiting. time.sleep wakes
 some tens of microseconds late on Linux; that lateness is the host's, as a real wait's would be.
 """
@@ -30,19 +36,39 @@ class VirtualStream:
     def __init__(self, clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep) -> None:
         self.clock, self._sleep = clock, sleep
         self.tail = -math.inf  # when the work launched so far ends
+        self.modelled_cpu_s = 0.0  # a GPU host's CPU in `hold` and `synchronize`, not spent here
+        self.on_modelled_cpu: Callable[[float], None] | None = None  # told each addition (the worker's counter)
+        self.spin_waits = False  # whether an event's synchronize counts as CPU (CUDA's spin on a GPU host)
 
-    def launch(self, seconds: float) -> None:
-        """Queue `seconds` of device work behind what is queued; returns at once."""
-        self.tail = max(self.clock(), self.tail) + seconds
+    def launch(self, seconds: float, host_seconds: float = 0.0) -> None:
+        """Queue `seconds` of device work behind what is queued; returns at once. `host_seconds`:
+        how long the host takes to launch it (an eager forward's kernels, one by one): the work
+        cannot end before the host has launched its last kernel. The caller holds the host that long."""
+        now = self.clock()
+        self.tail = max(max(now, self.tail) + seconds, now + host_seconds)
+
+    def hold(self, seconds: float) -> None:
+        """The host busy for `seconds` of a GPU host's CPU (modelled: this host sleeps)."""
+        if seconds > 0:
+            self._sleep(seconds)
+            self._add_cpu(seconds)
+
+    def _add_cpu(self, seconds: float) -> None:
+        self.modelled_cpu_s += seconds
+        if self.on_modelled_cpu is not None:
+            self.on_modelled_cpu(seconds)
 
     def record(self) -> VirtualEvent:
         """An event at this point of the stream: it completes when the work before it has."""
         return VirtualEvent(self, max(self.clock(), self.tail))
 
-    def wait_until(self, at: float) -> None:
+    def wait_until(self, at: float, spins: bool = False) -> None:
+        """Sleep until `at`; `spins`: CUDA would spin-wait there, so the wait is modelled CPU."""
         remaining = at - self.clock()
         if remaining > 0:
             self._sleep(remaining)
+            if spins:
+                self._add_cpu(remaining)
 
 
 class VirtualEvent:
@@ -55,7 +81,7 @@ class VirtualEvent:
         return self.stream.clock() >= self.at
 
     def synchronize(self) -> None:
-        self.stream.wait_until(self.at)
+        self.stream.wait_until(self.at, spins=self.stream.spin_waits)
 
     def seconds_until(self, later: Mark) -> float:
         assert isinstance(later, VirtualEvent)
