@@ -2,8 +2,8 @@
 prompt text instead of token ids.
 
 Datasets (`DatasetConfig.name`):
-  sharegpt        the first human turn of each conversation is the prompt, the gpt turn after it
-                  sets max_tokens (both counted by the server's tokenizer); vLLM's filter
+  sharegpt        the prompts vLLM's client picks for the seed, in its order, with its max_tokens
+                  (conveyor/sim/sharegpt.py), counted by the server's tokenizer
   random          prompt and output lengths uniform in [range_ratio * len, len] (1.0: fixed)
   prefill-heavy   ~462 prompt / 16 output tokens;  decode-heavy: ~462 / 256
   fastgen-P-O     FastGen's normal workloads: mean prompt P, mean output O, 30% spread
@@ -20,9 +20,10 @@ import dataclasses
 
 import numpy as np
 
-from conveyor.bench.prompts import PromptMaker, TokenCounter, special_tokens
+from conveyor.bench.prompts import PromptMaker, TokenCounter
 from conveyor.bench.system_prompts import add_system_prompts
-from conveyor.sim.workloads import WorkloadConfig, keeps_exchange, sharegpt_exchanges, synthetic_lengths
+from conveyor.sim.sharegpt import Picker, sharegpt_pairs
+from conveyor.sim.workloads import WorkloadConfig, synthetic_lengths
 
 DATASETS = ("sharegpt", "random", "prefill-heavy", "decode-heavy", "fastgen-P-O", "fixed", "normal")
 
@@ -70,7 +71,7 @@ class DatasetConfig:
 
 
 async def make_dataset(config: DatasetConfig, counter: TokenCounter) -> list[BenchRequest]:
-    """`config.num_prompts` requests (fewer only if a ShareGPT file runs out)."""
+    """`config.num_prompts` requests (a ShareGPT file that runs short repeats picks, as vLLM's does)."""
     requests = await _requests(config, counter, np.random.default_rng(config.seed))
     if config.num_system_prompts:
         requests = await add_system_prompts(requests, config, counter)
@@ -79,27 +80,21 @@ async def make_dataset(config: DatasetConfig, counter: TokenCounter) -> list[Ben
 
 async def _requests(config: DatasetConfig, counter: TokenCounter, rng: np.random.Generator) -> list[BenchRequest]:
     if not config.synthetic:
-        return await _sharegpt(config, counter, rng)
+        return await _sharegpt(config, counter)
     lengths = synthetic_lengths(config.workload(), rng)
     prompts = await PromptMaker(counter, rng).make([p for p, _ in lengths])
     return [BenchRequest(text, n, output) for (text, n), (_, output) in zip(prompts, lengths)]
 
 
-async def _sharegpt(config: DatasetConfig, counter: TokenCounter, rng: np.random.Generator) -> list[BenchRequest]:
+async def _sharegpt(config: DatasetConfig, counter: TokenCounter) -> list[BenchRequest]:
+    """vLLM's picks (conveyor/sim/sharegpt.py), counted by `counter` as vLLM's client counts:
+    prompt and completion each with the special tokens a server adds."""
     if config.path is None:
         raise ValueError("the sharegpt dataset needs --dataset-path (a ShareGPT JSON file)")
-    exchanges = sharegpt_exchanges(config.path)
-    order = list(rng.permutation(len(exchanges)))
-    overhead = await special_tokens(counter)  # a completion is not a prompt: no BOS in its count
+    pairs = sharegpt_pairs(config.path)
     workload = config.workload()
-    out: list[BenchRequest] = []
-    while order and len(out) < config.num_prompts:
-        take = 2 * (config.num_prompts - len(out)) + 16  # more than still needed: the filter drops some
-        chunk, order = order[:take], order[take:]
-        pairs = [exchanges[i] for i in chunk]
-        counts = await counter.count([text for pair in pairs for text in pair])
-        for (prompt, _), prompt_len, completion_len in zip(pairs, counts[0::2], counts[1::2]):
-            output_len = completion_len - overhead
-            if keeps_exchange(prompt_len, output_len, workload) and len(out) < config.num_prompts:
-                out.append(BenchRequest(prompt, prompt_len, output_len))
-    return out
+    picker = Picker(len(pairs), config.num_prompts, config.seed, workload.max_prompt_len, workload.max_total_len)
+    while chunk := picker.next_chunk():
+        counts = await counter.count([text for i in chunk for text in pairs[i]])
+        picker.offer(chunk, list(zip(counts[0::2], counts[1::2])))
+    return [BenchRequest(pairs[p.index][0], p.prompt_len, p.output_len) for p in picker.picks()]

@@ -2,9 +2,8 @@
 arriving as a Poisson process at a given rate, or all at time 0. Deterministic given a seed.
 
 Workloads (`WorkloadConfig.kind`):
-  sharegpt       the first human turn of each conversation is the prompt, the gpt turn after it
-                 sets the output length; vLLM's benchmark filter (prompt and output >= 4 tokens,
-                 prompt <= 1024, prompt + output <= 2048), conversations shuffled by the seed
+  sharegpt       the conversations vLLM's benchmark client picks for the seed, in its order, with
+                 its output lengths (sharegpt.py: its shuffle, turns and filter)
   fixed          every prompt prompt_len, every output output_len
   random         uniform in [range_ratio * len, len] for both (vLLM's random dataset)
   normal         normal around prompt_len / output_len, standard deviation cv * mean
@@ -13,18 +12,20 @@ Workloads (`WorkloadConfig.kind`):
   prefill-heavy  ~462 prompt / 16 output tokens (vLLM v0.6 benchmark), +-10% uniform
   decode-heavy   ~462 prompt / 256 output tokens, +-10% uniform
 Synthetic prompts are random token ids, distinct per request, so a prefix cache finds nothing
-shared by accident; ShareGPT prompts are the tokenizer's real ids.
+shared by accident; ShareGPT prompts are the tokenizer's real ids, special tokens (a BOS) included,
+as vLLM's client counts them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import re
 
 import numpy as np
+
+from conveyor.sim.sharegpt import Picker, sharegpt_pairs
 
 WORDS_TO_TOKENS = 4 / 3  # the usual rule of thumb for English with a Llama-sized vocabulary
 SYNTHETIC_VOCAB = 4000  # ids drawn below this (the tiny model's special tokens sit above)
@@ -106,42 +107,19 @@ def synthetic_lengths(config: WorkloadConfig, rng: np.random.Generator) -> list[
 
 
 def _sharegpt(config: WorkloadConfig, rng: np.random.Generator) -> tuple[list[tuple[int, ...]], list[int]]:
+    """vLLM's picks (sharegpt.py), counted by encoding: a prompt's ids are its count."""
     if config.path is None:
         raise ValueError("the sharegpt workload needs a path to the dataset JSON")
-    pairs = sharegpt_exchanges(config.path)
+    pairs = sharegpt_pairs(config.path)
     encode = _encoder(config, rng)
-    prompts: list[tuple[int, ...]] = []
-    outputs: list[int] = []
-    for i in rng.permutation(len(pairs)):
-        if len(prompts) == config.num_requests:
-            break
-        prompt, completion = pairs[i]
-        prompt_ids, output_len = encode(prompt), len(encode(completion))
-        if keeps_exchange(len(prompt_ids), output_len, config):
-            prompts.append(prompt_ids)
-            outputs.append(output_len)
-    return prompts, outputs
-
-
-def sharegpt_exchanges(path: str) -> list[tuple[str, str]]:
-    """(first human turn, the gpt turn after it) of each conversation that has one, in file order."""
-    with open(path, encoding="utf-8") as f:
-        conversations = json.load(f)
-    return [p for p in (_first_exchange(c.get("conversations", [])) for c in conversations) if p]
-
-
-def _first_exchange(turns: list[dict]) -> tuple[str, str] | None:
-    for turn, reply in zip(turns, turns[1:]):
-        if turn.get("from") == "human" and reply.get("from") == "gpt":
-            return turn["value"], reply["value"]
-    return None
-
-
-def keeps_exchange(prompt_len: int, output_len: int, config: WorkloadConfig) -> bool:
-    """vLLM's ShareGPT filter: both at least 4 tokens, the prompt and the total not too long."""
-    if prompt_len < 4 or output_len < 4:
-        return False
-    return prompt_len <= config.max_prompt_len and prompt_len + output_len <= config.max_total_len
+    picker = Picker(len(pairs), config.num_requests, config.seed, config.max_prompt_len, config.max_total_len)
+    encoded: dict[int, tuple[int, ...]] = {}
+    while chunk := picker.next_chunk():
+        for i in chunk:
+            encoded[i] = encode(pairs[i][0])
+        picker.offer(chunk, [(len(encoded[i]), len(encode(pairs[i][1]))) for i in chunk])
+    picks = picker.picks()
+    return [encoded[p.index] for p in picks], [p.output_len for p in picks]
 
 
 def _encoder(config: WorkloadConfig, rng: np.random.Generator):
@@ -155,7 +133,7 @@ def _encoder(config: WorkloadConfig, rng: np.random.Generator):
         tokenizer = Tokenizer.from_file(config.tokenizer_path)
     else:
         tokenizer = _tiny_tokenizer()
-    return lambda text: tuple(tokenizer.encode(text, add_special_tokens=False).ids)
+    return lambda text: tuple(tokenizer.encode(text).ids)
 
 
 @functools.lru_cache(maxsize=1)

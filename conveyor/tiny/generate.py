@@ -1,18 +1,17 @@
 """`python -m conveyor.tiny.generate --shape llama3-8b --dtype bfloat16 OUT_DIR`: a random-weight
 checkpoint of a real model's shape, for benchmarks on a GPU with nothing downloaded.
 
-The weights and the tokenizer are conveyor/tiny/checkpoint.py's (deterministic per --seed; the
-tokenizer is the tiny model's 4096-id BPE, which splits text more finely than Llama 3's). A shape
-(SHAPES) sets the config.json fields that decide the cost of a step; a vocabulary larger than the
-tokenizer's is padded as real checkpoints pad theirs: the model may emit ids the tokenizer has no
-text for, which decode to nothing but count as tokens. Llama-3-8B in bfloat16 is 16 GB on disk,
-twice that in host memory and minutes to write (docs/benchmarks.md has the measurements).
+The weights are conveyor/tiny/checkpoint.py's (deterministic per --seed). A shape (SHAPES) sets
+the config.json fields that decide the cost of a step. The tokenizer is the tiny model's 4096-id
+BPE, or with `--tokenizer-from DIR` another checkpoint's (tokenizer files, chat template, the
+bos/eos/pad ids of its config.json): a real BPE such as SmolLM2's 49,152 ids counts ShareGPT's
+tokens much as Llama 3's does, and the runbook's `sharegpt-500` race takes it. A vocabulary larger
+than the tokenizer's is padded as real checkpoints pad theirs: random weights emit ids the
+tokenizer has no text for, which decode to nothing but count as tokens. Llama-3-8B in bfloat16
+is 16 GB on disk, twice that in host memory and minutes to write (docs/benchmarks.md).
 
 `--no-weights` writes everything but the weights, at once: what `conveyor serve --device
-emulated` reads (it models the device and loads none). `--tokenizer-from DIR` takes another
-checkpoint's tokenizer, chat template and special ids (config.json's bos/eos, its
-generation_config.json) instead: a real 49k-id BPE such as SmolLM2's counts ShareGPT's tokens
-much as Llama 3's does.
+emulated` reads (it models the device and loads none).
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ import shutil
 import sys
 from pathlib import Path
 from typing import Any
+
+from tokenizers import Tokenizer
 
 from conveyor.tiny.checkpoint import DEFAULT_SHAPE, make_checkpoint, make_config
 
@@ -57,25 +58,41 @@ def generate(
     out_dir: str | Path, shape: str, dtype: str = "bfloat16", seed: int = 0, weights: bool = True, tokenizer_from: str | None = None
 ) -> Path:
     """Write the checkpoint of `shape` (a SHAPES key) in `dtype` into out_dir and return it."""
-    if tokenizer_from is None:
-        if weights:
-            return make_checkpoint(out_dir, "LlamaForCausalLM", seed=seed, dtype=dtype, **SHAPES[shape])
-        return make_config(out_dir, "LlamaForCausalLM", dtype=dtype, **SHAPES[shape])
+    source = None if tokenizer_from is None else _tokenizer_source(Path(tokenizer_from), SHAPES[shape]["vocab_size"])
     if weights:
-        raise ValueError("--tokenizer-from writes no weights (the tiny tokenizer's ids size them): add --no-weights")
-    source, root = Path(tokenizer_from), Path(out_dir)
+        root = make_checkpoint(out_dir, "LlamaForCausalLM", seed=seed, dtype=dtype, **SHAPES[shape])
+    else:
+        root = make_config(out_dir, "LlamaForCausalLM", dtype=dtype, **SHAPES[shape])
+    if source is not None:
+        _take_tokenizer(root, *source)
+    return root
+
+
+def _tokenizer_source(source: Path, vocab_size: int) -> tuple[Path, dict[str, Any]]:
+    """(the folder, its special ids) after checking that the model's vocabulary holds every id of
+    its tokenizer; checked before minutes of weights are written."""
     try:
         config = json.loads((source / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read {source / 'config.json'}: {e}") from None
-    root.mkdir(parents=True, exist_ok=True)
+        num_ids = Tokenizer.from_file(str(source / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # a missing file, bad JSON, a tokenizer the library cannot read
+        raise ValueError(f"cannot read the tokenizer in {source}: {e}") from None
+    if num_ids > vocab_size:
+        raise ValueError(f"{source}'s tokenizer has {num_ids} ids, more than the shape's vocabulary of {vocab_size}")
+    return source, {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+
+
+def _take_tokenizer(root: Path, source: Path, special: dict[str, Any]) -> None:
+    """Replace the tiny tokenizer's files and special ids with the source's: the weights are random,
+    so any tokenizer whose ids fit the vocabulary serves; ids past it decode to nothing."""
     for name in TOKENIZER_FILES:
+        (root / name).unlink(missing_ok=True)
         if (source / name).is_file():
             shutil.copyfile(source / name, root / name)
-    special = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
-    shaped = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": dtype, **SHAPES[shape], **special}
-    (root / "config.json").write_text(json.dumps(shaped, indent=2) + "\n")
-    return root
+    config = json.loads((root / "config.json").read_text())
+    config = {k: v for k, v in config.items() if k not in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    (root / "config.json").write_text(json.dumps({**config, **special}, indent=2) + "\n")
+    if not (root / "generation_config.json").is_file():
+        (root / "generation_config.json").write_text(json.dumps({**special, "do_sample": False}, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,13 +104,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the weights' dtype (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="weights are a function of the seed (default: %(default)s)")
     p.add_argument("--no-weights", dest="weights", action="store_false", help="config and tokenizer only (for --device emulated)")
-    p.add_argument("--tokenizer-from", metavar="DIR", help="another checkpoint's tokenizer and special ids (needs --no-weights)")
+    p.add_argument("--tokenizer-from", metavar="DIR", help="another checkpoint's tokenizer and special ids (its config.json's)")
     args = p.parse_args(argv)
     try:
         path = generate(args.out_dir, args.shape, args.dtype, args.seed, args.weights, args.tokenizer_from)
     except ValueError as e:
         p.error(str(e))
-    print(f"wrote {args.shape} ({args.dtype}{'' if args.weights else ', no weights'}) to {path}")
+    tokenizer = f", {args.tokenizer_from}'s tokenizer" if args.tokenizer_from else ""
+    print(f"wrote {args.shape} ({args.dtype}{'' if args.weights else ', no weights'}{tokenizer}) to {path}")
     return 0
 
 

@@ -3,7 +3,8 @@
 Not a runbook step: a regression check for a GPU session (the second GPU run measured 0.92x a
 commit's req/s, one run each on two machines, which cannot tell a regression from two machines).
 `BASELINE=COMMIT bash ops/gpu/pack.sh` puts that commit's tree into .gpu-pack/baseline/; there,
-after `bash ops/gpu/run.sh checkpoint` (the served checkpoint, the wheels on the path):
+after `bash ops/gpu/run.sh checkpoint` (the served checkpoint of the workload, --workload,
+sharegpt-500 by default: ops/gpu/workloads.py; the wheels on the path):
 
     PYTHONPATH=/tmp/gpu-site python3 ops/gpu/ab_race.py --rounds 2
 
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 import race
+import workloads
 
 REPO = Path(__file__).resolve().parents[2]
 FIGURES = ("req_per_s", "output_tok_per_s", "ttft_p50_ms", "tpot_p50_ms", "bubble", "host_us_per_output_token")
@@ -37,10 +39,11 @@ FIGURES = ("req_per_s", "output_tok_per_s", "ttft_p50_ms", "tpot_p50_ms", "bubbl
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", type=Path, default=REPO / ".gpu-pack" / "baseline", help="the older tree's root")
-    p.add_argument("--model", type=Path, help="default: the runbook's checkpoint (/tmp/gpu-runbook/llama3-8b-bf16)")
+    p.add_argument("--workload", choices=sorted(workloads.WORKLOADS), default=workloads.DEFAULT, help="ops/gpu/workloads.py")
+    p.add_argument("--model", type=Path, help="default: the runbook's checkpoint for the workload (/tmp/gpu-runbook/NAME)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=1, help="--num-scheduler-steps")
-    p.add_argument("--num-prompts", type=int, help="default: 500; 16 with --emulated")
+    p.add_argument("--num-prompts", type=int, help="default: the workload's; 16 with --emulated")
     p.add_argument("--warmup-prompts", type=int, default=64, help="the thrown-away first race's (0: none)")
     p.add_argument("--sharegpt", type=Path, help="default: .gpu-pack's, else ../shared/workloads'")
     p.add_argument("--budget-s", type=float, default=540.0)
@@ -49,9 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     deadline = time.monotonic() + args.budget_s
     work = Path("/tmp/gpu-runbook-emulated" if args.emulated else "/tmp/gpu-runbook")
-    model = args.model or work / ("tiny-emulated" if args.emulated else "llama3-8b-bf16")
+    workload = workloads.WORKLOADS[args.workload]
+    model = args.model or work / ("tiny-emulated" if args.emulated else workload.checkpoint)
     if not (model / "config.json").is_file():
-        p.error(f"no checkpoint at {model}: run `bash ops/gpu/run.sh checkpoint{' --emulated' if args.emulated else ''}` first")
+        step = f"checkpoint --workload {workload.name}{' --emulated' if args.emulated else ''}"
+        p.error(f"no checkpoint at {model}: run `bash ops/gpu/run.sh {step}` first")
     if not (args.baseline / "conveyor" / "__init__.py").is_file():
         p.error(f"no tree at {args.baseline}: pack one with BASELINE=COMMIT bash ops/gpu/pack.sh")
     device = ("--device", "emulated", "--emulate", "h100") if args.emulated else ("--device", "cuda", "--attention-backend", "triton")
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             model,
             (*device, *steps),
             sharegpt,
-            args.warmup_prompts if label == "warm-up" else args.num_prompts or (16 if args.emulated else 500),
+            args.warmup_prompts if label == "warm-up" else args.num_prompts or (16 if args.emulated else workload.num_prompts),
             args.out / "ab-race",
             deadline,
             600.0,
@@ -88,13 +93,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  failed: {e.record['what']}\n{e.record.get('output_tail', '')}", flush=True)
             continue
         if label != "warm-up":
-            runs[side].append(figures)
+            runs[side].append({**figures, "workload": workload.name})
         print("  " + ", ".join(f"{k} {figures[k]:.4g}" for k in FIGURES), flush=True)
     medians = {side: {k: statistics.median(r[k] for r in rs) for k in FIGURES} for side, rs in runs.items() if rs}
     ratios = {}
     if len(medians) == 2:
         ratios = {k: medians["this"][k] / medians["baseline"][k] for k in FIGURES if medians["baseline"][k]}
-    report = {"commits": commits, "runs": runs, "medians": medians, "ratios": ratios, "failures": failures}
+    report = {"workload": workload.name, "commits": commits, "runs": runs, "medians": medians, "ratios": ratios, "failures": failures}
     (args.out / "ab-race.json").write_text(json.dumps(report, indent=1))
     print(f"\n| figure | this ({commits['this']}) | baseline ({commits['baseline']}) | this / baseline |\n|---|---|---|---|")
     for k in FIGURES:

@@ -5,9 +5,9 @@
 #     the image does not hold (pyzmq, msgspec, gguf, xgrammar and its needs), and the test suite's
 #     (openai, jsonschema and theirs; peft, the LoRA tests' reference), so that more than the GPU-marked tests can run there;
 #   - the ShareGPT sample the races send (../shared does not travel);
-#   - SmolLM2's tokenizer files (smollm2/): a real 49k-id BPE, for `conveyor.tiny.generate
-#     --tokenizer-from` runs by hand. The runbook's checkpoint keeps the tiny tokenizer, whose
-#     vocabulary the embedding rows were drawn for;
+#   - SmolLM2's tokenizer files (smollm2/): a real 49k-id BPE, which the runbook's checkpoint for
+#     the sharegpt-500 workload takes (`conveyor.tiny.generate --tokenizer-from`), so that the
+#     client picks the prompts vLLM's client picks (ops/gpu/workloads.py);
 #   - with BASELINE=COMMIT, that commit's tree in baseline/ (git archive, about 1 MiB) and its
 #     commit.txt: ops/gpu/ab_race.py races it against this checkout;
 #   - commit.txt: the commit packed, which the runbook reports on the device (its copy of the tree

@@ -111,6 +111,8 @@ def figures(serve_json: Path, cpu_json: Path) -> dict:
         "failed": point["num_failed"],
         "req_per_s": point["request_throughput"],
         "output_tok_per_s": point["output_throughput"],
+        "mean_prompt_tokens": point["mean_input_len"],  # the workload's, as the server counted them
+        "mean_output_tokens": point["mean_output_len"],
         "ttft_p50_ms": point["ttft"]["p50"] * ms,
         "ttft_p99_ms": point["ttft"]["p99"] * ms,
         "tpot_p50_ms": point["tpot"]["p50"] * ms,

@@ -7,7 +7,9 @@ are the README's. Each step runs conveyor in subprocesses. Invariants:
 - every step is idempotent, stops itself within --budget-s (540 s: a device call has 600) and
   writes gpu-runbook.json and gpu-runbook.md to $OUT (./gpu-runbook-out where unset, or --out);
 - a race configuration that no longer fits in the call is recorded as not run, and running the
-  step again measures only the ones still missing (--rerun measures all again);
+  step again measures only the ones still missing on the same workload (--rerun measures all again);
+- the races send a named workload (--workload, ops/gpu/workloads.py: sharegpt-500 by default),
+  whose tokenizer the checkpoint step generates the checkpoint with; its figures name it;
 - `--emulated` runs the same steps against `conveyor serve --device emulated` on a config-only
   tiny checkpoint, at a tiny scale, without the GPU tests: tests/ops/test_gpu_runbook.py;
 - stdlib only, so that it can report a machine where conveyor's imports fail.
@@ -30,6 +32,7 @@ from pathlib import Path
 
 import race
 import record
+import workloads
 
 REPO = Path(__file__).resolve().parents[2]
 PACK = REPO / ".gpu-pack"
@@ -46,6 +49,7 @@ class Options:
     work: Path  # state, checkpoint, logs
     model: Path
     model_given: bool  # --model: served as it is, never generated
+    workload: workloads.Workload  # its tokenizer is the checkpoint's; --sharegpt and --num-prompts override the rest
     sharegpt: Path
     num_prompts: int
     budget_s: float
@@ -170,11 +174,17 @@ def kernels(opts: Options, state: dict, deadline: float) -> dict:
 
 def checkpoint_command(opts: Options) -> list[str]:
     shape = ["--shape", "tiny", "--no-weights"] if opts.emulated else ["--shape", "llama3-8b", "--dtype", "bfloat16"]
+    tokenizer = None if opts.emulated else opts.workload.tokenizer_dir(PACK)
+    if tokenizer is not None:
+        shape += ["--tokenizer-from", str(tokenizer)]
     return [sys.executable, "-m", "conveyor.tiny.generate", *shape, str(opts.model)]
 
 
 def checkpoint(opts: Options, state: dict, deadline: float) -> dict:
     cmd = checkpoint_command(opts)
+    tokenizer = None if opts.emulated or opts.model_given else opts.workload.tokenizer_dir(PACK)
+    if tokenizer is not None and not (tokenizer / "tokenizer.json").is_file():
+        raise StepFailed(f"{opts.workload.name} needs {tokenizer}/tokenizer.json: pack it here with bash ops/gpu/pack.sh")
     if opts.model_given:
         if not (opts.model / "config.json").is_file():
             raise StepFailed(f"--model {opts.model}: no config.json there")
@@ -205,7 +215,9 @@ def race_step(k: int):
         name, note = f"race-k{k}", []
         earlier = state["steps"].get(name, {}).get("figures", {})
         configs = [(f"K = {k}, CUDA graphs", ()), (f"K = {k}, eager", ("--enforce-eager",))]
-        figures = {label: earlier[label] for label, _ in configs if earlier.get(label, {}).get("ok") and not opts.rerun}
+        # Kept: a configuration measured on this workload (the earlier runs' figures name none).
+        ok = {label: f for label, f in earlier.items() if f.get("ok") and f.get("workload") == opts.workload.name}
+        figures = {label: ok[label] for label, _ in configs if label in ok and not opts.rerun}
         note += [f"{label}: kept from an earlier call (--rerun measures it again)" for label in figures]
         configs = [(label, graphs) for label, graphs in configs if label not in figures]
         if configs and not opts.model_given and not (opts.model / COMPLETE).is_file():
@@ -234,10 +246,10 @@ def race_step(k: int):
             )
             print(f"{name}: {label}: serving {opts.model} ...", flush=True)
             try:
-                figures[label] = {**race.measure(config), "ok": True}
+                figures[label] = {**race.measure(config), "ok": True, "workload": opts.workload.name}
                 print(f"  {figures[label]['req_per_s']:.2f} req/s, bubble {figures[label]['bubble']:.3f}", flush=True)
             except race.RaceFailed as e:
-                figures[label] = {**e.record.pop("figures", {}), "ok": False}
+                figures[label] = {**e.record.pop("figures", {}), "ok": False, "workload": opts.workload.name}
                 failures.append({**e.record, "what": f"{label}: {e.record['what']}"})
         return {"figures": figures, "failures": failures, "note": "; ".join(note)}
 
@@ -297,8 +309,9 @@ def options(argv: list[str] | None) -> Options:
     p.add_argument("--out", type=Path, help="where the reports go (default: $OUT, else ./gpu-runbook-out)")
     p.add_argument("--work", type=Path, help="state, checkpoint and logs (default: /tmp/gpu-runbook, -emulated with --emulated)")
     p.add_argument("--model", type=Path, help="serve this checkpoint instead of generating one (the checkpoint step checks it)")
+    p.add_argument("--workload", choices=sorted(workloads.WORKLOADS), default=workloads.DEFAULT, help="ops/gpu/workloads.py")
     p.add_argument("--sharegpt", type=Path, help="the ShareGPT JSON (default: .gpu-pack's, else ../shared/workloads')")
-    p.add_argument("--num-prompts", type=int, help="requests per race (default: 500; 16 with --emulated)")
+    p.add_argument("--num-prompts", type=int, help="requests per race (default: the workload's; 16 with --emulated)")
     p.add_argument("--budget-s", type=float, default=540.0, help="each step stops itself within this (default: %(default)s)")
     p.add_argument("--rerun", action="store_true", help="measure race configurations measured by an earlier call again")
     p.add_argument("--resume", type=Path, default=PACK / "gpu-runbook.json", help="a fetched report to start from on a fresh machine")
@@ -306,15 +319,17 @@ def options(argv: list[str] | None) -> Options:
     args = p.parse_args(argv)
     work = args.work or Path("/tmp/gpu-runbook-emulated" if args.emulated else "/tmp/gpu-runbook")
     packed = PACK / "sharegpt_sample.json"
+    workload = workloads.WORKLOADS[args.workload]
     return Options(
         step=args.step,
         emulated=args.emulated,
         out=args.out or Path(os.environ.get("OUT") or "gpu-runbook-out"),
         work=work,
-        model=args.model or work / ("tiny-emulated" if args.emulated else "llama3-8b-bf16"),
+        model=args.model or work / ("tiny-emulated" if args.emulated else workload.checkpoint),
         model_given=args.model is not None,
+        workload=workload,
         sharegpt=args.sharegpt or (packed if packed.is_file() else REPO.parent / "shared/workloads/sharegpt_sample.json"),
-        num_prompts=args.num_prompts or (16 if args.emulated else 500),
+        num_prompts=args.num_prompts or (16 if args.emulated else workload.num_prompts),
         budget_s=args.budget_s,
         rerun=args.rerun,
         resume=args.resume,

@@ -47,6 +47,7 @@ def test_ab_race_races_both_trees_emulated(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     report = json.loads((out / "ab-race.json").read_text())
     assert report["commits"]["baseline"] == "0123456789" and report["failures"] == []
+    assert report["workload"] == "sharegpt-500" and all(run["workload"] == "sharegpt-500" for run in report["runs"]["this"])
     assert [len(report["runs"][side]) for side in ("this", "baseline")] == [1, 1]  # the warm-up is not among them
     assert all(run["completed"] == 6 for runs in report["runs"].values() for run in runs)
     assert report["ratios"]["req_per_s"] > 0 and "| req_per_s |" in done.stdout

@@ -1,10 +1,11 @@
 """conveyor bench's datasets: synthetic prompts that hit their lengths on the counter they are
 given, which is the server's tokenizer when it has /tokenize (a file or words when not), and
-ShareGPT conversations kept by vLLM's filter."""
+ShareGPT conversations kept by vLLM's filter (test_bench_sharegpt_vllm.py: vLLM's very picks)."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import aiohttp
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 from conveyor.bench.dataset import DatasetConfig, make_dataset
 from conveyor.bench.prompts import FileCounter, ServerCounter, WordCounter, choose_counter
+from conveyor.sim.sharegpt import sharegpt_pairs
 from tests.ops.bench_fakes import SHAREGPT, FakeServer
 
 
@@ -58,7 +60,9 @@ def test_counter_falls_back_without_tokenize():
 
 def test_sharegpt_follows_the_vllm_filter(tiny_counter):
     requests = asyncio.run(make_dataset(DatasetConfig("sharegpt", 50, path=SHAREGPT, seed=1), tiny_counter))
-    assert len(requests) == 50 and len({r.prompt for r in requests}) == 50
+    in_file = collections.Counter(prompt for prompt, _ in sharegpt_pairs(SHAREGPT))
+    # No conversation twice (the file itself opens a few alike: vLLM keeps both, and so do we).
+    assert len(requests) == 50 and all(n <= in_file[p] for p, n in collections.Counter(r.prompt for r in requests).items())
     assert all(4 <= r.prompt_len <= 1024 and r.output_len >= 4 and r.prompt_len + r.output_len <= 2048 for r in requests)
     with pytest.raises(ValueError, match="dataset-path"):
         asyncio.run(make_dataset(DatasetConfig("sharegpt", 5), tiny_counter))

@@ -13,6 +13,7 @@ import importlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,8 +61,9 @@ def test_every_step_runs_emulated_and_reports(tmp_path):
     for name, labels in RACES.items():
         assert steps[name]["status"] == "ok" and set(steps[name]["figures"]) == set(labels)
         for figures in steps[name]["figures"].values():
-            assert figures["ok"] and figures["completed"] == 8 and figures["failed"] == 0
+            assert figures["ok"] and figures["completed"] == 8 and figures["failed"] == 0 and figures["workload"] == "sharegpt-500"
             assert figures["req_per_s"] > 0 and figures["output_tok_per_s"] > 0 and figures["ttft_p50_ms"] > 0
+            assert figures["mean_prompt_tokens"] > 0 and figures["mean_output_tokens"] > 0
             assert 0 <= figures["bubble"] <= 1
             assert {"worker", "scheduler", "ingress"} <= set(figures["stage_cpu_s"])
             assert any("EMULATED device" in line for line in figures["log_lines"])
@@ -90,6 +92,23 @@ def test_a_failing_step_is_recorded_and_fails_the_run(tmp_path):
     done, report, _ = runbook(tmp_path, "checkpoint", "--model", str(missing))
     assert done.returncode != 0 and report["steps"]["checkpoint"]["failures"][0]["what"].endswith("no config.json there")
     assert report["steps"]["race-k1"]["status"] == "failed"  # earlier calls' results stay in the report
+
+
+def test_the_workload_names_the_checkpoints_tokenizer(tmp_path, monkeypatch):
+    """sharegpt-500's checkpoint takes the packed SmolLM2 tokenizer (vLLM's client picks with it);
+    the first runs' workload keeps the generated one; without the pack the step says what to do."""
+    monkeypatch.syspath_prepend(str(REPO / "ops/gpu"))
+    runbook = importlib.import_module("runbook")
+    opts = runbook.options(["checkpoint", "--work", str(tmp_path)])
+    assert opts.workload.name == "sharegpt-500" and opts.num_prompts == 500 and opts.model == tmp_path / "llama3-8b-bf16-smollm2"
+    cmd = runbook.checkpoint_command(opts)
+    assert cmd[cmd.index("--shape") + 1] == "llama3-8b" and cmd[cmd.index("--tokenizer-from") + 1] == str(REPO / ".gpu-pack/smollm2")
+    old = runbook.options(["checkpoint", "--work", str(tmp_path), "--workload", "runbook-bpe4096-500"])
+    assert "--tokenizer-from" not in runbook.checkpoint_command(old) and old.model == tmp_path / "llama3-8b-bf16"
+    assert "--tokenizer-from" not in runbook.checkpoint_command(runbook.options(["checkpoint", "--emulated"]))
+    monkeypatch.setattr(runbook, "PACK", tmp_path / "no-pack")
+    with pytest.raises(runbook.StepFailed, match="pack.sh"):
+        runbook.checkpoint(opts, {}, time.monotonic() + 10)
 
 
 def test_the_tests_step_runs_the_quantized_kernels_gpu_tests(monkeypatch):
