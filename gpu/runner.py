@@ -344,7 +344,8 @@ class ModelRunner:
         greedy: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, valid) [S], no logits: draws wanting only an argmax
         if not any(work.forks) and all(only_argmax(seq.params, seq.num_output_tokens) for seq in drawing):
             greedy = self.model.compute_greedy(hidden)
-        logits = self.model.compute_logits(hidden) if greedy is None else None  # [S, V] float32 (other ranks: [S, 0])
+        # [S, V] in the model dtype (other ranks: [S, 0]): the sampler upcasts only what its math needs
+        logits = self.model.compute_logits(hidden, upcast=False) if greedy is None else None
         mask: TokenMask | None = None
         if self._constrained and any(seq.params.structured is not None for seq in drawing):
             # One mask row per logits row: a verifying row's position j masked as if its first j drafts were drawn.

@@ -89,16 +89,19 @@ class CausalLM(nn.Module):
         """input_ids [T] -> the first layer's input [T, H]."""
         return self.model.embed_tokens(input_ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] float32 (the matmul runs in the model dtype, as HF); with
-        several tensor-parallel ranks, [N, 0] on all but rank 0, which samples."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] float32 (the matmul runs in the model dtype, as HF; upcast
+        False: left in it, for the sampler, which upcasts only what its math needs); with several
+        tensor-parallel ranks, [N, 0] on all but rank 0, which samples."""
+        logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     def compute_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """hidden [N, H] -> (ids [N] int64, valid [N] bool): the argmax of compute_logits' rows, for
-        greedy draws that want nothing else, where the backend finds it without the logits
-        (ParallelLMHead.argmax); None: compute the logits. A family whose logits are not the
-        head's product overrides it."""
+        greedy draws that want nothing else (ParallelLMHead.argmax: without the logits where the
+        backend can, else from the head's product in the model dtype, never a float32 copy or a
+        softmax); None: compute the logits. A family whose logits are not the head's product
+        overrides it."""
         return self.lm_head.argmax(hidden)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -28,6 +28,7 @@ from conveyor.gpu.backends.base import Backend
 from conveyor.gpu.models.base import CausalLM
 from conveyor.gpu.models.layers import RMSNorm
 from conveyor.gpu.models.llama import MLP, Attention
+from conveyor.gpu.sampling.argmax import argmax_rows
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -74,17 +75,19 @@ class GemmaForCausalLM(CausalLM):
                 if isinstance(module, RMSNorm):
                     module.weight.data = module.weight.data.float() + 1.0
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         logits = self.lm_head(hidden)  # [N, V] in the model dtype; capped there too, as HF
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits.float() if upcast else logits
 
     def compute_greedy(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         # Capping saturates: logits that differ can tie once capped, and the argmax of the capped
-        # ones (the lowest id of a tie) is not the product's.
-        return None if self.config.final_logit_softcap is not None else super().compute_greedy(hidden)
+        # ones (the lowest id of a tie) is not the product's: the capped logits' own, in the model dtype.
+        if self.config.final_logit_softcap is None:
+            return super().compute_greedy(hidden)
+        return argmax_rows(self.compute_logits(hidden, upcast=False))
 
 
 def gemma2_config(hf: dict[str, Any], cfg: ModelConfig) -> ModelConfig:

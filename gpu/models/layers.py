@@ -28,6 +28,7 @@ from conveyor.gpu.backends.base import Ops
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.shard import Split
 from conveyor.gpu.quant.weight import QuantizedWeight
+from conveyor.gpu.sampling.argmax import argmax_rows
 
 if TYPE_CHECKING:
     from conveyor.gpu.lora.slots import LoraProjection
@@ -139,13 +140,16 @@ class ParallelLMHead(Linear):
         logits = self.tp.gather_first(self.product(hidden), dim=-1)  # [N, padded V] on rank 0
         return logits[:, : self.vocab_size] if logits.shape[-1] > self.vocab_size else logits
 
-    def argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """hidden [N, H] -> (argmax of each row's logits [N] int64, valid [N] bool) without the
-        logits, where the ops can (Ops.argmax_product); None: take forward's. One rank, unpadded:
-        a gather, or padding rows, would need the logits."""
-        if self.tp.size > 1 or self.out_features != self.vocab_size:
-            return None
-        return self.ops.argmax_product(hidden, self)
+    def argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [N, H] -> (argmax of each row's logits [N] int64, valid [N] bool; sampling/argmax.py):
+        without the logits where the ops can (Ops.argmax_product: one rank, unpadded), else from
+        forward's logits in the model dtype (no float32 copy, no softmax). With several ranks every
+        rank joins forward's gather; the ranks without logits get placeholders (share_draws)."""
+        if self.tp.size == 1 and self.out_features == self.vocab_size:
+            found = self.ops.argmax_product(hidden, self)
+            if found is not None:
+                return found
+        return argmax_rows(self(hidden))
 
 
 class RMSNorm(nn.Module):

@@ -4,7 +4,12 @@ A sampling row (a sequence whose chunk reached the end of its known tokens) owns
 and one draw per choice: its own, then one per fork. Its draws share its params and token
 history, so penalties, bias and min_tokens edit its logits row once (penalties.py), and so does
 a grammar's mask (gpu/structured/mask.py); each draw then reads its row (sampler.py). Logprobs,
-sampled and top, come from the raw logits.
+sampled and top, come from the raw logits, and only for the draws that read them (`wants_logprob`:
+logprobs asked, or best_of ranking); the others' sampled logprob is NaN (not computed).
+
+The logits come in the model dtype (bfloat16 on a GPU): penalties, a mask and the sampled rows'
+temperature make float32 copies of what they edit, greedy rows read them as they are, and the
+logprobs upcast the rows that want them. None of that changes an id or a logprob.
 
 A step whose every draw is greedy and wants nothing but its token (`only_argmax`: no logprobs, no
 best_of ranking, nothing that edits the logits) may skip the logits: the model's head gives the
@@ -63,7 +68,7 @@ class DeviceSamples:
     """A step's draws, still on the device: what StepSamples holds once copied to the host."""
 
     token_ids: torch.Tensor  # [N] int64, in draw order
-    logprobs: torch.Tensor  # [N] float32; NaN from argmax_draws, where no draw asked
+    logprobs: torch.Tensor  # [N] float32; NaN where the draw does not want it (wants_logprob)
     valid: torch.Tensor  # [N] bool: False where the logits were not finite
     top_values: torch.Tensor | None  # [R, k] float32 for the R rows that asked for logprobs
     top_ids: torch.Tensor | None  # [R, k] int64
@@ -82,8 +87,8 @@ class DeviceSamples:
 
 
 def sample_step(logits: torch.Tensor, rows: list[SamplingRow], eos_token_ids: tuple[int, ...]) -> StepSamples:
-    """logits [S, V] float32 as the model gave them, row i for rows[i] -> the step's draws on the
-    host (one synchronisation)."""
+    """logits [S, V] as the model gave them (float32 or the model dtype), row i for rows[i] -> the
+    step's draws on the host (one synchronisation)."""
     samples = draw_step(logits, rows, eos_token_ids)
     return samples.on_host(to_host(*samples.tensors()))
 
@@ -95,8 +100,8 @@ def draw_step(
     draw_params: DrawParams | None = None,
     mask: TokenMask | None = None,
 ) -> DeviceSamples:
-    """logits [S, V] float32 as the model gave them, row i for rows[i] -> the draws, on the device
-    (no synchronisation). draw_params: each draw's parameters already on the device, in draw order.
+    """logits [S, V] as the model gave them (float32 or the model dtype), row i for rows[i] -> the
+    draws, on the device (no synchronisation). draw_params: each draw's parameters already on the device, in draw order.
     mask: the grammar's, applied after the penalties (the raw logits still give the logprobs)."""
     device = logits.device
     params, output_indices, choice_indices, logit_rows = [], [], [], []
@@ -112,10 +117,10 @@ def draw_step(
     num_outputs = [r.num_output_tokens for r in rows]
     edited = apply_penalties(logits, row_params, [r.token_ids for r in rows], num_prompt, eos_token_ids, num_outputs)
     if mask is not None:
-        edited = edited.clone() if edited is logits else edited
+        edited = edited.to(torch.float32, copy=edited is logits)  # a float32 copy unless penalties made one
         mask.apply_(edited)
     token_ids, valid = sample(edited, params, output_indices, choice_indices, draw_rows, draw_params)  # [N] int64, [N] bool
-    logprobs = sampled_logprobs(logits, token_ids, draw_rows)  # [N] float32
+    logprobs = _wanted_logprobs(logits, token_ids, draw_rows, [wants_logprob(p) for p in params])  # [N] float32
 
     wanted = [r for r, row in enumerate(rows) if row.params.logprobs is not None]
     k = max((rows[r].params.logprobs or 0 for r in wanted), default=0)
@@ -126,14 +131,19 @@ def draw_step(
     return DeviceSamples(token_ids, logprobs, valid, top_values, top_ids, rows, wanted)
 
 
+def wants_logprob(params: SamplingParams) -> bool:
+    """Whether anything reads a draw's sampled logprob: the client's logprobs, or best_of's ranking
+    by cumulative logprob (the scheduler sums them; LLM and the ingress read the sum only then)."""
+    return params.logprobs is not None or params.num_samples > params.n
+
+
 def only_argmax(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a draw of output `num_output_tokens` (or a later one) of a request with `params` is
     its logits' argmax and nothing more is read of them: greedy, no logprobs or best_of ranking
     (the sampled logprob), no penalties, bias or min_tokens still to apply, no grammar, no pooling."""
     return (
         params.greedy
-        and params.logprobs is None
-        and params.num_samples == params.n
+        and not wants_logprob(params)
         and not penalises_repeats(params)
         and not params.logit_bias
         and num_output_tokens >= params.min_tokens
@@ -147,6 +157,21 @@ def argmax_draws(ids: torch.Tensor, valid: torch.Tensor, rows: list[SamplingRow]
     argmaxes ids [S] int64 and valid [S] bool (CausalLM.compute_greedy)."""
     nan = torch.full(ids.shape, float("nan"), dtype=torch.float32, device=ids.device)
     return DeviceSamples(ids, nan, valid, None, None, rows, [])
+
+
+def _wanted_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, draw_rows: torch.Tensor | None, wanted: list[bool]
+) -> torch.Tensor:
+    """[N] float32: draw i's sampled logprob where wanted[i], NaN elsewhere; only the wanted draws'
+    rows go through log_softmax (a [S, V] pass for every row cost more than the draw itself)."""
+    if all(wanted):
+        return sampled_logprobs(logits, token_ids, draw_rows)
+    out = torch.full(token_ids.shape, float("nan"), dtype=torch.float32, device=token_ids.device)
+    if any(wanted):
+        draws = to_device([i for i, w in enumerate(wanted) if w], torch.int64, token_ids.device)
+        rows = draws if draw_rows is None else draw_rows[draws]
+        out[draws] = sampled_logprobs(logits, token_ids[draws], rows)
+    return out
 
 
 def _tops(rows: list[SamplingRow], wanted: list[int], values: torch.Tensor | None, ids: torch.Tensor | None):

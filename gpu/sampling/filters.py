@@ -1,8 +1,15 @@
-"""Support filters on temperature-scaled logits: top_k, top_p (HF's order: k first) and min_p.
+"""Support filters, HF's order: top_k on the temperature-scaled logits, then top_p and min_p on
+their unnormalised probabilities exp(x - max). No filter sorts the vocabulary.
 
-Rows whose params disable a filter pass through it unchanged, and a batch where no row uses a
-filter skips it entirely (no sort): that choice reads the host's SamplingParams. The values come
-from `draw_params` when the caller keeps them on the device (ParamsTable), else from the params.
+- top_k: the k-th largest value by a partial selection (torch.topk of the batch's largest k; a
+  sort's values only past TOP_K_SELECT_MAX), every token below it dropped;
+- top_p: top_p.py's threshold, over the top_k survivors (renormalised: the others are 0);
+- min_p: tokens below min_p times the row's largest probability dropped.
+Ties at a cut are all kept (HF's top_k does the same; a sort kept whichever came first), and the
+most likely token always stays. Rows whose params disable a filter pass through it unchanged, and
+a batch where no row uses a filter skips it: that choice reads the host's SamplingParams. The
+values come from `draw_params` when the caller keeps them on the device (ParamsTable), else from
+the params. sorted_filters.py keeps the sort-based filters as the tests' reference.
 """
 
 from __future__ import annotations
@@ -10,39 +17,38 @@ from __future__ import annotations
 import torch
 
 from conveyor.gpu.sampling.params_table import DrawParams
+from conveyor.gpu.sampling.top_p import top_p_thresholds
 from conveyor.gpu.sampling.transfer import to_device
 from conveyor.wire.messages import SamplingParams
 
+# Above this k, torch.topk costs about a sort (ESTIMATE: its selection then sorts the k it kept).
+TOP_K_SELECT_MAX = 1024
 
-def filter_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams], draw_params: DrawParams | None = None) -> torch.Tensor:
-    """logits [N, V] -> [N, V] with what top_k / top_p exclude set to -inf."""
+
+def filter_top_k(logits: torch.Tensor, params: list[SamplingParams], draw_params: DrawParams | None = None) -> torch.Tensor:
+    """logits [N, V] float32 -> the same tensor, tokens below each row's k-th largest set to -inf
+    in place (top_k 0 or >= V: no limit)."""
     vocab = logits.shape[-1]
-    top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    top_ps = [p.top_p for p in params]
-    use_k, use_p = any(k < vocab for k in top_ks), any(p < 1.0 for p in top_ps)
-    if not (use_k or use_p):
+    k_max = max((p.top_k for p in params if 0 < p.top_k < vocab), default=0)
+    if not k_max:
         return logits
-    device = logits.device
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
-    rank = torch.arange(vocab, device=device)[None, :]
-    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if use_k:
-        if draw_params is not None:  # 0 or >= V: no limit
-            raw = draw_params.top_k
-            k = torch.where((raw > 0) & (raw < vocab), raw, vocab)[:, None]
-        else:
-            k = to_device(top_ks, torch.int64, device)[:, None]
-        drop |= rank >= k
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    if use_p:
-        p = (draw_params.top_p if draw_params is not None else to_device(top_ps, torch.float32, device))[:, None]
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep the shortest prefix whose mass reaches top_p: drop a token when the mass before it
-        # already does. The first token always stays.
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop |= (mass_before >= p) & (rank > 0)
-    dropped = torch.zeros_like(drop).scatter_(-1, order, drop)  # back to vocabulary order
-    return logits.masked_fill(dropped, float("-inf"))
+    raw = draw_params.top_k if draw_params is not None else to_device([p.top_k for p in params], torch.int64, logits.device)
+    limited = ((raw > 0) & (raw < vocab))[:, None]  # [N, 1]
+    if k_max <= TOP_K_SELECT_MAX:
+        largest = logits.topk(k_max, dim=-1).values  # [N, k_max], descending
+    else:
+        largest = logits.sort(dim=-1, descending=True).values
+    kth = largest.gather(1, (raw.clamp(1, largest.shape[-1]) - 1)[:, None])  # [N, 1]
+    return logits.masked_fill_(limited & (logits < kth), float("-inf"))  # NaN < kth is False: NaN rows stay NaN
+
+
+def filter_top_p(probs: torch.Tensor, params: list[SamplingParams], draw_params: DrawParams | None = None) -> torch.Tensor:
+    """probs [N, V] float32 = exp(x - max) after top_k (0 where it dropped) -> the same tensor,
+    tokens outside each row's top_p set to 0 in place."""
+    if not any(p.top_p < 1.0 for p in params):
+        return probs
+    top_p = draw_params.top_p if draw_params is not None else to_device([p.top_p for p in params], torch.float32, probs.device)
+    return probs.masked_fill_(probs < top_p_thresholds(probs, top_p), 0.0)
 
 
 def filter_min_p(probs: torch.Tensor, params: list[SamplingParams], draw_params: DrawParams | None = None) -> torch.Tensor:

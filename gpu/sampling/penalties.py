@@ -32,11 +32,11 @@ def apply_penalties(
     eos_token_ids: tuple[int, ...] | list[int],
     num_outputs: list[int] | None = None,
 ) -> torch.Tensor:
-    """logits [S, V] float32; row i belongs to a sequence with params[i] whose tokens so far are
-    token_ids[i] (its first num_prompt_tokens[i] are the prompt). num_outputs[i] (None: from the
-    histories) counts its outputs when its history may lag: only repetition penalties read the
-    ids themselves. Returns logits [S, V]: the same tensor when no row needs an edit, else an
-    edited copy."""
+    """logits [S, V] (float32, or the model dtype: edits are float32 either way); row i belongs to
+    a sequence with params[i] whose tokens so far are token_ids[i] (its first num_prompt_tokens[i]
+    are the prompt). num_outputs[i] (None: from the histories) counts its outputs when its history
+    may lag: only repetition penalties read the ids themselves. Returns logits [S, V]: the same
+    tensor when no row needs an edit, else an edited float32 copy."""
     vocab = logits.shape[-1]
     if num_outputs is None:
         num_outputs = [len(ids) - n for ids, n in zip(token_ids, num_prompt_tokens, strict=True)]
@@ -48,7 +48,7 @@ def apply_penalties(
         return logits
     device = logits.device
     rows = to_device(picked, torch.int64, device)
-    edited = logits[rows]  # [P, V], a copy
+    edited = logits[rows].float()  # [P, V], a copy, in float32 whatever the logits' dtype (exact edits)
     picked_params = [params[i] for i in picked]
     if any(penalises_repeats(p) for p in picked_params):
         histories = [token_ids[i] for i in picked]
@@ -59,7 +59,7 @@ def apply_penalties(
         values = _pad([list(a.values()) for a in additions], np.float32, 0.0)
         # Padding adds 0.0 to token 0; bias ids are distinct, and -inf plus anything stays -inf.
         edited.scatter_add_(1, to_device(ids, torch.int64, device), to_device(values, torch.float32, device))
-    return logits.index_copy(0, rows, edited)
+    return logits.to(torch.float32, copy=True).index_copy_(0, rows, edited)
 
 
 def _needs_edit(p: SamplingParams, num_output: int, eos_token_ids) -> bool:

@@ -1,4 +1,4 @@
-"""Pick one token per draw from logits [S, V] float32, each draw with its own SamplingParams.
+"""Pick one token per draw from logits [S, V] (float32, or the model dtype), each draw with its own SamplingParams.
 
 draws.py calls `sample` with logits already edited by penalties.py (penalties, bias, min_tokens).
 Greedy draws (temperature 0) take their argmax; the others are divided by the temperature,
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.gpu.sampling.filters import filter_min_p, filter_top_k_top_p
+from conveyor.gpu.sampling.argmax import argmax_rows
+from conveyor.gpu.sampling.filters import filter_min_p, filter_top_k, filter_top_p
 from conveyor.gpu.sampling.params_table import DrawParams
 from conveyor.gpu.sampling.transfer import to_device
 from conveyor.wire.messages import SamplingParams
@@ -34,7 +35,8 @@ def sample(
     logit_rows: torch.Tensor | None = None,
     draw_params: DrawParams | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [S, V] float32. Draw i reads logits row logit_rows[i] ([N] int64 on the logits'
+    """logits [S, V] float32 or the model dtype (greedy batches read it as it is; sampled rows'
+    temperature makes a float32 copy, the only one). Draw i reads logits row logit_rows[i] ([N] int64 on the logits'
     device; None: row i, N = S) with params[i]; output_indices[i] is which output token it draws
     (0 = first), choice_indices[i] its choice index in the request (None: all 0). draw_params:
     the same parameters already on the device (the persistent batch's ParamsTable), so nothing
@@ -42,10 +44,10 @@ def sample(
 
     Returns (ids [N] int64, valid [N] bool) on the logits' device; an invalid draw's id is 0.
 
-    When every draw is greedy that is the whole job: one argmax per row, no sort. Otherwise one
-    descending sort is shared by the batch, only if a draw uses top_k or top_p, and a token is
-    drawn by inverting the CDF: one uniform u per draw, and the first token whose running sum of
-    probabilities exceeds u times the row's total. That is one random number per draw rather than
+    When every draw is greedy that is the whole job: one argmax per row (argmax.py). Otherwise the
+    filters run, none of them a sort (filters.py), and a token is drawn by inverting the CDF: one
+    uniform u per draw, and the first token whose running sum of probabilities exceeds u times the
+    row's total. That is one random number per draw rather than
     one per vocabulary entry (the exponential race's noise, [N, V] logarithms, cost more than the
     rest of sampling together on a CPU). Filtered tokens have probability 0, so the running sum
     never steps past u on them. Validity comes for free: softmax turns NaN, +inf or a row of
@@ -54,9 +56,7 @@ def sample(
     """
     greedy = [p.greedy for p in params]
     if all(greedy):
-        best, ids = logits.max(dim=-1)  # [S]: one pass per row however many draws read it
-        valid = best.isfinite()  # max propagates NaN; +inf, or -inf everywhere, is no distribution
-        ids = ids.masked_fill(~valid, 0)
+        ids, valid = argmax_rows(logits)  # [S]: one pass per row however many draws read it
         return (ids, valid) if logit_rows is None else (ids[logit_rows], valid[logit_rows])
     choice_indices = choice_indices or [0] * len(params)
     device = logits.device
@@ -65,14 +65,17 @@ def sample(
         temps = draw_params.temperature[:, None]
     else:
         temps = to_device([1.0 if p.greedy else p.temperature for p in params], torch.float32, device)[:, None]
-    # [N, V]: a fresh tensor either way, so everything below may work in place (the caller's logits
-    # still give the logprobs); each [N, V] temporary costs a pass over memory at 128k vocabularies.
-    logits = logits / temps if logit_rows is None else logits[logit_rows].div_(temps)
-    logits = filter_top_k_top_p(logits, params, draw_params)
+    # [N, V] float32, a fresh tensor either way, so everything below may work in place (the caller's
+    # logits still give the logprobs); each [N, V] temporary costs a pass over memory at 128k
+    # vocabularies. A gathered float32 copy is divided in place; model-dtype rows upcast in the division.
+    picked = logits if logit_rows is None else logits[logit_rows]
+    in_place = picked is not logits and picked.dtype == torch.float32
+    logits = filter_top_k(picked.div_(temps) if in_place else picked / temps, params, draw_params)
     greedy_ids = logits.argmax(dim=-1) if any(greedy) else None  # before exp, which can tie near the max
     # Unnormalised probabilities exp(x - row max): the draw compares the running sum with u times the
     # total, so softmax's division is not needed, and NaN, +inf or a row of -inf still give NaN.
-    probs = filter_min_p(logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_(), params, draw_params)  # filtered entries are 0
+    probs = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+    probs = filter_min_p(filter_top_p(probs, params, draw_params), params, draw_params)  # filtered entries are 0
     cdf = probs.cumsum_(dim=-1)  # [N, V], non-decreasing (sums of non-negative floats)
     total = cdf[:, -1:]  # [N, 1]; at least the row max's own 1 (every filter keeps it); NaN: nothing to draw
     valid = (total > 0).squeeze(1)  # [N]; False for NaN

@@ -47,7 +47,7 @@ def main() -> None:
         raise SystemExit("the head's one-plane argmax is not in use here (no C++ kernels, or not a quantized head)")
     caught: list[torch.Tensor] = []
     logits = model.compute_logits
-    model.compute_logits = lambda hidden: caught.append(hidden.clone()) or logits(hidden)
+    model.compute_logits = lambda hidden, upcast=True: caught.append(hidden.clone()) or logits(hidden, upcast)
     model.compute_greedy = lambda hidden: None  # every pass through compute_logits, to catch its rows
     chats = [llm.encoder.encode_chat([{"role": "user", "content": p}]) for p in grounded_prompts(args.num)]
     llm.generate(chats, SamplingParams(temperature=0, max_tokens=64))

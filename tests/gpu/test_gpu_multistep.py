@@ -247,7 +247,8 @@ def test_decode_passes_replay_through_the_graph_buffers():
             )
         return r
 
-    requests = [(p, GREEDY, 5) for p in prompts(3, seed=19)]
+    logprobs_too = SamplingParams(temperature=0.0, max_tokens=None, logprobs=0)  # the logprobs compare the logits
+    requests = [(p, logprobs_too, 5) for p in prompts(3, seed=19)]
     graphed = runner(graphs=True)
     replays = []
     run = graphed.graphs.run

@@ -151,8 +151,9 @@ def test_greedy_forks_read_the_shared_prompt():
 
 def run_seeded(seed: int, temperature: float = 1.0, top_k: int = 0) -> ForkDriver:
     driver = ForkDriver(new_runner())
-    driver.add(10, prompt(5, seed=3), GREEDY, forks={}, chunk=2)
-    params = SamplingParams(temperature=temperature, top_k=top_k, seed=seed, n=3, max_tokens=None)
+    # logprobs=0: the sampled logprob alone, which the tests read (without it, it is not computed)
+    driver.add(10, prompt(5, seed=3), SamplingParams(temperature=0.0, max_tokens=None, logprobs=0), forks={}, chunk=2)
+    params = SamplingParams(temperature=temperature, top_k=top_k, seed=seed, n=3, max_tokens=None, logprobs=0)
     driver.add(0, prompt(10, seed=1), params, forks={1: 1, 2: 2}, chunk=3)
     for _ in range(5):
         driver.decode()

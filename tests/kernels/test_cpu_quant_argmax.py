@@ -187,13 +187,16 @@ def test_the_cpu_ops_take_a_quantized_head_from_two_rows():
     ops.prepare(model)
     assert isinstance(model.lm_head.prepared, ArgmaxTable)
     x = rows(model.lm_head.quantized, 3, seed=15)
-    assert model.lm_head.argmax(x[:1]) is None and ARGMAX_MIN_ROWS > 1  # one row: the product is cheaper
+    assert ops.argmax_product(x[:1], model.lm_head) is None and ARGMAX_MIN_ROWS > 1  # one row: the product is cheaper
+    assert torch.equal(model.lm_head.argmax(x[:1])[0], model.lm_head(x[:1]).argmax(-1))  # the head takes the product's
     ids, valid = model.lm_head.argmax(x)
     assert valid.all() and torch.equal(ids, model.lm_head(x).argmax(-1))
     fp8 = TinyLM(ops, quantize_groups(torch.randn(VOCAB, HIDDEN), "e4m3", 32))
     ops.prepare(fp8)
-    assert fp8.lm_head.prepared is None and fp8.lm_head.argmax(x) is None  # no int8 path for e4m3
+    assert fp8.lm_head.prepared is None and ops.argmax_product(x, fp8.lm_head) is None  # no int8 path for e4m3
+    assert torch.equal(fp8.lm_head.argmax(x)[0], fp8.lm_head(x).argmax(-1))
     plain = CpuOps(None, None, NATIVE.kernel)
     other = TinyLM(plain, head("u4", 32, True, seed=14))
     plain.prepare(other)
-    assert other.lm_head.argmax(x) is None
+    assert plain.argmax_product(x, other.lm_head) is None
+    assert torch.equal(other.lm_head.argmax(x)[0], other.lm_head(x).argmax(-1))
