@@ -44,6 +44,7 @@ def build(records: dict[str, dict], kind: str) -> dict:
     gemms: dict[tuple, list[tuple[float, str]]] = collections.defaultdict(list)
     layer: dict[int, list[tuple[float, str]]] = collections.defaultdict(list)
     steps, races = [], []
+    lm_head: dict | None = None  # the last profiled step's LM head
     for name, record in mine.items():
         for g in record.get("gemms") or []:
             gemms[(g["n"], g["k"], g["kind"], g["m"])].append((g["us"], name))
@@ -75,7 +76,7 @@ def build(records: dict[str, dict], kind: str) -> dict:
             "points": [[t, statistics.median(us for us, _ in found)] for t, found in sorted(layer.items())],
         },
         "decode_steps": steps,
-        "lm_head": lm_head if steps else None,
+        "lm_head": lm_head,
         "races": races,
     }
 
