@@ -18,6 +18,7 @@ from conveyor.gpu.spec.draft_length import Acceptance
 from conveyor.gpu.spec.verify import accepted_length
 from conveyor.gpu.step_inputs import PassInputs
 from conveyor.wire.messages import Fork, SamplingParams, StepPlan, StepResult, TopLogprobs
+from conveyor.wire.stop_rules import stops_on
 
 if TYPE_CHECKING:  # xgrammar loads with the first constrained sequence
     from conveyor.gpu.platform import ResultCopy
@@ -203,20 +204,12 @@ def _follow(seq: WorkerSeq, token: int, failed: bool, out: _Draws, eos: tuple[in
         return
     if seq.matcher is not None:
         seq.matcher.accept(token)
-    seq.stopped = _stops(seq, token, eos)
+    # The scheduler's rule (wire/stop_rules.py), over the ids the host holds, `token` the last:
+    # lengths need no check here, as a plan never runs a row past them.
+    seq.stopped = stops_on(seq.params, token, len(seq.token_ids) - seq.num_prompt_tokens, eos)
 
 
 def _dense(tops: dict[int, TopLogprobs], num_draws: int) -> list[TopLogprobs]:
     """One entry per draw: its top logprobs, or empty ones."""
     none = TopLogprobs([], [])
     return [tops.get(d, none) for d in range(num_draws)]
-
-
-def _stops(seq: WorkerSeq, token: int, eos_token_ids: tuple[int, ...]) -> bool:
-    """Whether the sequence ends on `token`, its newest id on the host: the scheduler's rule
-    (Sequence.stop_reason) for EOS and stop tokens, which only count from min_tokens outputs on.
-    Lengths need no check here: a plan never runs a row past them."""
-    params = seq.params
-    if len(seq.token_ids) - seq.num_prompt_tokens < params.min_tokens:
-        return False
-    return (token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids

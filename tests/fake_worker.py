@@ -9,6 +9,7 @@ bad fork all change the outputs, which tests compare with `expected_tokens`.
 from __future__ import annotations
 
 from conveyor.wire.messages import ScheduledSeq, StepPlan, StepResult
+from conveyor.wire.stop_rules import stops_on, tokens_left
 
 VOCAB = 1000
 
@@ -137,10 +138,8 @@ class FakeRunner:
         bs, start, prompt = self.block_size, seq["computed"], seq["prompt"]
         assert start == len(seq["tokens"]) - 1, "a verifying row decodes its last token"
         params = seq["params"]
-        limit = row.num_lookahead
-        if params.max_tokens is not None:
-            limit = min(limit, params.max_tokens - (len(seq["tokens"]) - prompt) - 1)
-        limit = min(limit, self.max_model_len - len(seq["tokens"]) - 1, len(seq["blocks"]) * bs - start - 1)
+        left = tokens_left(params, len(seq["tokens"]), prompt, self.max_model_len) - 1  # past the row's own token
+        limit = min(row.num_lookahead, left, len(seq["blocks"]) * bs - start - 1)
         truth = list(seq["tokens"])
         for _ in range(max(0, limit)):
             truth.append(next_token(truth))
@@ -205,9 +204,6 @@ class FakeRunner:
         return context
 
     def _stops(self, seq: dict, token: int) -> bool:
-        """The worker's own stop check, the scheduler's rule: EOS or a stop token id, once
-        min_tokens outputs exist."""
-        params = seq["params"]
-        if len(seq["tokens"]) - seq["prompt"] < params.min_tokens:
-            return False
-        return (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids
+        """The worker's stop check, the rule both processes share: EOS or a stop token id, once
+        min_tokens outputs exist (engine_driver.reference states it again, as the tests' oracle)."""
+        return stops_on(seq["params"], token, len(seq["tokens"]) - seq["prompt"], self.eos_token_ids)

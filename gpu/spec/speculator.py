@@ -20,6 +20,7 @@ from conveyor.gpu.spec.draft_length import ROW_COST
 from conveyor.gpu.spec.draft_model import DraftModel
 from conveyor.gpu.spec.eagle3 import Eagle3Proposer
 from conveyor.gpu.spec.ngram import NgramProposer
+from conveyor.wire.stop_rules import tokens_left
 
 if TYPE_CHECKING:
     from conveyor.config.engine import EngineConfig
@@ -94,9 +95,9 @@ class Speculator:
         return {i: d for i, d in zip(wanted, proposed) if d}
 
     def _limit(self, seq: WorkerSeq, lookahead: int) -> int:
-        left = self.max_model_len - seq.num_tokens - 1
-        if seq.params.max_tokens is not None:
-            left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
+        # Past the token this pass draws: what its request may still take, counting the ids the
+        # device holds (the scheduler's count, speculation.py, may lag by in-flight acceptances).
+        left = tokens_left(seq.params, seq.num_tokens, seq.num_prompt_tokens, self.max_model_len) - 1
         room = len(seq.block_table) * self.block_size - seq.num_computed - 1
         worth = lookahead if self.fixed else seq.acceptance.draft_length(lookahead, self.row_cost)
         if seq.params.structured is not None and self.tp_size > 1:

@@ -22,6 +22,7 @@ from conveyor.wire.messages import (
     TokenLogprob,
     TopLogprobs,
 )
+from conveyor.wire.stop_rules import stop_reason
 
 
 class SeqStatus(enum.Enum):
@@ -146,27 +147,13 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
-    def at_length_limit(self, num_tokens: int, max_model_len: int) -> bool:
-        """Whether `num_tokens` tokens (prompt included) reach max_tokens or the model's length."""
-        max_tokens = self.params.max_tokens
-        return num_tokens >= max_model_len or (max_tokens is not None and num_tokens - self.num_prompt_tokens >= max_tokens)
-
-    def stop_reason(self, token: int, eos_token_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
-        """Why the sequence ends on `token`, its newest known id; None: it goes on."""
-        params = self.params
-        may_stop = len(self.token_ids) - self.num_prompt_tokens >= params.min_tokens
-        if may_stop and ((token in eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids):
-            return FinishReason.STOP
-        if self.at_length_limit(len(self.token_ids), max_model_len):
-            return FinishReason.LENGTH
-        return None
-
     def take_draw(self, token: int, logprob: float, eos_token_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
-        """A pending draw's id arrived: it joins the known ids; why the sequence ends on it."""
+        """A pending draw's id arrived: it joins the known ids; why the sequence ends on it (the
+        shared rule, wire/stop_rules.py, counting the known ids only: later draws are pending)."""
         self.token_ids.append(token)
         self.num_pending_tokens -= 1
         self.cumulative_logprob += logprob
-        return self.stop_reason(token, eos_token_ids, max_model_len)
+        return stop_reason(self.params, token, len(self.token_ids), self.num_prompt_tokens, eos_token_ids, max_model_len)
 
     def roll_back(self, num_tokens: int) -> None:
         """A window's last `num_tokens` passes never ran: those tokens were neither computed nor drawn."""

@@ -30,21 +30,13 @@ from conveyor.stages.scheduler.block_manager import BlockManager
 from conveyor.stages.scheduler.scheduled_step import Row
 from conveyor.stages.scheduler.sequence import Sequence
 from conveyor.stages.scheduler.windows import is_decoding
+from conveyor.wire.stop_rules import tokens_left
 
 
 def speculates(config: SpeculativeConfig, num_running: int) -> bool:
     """Whether any row of a step with this many running sequences may speculate."""
     limit = config.disable_by_batch_size
     return limit is None or num_running <= limit
-
-
-def tokens_left(seq: Sequence, max_model_len: int) -> int:
-    """Tokens the sequence may still produce after the one this step draws, as the scheduler
-    counts them (the worker, which knows the in-flight steps' acceptance, caps its drafts again)."""
-    left = max_model_len - seq.num_tokens - 1
-    if seq.params.max_tokens is not None:
-        left = min(left, seq.params.max_tokens - seq.num_output_tokens - 1)
-    return left
 
 
 def reserve_ahead(seq: Sequence, blocks: BlockManager) -> Row | None:
@@ -66,7 +58,10 @@ def grant_lookahead(row: Row, config: SpeculativeConfig, blocks: BlockManager, b
     seq = row.seq
     if row.num_tokens != 1 or not is_decoding(seq):
         return 0
-    k = min(config.num_speculative_tokens, budget, tokens_left(seq, max_model_len))
+    # Drafts past the token this step draws, within the sequence's limits as the scheduler counts
+    # them (the worker, which knows the in-flight steps' acceptance, caps its drafts again).
+    left = tokens_left(seq.params, seq.num_tokens, seq.num_prompt_tokens, max_model_len) - 1
+    k = min(config.num_speculative_tokens, budget, left)
     if k < 1:
         return 0
     ahead = seq.num_pending_lookahead

@@ -16,6 +16,7 @@ from conveyor.stages.scheduler.scheduled_step import Row
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
 from conveyor.stages.scheduler.speculation import grant_lookahead, reserve_ahead, speculates
 from conveyor.wire.messages import FinishReason, LoraLoad
+from conveyor.wire.stop_rules import tokens_left
 
 if TYPE_CHECKING:
     from conveyor.stages.scheduler.scheduler import Scheduler
@@ -44,8 +45,10 @@ class StepBuilder:
         for seq in sched.running:
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            if seq.num_pending_tokens and seq.at_length_limit(seq.num_tokens + seq.num_pending_lookahead, max_model_len):
-                continue  # its pending draws may be its last (with their drafts: speculation.py)
+            if seq.num_pending_tokens:  # its pending draws, and the drafts the worker may hold (speculation.py), may be its last
+                num_ahead = seq.num_tokens + seq.num_pending_lookahead
+                if tokens_left(seq.params, num_ahead, seq.num_prompt_tokens, max_model_len) <= 0:
+                    continue
             (decodes if seq.num_uncomputed_tokens == 1 else prompts).append(seq)
         can_append_in_place = sched.blocks.can_append_in_place
         for seq in decodes:

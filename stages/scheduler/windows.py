@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from conveyor.stages.scheduler.block_manager import BlockManager
 from conveyor.stages.scheduler.scheduled_step import Row
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
+from conveyor.wire.stop_rules import tokens_left
 
 
 def is_decoding(seq: Sequence) -> bool:
@@ -40,9 +41,7 @@ def may_extend(running: Iterable[Sequence], rows: list[Row]) -> bool:
 def passes_left(seq: Sequence, max_passes: int, max_model_len: int) -> int:
     """Decode passes the sequence may still take part in, at most `max_passes`: each draws one
     token, and the last draw may reach max_tokens or the model's length but not pass them."""
-    left = max_model_len - seq.num_tokens
-    if seq.params.max_tokens is not None:
-        left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+    left = tokens_left(seq.params, seq.num_tokens, seq.num_prompt_tokens, max_model_len)
     return max(1, min(max_passes, left))
 
 
