@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU runbook's entry point: bash ops/gpu/run.sh STEP [--emulated] [runbook options]
-# (steps: setup tests kernels checkpoint race-k1 race-k8 report all; ops/gpu/runbook.py --help lists the options).
+# (steps: setup tests kernels checkpoint race-k1 race-k8 race-defaults report all; ops/gpu/runbook.py --help lists the options).
 # On the GPU machine, in the repository root, with carry [".gpu-pack"] (made here by ops/gpu/pack.sh):
 # installs the packed wheels into /tmp/gpu-site (the image has no network and lacks them) and
 # conveyor itself, editable and offline (a path entry for the checkout: its `conveyor` console

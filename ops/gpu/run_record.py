@@ -128,7 +128,7 @@ def build(runbook: dict, ab_race: dict | None, step: dict | None, lora: dict | N
     commit = _commit(runbook.get("commit")) or _commit((ab_race or {}).get("commits", {}).get("this")) or "0000000"
     setup = steps.get("setup", {}).get("figures", {})
     races = []
-    for name in ("race-k1", "race-k8"):
+    for name in ("race-k1", "race-k8", "race-defaults"):
         for config, figures in steps.get(name, {}).get("figures", {}).items():
             if figures.get("ok"):
                 races.append(race_entry(figures, commit, workload, config))

@@ -36,7 +36,16 @@ import workloads
 
 REPO = Path(__file__).resolve().parents[2]
 PACK = REPO / ".gpu-pack"
-STEPS = ("setup", "tests", "kernels", "checkpoint", "race-k1", "race-k8", "report")  # report: from the state alone, in seconds
+STEPS = (
+    "setup",
+    "tests",
+    "kernels",
+    "checkpoint",
+    "race-k1",
+    "race-k8",
+    "race-defaults",
+    "report",
+)  # report: from the state alone, in seconds
 COMPLETE = ".runbook-complete"  # written into a checkpoint once conveyor.tiny.generate has finished
 TAIL = 40
 
@@ -210,16 +219,41 @@ def checkpoint(opts: Options, state: dict, deadline: float) -> dict:
     }
 
 
-def race_step(k: int):
+def _multistep(k: int) -> list[tuple[str, tuple[str, ...]]]:
+    steps = ("--num-scheduler-steps", str(k)) if k > 1 else ()
+    return [(f"K = {k}, CUDA graphs", steps), (f"K = {k}, eager", (*steps, "--enforce-eager"))]
+
+
+def _scheduler(seqs: int, tokens: int, graphs: int) -> tuple[str, tuple[str, ...]]:
+    flags = ("--max-num-seqs", str(seqs), "--max-num-batched-tokens", str(tokens), "--max-cuda-graph-batch-size", str(graphs))
+    return f"{seqs} seqs, {tokens} tokens, graphs to {graphs}", flags
+
+
+# Each race step's configurations: (label, the daemon's flags beyond the device's). race-defaults
+# sweeps what vLLM V1 picks per device (running sequences, the token budget, graphed batch sizes)
+# around today's defaults (256, 2048, 256), so that the GPU's own defaults come from a measurement.
+RACES = {
+    "race-k1": _multistep(1),
+    "race-k8": _multistep(8),
+    "race-defaults": [
+        _scheduler(256, 2048, 256),
+        _scheduler(512, 8192, 512),
+        _scheduler(1024, 8192, 512),
+        _scheduler(1024, 16384, 512),
+    ],
+}
+
+
+def race_step(name: str):
     def step(opts: Options, state: dict, deadline: float) -> dict:
-        name, note = f"race-k{k}", []
+        note: list[str] = []
         earlier = state["steps"].get(name, {}).get("figures", {})
-        configs = [(f"K = {k}, CUDA graphs", ()), (f"K = {k}, eager", ("--enforce-eager",))]
+        configs = RACES[name]
         # Kept: a configuration measured on this workload (the earlier runs' figures name none).
         ok = {label: f for label, f in earlier.items() if f.get("ok") and f.get("workload") == opts.workload.name}
         figures = {label: ok[label] for label, _ in configs if label in ok and not opts.rerun}
         note += [f"{label}: kept from an earlier call (--rerun measures it again)" for label in figures]
-        configs = [(label, graphs) for label, graphs in configs if label not in figures]
+        configs = [(label, flags) for label, flags in configs if label not in figures]
         if configs and not opts.model_given and not (opts.model / COMPLETE).is_file():
             note.append("the checkpoint was generated first (a fresh machine: its /tmp was empty)")
             if not run_step("checkpoint", opts, state, deadline):
@@ -227,16 +261,15 @@ def race_step(k: int):
         device = ("--device", "emulated", "--emulate", "h100")
         if not opts.emulated:
             device = ("--device", "cuda", "--attention-backend", "triton")
-        steps = ("--num-scheduler-steps", str(k)) if k > 1 else ()
         failures = []
-        for label, graphs in configs:
+        for label, flags in configs:
             if deadline - time.monotonic() < opts.min_race_s:
                 failures.append(StepFailed(f"{label}: not run, too little of this call's time left; run {name} again").record)
                 continue
             config = race.RaceConfig(
                 label,
                 opts.model,
-                (*device, *steps, *graphs),
+                (*device, *flags),
                 opts.sharegpt,
                 opts.num_prompts,
                 opts.work,
@@ -261,8 +294,7 @@ STEP_FUNCTIONS = {
     "tests": tests,
     "kernels": kernels,
     "checkpoint": checkpoint,
-    "race-k1": race_step(1),
-    "race-k8": race_step(8),
+    **{name: race_step(name) for name in RACES},
 }
 
 

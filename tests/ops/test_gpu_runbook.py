@@ -51,7 +51,7 @@ def test_every_step_runs_emulated_and_reports(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert report["emulated"] is True and report["device"] == "EMULATED h100"
     steps = report["steps"]
-    assert set(steps) == {"setup", "tests", "kernels", "checkpoint", "race-k1", "race-k8"}
+    assert set(steps) == {"setup", "tests", "kernels", "checkpoint", "race-k1", "race-k8", "race-defaults"}
     assert all(step["failures"] == [] for step in steps.values())
     assert steps["setup"]["figures"]["modules_imported"] > 100 and steps["setup"]["figures"]["torch"]
     tests = steps["tests"]
