@@ -17,7 +17,7 @@ runs for the most rows with every feature on (their [S, V] temporaries count too
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -27,7 +27,22 @@ from conveyor.gpu.step_inputs import RowSpec, first_pass_inputs
 from conveyor.wire.messages import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
-    from conveyor.gpu.runner import ModelRunner
+    from conveyor.config.engine import EngineConfig
+    from conveyor.gpu.backends.base import AttentionBackend
+    from conveyor.gpu.models.base import CausalLM
+    from conveyor.gpu.parallel.group import TensorParallel
+
+
+class ProfiledRunner(Protocol):
+    """What profile_run reads of the runner (gpu/runner.py ModelRunner, which imports this module)."""
+
+    config: EngineConfig
+    tp: TensorParallel
+    device: torch.device
+    block_size: int
+    max_blocks_per_seq: int
+    attn: AttentionBackend
+    model: CausalLM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +78,7 @@ def profile_steps(max_num_batched_tokens: int, max_num_seqs: int, max_model_len:
 
 
 @torch.inference_mode()
-def profile_run(runner: ModelRunner) -> None:
+def profile_run(runner: ProfiledRunner) -> None:
     """Run the profile steps on `runner`'s model, a scratch cache and scratch batches, then its
     sampling for the most rows; nothing of the runner's own state changes."""
     config, block_size = runner.config, runner.block_size

@@ -261,7 +261,7 @@ class LinearProducts(Protocol):
 
 
 class LinearLayer(Protocol):
-    """What ops.linear reads from a model's linear layer (gpu/models/llama.py Linear)."""
+    """What ops.linear reads from a model's linear layer (gpu/models/layers.py Linear)."""
 
     @property
     def weight(self) -> torch.Tensor: ...  # [out, in]

@@ -18,7 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +30,14 @@ from conveyor.gpu.parallel.shard import Split
 from conveyor.gpu.quant.weight import QuantizedWeight
 from conveyor.gpu.sampling.argmax import argmax_rows
 
-if TYPE_CHECKING:
-    from conveyor.gpu.lora.slots import LoraProjection
-
 Parts = tuple[tuple[int, int], ...]
+
+
+class Adapters(Protocol):
+    """What a layer asks of the LoRA adapters set on it (gpu/lora/slots.py LoraProjection, which
+    imports this module: the layer knows this one method, not the slots)."""
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...  # y [T, out] + x's adapter deltas
 
 
 class Linear(nn.Linear):
@@ -48,7 +52,7 @@ class Linear(nn.Linear):
         self.prepared: object | None = None
         self.splits: dict[str, Split] = {}  # parameter name -> how it is cut; absent: whole on every rank
         self.quantized: QuantizedWeight | None = None  # set by the loader where the checkpoint stores it so
-        self.lora: LoraProjection | None = None  # its LoRA adapters' slots, with --enable-lora (gpu/lora/slots.py)
+        self.lora: Adapters | None = None  # its LoRA adapters' slots, with --enable-lora (gpu/lora/slots.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.with_lora(x, self.product(x))

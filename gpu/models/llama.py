@@ -29,7 +29,6 @@ from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Back
 from conveyor.gpu.kv_fp8 import UNIT_SCALES, KVScales
 from conveyor.gpu.models.base import CausalLM
 from conveyor.gpu.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, column_products
-from conveyor.gpu.models.layers import Linear as Linear  # re-exported: gpu/backends/cpu/ops.py imports it from here
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.shard import local_units
 from conveyor.gpu.rope import RotaryEmbedding

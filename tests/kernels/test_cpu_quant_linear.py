@@ -30,7 +30,7 @@ from conveyor.gpu.backends.cpu.kernels import quant_linear as qlm
 from conveyor.gpu.backends.cpu.kernels.build import load_library
 from conveyor.gpu.backends.cpu.kernels.quant_linear import CpuQuantLinear, QuantArgs, cpu_quant_linear
 from conveyor.gpu.backends.cpu.ops import CpuOps
-from conveyor.gpu.models.llama import Linear
+from conveyor.gpu.models.layers import Linear
 from conveyor.gpu.quant.weight import QuantizedWeight, quantize_groups
 
 NATIVE = cpu_quant_linear()

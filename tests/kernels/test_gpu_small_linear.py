@@ -21,7 +21,7 @@ from conveyor.gpu.backends.cpu.kernels.packed_linear import (
 )
 from conveyor.gpu.backends.cpu.ops import CpuOps, SmallLinearWeight
 from conveyor.gpu.backends.torch import TorchOps
-from conveyor.gpu.models.llama import Linear
+from conveyor.gpu.models.layers import Linear
 
 small = cpu_small_linear()
 pytestmark = pytest.mark.skipif(small is None, reason="no C++ compiler for the CPU kernels")

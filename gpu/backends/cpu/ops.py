@@ -42,9 +42,8 @@ from conveyor.gpu.backends.cpu.kernels.quant_argmax import ArgmaxTable, QuantArg
 from conveyor.gpu.backends.cpu.kernels.quant_linear import MAX_ROWS as QUANT_MAX_ROWS
 from conveyor.gpu.backends.cpu.kernels.quant_linear import CpuQuantLinear, QuantArgs
 from conveyor.gpu.backends.cpu.kernels.small_linear import CpuSmallLinear
+from conveyor.gpu.backends.prepared_layers import is_lm_head, is_ops_linear
 from conveyor.gpu.backends.torch.ops import TorchOps
-from conveyor.gpu.models.layers import ParallelLMHead
-from conveyor.gpu.models.llama import Linear
 from conveyor.gpu.quant.weight import QuantizedWeight
 
 
@@ -94,9 +93,9 @@ class CpuOps(TorchOps):
             if isinstance(weight, QuantizedWeight) and quant is not None and quant.supports(weight):
                 weight.compact()  # float16 scales where exact: fewer bytes per step
                 weight.prepared = quant.prepare(weight)  # a tied head's is its embedding's: prepared twice, alike
-                if isinstance(layer, ParallelLMHead) and self.argmax is not None and self.argmax.supports(weight):
+                if is_lm_head(layer) and self.argmax is not None and self.argmax.supports(weight):
                     layer.prepared = self.argmax.table(weight)  # the head's product stays quant_linear's
-            if not isinstance(layer, Linear) or layer.weight is None or id(layer.weight) in tied:
+            if not is_ops_linear(layer) or layer.weight is None or id(layer.weight) in tied:
                 continue  # a quantized layer (weight None) is read packed by quant_linear
             weight_t = layer.weight.data.t().contiguous()  # no copy when already moved
             if small is not None and small.supports_weight(weight_t):

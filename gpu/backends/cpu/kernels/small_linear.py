@@ -1,8 +1,8 @@
 """The ctypes face of small_linear.cpp: y = x W^T (+ bias) from weights stored transposed.
 
 `cpu_small_linear()` is None where the library cannot be had (see build.load_library); the
-model's Linear layers then keep torch's GEMM. See gpu/models/llama.py (Linear) for where the
-transposed storage comes from.
+model's Linear layers then keep torch's GEMM. See gpu/backends/cpu/ops.py (`prepare`) for where
+the transposed storage comes from.
 """
 
 from __future__ import annotations
