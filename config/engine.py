@@ -22,7 +22,7 @@ from conveyor.sim.devices import DEVICE_NAMES
 
 # --kv-cache-dtype: what the paged KV cache stores, as a torch dtype name; auto: the model's dtype.
 # fp8 is e4m3 (float8_e4m3fn) with one scale per layer for keys and one for values
-# (gpu/kv_fp8.py): half the bytes of bfloat16, so twice the tokens in the same memory.
+# (gpu/kv/kv_fp8.py): half the bytes of bfloat16, so twice the tokens in the same memory.
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn"}
 
 
@@ -120,7 +120,7 @@ class ParallelConfig:
         "triton (Triton kernels; on a CPU only under TRITON_INTERPRET=1)",
         choices=ATTENTION_BACKENDS,
     )
-    # CUDA graphs (gpu/cuda_graphs.py): decode-only steps replay a graph captured per padded
+    # CUDA graphs (gpu/step/cuda_graphs.py): decode-only steps replay a graph captured per padded
     # batch size (1, 2, 4, 8, then steps of 8 up to the cap or --max-num-seqs). CUDA only.
     enforce_eager: bool = option(False, "never capture CUDA graphs: every step runs eagerly")
     max_cuda_graph_batch_size: int = option(256, "largest decode batch replayed from a CUDA graph", minimum=1)

@@ -17,7 +17,7 @@ from typing import Any
 from conveyor.config.errors import ConfigError
 
 # config.json quant_method -> the name gpu/quant/ knows it by. "gguf" is written by conveyor's
-# own GGUF conversion (gpu/gguf/convert.py), which keeps the file's blocks packed.
+# own GGUF conversion (gpu/loading/gguf/convert.py), which keeps the file's blocks packed.
 CHECKPOINT_METHODS = {
     "gguf": "gguf",
     "awq": "awq",

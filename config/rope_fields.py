@@ -5,7 +5,7 @@ transformers 4 writes `rope_theta` and `rope_scaling` (`type` or `rope_type`), t
 `rope_parameters` (with the base inside, or one per layer type: Gemma 3's). The scaling is kept as
 sorted (key, value) pairs (`rope_items`) so ModelConfig stays hashable, lists as tuples. Each rope
 type needs the fields ROPE_TYPE_FIELDS lists, checked once the family's adapter has had its say
-(Phi-3 renames its older spellings); gpu/rope.py builds the tables from them. No torch here.
+(Phi-3 renames its older spellings); gpu/models/rope.py builds the tables from them. No torch here.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from conveyor.config.errors import ConfigError
 
-# Each rope type with the rope_scaling fields it needs (gpu/rope.py builds the tables); a
+# Each rope type with the rope_scaling fields it needs (gpu/models/rope.py builds the tables); a
 # (str,) tuple marks a list of numbers (longrope's per-dimension factors).
 ROPE_TYPE_FIELDS: dict[str, tuple[str, ...]] = {
     "default": (),

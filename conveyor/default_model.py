@@ -41,7 +41,7 @@ def checkpoint_for_name(name: str, dtype: str) -> tuple[Path, str | None] | None
 
         return ensure_default_model(), None
     if name == DEFAULT:
-        from conveyor.gpu.gguf import ensure_checkpoint
+        from conveyor.gpu.loading.gguf import ensure_checkpoint
 
         return ensure_checkpoint(default_gguf(), dtype), DEFAULT_SERVED_NAME
     return None

@@ -158,7 +158,7 @@ def resolve_model(model: str | None, device: str, dtype: str) -> tuple[str, str 
     name = model or default_model.DEFAULT
     source = Path(name).expanduser()
     if source.suffix == ".gguf" and not source.is_dir():
-        from conveyor.gpu.gguf import ensure_checkpoint
+        from conveyor.gpu.loading.gguf import ensure_checkpoint
 
         return str(ensure_checkpoint(source, gguf_dtype)), source.stem
     if not source.exists():

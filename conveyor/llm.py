@@ -70,7 +70,7 @@ class LLM:
         options.setdefault("max_queued_requests", 0)
         options.setdefault("max_queued_tokens", 0)
         self.config = build_engine_config(model, **options)
-        from conveyor.gpu.runner import ModelRunner  # torch loads only with the engine
+        from conveyor.gpu.step.runner import ModelRunner  # torch loads only with the engine
 
         self.encoder = PromptEncoder.for_engine(self.config)
         self.tokenizer = Tokenizer.from_file(f"{self.config.model.path}/tokenizer.json")

@@ -1,4 +1,4 @@
-"""A stand-in for gpu.runner.ModelRunner that follows the StepPlan protocol and checks it.
+"""A stand-in for gpu.step.runner.ModelRunner that follows the StepPlan protocol and checks it.
 
 It keeps a simulated KV store: computing a token writes its id into the slot its block table
 names, and the next token is a hash of the context *read back through the block table*. So a

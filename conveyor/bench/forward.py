@@ -44,7 +44,7 @@ class StepDriver:
 
     def __init__(self, variant: str, num_blocks: int) -> None:
         from conveyor.engine_config import build_engine_config
-        from conveyor.gpu.runner import ModelRunner
+        from conveyor.gpu.step.runner import ModelRunner
 
         config = build_engine_config("tiny", device="cpu", num_kv_blocks=num_blocks)
         self.runner = ModelRunner(config, backend=variant_backend(variant, config.model))

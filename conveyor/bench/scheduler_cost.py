@@ -70,11 +70,11 @@ def measure(num_running: int, *, steps: int = 200, prompt_len: int = 200, block_
 
 
 def measure_prepare(runner, num_running: int, *, repeats: int = 200, context_len: int = 200) -> dict:
-    """One pass's input preparation (gpu/step_inputs.py `first_pass_inputs`) for `num_running`
+    """One pass's input preparation (gpu/step/step_inputs.py `first_pass_inputs`) for `num_running`
     decodes (each computing its last token) out of the persistent batch, timed `repeats` times on
     a built ModelRunner (see `prepare_runner`)."""
-    from conveyor.gpu.persistent_batch import PersistentBatch
-    from conveyor.gpu.step_inputs import RowSpec, first_pass_inputs
+    from conveyor.gpu.step.persistent_batch import PersistentBatch
+    from conveyor.gpu.step.step_inputs import RowSpec, first_pass_inputs
 
     block_size, vocab = runner.block_size, runner.config.model.vocab_size - 16
     blocks_per_seq = -(-context_len // block_size)
@@ -117,7 +117,7 @@ def prepare_runner(device: str = "cpu"):
     import torch
 
     from conveyor.engine_config import build_engine_config
-    from conveyor.gpu.runner import ModelRunner
+    from conveyor.gpu.step.runner import ModelRunner
 
     if device == "cpu":
         torch.set_num_threads(1)

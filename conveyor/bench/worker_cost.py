@@ -24,7 +24,7 @@ import msgspec
 def measure(num_rows: int, *, steps: int = 200, prompt_len: int = 100) -> dict:
     from conveyor.config import CacheConfig, EngineConfig, ParallelConfig
     from conveyor.gpu.models.registry import read_model_config
-    from conveyor.gpu.runner import ModelRunner
+    from conveyor.gpu.step.runner import ModelRunner
     from conveyor.tiny.checkpoint import make_config
     from conveyor.tiny.generate import SHAPES
     from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan, WorkerInbound

@@ -50,7 +50,7 @@ def measure(grid: list[list[tuple[int, int]]], *, repeats: int = 5, threads: int
     import torch
 
     from conveyor.engine_config import build_engine_config
-    from conveyor.gpu.runner import ModelRunner
+    from conveyor.gpu.step.runner import ModelRunner
     from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
 
     num_blocks = max(sum(-(-(s + n) // BLOCK_SIZE) for s, n in rows) for rows in grid)

@@ -10,7 +10,7 @@ Invariants every implementation keeps:
   seq_lens[r] - query_lens[r] + j and attends causally to positions <= its own, and with a
   sliding window W only to the W positions ending at its own (itself included);
 - the KV cache is one tensor per layer, [2 (keys, values), num_blocks, ...] in the backend's
-  `kv_dtype` (the model's, or fp8 e4m3 codes with the layer's KVScales: gpu/kv_fp8.py); the
+  `kv_dtype` (the model's, or fp8 e4m3 codes with the layer's KVScales: gpu/kv/kv_fp8.py); the
   layout inside a block is the backend's own (`kv_layout`) and only it reads or writes it;
   block b of every layer belongs to the same sequence.
 """
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from conveyor.config.model import ModelConfig
-from conveyor.gpu.kv_cache import copy_blocks
-from conveyor.gpu.kv_fp8 import UNIT_SCALES, KVScales, is_fp8
+from conveyor.gpu.kv.kv_cache import copy_blocks
+from conveyor.gpu.kv.kv_fp8 import UNIT_SCALES, KVScales, is_fp8
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.quant.weight import QuantizedWeight
 
@@ -100,9 +100,9 @@ class AttentionBackend(abc.ABC):
     the model's config, device and KV dtype; `num_kv_heads`, `head_dim`, `dtype` come from that
     config, and `kv_dtype` (what the cache stores: a torch dtype name, None for the model's) from
     CacheConfig.kv_dtype. An fp8 cache stores e4m3 codes: write_kv quantizes with the layer's
-    KVScales, attend reads code * scale (gpu/kv_fp8.py); a float cache ignores the scales.
+    KVScales, attend reads code * scale (gpu/kv/kv_fp8.py); a float cache ignores the scales.
 
-    Who calls what (gpu/runner.py, then the model):
+    Who calls what (gpu/step/runner.py, then the model):
     1. runner, once: `allocate_kv_caches(num_blocks, block_size)` (sized with
        `bytes_per_block(block_size)`), and `ops.prepare(model)` after the weights are loaded;
     2. runner, per plan: `copy_blocks(kv_caches, pairs)` (copy-on-write), then
@@ -113,7 +113,7 @@ class AttentionBackend(abc.ABC):
        `for_window` is `meta` itself for a layer whose window is the step's; a model whose layers
        differ (Gemma 2/3, Qwen2 with max_window_layers) gets each other window's metadata built
        once per step, on its first layer's call, and kept on `meta` (`by_window`).
-    A decode step replayed from a CUDA graph (gpu/cuda_graphs.py) skips 2's build_metadata: its
+    A decode step replayed from a CUDA graph (gpu/step/cuda_graphs.py) skips 2's build_metadata: its
     metadata is built once per graph by `build_graph_metadata` over static buffers, and only
     where `supports_cuda_graphs` (the triton backend)."""
 
@@ -153,7 +153,7 @@ class AttentionBackend(abc.ABC):
 
     # True where every kernel of the decode path reads only device tensors and shapes (no host
     # list, no sync), so a decode step can be captured in a CUDA graph over static buffers
-    # (gpu/cuda_graphs.py). The torch and cpu backends plan their work from host lists: False.
+    # (gpu/step/cuda_graphs.py). The torch and cpu backends plan their work from host lists: False.
     supports_cuda_graphs: bool = False
 
     def build_graph_metadata(
@@ -299,7 +299,7 @@ class Ops(abc.ABC):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64, q [T, Hq, D], k [T, Hkv, D], cos_sin [P, D] float32 (cos in the
-        first half, sin in the second: gpu/rope.py) -> rotated (q, k), "rotate half" (NeoX)
+        first half, sin in the second: gpu/models/rope.py) -> rotated (q, k), "rotate half" (NeoX)
         layout, cos/sin cast to q's dtype first (as HF). May rotate q and k in place."""
 
     @abc.abstractmethod

@@ -2,7 +2,7 @@
 everything on the host run for real, so the host pipeline's cost at GPU speed is measured on a
 machine without one.
 
-- platform.py: EmulatedPlatform, the runner's seam (gpu/platform.py) for it; KV capacity from
+- platform.py: EmulatedPlatform, the runner's seam (gpu/step/platform.py) for it; KV capacity from
   the device's memory;
 - stream.py: the virtual stream, its events and the copies behind them;
 - model.py: the model and attention backend that queue a pass's time and hold nothing;

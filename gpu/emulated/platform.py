@@ -1,5 +1,5 @@
 """EmulatedPlatform: a GPU from the device table (conveyor/sim/devices.py), modelled, in place of
-a real one (gpu/platform.py has the seam).
+a real one (gpu/step/platform.py has the seam).
 
 Runs for real: everything on the host, the runner's whole CUDA-graph path included. Emulated:
 the device's work, and the CPU a GPU host's driver spends beside that host code. Each pass is

@@ -5,7 +5,7 @@ of the work before it) and takes its modelled seconds. Launching returns at once
 runs ahead as it does with CUDA. An event recorded on the stream (`record`) completes when the
 stream reaches that point: at max(now, the end of the work launched so far). Its `query()` asks
 without blocking and `synchronize()` sleeps until then, as torch.cuda.Event's do; two events'
-`seconds_until` is their elapsed time, so the pass clock (gpu/pass_clock.py) reads busy and idle
+`seconds_until` is their elapsed time, so the pass clock (gpu/step/pass_clock.py) reads busy and idle
 device time from them exactly as it reads CUDA events.
 
 A pass's results come back through a VirtualCopy: an event recorded after the pass, whose tensors
@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from conveyor.gpu.pass_clock import Mark
+from conveyor.gpu.step.pass_clock import Mark
 
 
 class VirtualStream:
@@ -72,7 +72,7 @@ class VirtualStream:
 
 
 class VirtualEvent:
-    """A point on the virtual stream's timeline (a Mark for gpu/pass_clock.py)."""
+    """A point on the virtual stream's timeline (a Mark for gpu/step/pass_clock.py)."""
 
     def __init__(self, stream: VirtualStream, at: float) -> None:
         self.stream, self.at = stream, at

@@ -31,11 +31,11 @@ from torch import nn
 from conveyor.config.engine import EngineConfig
 from conveyor.config.lora_adapter import LORA_TARGETS, AdapterInfo, read_adapter_info
 from conveyor.gpu.backends.base import Ops
-from conveyor.gpu.cuda_graphs import DecodeModel
 from conveyor.gpu.lora.weights import load_adapter
 from conveyor.gpu.models.layers import Linear, RowParallelLinear
 from conveyor.gpu.parallel.group import TensorParallel
 from conveyor.gpu.parallel.shard import cut
+from conveyor.gpu.step.cuda_graphs import DecodeModel
 from conveyor.wire.messages import LoraLoad
 
 Weights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, target) -> (A, B): gpu/lora/weights.py
@@ -140,7 +140,7 @@ class LoraSlots:
         self.pass_.scales[load.slot] = info.scaling
 
     def graph_model(self, model: DecodeModel) -> DecodeModel:
-        """`model` as a decode graph runs it (gpu/cuda_graphs.py): every projection reads the
+        """`model` as a decode graph runs it (gpu/step/cuda_graphs.py): every projection reads the
         static `graph_slots` of the bucket's rows, so a captured graph's kernels read the slots
         `begin_pass(..., graphed=True)` writes there before each replay."""
 

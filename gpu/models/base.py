@@ -26,8 +26,8 @@ from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends.base import AttentionMetadata, Backend
 from conveyor.gpu.models.layers import ParallelLMHead, RMSNorm, VocabParallelEmbedding
+from conveyor.gpu.models.rope import RotaryEmbedding, layer_tables
 from conveyor.gpu.parallel.shard import cut, splits_of
-from conveyor.gpu.rope import RotaryEmbedding, layer_tables
 
 
 class DecoderModel(nn.Module):
@@ -44,7 +44,7 @@ class CausalLM(nn.Module):
     """`backend` (gpu/backends) does the layers' ops and attention; None: the torch backend on
     `rope_device`. `rope_device` is explicit so the model can be built on the meta device (no
     init cost) while the rope tables, which are computed rather than loaded, land on the real one:
-    one table per layer (gpu/rope.py `layer_tables`: Gemma 3's windowed layers have their own)."""
+    one table per layer (gpu/models/rope.py `layer_tables`: Gemma 3's windowed layers have their own)."""
 
     layer_class: type[nn.Module]  # each family names its own
     # An EAGLE-3 head's (gpu/spec/eagle3.py): the layers whose inputs (the residual stream, x +
@@ -129,7 +129,7 @@ class CausalLM(nn.Module):
         check_loaded(missing, self.config.path)
 
     def after_load(self) -> None:
-        """Once, after the checkpoint's weights are copied in (gpu/loader.py): a family's one-time
+        """Once, after the checkpoint's weights are copied in (gpu/loading/loader.py): a family's one-time
         transform of them (Gemma's norm offset). By default the weights serve as loaded."""
 
 

@@ -11,7 +11,7 @@ Owns what differs from llama.py; the rest is llama.py's layers and CausalLM's on
 - read from ModelConfig, not coded here: GeGLU (hidden_act), the attention scale
   query_pre_attn_scalar^-1/2, attention logit soft-capping (Gemma 2, read by the backend),
   sliding-window and global layers interleaved (layer_windows), Gemma 3's q/k norms (qk_norm)
-  and its windowed layers' own rope base (local_rope_theta, gpu/rope.py `layer_tables`).
+  and its windowed layers' own rope base (local_rope_theta, gpu/models/rope.py `layer_tables`).
 """
 
 from __future__ import annotations

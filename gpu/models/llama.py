@@ -26,12 +26,12 @@ from torch import nn
 
 from conveyor.config.model import ModelConfig, implied_windows
 from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Backend, Ops
-from conveyor.gpu.kv_fp8 import UNIT_SCALES, KVScales
+from conveyor.gpu.kv.kv_fp8 import UNIT_SCALES, KVScales
 from conveyor.gpu.models.base import CausalLM
 from conveyor.gpu.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, column_products
+from conveyor.gpu.models.rope import RotaryEmbedding
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.shard import local_units
-from conveyor.gpu.rope import RotaryEmbedding
 
 
 class Attention(nn.Module):

@@ -6,7 +6,7 @@ layers here keep them fused, under the checkpoint's names, so loading stays a na
 each is one GEMM; the outputs are split by columns. With tensor parallelism each part of a fused
 projection is cut on its own (gpu/parallel/shard.py), so a rank's qkv_proj is its q heads, then
 its KV heads, and the split by columns below is the same with local widths. Everything else is llama.py's: RMSNorm,
-rotary (LongRoPE's tables are gpu/rope.py's), a sliding window on every layer where config.json
+rotary (LongRoPE's tables are gpu/models/rope.py's), a sliding window on every layer where config.json
 sets one. Older Phi-3 files spell LongRoPE "su" or "yarn" (`phi3_config`).
 """
 

@@ -4,7 +4,7 @@ A line names the Hugging Face architecture (config.json's `architectures`), the 
 that runs it and the config adapter that reads its family's quirks (both in the family's file),
 and, where llama.cpp writes the same weights, its GGUF `general.architecture`. Everything else is
 derived from the table: the architectures `read_model_config` accepts (with the refusal's list),
-the class `build_model` builds, and the GGUF files gpu/gguf/ converts (GGUF_ARCHITECTURES).
+the class `build_model` builds, and the GGUF files gpu/loading/gguf/ converts (GGUF_ARCHITECTURES).
 Adding a family is its model file plus one line here (docs/models.md).
 """
 

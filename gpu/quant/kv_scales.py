@@ -1,4 +1,4 @@
-"""An fp8 KV cache's per-layer scales (gpu/kv_fp8.py), read from the checkpoint as vLLM reads them.
+"""An fp8 KV cache's per-layer scales (gpu/kv/kv_fp8.py), read from the checkpoint as vLLM reads them.
 
 With P an attention module's name (model.layers.3.self_attn), the checkpoint may carry:
   P.k_scale, P.v_scale                         HF FP8 / ModelOpt / llm-compressor checkpoints
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from conveyor.config.errors import ConfigError
-from conveyor.gpu.kv_fp8 import KVScales
+from conveyor.gpu.kv.kv_fp8 import KVScales
 
 # checkpoint suffix -> (the attention module's name less this many trailing parts, KVScales fields)
 SUFFIXES = {

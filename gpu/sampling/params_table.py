@@ -1,7 +1,7 @@
 """ParamsTable: the sampling parameters the sampler reads per draw, kept on the device by slot.
 
 A sequence's temperature, top_k, top_p and min_p never change, so they go up once, when the
-sequence gets its slot in the persistent batch (gpu/persistent_batch.py), instead of as fresh
+sequence gets its slot in the persistent batch (gpu/step/persistent_batch.py), instead of as fresh
 host lists every step. A step gathers its draws' rows with one `index_select` of their slots
 (`gather`), and the sampler and filters read those tensors; which filters run at all is still
 decided on the host from the SamplingParams, which the host has anyway (no device read).

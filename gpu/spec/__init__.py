@@ -13,7 +13,7 @@ from conveyor.gpu.spec.ngram import NgramProposer
 from conveyor.gpu.spec.verify import accepted_length
 
 if TYPE_CHECKING:
-    from conveyor.gpu.passes import WorkerSeq
+    from conveyor.gpu.step.passes import WorkerSeq
 
 
 class Proposer(Protocol):

@@ -28,17 +28,17 @@ import torch
 from torch import nn
 
 from conveyor.gpu.parallel.shard import shard_model_config
-from conveyor.gpu.persistent_batch import PersistentBatch
 from conveyor.gpu.sampling.transfer import to_device
 from conveyor.gpu.spec.draft_passes import DraftPasses, bytes_per_step
-from conveyor.gpu.step_inputs import PassInputs
+from conveyor.gpu.step.persistent_batch import PersistentBatch
+from conveyor.gpu.step.step_inputs import PassInputs
 
 if TYPE_CHECKING:
     from conveyor.config.engine import EngineConfig
     from conveyor.gpu.backends.base import AttentionMetadata
     from conveyor.gpu.parallel.group import TensorParallel
-    from conveyor.gpu.passes import WorkerSeq
-    from conveyor.gpu.platform import Platform
+    from conveyor.gpu.step.passes import WorkerSeq
+    from conveyor.gpu.step.platform import Platform
 
 
 class DraftModel:

@@ -24,8 +24,8 @@ from conveyor.gpu.sampling.transfer import to_device
 if TYPE_CHECKING:
     from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata
     from conveyor.gpu.parallel.group import TensorParallel
-    from conveyor.gpu.passes import WorkerSeq
-    from conveyor.gpu.persistent_batch import PersistentBatch
+    from conveyor.gpu.step.passes import WorkerSeq
+    from conveyor.gpu.step.persistent_batch import PersistentBatch
 
 # start(rows) -> the state of those rows (each tensor [R, ...], the ids [R] first);
 # step(state, positions [R], meta) -> the next state, its ids the drafts of this step.

@@ -33,12 +33,12 @@ from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
 from conveyor.config.speculative import Eagle3Layout
 from conveyor.gpu.backends.base import AttentionMetadata, Backend, Ops
-from conveyor.gpu.loader import checkpoint_tensors
+from conveyor.gpu.loading.loader import checkpoint_tensors
 from conveyor.gpu.models.base import check_loaded, copy_weight
 from conveyor.gpu.models.layers import ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from conveyor.gpu.models.llama import Attention, DecoderLayer
+from conveyor.gpu.models.rope import RotaryEmbedding
 from conveyor.gpu.parallel.group import TensorParallel
-from conveyor.gpu.rope import RotaryEmbedding
 
 # The published heads ship pytorch_model.bin (later ones model.safetensors): both load.
 TORCH_FILE = "pytorch_model.bin"

@@ -18,7 +18,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from conveyor.config.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from conveyor.gpu.passes import WorkerSeq
+    from conveyor.gpu.step.passes import WorkerSeq
 
 
 class NgramProposer:

@@ -26,11 +26,11 @@ if TYPE_CHECKING:
     from conveyor.config.engine import EngineConfig
     from conveyor.gpu.models.base import CausalLM
     from conveyor.gpu.parallel.group import TensorParallel
-    from conveyor.gpu.passes import WorkerSeq
-    from conveyor.gpu.persistent_batch import PersistentBatch
-    from conveyor.gpu.platform import Platform
     from conveyor.gpu.spec import Proposer
-    from conveyor.gpu.step_inputs import PassInputs
+    from conveyor.gpu.step.passes import WorkerSeq
+    from conveyor.gpu.step.persistent_batch import PersistentBatch
+    from conveyor.gpu.step.platform import Platform
+    from conveyor.gpu.step.step_inputs import PassInputs
     from conveyor.wire.messages import ScheduledSeq
 
 

@@ -18,9 +18,9 @@ import time
 
 from conveyor.config import CacheConfig, EngineConfig, ParallelConfig
 from conveyor.default_model import default_gguf
-from conveyor.gpu.gguf import ensure_checkpoint
+from conveyor.gpu.loading.gguf import ensure_checkpoint
 from conveyor.gpu.models.registry import read_model_config
-from conveyor.gpu.runner import ModelRunner
+from conveyor.gpu.step.runner import ModelRunner
 from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
 
 BLOCK_SIZE, BLOCKS_PER_ROW = 16, 40  # 640 tokens of KV a row

@@ -10,8 +10,8 @@ OUT=$(realpath -m "$1"); mkdir -p "$OUT"; ROUNDS=${2:-2}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SHARED=$(realpath "${SHARED:-$ROOT/../shared}")
 GGUF=$(python -c "from conveyor.default_model import default_gguf; print(default_gguf())")
-F32=$(python -c "from conveyor.gpu.gguf import ensure_checkpoint as e; print(e('$GGUF', 'float32', packed=False))")
-PACKED=$(python -c "from conveyor.gpu.gguf import ensure_checkpoint as e; print(e('$GGUF', 'float32'))")
+F32=$(python -c "from conveyor.gpu.loading.gguf import ensure_checkpoint as e; print(e('$GGUF', 'float32', packed=False))")
+PACKED=$(python -c "from conveyor.gpu.loading.gguf import ensure_checkpoint as e; print(e('$GGUF', 'float32'))")
 MODULES=()
 for i in 0 1 2 3; do
   python -m conveyor.tiny.lora "$PACKED" "$OUT/adapters/a$i" --rank 16 --seed "$i" > /dev/null

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from conveyor.default_model import default_gguf
 from conveyor.engine_config import build_engine_config
-from conveyor.gpu.gguf import ensure_checkpoint
-from conveyor.gpu.runner import ModelRunner
+from conveyor.gpu.loading.gguf import ensure_checkpoint
+from conveyor.gpu.step.runner import ModelRunner
 from conveyor.tiny.lora import make_random_adapter
 from conveyor.wire.messages import LoraLoad, NewSeq, SamplingParams, ScheduledSeq, StepPlan
 

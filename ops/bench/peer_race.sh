@@ -14,8 +14,8 @@ OUT=$(realpath -m "$1"); shift; mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SHARED=$(realpath "${SHARED:-$ROOT/../shared}")
 GGUF=$(python -c "from conveyor.default_model import default_gguf; print(default_gguf())")
-F32=$(python -c "from conveyor.gpu.gguf import ensure_checkpoint as e; print(e('$GGUF', 'float32', packed=False))")
-PACKED=$(python -c "from conveyor.gpu.gguf import ensure_checkpoint as e; print(e('$GGUF', 'float32'))")
+F32=$(python -c "from conveyor.gpu.loading.gguf import ensure_checkpoint as e; print(e('$GGUF', 'float32', packed=False))")
+PACKED=$(python -c "from conveyor.gpu.loading.gguf import ensure_checkpoint as e; print(e('$GGUF', 'float32'))")
 SHARE=(--dataset-name sharegpt --dataset-path "$SHARED/workloads/sharegpt_sample.json" --num-prompts 200)
 cd /tmp
 rnd() { echo "--dataset-name random --random-input-len 128 --random-output-len 128 --random-range-ratio 0.0 --num-prompts $1"; }

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from conveyor import LLM
-from conveyor.gpu import runner as runner_module
+from conveyor.gpu.step import runner as runner_module
 from conveyor.wire.messages import SamplingParams
 
 PROMPTS = Path(__file__).with_name("grounded") / "prompts.json"

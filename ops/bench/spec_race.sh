@@ -19,7 +19,7 @@ OUT=$(realpath -m "$1"); shift; mkdir -p "$OUT"
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 SHARED=$(realpath "${SHARED:-$ROOT/../shared}")
 GGUF=$(python -c "from conveyor.default_model import default_gguf; print(default_gguf())")
-F32=$(python -c "from conveyor.gpu.gguf import ensure_checkpoint as e; print(e('$GGUF', 'float32', packed=False))")
+F32=$(python -c "from conveyor.gpu.loading.gguf import ensure_checkpoint as e; print(e('$GGUF', 'float32', packed=False))")
 GROUNDED=(--dataset-name sharegpt --dataset-path "$ROOT/ops/bench/grounded/prompts.json" --num-prompts 64)
 SHAREGPT=(--dataset-name sharegpt --dataset-path "$SHARED/workloads/sharegpt_sample.json" --num-prompts 64)
 spec() { echo "{\"method\": \"ngram\", \"num_speculative_tokens\": $1}"; }

@@ -19,8 +19,8 @@ import time
 from spec_inprocess import grounded_prompts  # beside this script
 
 from conveyor import LLM
-from conveyor.gpu import runner as runner_module
 from conveyor.gpu.spec.ngram import NgramProposer
+from conveyor.gpu.step import runner as runner_module
 from conveyor.wire.messages import SamplingParams
 
 

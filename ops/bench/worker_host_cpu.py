@@ -19,7 +19,7 @@ import pstats
 import time
 
 from conveyor.engine_config import build_engine_config
-from conveyor.gpu.runner import ModelRunner
+from conveyor.gpu.step.runner import ModelRunner
 from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
 
 BLOCK_SIZE, PROMPT_TOKENS, WARM_UP_STEPS = 16, 100, 10

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # a checkout without `pip install -e .`
 
 from conveyor.engine_config import build_engine_config  # noqa: E402
-from conveyor.gpu.runner import ModelRunner  # noqa: E402
+from conveyor.gpu.step.runner import ModelRunner  # noqa: E402
 from conveyor.tiny.checkpoint import make_checkpoint  # noqa: E402
 from conveyor.tiny.generate import SHAPES  # noqa: E402
 from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan  # noqa: E402

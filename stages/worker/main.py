@@ -22,7 +22,7 @@ import zmq
 
 from conveyor.config import EngineConfig
 from conveyor.gpu.parallel.rendezvous import init_group
-from conveyor.gpu.runner import ModelRunner
+from conveyor.gpu.step.runner import ModelRunner
 from conveyor.stages import metrics
 from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready

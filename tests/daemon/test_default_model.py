@@ -82,8 +82,8 @@ def test_the_default_model_is_served_packed_with_its_dequantized_tokens(smollm2)
     """SmolLM2's Q4_1 file kept packed: every projection quantized, the weights at most 35% of the
     float32 form's bytes, and the same greedy tokens as the float32 checkpoint dequantized from it."""
     from conveyor import LLM, SamplingParams
-    from conveyor.gpu.gguf import ensure_checkpoint
-    from conveyor.gpu.loader import stored_bytes
+    from conveyor.gpu.loading.gguf import ensure_checkpoint
+    from conveyor.gpu.loading.loader import stored_bytes
 
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,"]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)

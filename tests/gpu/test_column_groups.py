@@ -25,7 +25,7 @@ from conveyor.gpu.backends import torch_backend
 from conveyor.gpu.backends.base import Ops
 from conveyor.gpu.backends.column_groups import sibling_groups
 from conveyor.gpu.backends.torch import TorchOps
-from conveyor.gpu.loader import load_model
+from conveyor.gpu.loading.loader import load_model
 from conveyor.gpu.models.base import CausalLM
 from conveyor.gpu.models.layers import Linear
 from conveyor.gpu.models.registry import read_model_config

@@ -1,4 +1,4 @@
-"""gpu/cuda_graphs.py: bucket choice, the static buffers' padding, and decode steps through them.
+"""gpu/step/cuda_graphs.py: bucket choice, the static buffers' padding, and decode steps through them.
 
 On a CPU (no capture: `run` calls the model eagerly over the same static buffers and padding),
 the tiny Llama of tests/gpu_checkpoints.py runs on the triton backend under Triton's interpreter
@@ -19,11 +19,11 @@ from conveyor.config import CacheConfig, EngineConfig, ParallelConfig, Scheduler
 from conveyor.config.lora import LoraConfig
 from conveyor.gpu.backends import select, torch_backend
 from conveyor.gpu.backends.base import AttentionMetadata
-from conveyor.gpu.cuda_graphs import DecodeGraphs, bucket_sizes, buckets_for, can_capture
-from conveyor.gpu.loader import load_model
+from conveyor.gpu.loading.loader import load_model
 from conveyor.gpu.lora.slots import LoraSlots
 from conveyor.gpu.models.registry import read_model_config
 from conveyor.gpu.parallel.group import SINGLE
+from conveyor.gpu.step.cuda_graphs import DecodeGraphs, bucket_sizes, buckets_for, can_capture
 from conveyor.tiny.lora import make_random_adapter
 from conveyor.wire.messages import LoraLoad
 from tests.gpu_checkpoints import VOCAB, checkpoint

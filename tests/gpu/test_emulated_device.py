@@ -22,9 +22,9 @@ from conveyor.gpu.emulated.footprint import footprint, pass_cost
 from conveyor.gpu.emulated.platform import EmulatedPlatform, ordinary_ids
 from conveyor.gpu.emulated.stream import VirtualCopy, VirtualStream
 from conveyor.gpu.models.registry import read_model_config
-from conveyor.gpu.pass_clock import PassClock
-from conveyor.gpu.runner import ModelRunner
 from conveyor.gpu.sampling.draws import SamplingRow
+from conveyor.gpu.step.pass_clock import PassClock
+from conveyor.gpu.step.runner import ModelRunner
 from conveyor.gpu.structured import TokenMask
 from conveyor.sim.costmodel import StepShape
 from conveyor.sim.devices import DEVICES

@@ -19,8 +19,8 @@ gguf = pytest.importorskip("gguf")
 from conveyor import LLM, SamplingParams  # noqa: E402
 from conveyor.config.errors import ConfigError  # noqa: E402
 from conveyor.engine_config import build_engine_config  # noqa: E402
-from conveyor.gpu.gguf import ensure_checkpoint  # noqa: E402
-from conveyor.gpu.gguf.weights import unpermute  # noqa: E402
+from conveyor.gpu.loading.gguf import ensure_checkpoint  # noqa: E402
+from conveyor.gpu.loading.gguf.weights import unpermute  # noqa: E402
 from conveyor.stages.tokenizer.encoder import PromptEncoder  # noqa: E402
 from conveyor.tiny.checkpoint import CHAT_TEMPLATE, make_checkpoint  # noqa: E402
 from tests.conftest import SMALL  # noqa: E402

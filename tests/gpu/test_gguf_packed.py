@@ -17,8 +17,8 @@ from conveyor import LLM, SamplingParams  # noqa: E402
 from conveyor.config.errors import ConfigError  # noqa: E402
 from conveyor.config.quant import QuantConfig  # noqa: E402
 from conveyor.gpu.backends.cpu.kernels.quant_argmax import QuantArgmax, cpu_quant_argmax  # noqa: E402
-from conveyor.gpu.gguf import ensure_checkpoint  # noqa: E402
-from conveyor.gpu.loader import load_model  # noqa: E402
+from conveyor.gpu.loading.gguf import ensure_checkpoint  # noqa: E402
+from conveyor.gpu.loading.loader import load_model  # noqa: E402
 from conveyor.gpu.models.layers import Linear  # noqa: E402
 from conveyor.gpu.models.registry import read_model_config  # noqa: E402
 from conveyor.gpu.quant.formats.gguf import BLOCK_BYTES, GgufScheme  # noqa: E402

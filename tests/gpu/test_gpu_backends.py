@@ -1,6 +1,6 @@
 """The backend seam (gpu/backends): which backend `select` builds, that the CPU path never imports
 triton, that the model runs the same on the torch and cpu backends, and that the CUDA KV sizing
-profile (gpu/profile_steps.py) covers the worst steps the scheduler can plan."""
+profile (gpu/step/profile_steps.py) covers the worst steps the scheduler can plan."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ import torch
 
 from conveyor.config.engine import ParallelConfig, SchedulerConfig
 from conveyor.config.model import ModelConfig
-from conveyor.gpu import profile_steps as profile_module
 from conveyor.gpu.backends import select
 from conveyor.gpu.backends.cpu import CpuAttention, CpuOps
 from conveyor.gpu.backends.cpu.kernels import paged_attention_kernel
 from conveyor.gpu.backends.torch import TorchAttention, TorchOps
 from conveyor.gpu.models.registry import read_model_config
-from conveyor.gpu.profile_steps import profile_run, profile_steps
-from conveyor.gpu.runner import ModelRunner
+from conveyor.gpu.step import profile_steps as profile_module
+from conveyor.gpu.step.profile_steps import profile_run, profile_steps
+from conveyor.gpu.step.runner import ModelRunner
 from tests.gpu.test_gpu_model import drive_greedy, random_prompts
 from tests.gpu_checkpoints import checkpoint, engine_config
 
@@ -63,7 +63,7 @@ def test_the_cpu_path_never_imports_the_triton_backend():
     script = (
         "import sys\n"
         "from conveyor.engine_config import build_engine_config\n"
-        "from conveyor.gpu.runner import ModelRunner\n"
+        "from conveyor.gpu.step.runner import ModelRunner\n"
         "ModelRunner(build_engine_config('tiny', device='cpu', num_kv_blocks=8)).initialize_cache(8)\n"
         "print('conveyor.gpu.backends.triton' in sys.modules)\n"
     )
@@ -73,7 +73,7 @@ def test_the_cpu_path_never_imports_the_triton_backend():
 
 
 def test_the_runner_logs_its_backend_once(caplog):
-    with caplog.at_level(logging.INFO, logger="conveyor.gpu.runner"):
+    with caplog.at_level(logging.INFO, logger="conveyor.gpu.step.runner"):
         ModelRunner(engine_config("qwen2"))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention backend: ")]
     assert len(lines) == 1

@@ -19,9 +19,9 @@ from conveyor.config import ConfigError, ModelConfig
 from conveyor.gpu.backends import Backend
 from conveyor.gpu.backends.cpu import CpuAttention, CpuOps
 from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops, cpu_small_linear, paged_attention_kernel
-from conveyor.gpu.loader import load_model
+from conveyor.gpu.loading.loader import load_model
 from conveyor.gpu.models.registry import read_model_config
-from conveyor.gpu.runner import ModelRunner
+from conveyor.gpu.step.runner import ModelRunner
 from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
 from tests.gpu_checkpoints import ARCHS, VOCAB, checkpoint, engine_config, hf_model
 

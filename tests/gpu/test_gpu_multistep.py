@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.gpu.persistent_batch import PersistentBatch
-from conveyor.gpu.runner import ModelRunner
+from conveyor.gpu.step.persistent_batch import PersistentBatch
+from conveyor.gpu.step.runner import ModelRunner
 from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan, StepResult
 from tests.gpu_checkpoints import VOCAB, engine_config, hf_model
 
@@ -226,7 +226,7 @@ def test_decode_passes_replay_through_the_graph_buffers():
     same static buffers and padding a replay would (the triton backend, under the interpreter).
     Decode passes of 3 rows go through bucket 4 and must give the eager path's tokens."""
     from conveyor.gpu.backends import select
-    from conveyor.gpu.cuda_graphs import DecodeGraphs
+    from conveyor.gpu.step.cuda_graphs import DecodeGraphs
 
     def runner(graphs: bool) -> ModelRunner:
         config = engine_config("llama", block_size=BLOCK_SIZE, num_blocks=16)

@@ -13,7 +13,7 @@ import collections
 import pytest
 import torch
 
-from conveyor.gpu.runner import ModelRunner
+from conveyor.gpu.step.runner import ModelRunner
 from conveyor.wire.messages import Fork, NewSeq, SamplingParams, ScheduledSeq, StepPlan
 from tests.gpu_checkpoints import VOCAB, engine_config, hf_model
 

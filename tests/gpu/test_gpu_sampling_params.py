@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import MinPLogitsWarper, RepetitionPenaltyLogitsProcessor
 
 from conveyor.engine_config import build_engine_config
-from conveyor.gpu.profile_steps import profile_run
-from conveyor.gpu.runner import ModelRunner
 from conveyor.gpu.sampling import SamplingRow, apply_penalties, sample, sample_step
 from conveyor.gpu.sampling.filters import filter_min_p
+from conveyor.gpu.step.profile_steps import profile_run
+from conveyor.gpu.step.runner import ModelRunner
 from conveyor.tiny.checkpoint import make_checkpoint
 from conveyor.wire.messages import Fork, NewSeq, SamplingParams, ScheduledSeq, StepPlan
 

@@ -1,4 +1,4 @@
-"""gpu/host_memory.py: glibc keeps freed memory for the next CPU step."""
+"""gpu/step/host_memory.py: glibc keeps freed memory for the next CPU step."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conveyor.gpu import host_memory
+from conveyor.gpu.step import host_memory
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
@@ -19,7 +19,7 @@ def test_large_blocks_come_back_from_the_heap_after_the_call():
     # from the heap. mallinfo2's hblkhd counts the bytes in mmapped blocks.
     script = (
         "import ctypes\n"
-        "from conveyor.gpu.host_memory import keep_freed_memory\n"
+        "from conveyor.gpu.step.host_memory import keep_freed_memory\n"
         "libc = ctypes.CDLL(None)\n"
         "libc.malloc.restype = ctypes.c_void_p\n"
         "class Info(ctypes.Structure):\n"

@@ -52,10 +52,10 @@ def test_the_backends_guards_pick_the_classes_they_replace(name):
 def test_the_graph_sees_the_imports_it_must(edges):
     # The reader is what the two tests above trust: known edges of each kind are in it.
     found = {(e.source, e.target, e.kind) for e in edges}
-    assert ("gpu/runner.py", "gpu/profile_steps.py", "module") in found
+    assert ("gpu/step/runner.py", "gpu/step/profile_steps.py", "module") in found
     assert ("gpu/lora/slots.py", "gpu/models/layers.py", "module") in found
     assert ("gpu/models/base.py", "gpu/backends/__init__.py", "lazy") in found  # torch_backend, inside __init__
-    assert ("gpu/profile_steps.py", "gpu/models/base.py", "typing") in found
+    assert ("gpu/step/profile_steps.py", "gpu/models/base.py", "typing") in found
     assert ("gpu/backends/cpu/__init__.py", "gpu/backends/cpu/ops.py", "module") in found
     # and every file with an import line naming gpu/ (relative or absolute) has its edges
     line = re.compile(r"^\s*(from conveyor\.gpu[\s.]|import conveyor\.gpu|from \.)", re.M)

@@ -26,8 +26,8 @@ from conveyor.engine_config import build_engine_config
 from conveyor.gpu.backends import select
 from conveyor.gpu.emulated.footprint import pass_cost
 from conveyor.gpu.emulated.platform import EmulatedPlatform
-from conveyor.gpu.kv_fp8 import KVScales
-from conveyor.gpu.loader import load_model
+from conveyor.gpu.kv.kv_fp8 import KVScales
+from conveyor.gpu.loading.loader import load_model
 from conveyor.gpu.models.registry import read_model_config
 from conveyor.sim.costmodel import StepShape
 from conveyor.sim.devices import DEVICES
@@ -81,7 +81,7 @@ def test_greedy_agreement_with_the_float_cache(checkpoints, arch, caplog):
     path = checkpoints[arch]
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
     runs, blocks = {}, {}
-    with caplog.at_level(logging.INFO, logger="conveyor.gpu.runner"):
+    with caplog.at_level(logging.INFO, logger="conveyor.gpu.step.runner"):
         for kv in ("auto", "fp8"):
             llm = LLM(str(path), kv_cache_dtype=kv, kv_cache_gib=1 / 64)
             runs[kv] = [out.outputs[0].token_ids for out in llm.generate(prompts(), params)]

@@ -19,9 +19,9 @@ import torch
 
 from conveyor.config import ConfigError, EngineConfig, ModelConfig, config_from_json, config_to_json
 from conveyor.gpu.backends import select
-from conveyor.gpu.loader import load_model
+from conveyor.gpu.loading.loader import load_model
 from conveyor.gpu.models.registry import read_model_config
-from conveyor.gpu.runner import ModelRunner
+from conveyor.gpu.step.runner import ModelRunner
 from tests.gpu.test_gpu_model import drive_greedy, forward_prompts, hf_greedy, random_prompts
 from tests.gpu_checkpoints import checkpoint, engine_config, hf_model
 
@@ -150,7 +150,7 @@ def test_triton_soft_cap_matches_reference(num_splits):
 
 
 def test_graph_metadata_variants_share_the_static_buffers():
-    """A CUDA graph's metadata (gpu/cuda_graphs.py) is built once per bucket over static buffers;
+    """A CUDA graph's metadata (gpu/step/cuda_graphs.py) is built once per bucket over static buffers;
     a layer of another window gets a variant over the same buffers, built once."""
     pytest.importorskip("triton")
     config = read_model_config(checkpoint("gemma2"))

@@ -195,7 +195,7 @@ def test_greedy_through_the_runner_matches_hf(name):
     """ModelRunner, chunked prefill (7 tokens a step), sequences joining late and one preempted and
     resumed, against transformers' generate."""
     from conveyor.config import CacheConfig, EngineConfig, ParallelConfig
-    from conveyor.gpu.runner import ModelRunner
+    from conveyor.gpu.step.runner import ModelRunner
 
     config = model_config(name)
     engine = EngineConfig(model=config, cache=CacheConfig(block_size=4, num_kv_blocks=256), parallel=ParallelConfig(device="cpu"))

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from conveyor import LLM, SamplingParams
 from conveyor.config.errors import ConfigError
 from conveyor.config.quant import QuantConfig
-from conveyor.gpu.loader import load_model
+from conveyor.gpu.loading.loader import load_model
 from conveyor.gpu.models.registry import read_model_config
 from conveyor.gpu.parallel.group import SINGLE
 from conveyor.gpu.quant.scheme import scheme_for

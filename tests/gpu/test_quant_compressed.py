@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from conveyor.config import ConfigError
 from conveyor.config.quant import QuantConfig
-from conveyor.gpu.loader import checkpoint_header, load_model
+from conveyor.gpu.loading.loader import checkpoint_header, load_model
 from conveyor.gpu.models.registry import read_model_config
 from conveyor.gpu.quant.scheme import scheme_for
 from conveyor.tiny.checkpoint import make_checkpoint

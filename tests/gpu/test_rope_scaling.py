@@ -1,9 +1,9 @@
-"""gpu/rope.py's dynamic NTK and YaRN tables against Hugging Face transformers.
+"""gpu/models/rope.py's dynamic NTK and YaRN tables against Hugging Face transformers.
 
 The frequencies and YaRN's attention factor are compared with transformers' ROPE_INIT_FUNCTIONS,
 then a tiny random Llama with each scaling is compared end to end: prompt logits within the
 tolerance of tests/gpu/test_gpu_model.py (1e-4 of the largest logit). Dynamic NTK past the original
-context is compared with transformers decoding token by token, the case gpu/rope.py's per-position
+context is compared with transformers decoding token by token, the case gpu/models/rope.py's per-position
 table reproduces (`RotaryEmbedding`'s docstring says how a one-shot HF prefill differs).
 """
 
@@ -18,9 +18,9 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from conveyor.config import ConfigError
-from conveyor.gpu.loader import load_model
+from conveyor.gpu.loading.loader import load_model
 from conveyor.gpu.models.registry import read_model_config
-from conveyor.gpu.rope import RotaryEmbedding, attention_factor, dynamic_ntk_frequencies, inverse_frequencies
+from conveyor.gpu.models.rope import RotaryEmbedding, attention_factor, dynamic_ntk_frequencies, inverse_frequencies
 from tests.gpu.test_gpu_model import forward_prompts, random_prompts
 from tests.gpu_checkpoints import COMMON_FIELDS
 

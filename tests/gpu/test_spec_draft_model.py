@@ -100,7 +100,7 @@ def test_smollm2_with_its_first_two_layers_drafting_is_unchanged(smollm2, tmp_pa
 def test_a_steps_bytes_count_every_weight_once_but_input_embeddings(tmp_path, tied):
     """draft_passes.bytes_per_step, the draft's cost ESTIMATE: an untied embedding table is not
     read whole by a step (its rows are), a tied one is (it is the output head too)."""
-    from conveyor.gpu.loader import load_model
+    from conveyor.gpu.loading.loader import load_model
     from conveyor.gpu.models.registry import read_model_config
     from conveyor.gpu.spec.draft_passes import bytes_per_step
     from conveyor.tiny.checkpoint import make_checkpoint

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from conveyor import LLM
-from conveyor.gpu import passes, runner
 from conveyor.gpu.sampling.draws import SamplingRow
+from conveyor.gpu.step import passes, runner
 from conveyor.wire.messages import SamplingParams
 
 PROMPT = [11, 42, 7, 300, 42, 19]

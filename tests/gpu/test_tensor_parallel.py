@@ -29,12 +29,12 @@ from safetensors.torch import load_file, save_file
 
 from conveyor.config import CacheConfig, EngineConfig, ParallelConfig
 from conveyor.gpu.backends import torch_backend
-from conveyor.gpu.loader import load_model
+from conveyor.gpu.loading.loader import load_model
 from conveyor.gpu.models.registry import read_model_config
 from conveyor.gpu.parallel import rendezvous
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.shard import Split, cut, shard_model_config
-from conveyor.gpu.runner import ModelRunner
+from conveyor.gpu.step.runner import ModelRunner
 from tests import gpu_checkpoints, moe_checkpoints
 from tests.gpu.test_gpu_model import drive_greedy, forward_prompts, random_prompts
 

@@ -15,7 +15,7 @@ from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops
 from conveyor.gpu.backends.torch import TorchOps
 from conveyor.gpu.models.layers import RMSNorm
 from conveyor.gpu.models.llama import MLP
-from conveyor.gpu.rope import RotaryEmbedding
+from conveyor.gpu.models.rope import RotaryEmbedding
 
 ops = cpu_fused_ops()
 cpu_ops, torch_ops = CpuOps(ops, None), TorchOps()

@@ -90,7 +90,7 @@ def test_a_head_tied_to_the_embedding_keeps_its_layout():
     from conveyor.gpu.backends import Backend
     from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops
     from conveyor.gpu.backends.torch import TorchAttention
-    from conveyor.gpu.loader import load_model
+    from conveyor.gpu.loading.loader import load_model
     from conveyor.gpu.models.registry import read_model_config
     from tests.gpu_checkpoints import checkpoint
 

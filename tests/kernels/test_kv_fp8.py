@@ -1,4 +1,4 @@
-"""The fp8 KV cache (gpu/kv_fp8.py) on every attention backend (torch, cpu's C++ kernel, triton
+"""The fp8 KV cache (gpu/kv/kv_fp8.py) on every attention backend (torch, cpu's C++ kernel, triton
 under the interpreter), through the seam: allocate_kv_caches, write_kv, build_metadata, forward.
 
 - round trip: what a backend writes reads back as the e4m3 rounding of the input (torch's cast
@@ -24,8 +24,8 @@ import torch
 from conveyor.config.engine import CacheConfig
 from conveyor.gpu.backends import select
 from conveyor.gpu.backends.cpu.kernels import paged_attention_kernel
-from conveyor.gpu.kv_cache import copy_blocks, num_blocks_for_memory
-from conveyor.gpu.kv_fp8 import FP8, FP8_MAX, UNIT_SCALES, KVScales, dequantize_kv, quantize_kv
+from conveyor.gpu.kv.kv_cache import copy_blocks, num_blocks_for_memory
+from conveyor.gpu.kv.kv_fp8 import FP8, FP8_MAX, UNIT_SCALES, KVScales, dequantize_kv, quantize_kv
 
 BACKENDS = [
     "torch",

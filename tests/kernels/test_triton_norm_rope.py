@@ -22,7 +22,7 @@ pytest.importorskip("triton")
 from conveyor.gpu.backends.triton.add_rms_norm import add_rms_norm, add_rms_norm_reference, rms_norm  # noqa: E402
 from conveyor.gpu.backends.triton.rotary import apply_rotary_, rotary_reference  # noqa: E402
 from conveyor.gpu.backends.triton.silu_mul import silu_mul, silu_mul_reference  # noqa: E402
-from conveyor.gpu.rope import RotaryEmbedding  # noqa: E402
+from conveyor.gpu.models.rope import RotaryEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1.6e-2}  # rtol = atol, per dtype

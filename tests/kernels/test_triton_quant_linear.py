@@ -222,7 +222,7 @@ def test_model_logits_on_the_triton_backend_match_the_reference(method):
     from conveyor.gpu.backends import Backend
     from conveyor.gpu.backends.torch import TorchAttention
     from conveyor.gpu.backends.triton.backend import TritonAttention
-    from conveyor.gpu.loader import load_model
+    from conveyor.gpu.loading.loader import load_model
     from conveyor.gpu.models.registry import read_model_config
     from tests.gpu.test_gpu_model import forward_prompts, random_prompts
     from tests.gpu_checkpoints import checkpoint

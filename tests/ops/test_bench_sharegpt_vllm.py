@@ -56,7 +56,7 @@ def smollm2_tokenizer(request, tmp_path_factory) -> Path:
     GGUF (tests/conftest.py's smollm2: fetched if the package index answers, skipped if not)."""
     if FOUND_SMOLLM2 is not None:
         return FOUND_SMOLLM2
-    from conveyor.gpu.gguf.tokenizer import write_tokenizer
+    from conveyor.gpu.loading.gguf.tokenizer import write_tokenizer
 
     out = tmp_path_factory.mktemp("smollm2")
     write_tokenizer(request.getfixturevalue("smollm2"), out)

@@ -3,7 +3,7 @@
 and the logit soft-cap are the kernel's arguments.
 
 Cache layout: one tensor per layer, [2, num_blocks, Hkv, block_size * D] float32, or e4m3 codes
-with --kv-cache-dtype fp8 (quantized here in torch, gpu/kv_fp8.py; the kernel copies the codes
+with --kv-cache-dtype fp8 (quantized here in torch, gpu/kv/kv_fp8.py; the kernel copies the codes
 into place and widens them to float as it reads), the order the kernel reads and writes
 (head-major, keys transposed, values not):
 - keys of block b, head h: cache[0, b, h] viewed as [D, block_size];
@@ -22,7 +22,7 @@ import torch
 
 from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata
 from conveyor.gpu.backends.cpu.kernels.paged_attention import CacheView, PagedAttentionKernel, StepTables
-from conveyor.gpu.kv_fp8 import UNIT_SCALES, KVScales, quantize_kv
+from conveyor.gpu.kv.kv_fp8 import UNIT_SCALES, KVScales, quantize_kv
 
 
 class CpuAttention(AttentionBackend):

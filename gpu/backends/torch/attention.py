@@ -4,7 +4,7 @@ Cache: one tensor per layer, [2, num_blocks, block_size, Hkv, D] in the KV dtype
 keys, 1 values); token p of a sequence lives in block block_table[p // block_size] at offset
 p % block_size. `write_kv` scatters the step's k/v at the slot mapping; `attend` lets every row
 attend to its whole context read back through its block table. An fp8 cache holds e4m3 codes
-(gpu/kv_fp8.py): written quantized with the layer's scales, read back as code * scale in float32
+(gpu/kv/kv_fp8.py): written quantized with the layer's scales, read back as code * scale in float32
 and cast to the model dtype before attention; its fresh prompt chunks read the cache too, so a
 prompt attends to the same keys however it is chunked or cached.
 
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata
-from conveyor.gpu.kv_fp8 import UNIT_SCALES, KVScales, as_bytes, dequantize_kv, is_fp8, quantize_kv
+from conveyor.gpu.kv.kv_fp8 import UNIT_SCALES, KVScales, as_bytes, dequantize_kv, is_fp8, quantize_kv
 
 
 @dataclasses.dataclass

@@ -10,7 +10,7 @@ or over tokens grouped by slot, lora_sgmv_*.py's, at the row counts lora_groups.
 
 Invariants:
 - the KV cache is one zeroed tensor per layer, [2, num_blocks, block_size, Hkv, D] in the KV
-  dtype (the model's, or fp8 e4m3 codes) (0 keys, 1 values): gpu/kv_cache.py's layout, so
+  dtype (the model's, or fp8 e4m3 codes) (0 keys, 1 values): gpu/kv/kv_cache.py's layout, so
   `copy_blocks` is the base class's;
 - the metadata is the base class's AttentionMetadata: the kernels need no masks, and their grids
   come from shapes alone, so decode steps capture in CUDA graphs (`supports_cuda_graphs`);
@@ -47,7 +47,7 @@ from conveyor.gpu.backends.triton.quant_linear import KernelWeight, kernel_takes
 from conveyor.gpu.backends.triton.quant_linear_words import WordWeight, words_linear
 from conveyor.gpu.backends.triton.rotary import apply_rotary_
 from conveyor.gpu.backends.triton.silu_mul import silu_mul
-from conveyor.gpu.kv_fp8 import UNIT_SCALES, KVScales
+from conveyor.gpu.kv.kv_fp8 import UNIT_SCALES, KVScales
 from conveyor.gpu.quant.weight import QuantizedWeight
 
 

@@ -4,7 +4,7 @@ Layout: kv_cache [2, num_blocks, block_size, Hkv, D] (keys, then values); k, v [
 step's rotated keys and values (views into a fused qkv buffer are fine: only unit stride along D
 is required); slot_mapping [T] int64, slot = block * block_size + offset, negative for padding
 tokens (CUDA-graph padding), which are skipped. Values are cast to the cache's dtype on store;
-an fp8 cache's e4m3 codes are made by torch first (gpu/kv_fp8.py `quantize_kv`: the interpreter's
+an fp8 cache's e4m3 codes are made by torch first (gpu/kv/kv_fp8.py `quantize_kv`: the interpreter's
 float -> e4m3 cast truncates) and stored as bytes.
 
 Grid: (T,), one program per token, writing its [Hkv, D] key and value tiles (BLOCK_H and BLOCK_D
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from conveyor.gpu.kv_fp8 import UNIT_SCALES, KVScales, as_bytes, is_fp8, quantize_kv
+from conveyor.gpu.kv.kv_fp8 import UNIT_SCALES, KVScales, as_bytes, is_fp8, quantize_kv
 
 
 @triton.jit

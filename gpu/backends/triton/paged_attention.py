@@ -25,7 +25,7 @@ import triton.language as tl
 from conveyor.gpu.backends.triton.paged_attention_launch import DEFAULT_VARIANT, Tiling, Variant, check_inputs
 from conveyor.gpu.backends.triton.paged_attention_split_k import paged_attention_split_k
 from conveyor.gpu.backends.triton.paged_attention_tile import attend_keys, find_tile, key_range, load_queries
-from conveyor.gpu.kv_fp8 import as_bytes
+from conveyor.gpu.kv.kv_fp8 import as_bytes
 
 # Split-K heuristic (only on CUDA, and only for steps where every row decodes): split when the
 # rows x kv heads programs would fill less than half the SMs, into as many splits as fill them,
@@ -140,7 +140,7 @@ def paged_attention(
     """q [T, Hq, D] -> out [T, Hq, D] (written into `out` when given). num_splits: None lets
     `choose_num_splits` decide; 1 forces this kernel, more forces split-K with that many splits.
     softcap: scores -> softcap * tanh(scores / softcap) after the scale (Gemma 2); None: none.
-    k_scale, v_scale: an fp8 cache's (gpu/kv_fp8.py); a float cache takes 1.0. variant: launch
+    k_scale, v_scale: an fp8 cache's (gpu/kv/kv_fp8.py); a float cache takes 1.0. variant: launch
     choices (paged_attention_launch.py), the same result whatever they are."""
     check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, sliding_window, out)
     if out is None:

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 import triton
 
-from conveyor.gpu.kv_fp8 import is_fp8
+from conveyor.gpu.kv.kv_fp8 import is_fp8
 
 
 @dataclasses.dataclass(frozen=True)

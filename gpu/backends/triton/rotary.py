@@ -2,7 +2,7 @@
 
 `apply_rotary_(q [T, Hq, D], k [T, Hkv, D], positions [T] int64, cos_sin [P, R] float32)` serves
 TritonOps.rotary; `rotary_reference` is the torch rotation its test compares with. cos_sin is
-gpu/rope.py's table, cat(cos, sin) of [P, R/2] each, R <= D the rotary width (R < D: partial
+gpu/models/rope.py's table, cat(cos, sin) of [P, R/2] each, R <= D the rotary width (R < D: partial
 rotary, the last D - R dims of each head pass through). Every rope scaling lives in the table, so
 the kernel only applies it, in the "rotate half" (GPT-NeoX) convention: with x1, x2 the two
 halves of a head's first R dims, out = (x1 * cos - x2 * sin, x2 * cos + x1 * sin).

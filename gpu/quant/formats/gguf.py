@@ -1,6 +1,6 @@
 """GGUF blocks -> QuantizedWeight, keeping each block's codes and its scales as they are.
 
-conveyor's GGUF conversion (gpu/gguf/convert.py) writes a packed tensor as its raw blocks,
+conveyor's GGUF conversion (gpu/loading/gguf/convert.py) writes a packed tensor as its raw blocks,
 `<layer>.gguf_blocks` [N, bytes per row] uint8, beside `<layer>.gguf_type` (its GGML type id), and
 marks config.json `quant_method: gguf`. Here the blocks become the kernels' form with no
 float copy and no rounding: the codes move, the fp16 scales widen to float32.
@@ -13,7 +13,7 @@ float copy and no rounding: the codes move, the fp16 scales widen to float32.
 | Q5_K | 256: 8 x 32 5-bit  | u8   | 32    | d * sc, -dmin * m          |
 | Q6_K | 256: 16 x 16 6-bit | u8   | 16    | d * sc, -32 d * sc         |
 Q5_K and Q6_K codes sit in a byte each (their 5 and 6 bits are not repacked). Other GGML types
-are written dequantized by the conversion (gpu/gguf/weights.py PACKED_TYPES), so a layer is
+are written dequantized by the conversion (gpu/loading/gguf/weights.py PACKED_TYPES), so a layer is
 either packed here or float.
 """
 

@@ -6,7 +6,7 @@
 // prompt chunk of 2048 tokens, a pass over megabytes. Fused, a step of 256 decodes spends ~1 ms
 // less here per forward, and a 2048-token chunk ~8 ms less (docs/benchmarks.md).
 //
-// Same arithmetic as the torch path in gpu/models/llama.py and gpu/rope.py, in float32:
+// Same arithmetic as the torch path in gpu/models/llama.py and gpu/models/rope.py, in float32:
 //   rms_norm:   r = x (+ residual); out = w * (r * 1 / sqrt(mean(r^2) + eps))
 //   rotary:     x1, x2 = halves of each head; (x1 c - x2 s, x2 c + x1 s), "rotate half" layout
 //   silu_mul:   gate = gate / (1 + exp(-gate)) * up
@@ -51,7 +51,7 @@ void conveyor_rms_norm_f32(const float* x, float* residual, const float* w, floa
 }
 
 // q [T, Hq, D] and k [T, Hkv, D] rotated in place; positions [T]; cos_sin [P, D]: cos of the
-// D/2 frequencies, then their sin (gpu/rope.py's table).
+// D/2 frequencies, then their sin (gpu/models/rope.py's table).
 void conveyor_rotary_f32(float* q, float* k, const int64_t* positions, const float* cos_sin,
                          int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t D) {
   const int64_t half = D / 2;

@@ -1,6 +1,6 @@
 """The ctypes face of fused_ops.cpp: RMSNorm (+ residual), rotary embedding, SiLU * up.
 
-Each method takes what its torch counterpart in gpu/models/llama.py or gpu/rope.py takes and
+Each method takes what its torch counterpart in gpu/models/llama.py or gpu/models/rope.py takes and
 returns the same thing; `supports(t)` says whether a tensor can go to C (float32, contiguous, on
 the CPU). `cpu_fused_ops()` is None where the library cannot be had (see build.load_library).
 """

@@ -24,7 +24,7 @@ import functools
 import torch
 
 from conveyor.gpu.backends.cpu.kernels.build import load_library
-from conveyor.gpu.kv_fp8 import FP8
+from conveyor.gpu.kv.kv_fp8 import FP8
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 

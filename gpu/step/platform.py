@@ -1,4 +1,4 @@
-"""Platform: what the runner (gpu/runner.py) needs of the hardware it runs on, beyond where its
+"""Platform: what the runner (gpu/step/runner.py) needs of the hardware it runs on, beyond where its
 tensors live. One per worker, chosen once from --device (`platform_for`):
 
     TorchPlatform     CUDA or the CPU, through torch: the model is loaded and computed for real
@@ -26,12 +26,12 @@ import torch
 from conveyor.config.engine import CacheConfig, EngineConfig
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends import Backend, select
-from conveyor.gpu.host_memory import keep_freed_memory
-from conveyor.gpu.kv_cache import num_blocks_for_memory
-from conveyor.gpu.pass_clock import EventMark, HostMark, Mark
+from conveyor.gpu.kv.kv_cache import num_blocks_for_memory
 from conveyor.gpu.sampling.draws import DeviceSamples, SamplingRow, draw_step
 from conveyor.gpu.sampling.params_table import DrawParams
 from conveyor.gpu.sampling.transfer import HostCopy
+from conveyor.gpu.step.host_memory import keep_freed_memory
+from conveyor.gpu.step.pass_clock import EventMark, HostMark, Mark
 from conveyor.gpu.structured import TokenMask
 
 
@@ -86,7 +86,7 @@ class TorchPlatform:
         return select(name, self.device, model, kv_dtype)
 
     def load_model(self, model: ModelConfig, backend: Backend) -> Any:
-        from conveyor.gpu.loader import load_model
+        from conveyor.gpu.loading.loader import load_model
 
         return load_model(model, self.device, backend)
 

@@ -114,7 +114,7 @@ class DecodeGraphs:
     capture: False runs the model eagerly through the same buffers (any device); pool: a graph
     memory pool to capture into (another DecodeGraphs' `pool`), None for a new one.
 
-    How the runner (gpu/runner.py) uses it:
+    How the runner (gpu/step/runner.py) uses it:
     1. Start-up, model loaded: if not `can_capture(config, attn, device)`, it never builds one;
        every step runs eagerly.
     2. KV sizing, BEFORE the profile run: `probe = DecodeGraphs.memory_probe(...)`, then

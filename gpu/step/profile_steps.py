@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from conveyor.gpu.persistent_batch import PersistentBatch
 from conveyor.gpu.sampling import SamplingRow, sample_step
-from conveyor.gpu.step_inputs import RowSpec, first_pass_inputs
+from conveyor.gpu.step.persistent_batch import PersistentBatch
+from conveyor.gpu.step.step_inputs import RowSpec, first_pass_inputs
 from conveyor.wire.messages import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 class ProfiledRunner(Protocol):
-    """What profile_run reads of the runner (gpu/runner.py ModelRunner, which imports this module)."""
+    """What profile_run reads of the runner (gpu/step/runner.py ModelRunner, which imports this module)."""
 
     config: EngineConfig
     tp: TensorParallel

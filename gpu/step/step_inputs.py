@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from conveyor.gpu.backends import AttentionBackend, AttentionMetadata
-from conveyor.gpu.persistent_batch import PersistentBatch
 from conveyor.gpu.sampling.transfer import to_device
+from conveyor.gpu.step.persistent_batch import PersistentBatch
 
 
 @dataclasses.dataclass

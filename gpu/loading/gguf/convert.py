@@ -46,9 +46,9 @@ def write_checkpoint(source: Path, out_dir: Path, dtype: str, packed: bool = Tru
     from gguf import GGUFReader
     from safetensors.torch import save_file
 
-    from conveyor.gpu.gguf.config import generation_config, hf_config
-    from conveyor.gpu.gguf.tokenizer import write_tokenizer
-    from conveyor.gpu.gguf.weights import read_weights
+    from conveyor.gpu.loading.gguf.config import generation_config, hf_config
+    from conveyor.gpu.loading.gguf.tokenizer import write_tokenizer
+    from conveyor.gpu.loading.gguf.weights import read_weights
 
     try:
         reader = GGUFReader(source)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from conveyor.config.model import ModelConfig
-from conveyor.gpu.passes import WorkerSeq
+from conveyor.gpu.step.passes import WorkerSeq
 from conveyor.wire.messages import StepPlan
 
 

@@ -2,7 +2,7 @@
 window of passes (Window), what one pass computes (PassWork), a pass launched on the device
 (LaunchedPass), and the StepResult a launched pass becomes once its ids reach the host
 (`pass_result`): its draws keyed by sequence id, a constrained sequence's matcher taking each id
-it drew, in order. gpu/runner.py launches them.
+it drew, in order. gpu/step/runner.py launches them.
 """
 
 from __future__ import annotations
@@ -10,18 +10,18 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from conveyor.gpu.pass_clock import PassClock
-from conveyor.gpu.pooling import PooledOnDevice
 from conveyor.gpu.sampling.draws import DeviceSamples
 from conveyor.gpu.sampling.prompt_logprobs import PromptLogprobsOnDevice
 from conveyor.gpu.spec.draft_length import Acceptance
 from conveyor.gpu.spec.verify import accepted_length
-from conveyor.gpu.step_inputs import PassInputs
+from conveyor.gpu.step.pass_clock import PassClock
+from conveyor.gpu.step.pooling import PooledOnDevice
+from conveyor.gpu.step.step_inputs import PassInputs
 from conveyor.wire.messages import Fork, SamplingParams, StepPlan, StepResult, TopLogprobs
 from conveyor.wire.stop_rules import stops_on
 
 if TYPE_CHECKING:  # xgrammar loads with the first constrained sequence
-    from conveyor.gpu.platform import ResultCopy
+    from conveyor.gpu.step.platform import ResultCopy
     from conveyor.gpu.structured import Matcher
 
 

@@ -2,7 +2,7 @@
 
 Each live sequence owns a row (a "slot") of tensors that persist across steps, so a plan's diffs
 touch only the rows it names instead of rebuilding a step's inputs from Python lists. The runner
-adds, removes, forks and updates rows; gpu/step_inputs.py reads them.
+adds, removes, forks and updates rows; gpu/step/step_inputs.py reads them.
 
 - `block_tables` [R, M] int32, M = ceil(max_model_len / block_size), padded with block 0: row s
   is slot s's table. Writes go to a pinned host mirror, and `sync()` copies the changed rows up

@@ -3,7 +3,7 @@
 The GPU bubble is the device's idle time while work exists. With asynchronous scheduling,
 multi-step windows and CUDA graphs the host runs ahead of the device, so host timestamps say
 little about the device. The clock therefore reads points on the device's own timeline, made by
-its platform (gpu/platform.py): CUDA events on the compute stream, the emulated device's virtual
+its platform (gpu/step/platform.py): CUDA events on the compute stream, the emulated device's virtual
 events (gpu/emulated/stream.py), or, on a CPU, where the device is the host, the host clock.
 busy = start -> end of the pass, idle = end of the previous pass -> start of this one (the device
 waiting for the host to launch it). After an idle spell (nothing to run, so no bubble) idle

@@ -13,7 +13,7 @@ import torch
 
 from conveyor.config.engine import CacheConfig
 from conveyor.config.errors import ConfigError
-from conveyor.gpu.kv_fp8 import as_bytes
+from conveyor.gpu.kv.kv_fp8 import as_bytes
 
 GIB = 1024**3
 

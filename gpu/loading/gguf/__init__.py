@@ -10,6 +10,6 @@ tokenizer.py  metadata -> tokenizer.json, tokenizer_config.json, chat_template.j
 convert.py    the cache: one directory per (file, dtype), built aside and renamed into place
 """
 
-from conveyor.gpu.gguf.convert import ensure_checkpoint
+from conveyor.gpu.loading.gguf.convert import ensure_checkpoint
 
 __all__ = ["ensure_checkpoint"]

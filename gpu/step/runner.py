@@ -26,25 +26,25 @@ import torch
 
 from conveyor.config.engine import EngineConfig
 from conveyor.gpu.backends import Backend
-from conveyor.gpu.cuda_graphs import DecodeGraphs
 from conveyor.gpu.lora.slots import LoraSlots
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.sampling import share_draws
 from conveyor.gpu.parallel.shard import shard_model_config
-from conveyor.gpu.pass_clock import Mark, PassClock
-from conveyor.gpu.passes import LaunchedPass, PassWork, Window, WorkerSeq, pass_result
-from conveyor.gpu.persistent_batch import PersistentBatch
-from conveyor.gpu.plan_checks import check_plan
-from conveyor.gpu.platform import Platform, platform_for
-from conveyor.gpu.pooling import PooledOnDevice, Pooler
-from conveyor.gpu.profile_steps import profile_run
 from conveyor.gpu.sampling import SamplingRow
 from conveyor.gpu.sampling.draws import DeviceSamples, argmax_draws, only_argmax
 from conveyor.gpu.sampling.penalties import penalises_repeats
 from conveyor.gpu.sampling.prompt_logprobs import PromptLogprobsOnDevice, compute_prompt_logprobs, prompt_rows
 from conveyor.gpu.sampling.transfer import to_device
 from conveyor.gpu.spec.speculator import Speculator
-from conveyor.gpu.step_inputs import PassInputs, RowSpec, first_pass_inputs, next_pass_inputs
+from conveyor.gpu.step.cuda_graphs import DecodeGraphs
+from conveyor.gpu.step.pass_clock import Mark, PassClock
+from conveyor.gpu.step.passes import LaunchedPass, PassWork, Window, WorkerSeq, pass_result
+from conveyor.gpu.step.persistent_batch import PersistentBatch
+from conveyor.gpu.step.plan_checks import check_plan
+from conveyor.gpu.step.platform import Platform, platform_for
+from conveyor.gpu.step.pooling import PooledOnDevice, Pooler
+from conveyor.gpu.step.profile_steps import profile_run
+from conveyor.gpu.step.step_inputs import PassInputs, RowSpec, first_pass_inputs, next_pass_inputs
 from conveyor.gpu.structured import Matcher, TokenMask, grammars_for, token_mask
 from conveyor.wire.messages import NewSeq, StepPlan, StepResult
 
@@ -55,7 +55,7 @@ class ModelRunner:
     """`backend`: the attention backend and ops to run on; None (the worker): chosen from
     config.parallel.attention_backend by gpu.backends.select. `tp`: the tensor-parallel group
     this runner is rank tp.rank of (gpu/parallel/rendezvous.py; None: one rank). `device_index`:
-    on CUDA, the visible device it takes (gpu/platform.py `platform_for`; the worker passes its
+    on CUDA, the visible device it takes (gpu/step/platform.py `platform_for`; the worker passes its
     process index). What it runs on, a real device or an emulated one, is its `platform`'s."""
 
     def __init__(
@@ -86,7 +86,7 @@ class ModelRunner:
         self._pending: collections.deque[LaunchedPass] = collections.deque()  # launched, not collected
         self._collected: list[StepResult] = []  # finished early (a pass had to wait for them)
         self._last_clock: PassClock | None = None
-        # CUDA graphs of decode steps (gpu/cuda_graphs.py), captured once the pool exists; the
+        # CUDA graphs of decode steps (gpu/step/cuda_graphs.py), captured once the pool exists; the
         # probe holds the largest one's memory while the pool is sized, so the pool leaves it.
         self.graphs: DecodeGraphs | None = None
         self._graph_probe: DecodeGraphs | None = None
