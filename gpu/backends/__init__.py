@@ -20,7 +20,8 @@ import torch as _torch
 
 from conveyor.config.engine import ATTENTION_BACKENDS as BACKEND_NAMES
 from conveyor.config.model import ModelConfig
-from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Backend, BackendUnavailable, Ops
+from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Backend, BackendUnavailable
+from conveyor.gpu.backends.ops import Ops
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from conveyor.gpu.backends.base import LinearLayer, Ops
+from conveyor.gpu.backends.ops import LinearLayer, Ops
 from conveyor.gpu.quant.weight import QuantizedWeight
 
 Layers = tuple[nn.Module, ...]

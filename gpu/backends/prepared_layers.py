@@ -17,7 +17,7 @@ from typing import Protocol, TypeGuard
 
 from torch import nn
 
-from conveyor.gpu.backends.base import LinearLayer
+from conveyor.gpu.backends.ops import LinearLayer
 
 
 class PreparedLayer(LinearLayer, Protocol):

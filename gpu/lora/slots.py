@@ -30,7 +30,7 @@ from torch import nn
 
 from conveyor.config.engine import EngineConfig
 from conveyor.config.lora_adapter import LORA_TARGETS, AdapterInfo, read_adapter_info
-from conveyor.gpu.backends.base import Ops
+from conveyor.gpu.backends.ops import Ops
 from conveyor.gpu.lora.weights import load_adapter
 from conveyor.gpu.models.layers import Linear, RowParallelLinear
 from conveyor.gpu.parallel.group import TensorParallel

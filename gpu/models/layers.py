@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.gpu.backends.base import Ops
+from conveyor.gpu.backends.ops import Ops
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.shard import Split
 from conveyor.gpu.quant.weight import QuantizedWeight

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from conveyor.config.model import ModelConfig, implied_windows
-from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Backend, Ops
+from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Backend
+from conveyor.gpu.backends.ops import Ops
 from conveyor.gpu.kv.kv_fp8 import UNIT_SCALES, KVScales
 from conveyor.gpu.models.base import CausalLM
 from conveyor.gpu.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, column_products

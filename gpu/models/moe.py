@@ -26,7 +26,7 @@ from torch import nn
 
 from conveyor.config.model import ModelConfig
 from conveyor.config.moe import MoeConfig
-from conveyor.gpu.backends.base import Ops
+from conveyor.gpu.backends.ops import Ops
 from conveyor.gpu.models.base import CausalLM, check_loaded, copy_weight
 from conveyor.gpu.models.layers import Linear
 from conveyor.gpu.models.llama import MLP

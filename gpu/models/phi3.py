@@ -20,7 +20,7 @@ from torch import nn
 
 from conveyor.config.model import ModelConfig
 from conveyor.config.rope_fields import original_max_position, rope_items
-from conveyor.gpu.backends.base import Ops
+from conveyor.gpu.backends.ops import Ops
 from conveyor.gpu.models.base import CausalLM
 from conveyor.gpu.models.layers import ColumnParallelLinear, RowParallelLinear
 from conveyor.gpu.models.llama import Attention, DecoderLayer

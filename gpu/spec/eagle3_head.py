@@ -32,7 +32,8 @@ from torch import nn
 from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
 from conveyor.config.speculative import Eagle3Layout
-from conveyor.gpu.backends.base import AttentionMetadata, Backend, Ops
+from conveyor.gpu.backends.base import AttentionMetadata, Backend
+from conveyor.gpu.backends.ops import Ops
 from conveyor.gpu.loading.loader import checkpoint_tensors
 from conveyor.gpu.models.base import check_loaded, copy_weight
 from conveyor.gpu.models.layers import ColumnParallelLinear, Linear, RMSNorm, RowParallelLinear, VocabParallelEmbedding

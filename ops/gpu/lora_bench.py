@@ -6,7 +6,7 @@ update of `--max-loras 4` rank-16 slots added, through each backend's `lora_add`
 kernels (gpu/backends/triton/lora.py: one program per token, BGMV), the Triton SGMV kernels
 (lora_sgmv_shrink.py, lora_sgmv_expand.py: tiles of one slot's tokens on the tensor cores, over
 the tokens grouped once a pass by lora_groups.py, which is timed alone: its cost is shared by every
-layer's projections) and the torch default (gpu/backends/base.py: one [T, S R] product over every
+layer's projections) and the torch default (gpu/backends/ops.py: one [T, S R] product over every
 slot, then each token's own), each with B stored as its backend's `lora_b` stores it, and SGMV
 again with B stored as the default does ([S, R, out], outputs innermost). Rows:
 - decode steps of M = 1, 16, 64, 256 rows spread over the 4 adapters (row t: slot t mod 4), and 64

@@ -22,8 +22,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conveyor.gpu.backends import torch_backend
-from conveyor.gpu.backends.base import Ops
 from conveyor.gpu.backends.column_groups import sibling_groups
+from conveyor.gpu.backends.ops import Ops
 from conveyor.gpu.backends.torch import TorchOps
 from conveyor.gpu.loading.loader import load_model
 from conveyor.gpu.models.base import CausalLM

@@ -1,6 +1,6 @@
 """The layering of gpu/, read from the source (tests/gpu/import_graph.py): no import cycle inside
 gpu/, not even through `if TYPE_CHECKING:` annotations, and no backend imports a model module
-(they see the model's layers through the seam: gpu/backends/base.py's Protocols and
+(they see the model's layers through the seam: gpu/backends/ops.py's Protocols and
 prepared_layers.py's guards; the models import the backends).
 `python -m tests.gpu.import_graph` prints what these find, with each edge's file and line."""
 

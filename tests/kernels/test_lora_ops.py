@@ -18,10 +18,10 @@ import textwrap
 import pytest
 import torch
 
-from conveyor.gpu.backends.base import Ops
 from conveyor.gpu.backends.cpu.kernels import CpuLora, cpu_lora
 from conveyor.gpu.backends.cpu.kernels.build import load_library
 from conveyor.gpu.backends.cpu.ops import CpuOps
+from conveyor.gpu.backends.ops import Ops
 from conveyor.gpu.backends.torch import TorchOps
 from tests.triton_compile import compile_for_sm90
 

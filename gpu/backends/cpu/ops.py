@@ -33,7 +33,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.gpu.backends.base import LinearLayer
 from conveyor.gpu.backends.column_groups import ColumnGroup, stack
 from conveyor.gpu.backends.cpu.kernels import packed_linear as packed
 from conveyor.gpu.backends.cpu.kernels.fused_ops import CpuFusedOps, supports
@@ -42,6 +41,7 @@ from conveyor.gpu.backends.cpu.kernels.quant_argmax import ArgmaxTable, QuantArg
 from conveyor.gpu.backends.cpu.kernels.quant_linear import MAX_ROWS as QUANT_MAX_ROWS
 from conveyor.gpu.backends.cpu.kernels.quant_linear import CpuQuantLinear, QuantArgs
 from conveyor.gpu.backends.cpu.kernels.small_linear import CpuSmallLinear
+from conveyor.gpu.backends.ops import LinearLayer
 from conveyor.gpu.backends.prepared_layers import is_lm_head, is_ops_linear
 from conveyor.gpu.backends.torch.ops import TorchOps
 from conveyor.gpu.quant.weight import QuantizedWeight

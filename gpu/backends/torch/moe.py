@@ -1,6 +1,6 @@
 """The routed experts of a mixture-of-experts block in plain torch, tokens grouped by expert.
 
-What `Ops.moe_experts` computes by default (gpu/backends/base.py), on any device: each token t
+What `Ops.moe_experts` computes by default (gpu/backends/ops.py), on any device: each token t
 chose K experts (topk_ids [T, K]) with weights (topk_weights [T, K]); its output is
 
     sum over k of  topk_weights[t, k] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])),  e = topk_ids[t, k]

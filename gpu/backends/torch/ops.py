@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.gpu.backends.base import LinearLayer, Ops
 from conveyor.gpu.backends.column_groups import ColumnGroups
+from conveyor.gpu.backends.ops import LinearLayer, Ops
 
 
 class TorchOps(Ops):

@@ -30,8 +30,9 @@ from torch import nn
 
 from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
-from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Backend, LinearLayer, Ops
+from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata, Backend
 from conveyor.gpu.backends.column_groups import ColumnGroups
+from conveyor.gpu.backends.ops import LinearLayer, Ops
 from conveyor.gpu.backends.triton.add_rms_norm import add_rms_norm, rms_norm
 from conveyor.gpu.backends.triton.fp8_linear import Fp8Weight, fp8_linear
 from conveyor.gpu.backends.triton.gemm_picks import Picked

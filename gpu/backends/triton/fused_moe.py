@@ -1,6 +1,6 @@
 """The routed experts of a mixture-of-experts block as a grouped GEMM over expert-sorted tokens.
 
-Computes `Ops.moe_experts` (gpu/backends/base.py) for the triton backend: `fused_moe(x [T, H],
+Computes `Ops.moe_experts` (gpu/backends/ops.py) for the triton backend: `fused_moe(x [T, H],
 gate_up [E, 2I, H], down [E, H, I], topk_weights [T, K], topk_ids [T, K])` -> [T, H] in x's
 dtype. Its reference is gpu/backends/torch/moe.py's grouped_moe, which its test compares with.
 

@@ -1,7 +1,7 @@
 """Batched LoRA for a step whose tokens use different adapters: shrink (x A^T) and expand
 (y += scale * xa B^T) as Triton kernels, each token's adapter slot read on the device.
 
-Computes `Ops.lora_shrink` and `Ops.lora_expand` (gpu/backends/base.py) for the triton backend:
+Computes `Ops.lora_shrink` and `Ops.lora_expand` (gpu/backends/ops.py) for the triton backend:
 - shrink: x [T, in], a [S, R, in] (slot s's A, zero rows past its rank), slots [T] int64 ->
   xa [P, T, R] float32, partial sums over P slices of `in` (their sum: x[t] @ a[slots[t]]^T), zero
   where slots[t] < 0;

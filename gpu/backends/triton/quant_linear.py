@@ -1,7 +1,7 @@
 """A quantized linear layer as a Triton kernel that dequantizes inside the GEMM (W4A16, W8A16,
 and FP8 weight-only).
 
-Computes `Ops.quant_linear` (gpu/backends/base.py) for the triton backend: `quant_linear(x [M, K],
+Computes `Ops.quant_linear` (gpu/backends/ops.py) for the triton backend: `quant_linear(x [M, K],
 weight: KernelWeight, bias [N] | None)` -> y [M, N] in x's dtype, where KernelWeight is a
 QuantizedWeight (gpu/quant/weight.py) as the kernel reads it: the same packed codes (viewed as
 bytes, never copied or unpacked) and its scales and mins, in float16 where that loses nothing

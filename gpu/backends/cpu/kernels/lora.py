@@ -3,7 +3,7 @@ tensors, in one call.
 
 `CpuLora.supports` says whether a call's tensors can go to C (float32 on the CPU, each matrix's
 last dimension contiguous and B's output dimension, as the default Ops.lora_b stores it; slots
-contiguous int64); the cpu ops fall back to torch's path (gpu/backends/base.py) otherwise.
+contiguous int64); the cpu ops fall back to torch's path (gpu/backends/ops.py) otherwise.
 `cpu_lora()` is None where the library cannot be had (build.load_library). Slots are not checked
 against the stacks' S: the worker writes them (gpu/lora/slots.py), as for the Triton kernels.
 """
