@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from conveyor.sim.calibrate import TABLES
@@ -38,7 +39,7 @@ from conveyor.sim.devices import MFU, DeviceSpec
 US = 1e-6
 
 
-def interpolate(points: list[tuple[float, float]], x: float) -> float:
+def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
     """Piecewise-linear through sorted (x, y) points, extended linearly past both ends."""
     xs = [p[0] for p in points]
     i = min(max(bisect.bisect_left(xs, x), 1), len(points) - 1)
@@ -83,7 +84,7 @@ class CalibratedCost:
             # The profile's split: kernels launched every layer scaled by model_layers / layers, the rest once.
             per_layer = (s["estimate_32_layers_us"] - s["device_us_per_step"]) / (s["model_layers"] / layers - 1) / layers
             attn = s["by_class_us"]["attention"] / layers
-            in_situ.append((float(rows), (per_layer - attn) / interpolate(list(layer_points), rows)))
+            in_situ.append((float(rows), (per_layer - attn) / interpolate(layer_points, rows)))
             attention.append((context, attn))
             once.append((float(rows), s["device_us_per_step"] - layers * per_layer))
             if rows in eager:
@@ -107,12 +108,11 @@ class CalibratedCost:
         """One layer's products and the kernels between them, in a step of `tokens`."""
         last_t, last_us = self.layer_points[-1]
         if tokens <= last_t:
-            alone = interpolate(list(self.layer_points), tokens)
+            alone = interpolate(self.layer_points, tokens)
         else:  # past the table: its last point's efficiency, on the roofline's growth
             alone = last_us * self._roofline(tokens) / self._roofline(last_t)
-        factors = [f for _, f in self.in_situ]
-        t0, t1 = self.in_situ[0][0], self.in_situ[-1][0]
-        factor = factors[0] if tokens <= t0 else factors[-1] if tokens >= t1 else interpolate(list(self.in_situ), tokens)
+        (t0, first), (t1, last) = self.in_situ[0], self.in_situ[-1]  # held outside the profiled rows
+        factor = first if tokens <= t0 else last if tokens >= t1 else interpolate(self.in_situ, tokens)
         return alone * factor
 
     def _roofline(self, tokens: float) -> float:

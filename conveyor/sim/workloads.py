@@ -25,7 +25,7 @@ import re
 
 import numpy as np
 
-from conveyor.sim.sharegpt import Picker, sharegpt_pairs
+from conveyor.sim.sharegpt import MAX_PROMPT_LEN, MAX_TOTAL_LEN, Picker, sharegpt_pairs
 
 WORDS_TO_TOKENS = 4 / 3  # the usual rule of thumb for English with a Llama-sized vocabulary
 SYNTHETIC_VOCAB = 4000  # ids drawn below this (the tiny model's special tokens sit above)
@@ -57,8 +57,8 @@ class WorkloadConfig:
     output_len: int = 128
     cv: float = 0.3  # normal: standard deviation / mean
     range_ratio: float = 0.5  # random: lower bound / upper bound
-    max_prompt_len: int = 1024  # ShareGPT filter
-    max_total_len: int = 2048  # ShareGPT filter
+    max_prompt_len: int = MAX_PROMPT_LEN  # ShareGPT filter (vLLM's)
+    max_total_len: int = MAX_TOTAL_LEN
 
 
 def make_requests(config: WorkloadConfig) -> list[SimRequest]:

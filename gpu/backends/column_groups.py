@@ -27,6 +27,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from typing import cast
 
@@ -147,10 +148,7 @@ def _stack_quantized(layers: Sequence[nn.Module], weights: list[QuantizedWeight]
 
 
 def _bounds(sizes: list[int]) -> tuple[int, ...]:
-    bounds = [0]
-    for n in sizes:
-        bounds.append(bounds[-1] + n)
-    return tuple(bounds)
+    return tuple(itertools.accumulate(sizes, initial=0))
 
 
 def _view_bias(layer: nn.Module, bias: torch.Tensor | None, rows: slice) -> None:

@@ -1,6 +1,6 @@
 """top_k and top_p by one descending sort of the whole row: the filters as they were before issue
 48, kept as the reference that tests/gpu/test_sampling_filters.py holds filters.py to, and as the
-old path that `conveyor bench sampling --filters` times against it. Not on the sampler's path.
+old path that ops/bench/sampling_paths.py times against it. Not on the sampler's path.
 
 Ties at a cut keep whichever equals the sort left first (filters.py keeps them all).
 """

@@ -26,9 +26,9 @@ from collections.abc import Callable, Mapping
 import torch
 
 from conveyor.gpu.backends.triton.fp8_linear import Fp8Weight, can_multiply_in_fp8, fp8_weight
-from conveyor.gpu.backends.triton.int4pack import Int4PackWeight, int4pack_rows, int4pack_takes, int4pack_weight
+from conveyor.gpu.backends.triton.int4pack import Int4PackWeight, int4pack_takes, int4pack_weight
 from conveyor.gpu.backends.triton.quant_linear import KernelWeight, kernel_weight
-from conveyor.gpu.backends.triton.quant_linear_words import WordWeight, word_weight, words_rows, words_take
+from conveyor.gpu.backends.triton.quant_linear_words import WordWeight, word_weight, words_take
 from conveyor.gpu.quant.weight import QuantizedWeight
 
 ROW_BUCKETS = (1, 16, 64, 256)
@@ -53,10 +53,6 @@ class Picked:
     def form_for(self, m: int) -> Form:
         bucket = next((i for i, top in enumerate(ROW_BUCKETS) if m <= top), len(ROW_BUCKETS) - 1)
         return self.forms[self.by_bucket[bucket]]
-
-    def rows(self, rows: slice, cut: Callable[[Form, slice], Form]) -> Picked:
-        """A stack's Picked -> that of its output rows, each form cut by `cut` (quant_forms.rows_of)."""
-        return Picked({name: cut(form, rows) for name, form in self.forms.items()}, self.by_bucket)
 
 
 def format_of(weight: QuantizedWeight) -> str | None:
@@ -94,12 +90,3 @@ def picked(weight: QuantizedWeight, dtype: torch.dtype, picks: Mapping[str, tupl
     can = makers(weight, dtype)
     by_bucket = tuple(name if name in can else DEFAULT[fmt] for name in (picks or PICKS)[fmt])
     return Picked({name: can[name]() for name in dict.fromkeys(by_bucket)}, by_bucket)
-
-
-def rows_of_picked(form: Form, rows: slice) -> Form | None:
-    """The new forms' rows (quant_forms.rows_of handles the others); None: not one of them."""
-    if isinstance(form, WordWeight):
-        return words_rows(form, rows)
-    if isinstance(form, Int4PackWeight):
-        return int4pack_rows(form, rows)
-    return None

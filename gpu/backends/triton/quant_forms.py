@@ -17,12 +17,14 @@ from typing import cast
 import torch
 
 from conveyor.gpu.backends.triton.fp8_linear import Fp8Weight, can_multiply_in_fp8, fp8_weight
-from conveyor.gpu.backends.triton.gemm_picks import Form as PickedForm
-from conveyor.gpu.backends.triton.gemm_picks import Picked, picked, picks_more, rows_of_picked
+from conveyor.gpu.backends.triton.gemm_picks import Form as KernelForm
+from conveyor.gpu.backends.triton.gemm_picks import Picked, picked, picks_more
+from conveyor.gpu.backends.triton.int4pack import Int4PackWeight, int4pack_rows
 from conveyor.gpu.backends.triton.quant_linear import KernelWeight, kernel_takes, kernel_weight
+from conveyor.gpu.backends.triton.quant_linear_words import WordWeight, words_rows
 from conveyor.gpu.quant.weight import QuantizedWeight
 
-Form = Fp8Weight | KernelWeight | Picked
+Form = KernelForm | Picked  # one kernel's form, or several by rows
 
 
 def form_type(weight: QuantizedWeight) -> type[Fp8Weight] | type[KernelWeight] | type[Picked] | None:
@@ -49,9 +51,14 @@ def form_of(weight: QuantizedWeight, dtype: torch.dtype) -> Form | None:
 
 def rows_of(form: Form, rows: slice) -> Form:
     """A stack's form -> that of its output rows `rows` (views; an Fp8Weight's are its columns:
-    it stores W^T; a Picked's, each of its forms')."""
+    it stores W^T; a Picked's, each of its forms'; the words and tinygemm layouts cut by their own
+    modules)."""
     if isinstance(form, Picked):
-        return form.rows(rows, lambda f, r: rows_of_picked(f, r) or cast(PickedForm, rows_of(cast(Form, f), r)))
+        return Picked({name: cast(KernelForm, rows_of(f, rows)) for name, f in form.forms.items()}, form.by_bucket)
+    if isinstance(form, WordWeight):
+        return words_rows(form, rows)
+    if isinstance(form, Int4PackWeight):
+        return int4pack_rows(form, rows)
     if isinstance(form, Fp8Weight):
         return Fp8Weight(form.codes_t[:, rows], form.scale[:, rows])
     mins = None if form.mins is None else form.mins[rows]
