@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from conveyor.gpu.sampling.transfer import to_device
-from conveyor.wire.messages import PromptLogprobs, TopLogprobs
+from conveyor.wire.messages import PromptLogprobs, StepResult, TopLogprobs
 
 # Positions whose logits are materialised at once: [SLICE, V] float32 (SmolLM2: 25 MiB).
 SLICE = 128
@@ -71,6 +71,9 @@ class PromptLogprobsOnDevice:
             out.append(PromptLogprobs(row.seq_id, row.start, logprobs[at : at + n], ranks[at : at + n], top))
             at += n
         return out
+
+    def fill(self, result: StepResult) -> None:
+        result.prompt_logprobs = self.on_host()
 
 
 def compute_prompt_logprobs(

@@ -1,4 +1,4 @@
-"""Speculative decoding on the worker: speculator.py as the runner meets it, proposers of draft
+"""Speculative decoding on the worker (the step meets it as its speculation feature, gpu/step/features/): proposers of draft
 tokens (ngram.py, draft_model.py, eagle3.py over eagle3_head.py; the model-based ones run their
 passes through draft_passes.py), how many a row verifies (draft_length.py) and their
 verification (verify.py). The scheduler decides which rows may speculate and reserves their

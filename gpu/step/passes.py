@@ -2,20 +2,18 @@
 window of passes (Window), what one pass computes (PassWork), a pass launched on the device
 (LaunchedPass), and the StepResult a launched pass becomes once its ids reach the host
 (`pass_result`): its draws keyed by sequence id, a constrained sequence's matcher taking each id
-it drew, in order. gpu/step/runner.py launches them.
+it drew, in order. gpu/step/runner.py launches them, gpu/step/in_flight.py collects them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from conveyor.gpu.sampling.draws import DeviceSamples
-from conveyor.gpu.sampling.prompt_logprobs import PromptLogprobsOnDevice
 from conveyor.gpu.spec.draft_length import Acceptance
 from conveyor.gpu.spec.verify import accepted_length
 from conveyor.gpu.step.pass_clock import PassClock
-from conveyor.gpu.step.pooling import PooledOnDevice
 from conveyor.gpu.step.step_inputs import PassInputs
 from conveyor.wire.messages import Fork, SamplingParams, StepPlan, StepResult, TopLogprobs
 from conveyor.wire.stop_rules import stops_on
@@ -81,6 +79,22 @@ class PassWork:
     forks: list[list[Fork]]
     drafts: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
+    def logit_rows(self) -> list[tuple[WorkerSeq, list[int]]]:
+        """Per logits row (a sampling row's, then one per draft it verifies): its sequence and
+        the drafts drawn before it."""
+        rows: list[tuple[WorkerSeq, list[int]]] = []
+        for i in self.sampling:
+            drafts = self.drafts.get(i, [])
+            rows += [(self.rows[i], drafts[:j]) for j in range(len(drafts) + 1)]
+        return rows
+
+
+class PassOutput(Protocol):
+    """What a step feature read from a pass on the device (gpu/step/features/base.py
+    `after_forward`), copied into its StepResult once the pass's ids reached the host."""
+
+    def fill(self, result: StepResult) -> None: ...
+
 
 @dataclasses.dataclass
 class LaunchedPass:
@@ -94,8 +108,7 @@ class LaunchedPass:
     # The drafts each verifying sequence's run of draws checks (by seq_id): its draws are
     # consecutive in `draws`, one per draft and one more.
     drafts: dict[int, list[int]] = dataclasses.field(default_factory=dict)
-    prompt: PromptLogprobsOnDevice | None = None  # prompt_logprobs of rows that asked (a first pass only)
-    pooled: PooledOnDevice | None = None  # embeddings of pooling rows whose prompt it finished (a first pass only)
+    outputs: list[PassOutput] = dataclasses.field(default_factory=list)  # the features' (prompt logprobs, embeddings)
 
 
 def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
@@ -112,7 +125,7 @@ def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
     d, draws, computed, all_drafts = 0, launched.draws, launched.computed, launched.drafts
     while d < len(draws):
         seq, c = draws[d], computed[d]
-        drafts = all_drafts.get(seq.seq_id, ()) if all_drafts else ()
+        drafts: list[int] | tuple[()] = all_drafts.get(seq.seq_id, ()) if all_drafts else ()
         d += 1 + len(drafts)
         wants_top = seq.params.logprobs is not None
         out.any_top |= wants_top
@@ -156,7 +169,7 @@ def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
     # The plan's last result: its final pass, or the last launched one when no row is left.
     last = k == window.num_passes - 1 or (window.num_launched == k + 1 and not window.active(k + 1))
     clock = launched.clock
-    return StepResult(
+    result = StepResult(
         step=window.plan.step,
         sampled_token_ids=out.ids,
         busy_time=clock.busy(),
@@ -169,9 +182,10 @@ def pass_result(launched: LaunchedPass, eos: tuple[int, ...]) -> StepResult:
         masked_draws=out.masked,
         seq_ids=out.seq_ids,
         spec_rows=spec_rows,
-        prompt_logprobs=launched.prompt.on_host() if launched.prompt is not None else [],
-        embeddings=launched.pooled.on_host() if launched.pooled is not None else [],
     )
+    for output in launched.outputs:
+        output.fill(result)
+    return result
 
 
 @dataclasses.dataclass

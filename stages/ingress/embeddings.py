@@ -2,7 +2,7 @@
 
 Each input is an engine request of its own, scheduled as any prompt is (admission, batching with
 other requests, chunking) through `GenerateRoutes.run`: its prompt's passes pool the vector on the
-worker (gpu/step/pooling.py), its one drawn token is discarded, and it ends there, its blocks freed. A
+worker (gpu/step/features/pooling.py), its one drawn token is discarded, and it ends there, its blocks freed. A
 generative model asked for embeddings is a 400 (the generation routes refuse an embedding model
 the same way: GenerateRoutes.run). `dimensions` cuts the vector where the model was trained for
 it (its config's matryoshka dimensions); `encoding_format` "base64" sends each vector as its

@@ -330,9 +330,9 @@ def test_the_worker_waits_for_a_plan_or_a_landing(tiny, clock):
         pass
     modelled = runner.landing_in()
     assert modelled is not None and wait_ms(runner) == int(modelled * 1000)  # until the pass lands
-    runner._pending[0].copy = UnknownLanding(runner._pending[0].copy)
+    runner.in_flight.pending[0].copy = UnknownLanding(runner.in_flight.pending[0].copy)
     assert wait_ms(runner) == POLL_MS  # a CUDA event: look for a plan every POLL_MS
     assert runner.collect_due() == [] and runner.has_pending()  # it did not land: nothing is waited for
-    runner._pending[0].copy.landed = True
+    runner.in_flight.pending[0].copy.landed = True
     (result,) = runner.collect_due()
     assert result.step == 0 and not runner.has_pending()

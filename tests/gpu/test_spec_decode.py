@@ -13,7 +13,16 @@ from __future__ import annotations
 import pytest
 
 from conveyor import LLM
+from conveyor.gpu.step.features.speculation import SpeculationStep
 from conveyor.wire.messages import SamplingParams, StructuredOutput
+
+
+def _spec(llm) -> SpeculationStep:
+    """The LLM's speculation feature (gpu/step/features/speculation.py)."""
+    spec = llm.runner.feature(SpeculationStep)
+    assert spec is not None
+    return spec
+
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [1, 2, 3, 1, 2, 3, 1, 2], [40, 41, 42, 43, 44, 45] * 3, [9, 10]]
@@ -55,7 +64,7 @@ def generate(path, params, prompts=PROMPTS, proposer=None, **options):
     spec = options.pop("spec", proposer is not None)
     llm = LLM(str(path), device="cpu", num_kv_blocks=256, **({"speculative_config": SPEC} if spec else {}), **options)
     if proposer is not None:
-        llm.runner.spec.proposer = proposer(llm.runner.spec.proposer) if proposer is Counting else proposer
+        _spec(llm).proposer = proposer(_spec(llm).proposer) if proposer is Counting else proposer
     outputs = llm.generate(prompts, params)
     return outputs, llm
 
@@ -73,7 +82,7 @@ def test_ngram_greedy_is_identical(path):
     base, _ = generate(path, GREEDY)
     spec, llm = generate(path, GREEDY, proposer=Counting)
     assert token_ids(spec) == token_ids(base)
-    assert llm.runner.spec.proposer.drafts > 0
+    assert _spec(llm).proposer.drafts > 0
 
 
 @pytest.mark.parametrize("wrong", [False, True])

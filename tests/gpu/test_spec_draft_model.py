@@ -18,9 +18,18 @@ import pytest
 from conveyor import LLM
 from conveyor.config import ConfigError
 from conveyor.engine_config import build_engine_config
+from conveyor.gpu.step.features.speculation import SpeculationStep
 from conveyor.tiny.truncate import truncate
 from conveyor.wire.messages import SamplingParams
 from tests import gpu_checkpoints
+
+
+def _spec(llm) -> SpeculationStep:
+    """The LLM's speculation feature (gpu/step/features/speculation.py)."""
+    spec = llm.runner.feature(SpeculationStep)
+    assert spec is not None
+    return spec
+
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [1, 2, 3, 1, 2, 3, 1, 2], [40, 41, 42, 43, 44, 45] * 3, [9, 10]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True)
@@ -93,7 +102,7 @@ def test_smollm2_with_its_first_two_layers_drafting_is_unchanged(smollm2, tmp_pa
     base = [o.outputs[0].token_ids for o in base_llm.generate(ids, params)]
     llm = LLM(device="cpu", num_kv_blocks=64, speculative_config=spec(cut, 4))
     assert [o.outputs[0].token_ids for o in llm.generate(ids, params)] == base
-    assert llm.runner.spec.drafter.model.config.num_layers == 2
+    assert _spec(llm).drafter.model.config.num_layers == 2
 
 
 @pytest.mark.parametrize("tied", [False, True])

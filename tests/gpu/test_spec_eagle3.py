@@ -24,10 +24,19 @@ from conveyor import LLM
 from conveyor.config import ConfigError
 from conveyor.engine_config import build_engine_config
 from conveyor.gpu.spec.eagle3 import Eagle3Proposer
+from conveyor.gpu.step.features.speculation import SpeculationStep
 from conveyor.tiny.checkpoint import make_checkpoint
 from conveyor.tiny.eagle3 import make_eagle3_head
 from conveyor.wire.messages import SamplingParams
 from tests.gpu.test_spec_decode import Oracle
+
+
+def _spec(llm) -> SpeculationStep:
+    """The LLM's speculation feature (gpu/step/features/speculation.py)."""
+    spec = llm.runner.feature(SpeculationStep)
+    assert spec is not None
+    return spec
+
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [1, 2, 3, 1, 2, 3, 1, 2], [40, 41, 42, 43, 44, 45] * 3, [9, 10]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True)
@@ -163,7 +172,7 @@ def test_head_variants_of_the_layout_load_and_serve(checkpoints, tmp_path, varia
     base, _ = run(target, GREEDY)
     got, llm = run(target, GREEDY, head=head)
     assert got == base
-    proposer = llm.runner.spec.drafter
+    proposer = _spec(llm).drafter
     assert (proposer.head.embed_tokens is not None) == (variant == "own-embeddings")
     assert llm.runner.model.aux_layers == options["aux_layers"]
 

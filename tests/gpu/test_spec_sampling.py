@@ -20,8 +20,17 @@ import torch
 
 from conveyor import LLM
 from conveyor.gpu.sampling.draws import SamplingRow
-from conveyor.gpu.step import passes, runner
+from conveyor.gpu.step import pass_sampler, passes
+from conveyor.gpu.step.features.speculation import SpeculationStep
 from conveyor.wire.messages import SamplingParams
+
+
+def _spec(llm) -> SpeculationStep:
+    """The LLM's speculation feature (gpu/step/features/speculation.py)."""
+    spec = llm.runner.feature(SpeculationStep)
+    assert spec is not None
+    return spec
+
 
 PROMPT = [11, 42, 7, 300, 42, 19]
 TOP_K, PENALTY = 4, 0.5
@@ -103,8 +112,7 @@ def target(checkpoints, reference):
 
 def draw(path, table) -> tuple[dict, int]:
     llm = LLM(str(path), device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 2}, max_num_seqs=512)
-    assert llm.runner.spec is not None
-    llm.runner.spec.proposer = FixedDrafts(table)  # the Proposer protocol
+    _spec(llm).proposer = FixedDrafts(table)  # the Proposer protocol
     outputs = llm.generate([PROMPT] * NUM_DRAWS, [params(seed) for seed in range(NUM_DRAWS)])
     counts: dict = {}
     for out in outputs:
@@ -148,6 +156,6 @@ def test_planted_bugs_fail_it(target, monkeypatch, bug):
                         token_ids = token_ids[: num_prompt_tokens + 1]  # the history without the drafts
                 super().__init__(params, token_ids, num_prompt_tokens, choice_indices, num_output_tokens)
 
-        monkeypatch.setattr(runner, "SamplingRow", Planted)
+        monkeypatch.setattr(pass_sampler, "SamplingRow", Planted)
     counts, _ = draw(path, table)
     assert p_value(counts, cells, NUM_DRAWS) < 1e-6

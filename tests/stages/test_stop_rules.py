@@ -93,7 +93,7 @@ def _old_passes_left(params, num_tokens, max_passes, max_model_len):
 
 
 def _old_drafts_left(params, num_tokens, max_model_len):
-    """speculation.tokens_left and Speculator._limit's `left` as written before."""
+    """speculation.tokens_left and SpeculationStep._limit's `left` as written before."""
     left = max_model_len - num_tokens - 1
     if params.max_tokens is not None:
         left = min(left, params.max_tokens - (num_tokens - PROMPT) - 1)

@@ -1,7 +1,7 @@
-"""Speculator: the worker's side of speculative decoding, as the runner meets it: which drafts
-each row granted a lookahead verifies this pass, and, with a draft model or an EAGLE-3 head, its
-KV cache kept in step with the target's (sized, allocated and copied with it, and written after
-every pass).
+"""Speculative decoding as the step meets it (a StepFeature): which drafts each row granted a
+lookahead verifies this pass, and, with a draft model or an EAGLE-3 head, its KV cache kept in
+step with the target's (sized, allocated and copied with it, and written after every pass). The
+proposers, drafters and the rule a draft is kept by are gpu/spec/'s.
 
 A row's drafts are at most its lookahead, as many as its own acceptance makes worth verifying
 (draft_length.py; all of them with `"draft_length": "fixed"`), what its table holds past its
@@ -20,6 +20,7 @@ from conveyor.gpu.spec.draft_length import ROW_COST
 from conveyor.gpu.spec.draft_model import DraftModel
 from conveyor.gpu.spec.eagle3 import Eagle3Proposer
 from conveyor.gpu.spec.ngram import NgramProposer
+from conveyor.gpu.step.features.base import StepFeature
 from conveyor.wire.stop_rules import tokens_left
 
 if TYPE_CHECKING:
@@ -27,14 +28,13 @@ if TYPE_CHECKING:
     from conveyor.gpu.models.base import CausalLM
     from conveyor.gpu.parallel.group import TensorParallel
     from conveyor.gpu.spec import Proposer
-    from conveyor.gpu.step.passes import WorkerSeq
+    from conveyor.gpu.step.passes import PassWork, WorkerSeq
     from conveyor.gpu.step.persistent_batch import PersistentBatch
     from conveyor.gpu.step.platform import Platform
-    from conveyor.gpu.step.step_inputs import PassInputs
-    from conveyor.wire.messages import ScheduledSeq
+    from conveyor.wire.messages import ScheduledSeq, StepPlan
 
 
-class Speculator:
+class SpeculationStep(StepFeature):
     def __init__(self, config: EngineConfig, platform: Platform, batch: PersistentBatch, tp: TensorParallel, target: CausalLM) -> None:
         assert config.speculative is not None
         self.batch, self.tp_size = batch, tp.size
@@ -62,18 +62,18 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.passes.allocate(num_blocks)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+    def apply(self, plan: StepPlan) -> None:
         if self.drafter is not None:
-            self.drafter.passes.copy_blocks(pairs)
+            self.drafter.passes.copy_blocks(plan.copy_blocks)
 
-    def follow(self, inputs: PassInputs, rows: list[WorkerSeq]) -> None:
-        """After the target's pass over `rows`: the draft's own pass over it."""
+    def after_forward(self, work: PassWork, hidden: torch.Tensor, first: bool) -> None:
+        """After the target's pass: the draft's own pass over the same rows."""
         if self.drafter is not None:
-            self.drafter.follow(inputs, rows)
+            self.drafter.follow(work.inputs, work.rows)
 
     @property
     def runs_eagerly(self) -> bool:
-        """Whether every pass runs eagerly (a draft follows each with its metadata or hidden states)."""
+        """Every pass runs eagerly with a drafter: it follows each with its metadata or hidden states."""
         return self.drafter is not None
 
     # --- drafts --------------------------------------------------------------------------------
@@ -82,7 +82,7 @@ class Speculator:
     def drafts(self, rows: list[WorkerSeq], scheduled: list[ScheduledSeq]) -> dict[int, list[int]]:
         """The drafts each row verifies this pass (by row index; rows without any left out).
         Every id of a row granted a lookahead is on the host, and a grammar's matcher has taken
-        them all (the runner's _must_wait saw to it)."""
+        them all (`must_wait` saw to it)."""
         wanted = [i for i, row in enumerate(scheduled) if row.num_lookahead and not rows[i].stopped]
         if not wanted:
             return {}
@@ -93,6 +93,11 @@ class Speculator:
             if seq.matcher is not None and proposed[n]:
                 proposed[n] = proposed[n][: seq.matcher.allowed_drafts(proposed[n])]
         return {i: d for i, d in zip(wanted, proposed) if d}
+
+    def must_wait(self, seq: WorkerSeq, row: ScheduledSeq | None) -> bool:
+        """A row verifying drafts counts its own token alone until its result lands, and drafts
+        are proposed from every id."""
+        return seq.verifying or (row is not None and row.num_lookahead > 0)
 
     def _limit(self, seq: WorkerSeq, lookahead: int) -> int:
         # Past the token this pass draws: what its request may still take, counting the ids the

@@ -1,4 +1,4 @@
-"""Embeddings on the worker: a pooling sequence's (SamplingParams.pooling) hidden states become
+"""Embeddings on the worker (a StepFeature): a pooling sequence's (SamplingParams.pooling) hidden states become
 one vector in the passes that compute its prompt, no pass of their own.
 
 The model's final-norm hidden states of each prompt chunk are read as the pass computes them
@@ -16,7 +16,9 @@ import dataclasses
 import torch
 
 from conveyor.config.pooling import PoolingConfig
-from conveyor.wire.messages import SamplingParams, SeqEmbedding
+from conveyor.gpu.step.features.base import StepFeature
+from conveyor.gpu.step.passes import PassWork
+from conveyor.wire.messages import SamplingParams, SeqEmbedding, StepResult
 
 
 @dataclasses.dataclass
@@ -24,11 +26,11 @@ class PooledOnDevice:
     seq_ids: list[int]
     vectors: list[torch.Tensor]  # each [D] float32, D its request's dimensions or the width
 
-    def on_host(self) -> list[SeqEmbedding]:
-        return [SeqEmbedding(seq_id, v.tolist()) for seq_id, v in zip(self.seq_ids, self.vectors)]
+    def fill(self, result: StepResult) -> None:
+        result.embeddings = [SeqEmbedding(seq_id, v.tolist()) for seq_id, v in zip(self.seq_ids, self.vectors)]
 
 
-class Pooler:
+class PoolingStep(StepFeature):
     def __init__(self, config: PoolingConfig) -> None:
         self.config = config
         self._partial: dict[int, torch.Tensor] = {}  # seq_id -> [H] float32: the mean's sum, or the first token's state
@@ -36,6 +38,14 @@ class Pooler:
     def drop(self, seq_id: int) -> None:
         """A sequence the worker forgets (finished, preempted): its partial state with it."""
         self._partial.pop(seq_id, None)
+
+    def after_forward(self, work: PassWork, hidden: torch.Tensor, first: bool) -> PooledOnDevice | None:
+        """The vectors of the pass's pooling rows whose prompt it finished (a plan's first pass:
+        a window's later passes decode)."""
+        if not first:
+            return None
+        rows = [(seq.seq_id, seq.num_computed, n, seq.num_prompt_tokens, seq.params) for seq, n in zip(work.rows, work.num_new)]
+        return self.pool(rows, hidden)
 
     def pool(self, rows: list[tuple[int, int, int, int, SamplingParams]], hidden: torch.Tensor) -> PooledOnDevice | None:
         """rows: (seq_id, chunk start, chunk length, prompt length, params) of each row of a
