@@ -28,6 +28,7 @@ from conveyor.gpu.step.in_flight import InFlight
 from conveyor.gpu.step.passes import PassWork, Window
 from conveyor.gpu.step.persistent_batch import PersistentBatch
 from conveyor.gpu.step.platform import Platform
+from conveyor.gpu.structured import combined
 
 if TYPE_CHECKING:
     from conveyor.gpu.step.features.base import StepFeature
@@ -85,7 +86,6 @@ class PassSampler:
         masks = [m for f in self.features if (m := f.mask(work, settle)) is not None]  # the host works while the device computes
         if settled and k > 0 and not window.active(k):
             return None
-        assert len(masks) <= 1, "one feature masks a pass's logits"
         draws = pass_draws(work, self.batch.slots)
         device = self.batch.device
         param_slots = to_device(draws.param_slots, torch.int64, device)
@@ -95,5 +95,5 @@ class PassSampler:
         elif self.tp.samples:
             assert logits is not None
             draw_params = self.batch.params.gather(param_slots)
-            drawn = self.platform.draw(logits, draws.rows, self.eos_token_ids, draw_params, masks[0] if masks else None)
+            drawn = self.platform.draw(logits, draws.rows, self.eos_token_ids, draw_params, combined(masks))
         return share_draws(self.tp, drawn, draws.rows, device), param_slots  # rank 0's ids on every rank

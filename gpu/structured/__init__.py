@@ -10,7 +10,7 @@ stage and the Python API refuse a bad one before it is scheduled).
 """
 
 from conveyor.gpu.structured.compiler import Grammars, check, grammars_for
-from conveyor.gpu.structured.mask import TokenMask, token_mask
+from conveyor.gpu.structured.mask import TokenMask, combined, token_mask
 from conveyor.gpu.structured.matcher import Matcher
 
-__all__ = ["Grammars", "Matcher", "TokenMask", "check", "grammars_for", "token_mask"]
+__all__ = ["Grammars", "Matcher", "TokenMask", "check", "combined", "grammars_for", "token_mask"]

@@ -31,6 +31,19 @@ class TokenMask:
         logits.index_copy_(0, self.rows, picked)
 
 
+def combined(masks: list[TokenMask]) -> TokenMask | None:
+    """Several masks of one pass's logits (one per feature that masks) as one: a row any of them
+    masks may draw only the ids every one of them allows."""
+    if len(masks) <= 1:
+        return masks[0] if masks else None
+    rows = torch.cat([m.rows for m in masks]).unique()  # [C] sorted
+    bitmask = torch.full((rows.numel(), masks[0].bitmask.shape[1]), -1, dtype=torch.int32, device=rows.device)
+    for m in masks:
+        at = torch.searchsorted(rows, m.rows)  # each mask names a row once
+        bitmask[at] = bitmask[at] & m.bitmask
+    return TokenMask(rows, bitmask)
+
+
 def token_mask(matchers: list[tuple[Matcher, list[int]] | None], vocab_size: int, device: torch.device) -> TokenMask | None:
     """matchers[r]: logits row r's matcher and the drafts before its position (a verifying row's
     draft positions: gpu/spec/verify.py; none for an ordinary row), None for a row without a

@@ -23,11 +23,13 @@ from conveyor.config.speculative import SpeculativeConfig
 from conveyor.stages.scheduler.adapters import Adapters, UnknownAdapter
 from conveyor.stages.scheduler.block_manager import BlockManager, kv_slots
 from conveyor.stages.scheduler.early_aborts import EarlyAborts
+from conveyor.stages.scheduler.prompt_outputs import attach_prompt_outputs, take_prompt_outputs
 from conveyor.stages.scheduler.scheduled_step import ScheduledStep, SeqUpdate
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
+from conveyor.stages.scheduler.speculation import settle_lookahead
 from conveyor.stages.scheduler.step_builder import StepBuilder
 from conveyor.stages.scheduler.waiting_queue import WaitingQueue
-from conveyor.stages.scheduler.windows import extend_rows, may_extend
+from conveyor.stages.scheduler.windows import extend_rows, may_extend, roll_back_unrun
 from conveyor.wire.messages import FinishReason, ScheduleRequest, StepResult, TokenLogprob
 
 
@@ -173,90 +175,39 @@ class Scheduler:
         # Still nothing waiting: no row preempted another (a victim waits, and gets a single step).
         if may_window and not self.waiting and may_extend(self.running, rows):
             num_steps = extend_rows(rows, self.blocks, max_passes, self.max_model_len)
-        new_seqs, new_seqs_computed, num_sampled = [], [], 0
-        register_full_blocks = self.blocks.register_full_blocks
-        for row in rows:
-            seq = row.seq
-            if not seq.known_by_worker:
-                seq.known_by_worker = True
-                seq.num_blocks_sent = 0
-                new_seqs.append(seq)
-                new_seqs_computed.append(seq.num_computed_tokens)
-            row.new_block_ids = seq.block_ids[seq.num_blocks_sent :]
-            seq.num_blocks_sent = len(seq.block_ids)
-            seq.num_computed_tokens += row.num_tokens
-            register_full_blocks(seq)
-            row.epoch = seq.num_preemptions
-            if num_steps > 1:  # a window row: one draw per pass, its tokens pending like any draw
-                row.samples = True
-                seq.num_pending_tokens += row.num_tokens
-                num_sampled += row.num_tokens
-                continue
-            row.samples = seq.num_computed_tokens == seq.num_tokens
-            seq.num_pending_lookahead += row.lookahead
-            if row.samples:
-                if seq.num_pending_forks:
-                    row.forks = self._fork(seq)
-                seq.num_pending_tokens += 1
-                for child in row.forks:
-                    child.num_pending_tokens += 1
-                num_sampled += 1 + len(row.forks)
         finished, self._finished_for_worker = self._finished_for_worker, []
         self.num_steps += 1
-        return ScheduledStep(
-            step=self.num_steps,
-            rows=rows,
-            new_seqs=new_seqs,
-            new_seqs_computed=new_seqs_computed,
-            copy_blocks=build.copies,
-            finished_seq_ids=finished,
-            num_tokens=build.num_tokens,
-            num_sampled=num_sampled,
-            num_steps=num_steps,
-            lora_loads=build.lora_loads,
-        )
+        return build.commit(self.num_steps, num_steps, finished)
 
     def update(self, step: ScheduledStep, result: StepResult) -> list[SeqUpdate]:
-        """Apply one pass's result (ScheduledStep.take_pass checks it and finds each draw's row by
-        its sequence id). A failed draw (its logits were not finite) ends its sequence with
-        FinishReason.ERROR and frees its blocks; the others go on. On a window's last pass before
-        its end, rows still running with passes left roll back."""
+        """Apply one pass's result: ScheduledStep.take_pass checks it and finds each draw's row by
+        its sequence id; what the prompts computed beside the draws waits on their sequences
+        (prompt_outputs.py); each draw of a sequence still running settles its row's lookahead
+        (speculation.py), rolls its row back where the worker ended a window early (windows.py)
+        and joins the sequence, which may stop on it. A failed draw (its logits were not finite)
+        ends its sequence with FinishReason.ERROR and frees its blocks; the others go on."""
         draws = step.take_pass(result)
-        pass_index, last_pass = result.pass_index, result.last_pass
-        failed = set(result.failed_draws)
-        logprobs, tops = result.sampled_logprobs, result.top_logprobs
         updates, self._unsampled_updates = self._unsampled_updates, []
+        take_prompt_outputs(step, result)
+        failed = set(result.failed_draws)
+        window_ended = result.last_pass and step.num_steps > 1
+        logprobs, tops = result.sampled_logprobs, result.top_logprobs
         eos, max_model_len = self.eos_token_ids, self.max_model_len
         register_full_blocks, block_size = self.blocks.register_full_blocks, self.blocks.block_size
-        if result.prompt_logprobs or result.embeddings:  # what a prompt's passes computed beside the draws
-            of_row = {row.seq.seq_id: row.seq for row in step.rows}
-            for entry in result.prompt_logprobs:
-                asking = of_row.get(entry.seq_id)
-                if asking is not None and asking.status is SeqStatus.RUNNING:
-                    asking.take_prompt_logprobs(entry)
-            for embedding in result.embeddings:
-                if (pooling := of_row.get(embedding.seq_id)) is not None:
-                    pooling.embedding = embedding.values
         previous = None  # the sequence of the draw before: a run's later draws are accepted drafts
         for draw, ((row, seq), token) in enumerate(zip(draws, result.sampled_token_ids)):
-            logprob = logprobs[draw] if logprobs else 0.0
-            top = tops[draw] if tops and seq.params.logprobs is not None else None
             in_run, previous = seq is previous, seq
             if seq.status is not SeqStatus.RUNNING or seq.num_preemptions != row.epoch:
                 continue  # aborted, finished or preempted while the step ran: dropped
-            if in_run:  # an accepted draft: its KV was computed by this step, and it is one more draw
-                seq.num_computed_tokens += 1
-                seq.num_pending_tokens += 1
-            elif row.lookahead:
-                seq.num_pending_lookahead -= row.lookahead
+            if in_run or row.lookahead:  # (a call per draw only where there is something to settle)
+                settle_lookahead(row, seq, in_run)
             if draw in failed:  # its placeholder id is no token of the sequence
                 self.finish(seq, FinishReason.ERROR, report=False)
                 updates.append(self._introduced(SeqUpdate(seq, [], FinishReason.ERROR)))
                 continue
-            if last_pass and step.num_steps > 1 and row.num_tokens > pass_index + 1:
-                # The worker ended the window before this row's last passes: it keeps its blocks
-                # (the worker's table holds them too) and is planned again from here.
-                seq.roll_back(row.num_tokens - pass_index - 1)
+            if window_ended:
+                roll_back_unrun(step, result, row, seq)
+            logprob = logprobs[draw] if logprobs else 0.0
             reason = seq.take_draw(token, logprob, eos, max_model_len)
             if reason is not None:
                 self.finish(seq, reason, report=False)
@@ -264,20 +215,15 @@ class Scheduler:
                 # The newest id's KV may be unwritten yet, but the pass that writes it runs before
                 # any plan that could hit the block (block_manager.register_full_blocks says why).
                 register_full_blocks(seq)
-            if in_run:  # the run's tokens go out as one update
-                update = updates[-1]
-                update.new_token_ids.append(token)
-                update.finish_reason = reason
-            else:
-                update = SeqUpdate(seq, [token], reason)
-                if not seq.known_by_detokenizer:
-                    self._introduced(update)
-                if seq.prompt_logprobs is not None:
-                    update.prompt = seq.take_prompt_tokens()
-                if seq.embedding:
-                    update.embedding, seq.embedding = seq.embedding, []
-                updates.append(update)
-            if top is not None:
+            if not in_run:  # else the run's tokens go out as one update
+                updates.append(self._introduced(SeqUpdate(seq, [], None)))
+                if seq.prompt_logprobs is not None or seq.embedding:
+                    attach_prompt_outputs(updates[-1])
+            update = updates[-1]
+            update.new_token_ids.append(token)
+            update.finish_reason = reason
+            if tops and seq.params.logprobs is not None:
+                top = tops[draw]
                 update.logprobs.append(TokenLogprob(logprob, top.token_ids, top.logprobs))
         self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         return updates
@@ -292,7 +238,9 @@ class Scheduler:
 
     # --- forks and endings -----------------------------------------------------------------
 
-    def _fork(self, seq: Sequence) -> list[Sequence]:
+    def fork(self, seq: Sequence) -> list[Sequence]:
+        """Its pending siblings, running beside it and sharing its blocks (its prompt's draw is
+        being planned: StepBuilder.commit)."""
         children = []
         for index in range(1, seq.num_pending_forks + 1):
             child = seq.fork(self._new_seq_id(), index)

@@ -4,7 +4,8 @@ decoding; the proposers and the verification are the worker's, gpu/spec/).
 The worker proposes the drafts, from the ids it holds, so the scheduler never waits for them: it
 grants a decoding row a lookahead of up to k extra tokens (StepPlan's `num_lookahead`), charges
 them to the step's token budget and reserves blocks for them, and learns from the result how
-many the worker accepted (StepResult: one draw per emitted token, a row's in a run).
+many the worker accepted (StepResult: one draw per emitted token, a row's in a run;
+`settle_lookahead` counts them).
 
 Reservation. A row's worker-side length may run ahead of the scheduler's by the lookahead of its
 steps still in flight (a step n + 1 planned under asynchronous scheduling before step n's
@@ -72,3 +73,14 @@ def grant_lookahead(row: Row, config: SpeculativeConfig, blocks: BlockManager, b
     assert copy is None, "a decode row's last block is its own after its token's reservation"
     row.lookahead = k
     return k
+
+
+def settle_lookahead(row: Row, seq: Sequence, in_run: bool) -> None:
+    """Count one of a row's draws before its id joins the sequence: a run's first draw ends the
+    row's lookahead in flight; each later one is an accepted draft, its KV computed by this step
+    and its id one more draw than the plan counted."""
+    if in_run:
+        seq.num_computed_tokens += 1
+        seq.num_pending_tokens += 1
+    elif row.lookahead:
+        seq.num_pending_lookahead -= row.lookahead

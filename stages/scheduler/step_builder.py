@@ -4,15 +4,17 @@
 under way, in admission order); `admit` starts waiting sequences in the budget, the seats and the
 pool left, each reusing its cached prefix; `reserve` finds blocks for a running sequence's next
 tokens, shrinking a prompt chunk to what fits and, when not one token fits, preempting the least
-important running sequence that has no row yet. The Scheduler owns the sequences and how they
-end (`preempt`, `finish`); a builder lives for one `Scheduler.schedule` call. Pure Python.
+important running sequence that has no row yet; `commit` counts the rows' tokens as computed and
+their draws as pending, and makes the ScheduledStep. The Scheduler owns the sequences and how they
+fork and end (`fork`, `preempt`, `finish`); a builder lives for one `Scheduler.schedule` call.
+Pure Python.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from conveyor.stages.scheduler.scheduled_step import Row
+from conveyor.stages.scheduler.scheduled_step import Row, ScheduledStep
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
 from conveyor.stages.scheduler.speculation import grant_lookahead, reserve_ahead, speculates
 from conveyor.wire.messages import FinishReason, LoraLoad
@@ -162,3 +164,50 @@ class StepBuilder:
         self.rows.append(row)
         self.scheduled.add(row.seq.seq_id)
         self.budget -= row.num_tokens
+
+    def commit(self, step: int, num_steps: int, finished_seq_ids: list[int]) -> ScheduledStep:
+        """Step number `step` of `num_steps` passes (> 1: a window, windows.py), its token counts
+        committed: each row's tokens count as computed now and its draws as pending (the ids come
+        with the result); a row reaching its sequence's last known token draws one, and one for
+        each sibling it forks then; a window row draws once per pass."""
+        sched = self.sched
+        new_seqs, new_seqs_computed, num_sampled = [], [], 0
+        register_full_blocks = sched.blocks.register_full_blocks
+        for row in self.rows:
+            seq = row.seq
+            if not seq.known_by_worker:
+                seq.known_by_worker = True
+                seq.num_blocks_sent = 0
+                new_seqs.append(seq)
+                new_seqs_computed.append(seq.num_computed_tokens)
+            row.new_block_ids = seq.block_ids[seq.num_blocks_sent :]
+            seq.num_blocks_sent = len(seq.block_ids)
+            seq.num_computed_tokens += row.num_tokens
+            register_full_blocks(seq)
+            row.epoch = seq.num_preemptions
+            if num_steps > 1:  # a window row: one draw per pass, its tokens pending like any draw
+                row.samples = True
+                seq.num_pending_tokens += row.num_tokens
+                num_sampled += row.num_tokens
+                continue
+            row.samples = seq.num_computed_tokens == seq.num_tokens
+            seq.num_pending_lookahead += row.lookahead
+            if row.samples:
+                if seq.num_pending_forks:
+                    row.forks = sched.fork(seq)
+                seq.num_pending_tokens += 1
+                for child in row.forks:
+                    child.num_pending_tokens += 1
+                num_sampled += 1 + len(row.forks)
+        return ScheduledStep(
+            step=step,
+            rows=self.rows,
+            new_seqs=new_seqs,
+            new_seqs_computed=new_seqs_computed,
+            copy_blocks=self.copies,
+            finished_seq_ids=finished_seq_ids,
+            num_tokens=self.num_tokens,
+            num_sampled=num_sampled,
+            num_steps=num_steps,
+            lora_loads=self.lora_loads,
+        )

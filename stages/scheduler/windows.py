@@ -10,7 +10,9 @@ tokens left before max_tokens or the model's length, pending draws counted), and
 pool runs short. Blocks for all n_r tokens are taken when the window is planned; the window
 never preempts anyone: `StepBuilder.run_running` first reserves one token per row exactly as a
 single step would (copy-on-write and preemption included), then `extend_rows` grows each row
-into what the pool has left. Pure Python: no torch, no zmq.
+into what the pool has left. A window the worker ends early (every row stopped, as it sees them)
+rolls back the rows still running by the passes that never ran (`roll_back_unrun`). Pure Python:
+no torch, no zmq.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from conveyor.stages.scheduler.block_manager import BlockManager
-from conveyor.stages.scheduler.scheduled_step import Row
+from conveyor.stages.scheduler.scheduled_step import Row, ScheduledStep
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
+from conveyor.wire.messages import StepResult
 from conveyor.wire.stop_rules import tokens_left
 
 
@@ -62,3 +65,12 @@ def extend_rows(rows: list[Row], blocks: BlockManager, max_passes: int, max_mode
             row.num_tokens = num
             num_steps = max(num_steps, num)
     return num_steps
+
+
+def roll_back_unrun(step: ScheduledStep, result: StepResult, row: Row, seq: Sequence) -> None:
+    """On a window's last pass (the caller asks then), a row planned for passes beyond it (the
+    worker ended the window early) never ran those: it keeps their blocks (the worker's table
+    holds them too) and is planned again from here."""
+    num_unrun = row.num_tokens - result.pass_index - 1
+    if result.last_pass and step.num_steps > 1 and num_unrun > 0:
+        seq.roll_back(num_unrun)

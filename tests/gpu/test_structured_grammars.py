@@ -14,7 +14,7 @@ import torch
 from tokenizers import Tokenizer
 
 from conveyor.engine_config import build_engine_config
-from conveyor.gpu.structured import check, compiler, grammars_for, token_mask
+from conveyor.gpu.structured import TokenMask, check, combined, compiler, grammars_for, token_mask
 from conveyor.stages.tokenizer.preparation import Rejected
 from conveyor.stages.tokenizer.structured_check import check_structured
 from conveyor.wire.sampling_params import SamplingParams, StructuredOutput
@@ -79,6 +79,20 @@ def test_a_mask_touches_only_constrained_rows(model):
     mask.apply_(masked)
     assert torch.equal(masked[[0, 2]], logits[[0, 2]])
     assert 0 < masked[1].isfinite().sum() < 10
+
+
+def test_two_masks_of_a_pass_combine_row_by_row():
+    """Rows masked by either keep only what both allow; a row neither masks stays free."""
+    a = TokenMask(torch.tensor([0, 2]), torch.tensor([[0b0111], [0b0001]], dtype=torch.int32))
+    b = TokenMask(torch.tensor([2, 3]), torch.tensor([[0b0011], [0b0100]], dtype=torch.int32))
+    mask = combined([a, b])
+    assert mask is not None and mask.rows.tolist() == [0, 2, 3]
+    assert mask.bitmask[:, 0].tolist() == [0b0111, 0b0001, 0b0100]
+    logits = torch.zeros(4, 32)
+    mask.apply_(logits)
+    allowed = [torch.isfinite(row).nonzero().flatten().tolist() for row in logits]
+    assert allowed == [[0, 1, 2], list(range(32)), [0], [2]]
+    assert combined([a]) is a and combined([]) is None
 
 
 def test_specs_compile_once_per_distinct_spec(model, monkeypatch):
