@@ -1,0 +1,296 @@
+"""The KV disk tier (gpu/kv/disk_tier.py): blocks written as files come back byte for byte, after a
+restart too; a changed model reads nothing; a corrupt, truncated or misplaced file is a miss logged
+once; a full disk stops writes while reads go on; a bad directory is refused at start-up; the size
+cap evicts the least recently used; two processes writing one directory leave only valid files."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import multiprocessing
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conveyor.config.errors import ConfigError
+from conveyor.gpu.kv import disk_tier as disk_tier_module
+from conveyor.gpu.kv.disk_dir import STALE_TEMP_S
+from conveyor.gpu.kv.disk_format import HEADER, KVValidity, file_name
+from conveyor.gpu.kv.disk_tier import DiskTier
+
+PAYLOAD = 4096
+FILE = HEADER.size + PAYLOAD
+VALIDITY = KVValidity(model="tiny-llama@abc123", kv_dtype="bfloat16", block_size=16, layout="[2, num_blocks, block_size, Hkv, D]")
+HASHES = [7, -3, 2**63 - 1, -(2**63), 123456789]  # chain_hash's values are signed 64-bit
+
+
+def block(h: int, salt: int = 0) -> bytes:
+    """A payload that differs for every hash (and salt)."""
+    seed = (h * 2654435761 + salt) & 0xFFFFFFFF
+    return bytes((seed >> (8 * (i % 4)) ^ i) & 0xFF for i in range(PAYLOAD))
+
+
+def tier(root: Path, validity: KVValidity = VALIDITY, capacity_files: int = 100, **kwargs) -> DiskTier:
+    return DiskTier(root, validity=validity, payload_bytes=PAYLOAD, capacity_bytes=capacity_files * FILE, **kwargs)
+
+
+def written(root: Path, hashes, validity: KVValidity = VALIDITY, **kwargs) -> DiskTier:
+    disk = tier(root, validity, **kwargs)
+    for h in hashes:
+        assert disk.put(h, block(h))
+    disk.flush()
+    return disk
+
+
+def path_of(root: Path, h: int, adapter: str | None = None) -> Path:
+    name = file_name(h)
+    return root / VALIDITY.key(adapter) / name[:2] / name
+
+
+def test_blocks_round_trip_under_their_validity_key(tmp_path):
+    disk = written(tmp_path, HASHES)
+    for h in HASHES:
+        assert disk.contains(h) and disk.get(h) == block(h)
+        assert path_of(tmp_path, h).stat().st_size == FILE
+    assert disk.get(99) is None and not disk.contains(99)
+    assert disk.stats.writes == len(HASHES) and disk.stats.hits == len(HASHES) and disk.stats.misses == 1
+    described = (tmp_path / VALIDITY.key() / "validity.json").read_text()
+    assert "tiny-llama@abc123" in described and '"tp_rank": 0' in described
+    disk.close()
+
+
+def test_read_into_fills_a_slot_in_place(tmp_path):
+    disk = written(tmp_path, [5])
+    slot = memoryview(bytearray(PAYLOAD))
+    assert disk.read_into(5, slot) and bytes(slot) == block(5)
+    assert not disk.read_into(6, slot)
+    with pytest.raises(ValueError, match="writable buffer"):
+        disk.read_into(5, bytes(PAYLOAD))
+    with pytest.raises(ValueError, match="4096"):
+        disk.put(5, b"short")
+    disk.close()
+
+
+def test_a_restart_finds_the_blocks_least_recently_used_first(tmp_path):
+    written(tmp_path, HASHES).close()
+    for age, h in enumerate(HASHES):  # the first hash used last
+        t = time.time() - 100 * age
+        os.utime(path_of(tmp_path, h), (t, t))
+    again = tier(tmp_path)
+    assert again.hashes() == HASHES[::-1]
+    assert all(again.get(h) == block(h) for h in HASHES)
+    assert again.stats.used_bytes == len(HASHES) * FILE
+    again.close()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "tiny-llama@def456"},
+        {"kv_dtype": "float8_e4m3fn"},
+        {"block_size": 32},
+        {"layout": "[2, num_blocks, Hkv, block_size * D]"},
+        {"tp_rank": 1, "tp_size": 2},
+        {"format_version": 2},
+        {"hash_scheme": "cpython3.99-64bit"},
+    ],
+)
+def test_a_changed_model_reads_nothing_stale(tmp_path, change):
+    written(tmp_path, HASHES).close()
+    other = tier(tmp_path, dataclasses.replace(VALIDITY, **change))
+    assert other.hashes() == [] and all(other.get(h) is None for h in HASHES)
+    other.close()
+    assert tier(tmp_path).hashes() != []  # and the old model's blocks are still there for it
+
+
+def test_an_adapter_has_its_own_key(tmp_path):
+    disk = tier(tmp_path)
+    assert disk.put(1, block(1, salt=1), adapter="sql-lora@9f2c") and disk.put(1, block(1))
+    disk.flush()
+    assert disk.get(1, adapter="sql-lora@9f2c") == block(1, salt=1) and disk.get(1) == block(1)
+    assert disk.get(1, adapter="sql-lora@0000") is None
+    assert disk.hashes("sql-lora@9f2c") == [1] and path_of(tmp_path, 1, "sql-lora@9f2c").exists()
+    disk.close()
+
+
+def corrupt(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[HEADER.size + 100] ^= 0x40
+    path.write_bytes(data)
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: FILE - 10])
+
+
+def misplace(path: Path) -> None:  # another block's file under this name
+    path.write_bytes(path_of(path.parents[2], HASHES[1]).read_bytes())
+
+
+def test_bad_files_are_misses_deleted_and_logged_once(tmp_path, caplog):
+    disk = written(tmp_path, HASHES)
+    damage = [corrupt, truncate, misplace]
+    for h, hurt in zip(HASHES[2:], damage):
+        hurt(path_of(tmp_path, h))
+    with caplog.at_level(logging.WARNING, logger="conveyor.gpu.kv.disk_tier"):
+        assert [disk.get(h) for h in HASHES[2:]] == [None] * 3
+    assert disk.stats.bad_files == 3 and not any(path_of(tmp_path, h).exists() for h in HASHES[2:])
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "checksum mismatch" in warnings[0]
+    assert disk.get(HASHES[0]) == block(HASHES[0]) and not disk.contains(HASHES[2])
+    disk.close()
+
+
+def test_a_full_disk_stops_writes_and_reads_go_on(tmp_path, monkeypatch, caplog):
+    disk = written(tmp_path, HASHES[:2])
+    real_write = os.write
+
+    def full(fd, data):
+        if "kv-disk-writer" in threading.current_thread().name:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full)
+    with caplog.at_level(logging.WARNING, logger="conveyor.gpu.kv.disk_tier"):
+        assert disk.put(50, block(50))  # queued; the write fails on the writer thread
+        disk.flush()
+        assert not disk.writing and not disk.put(51, block(51))
+    assert [r.getMessage() for r in caplog.records] == [
+        "KV disk tier: a write failed (the disk is full): writes stop for 60 s, reads go on"
+    ]
+    assert disk.stats.failed_writes == 1 and disk.stats.dropped_writes == 1
+    assert not path_of(tmp_path, 50).exists() and not list(tmp_path.rglob("*.tmp"))
+    assert disk.get(HASHES[0]) == block(HASHES[0]) and disk.get(HASHES[1]) == block(HASHES[1])
+    disk.close()
+
+
+def test_writes_resume_after_the_pause(tmp_path, monkeypatch):
+    disk = tier(tmp_path, retry_after_s=0.0)
+    monkeypatch.setattr(disk_tier_module, "write_atomically", _raise(errno.EDQUOT))
+    assert disk.put(1, block(1))
+    disk.flush()
+    monkeypatch.undo()
+    assert disk.put(2, block(2))
+    disk.flush()
+    assert disk.get(2) == block(2) and disk.stats.failed_writes == 1
+    disk.close()
+
+
+def _raise(code: int):
+    def fail(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    return fail
+
+
+def test_a_full_queue_drops_writes_instead_of_waiting(tmp_path, monkeypatch):
+    release = threading.Event()
+    real = disk_tier_module.write_atomically
+
+    def slow(*args):
+        release.wait(10)
+        real(*args)
+
+    disk = tier(tmp_path, max_pending=2)
+    monkeypatch.setattr(disk_tier_module, "write_atomically", slow)
+    start = time.perf_counter()
+    accepted = [disk.put(h, block(h)) for h in range(6)]
+    assert time.perf_counter() - start < 1.0
+    assert accepted[:2] == [True, True] and accepted.count(False) >= 3 and disk.stats.dropped_writes >= 3
+    assert disk.get(0) == block(0)  # queued blocks read from memory meanwhile
+    release.set()
+    disk.flush()
+    assert sorted(disk.hashes()) == [h for h in range(6) if accepted[h]]
+    disk.close()
+
+
+def test_a_missing_directory_is_made_but_not_its_parents(tmp_path):
+    tier(tmp_path / "kv").close()
+    assert stat.S_IMODE((tmp_path / "kv").stat().st_mode) == 0o700
+    with pytest.raises(ConfigError, match=r"--kv-disk-dir .*nvme/kv: its parent .*nvme is not a directory"):
+        tier(tmp_path / "nvme" / "kv")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="--kv-disk-dir .*file: not a directory"):
+        tier(tmp_path / "file")
+
+
+def test_a_read_only_directory_is_an_error_at_start_up(tmp_path, monkeypatch):
+    root = tmp_path / "ro"
+    root.mkdir()
+    root.chmod(0o555)
+    if os.geteuid() == 0:  # root writes through mode bits: a read-only mount, then
+        real_open = os.open
+
+        def read_only(path, *args, **kwargs):
+            if str(path).startswith(str(root)):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(ConfigError, match="--kv-disk-dir .*ro: not writable"):
+        tier(root)
+    root.chmod(0o755)
+
+
+def test_the_cap_evicts_the_least_recently_used(tmp_path):
+    disk = written(tmp_path, [1, 2, 3], capacity_files=3)
+    assert disk.get(1) == block(1)  # 2 is now the least recently used
+    assert disk.put(4, block(4))
+    disk.flush()
+    assert sorted(disk.hashes()) == [1, 3, 4] and not path_of(tmp_path, 2).exists()
+    assert disk.stats.evictions == 1 and disk.stats.used_bytes == 3 * FILE
+    disk.close()
+    smaller = tier(tmp_path, capacity_files=1)  # a smaller cap at start-up evicts at once
+    assert smaller.hashes() == [4] and smaller.stats.used_bytes == FILE
+    smaller.close()
+    with pytest.raises(ConfigError, match="--kv-disk-size"):
+        DiskTier(tmp_path, validity=VALIDITY, payload_bytes=PAYLOAD, capacity_bytes=FILE - 1)
+
+
+def test_a_scan_removes_dead_writers_temp_files_and_nothing_foreign(tmp_path):
+    written(tmp_path, [1]).close()
+    shard = path_of(tmp_path, 1).parent
+    dead, live = shard / "x.kv.9.dead.tmp", shard / "y.kv.9.live.tmp"
+    for f in (dead, live):
+        f.write_bytes(b"partial")
+    old = time.time() - 2 * STALE_TEMP_S
+    os.utime(dead, (old, old))
+    foreign = tmp_path / "notes" / "ab"
+    foreign.mkdir(parents=True)
+    (foreign / ("0" * 16 + ".kv")).write_bytes(b"x" * (10 * FILE))
+    again = tier(tmp_path, capacity_files=2)
+    assert not dead.exists() and live.exists() and (foreign / ("0" * 16 + ".kv")).exists()
+    assert again.hashes() == [1] and again.stats.used_bytes == FILE
+    again.close()
+
+
+def _write_from_another_process(root: str, own: list[int], shared: list[int], barrier) -> None:
+    disk = tier(Path(root), capacity_files=1000, max_pending=1000)
+    barrier.wait()
+    for h in shared + own:
+        disk.put(h, block(h))
+    disk.close()
+
+
+def test_two_processes_writing_one_directory_leave_valid_files(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(2)
+    shared = list(range(100, 160))
+    own = {i: list(range(i * 1000, i * 1000 + 40)) for i in (1, 2)}
+    workers = [context.Process(target=_write_from_another_process, args=(str(tmp_path), own[i], shared, barrier)) for i in own]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+        assert w.exitcode == 0
+    reader = tier(tmp_path, capacity_files=1000)
+    everything = shared + own[1] + own[2]
+    assert sorted(reader.hashes()) == sorted(everything)
+    assert all(reader.get(h) == block(h) for h in everything) and reader.stats.bad_files == 0
+    assert not list(tmp_path.rglob("*.tmp"))
+    reader.close()
