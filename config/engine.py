@@ -39,6 +39,10 @@ class CacheConfig:
     kv_cache_dtype: str = option(
         "auto", "what the KV cache stores: auto (the model's dtype) or fp8 (e4m3, per-layer scales)", choices=tuple(KV_CACHE_DTYPES)
     )
+    # The tiers beyond the device pool (stages/scheduler/kv_tiers.py, gpu/kv/): vLLM's flag name.
+    kv_offloading_size: float = option(
+        0.0, "host memory in GiB for prefix-cache KV blocks beyond the device pool (0: no host tier)", minimum=0
+    )
 
     def kv_dtype(self, model_dtype: str) -> str:
         """The KV cache's torch dtype name for a model of `model_dtype` ("bfloat16", "float8_e4m3fn")."""

@@ -70,7 +70,8 @@ class LLM:
         options.setdefault("max_queued_requests", 0)
         options.setdefault("max_queued_tokens", 0)
         self.config = build_engine_config(model, **options)
-        from conveyor.gpu.step.runner import ModelRunner  # torch loads only with the engine
+        from conveyor.gpu.step.features.kv_offload import KvOffloadStep  # torch loads only with the engine
+        from conveyor.gpu.step.runner import ModelRunner
 
         self.encoder = PromptEncoder.for_engine(self.config)
         self.tokenizer = Tokenizer.from_file(f"{self.config.model.path}/tokenizer.json")
@@ -85,6 +86,7 @@ class LLM:
             eos_token_ids=self.config.model.eos_token_ids,
             speculative=self.config.speculative,
             adapters=adapters_for(self.config),
+            num_host_slots=offload.num_slots if (offload := self.runner.feature(KvOffloadStep)) is not None else 0,
         )
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()

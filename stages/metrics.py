@@ -165,6 +165,8 @@ kv_blocks_free = _gauge("conveyor_kv_blocks_free", "KV blocks free (cached or em
 kv_blocks_used = _gauge("conveyor_kv_blocks_used", "KV cache blocks held by sequences")
 kv_blocks_capacity = _gauge("conveyor_kv_blocks_capacity", "KV cache blocks in the pool")
 kv_tokens_capacity = _gauge("conveyor_kv_cache_capacity_tokens", "Tokens the KV pool holds (blocks x block size)")
+kv_host_blocks_used = _gauge("conveyor_kv_host_blocks_used", "KV blocks the host tier holds (--kv-offloading-size)")
+kv_host_blocks_capacity = _gauge("conveyor_kv_host_blocks_capacity", "KV blocks the host tier can hold")
 # The Prometheus info idiom: always 1, its kv_cache_dtype label says what the cache stores
 # (float8_e4m3fn with --kv-cache-dtype fp8, else the model's dtype). Set once by the scheduler.
 kv_cache_info = Gauge(
@@ -180,6 +182,9 @@ generation_tokens = _per_engine(Counter, "conveyor_generation_tokens", "Tokens g
 steps = _per_engine(Counter, "conveyor_scheduler_steps", "Forward passes planned")
 prefix_cache_queries = _per_engine(Counter, "conveyor_prefix_cache_queries", "Full KV blocks looked up in the prefix cache")
 prefix_cache_hits = _per_engine(Counter, "conveyor_prefix_cache_hits", "Full KV blocks found in the prefix cache")
+kv_host_hits = _per_engine(Counter, "conveyor_kv_host_hits", "Full KV blocks the device missed and the host tier held")
+kv_bytes_to_host = _per_engine(Counter, "conveyor_kv_offload_bytes_to_host", "KV bytes copied to the host tier (each rank's)")
+kv_bytes_to_device = _per_engine(Counter, "conveyor_kv_offload_bytes_to_device", "KV bytes loaded back from the host tier")
 preemptions = _per_engine(Counter, "conveyor_preemptions", "Sequences preempted by recomputation")
 aborts = _per_engine(Counter, "conveyor_aborts", "Requests aborted (client gone, or cancelled)")
 rejections = _per_engine(Counter, "conveyor_rejections", "Requests refused because the waiting queue was full")

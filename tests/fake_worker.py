@@ -41,6 +41,7 @@ class FakeRunner:
         self.spec_rows: list[tuple[int, int]] = []  # (drafts, accepted) of each verifying row
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.host: dict[int, list[int | None]] = {}  # the KV host tier's slots (stages/scheduler/kv_tiers.py)
         self.seqs: dict[int, dict] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -173,6 +174,10 @@ class FakeRunner:
                 "prompt": new.num_prompt_tokens,
                 "params": new.params,
             }
+        for block, slot in plan.kv_saves:  # saves, then loads, before the passes, as the worker does
+            self.host[slot] = list(self.kv[block])
+        for slot, block in plan.kv_loads:
+            self.kv[block] = list(self.host[slot])
         for src, dst in plan.copy_blocks:
             self.kv[dst] = list(self.kv[src])
 

@@ -119,6 +119,8 @@ class FinishSeqs(Struct, tag=6):
 class WorkerReady(Struct, tag=4):
     rank: int
     num_kv_blocks: int  # blocks this rank could allocate; the scheduler uses the minimum
+    num_host_slots: int = 0  # KV blocks its host tier holds (--kv-offloading-size); the minimum, too
+    kv_block_bytes: int = 0  # one KV block's bytes on this rank, all layers (what a tier moves per block)
 
 
 class StepResult(Struct, tag=5):
@@ -258,6 +260,11 @@ class StepPlan(Struct, tag=10):
     # Adapters to place before the forward (a slot's previous adapter is evicted): the plan's
     # new sequences name these slots.
     lora_loads: list[LoraLoad] = []
+    # The KV host tier (stages/scheduler/kv_tiers.py), applied before the plan's passes, saves
+    # first: (device block, host slot) copies to host memory, then (host slot, device block)
+    # copies back, which no row of this plan reads.
+    kv_saves: list[tuple[int, int]] = []
+    kv_loads: list[tuple[int, int]] = []
 
 
 class LoraLoad(Struct):

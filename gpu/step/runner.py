@@ -88,7 +88,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self._graph_probe: DecodeGraphs | None = None
         # What a step does beyond running the model (gpu/step/features/): each through StepFeature's hooks.
-        self.features = features_for(config, self.platform, self.batch, self.tp, self.model, self.backend.ops)
+        self.features = features_for(config, self.platform, self.batch, self.tp, self.model, self.backend)
         self.passes = PassBuilder(self.batch, self.attn, self.block_size, config.model.sliding_window, self._graphed, self.features)
         eos = config.model.eos_token_ids
         self.sampler = PassSampler(self.model, self.platform, self.batch, self.tp, eos, self.features, self.in_flight)
@@ -121,7 +121,7 @@ class ModelRunner:
         no sequence owns: padded rows of a captured batch write their KV there."""
         self.kv_caches = self.attn.allocate_kv_caches(num_blocks + 1, self.block_size)
         for feature in self.features:
-            feature.allocate(num_blocks + 1)
+            feature.allocate(num_blocks + 1, self.kv_caches)
         self.num_blocks = num_blocks
         if self._uses_graphs():
             pool = self._graph_probe.pool if self._graph_probe is not None else None

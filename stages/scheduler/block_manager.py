@@ -55,6 +55,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_cache_queries = 0  # blocks looked up
         self.num_cache_hits = 0  # blocks found
+        self.newly_named: list[tuple[int, int]] | None = None  # (block, name) as named, where a tier copies them (kv_tiers.py)
 
     # --- counts -------------------------------------------------------------------------
 
@@ -142,6 +143,13 @@ class BlockManager:
         if self.enable_prefix_caching and name not in self._cached and self._hash[block] is None:
             self._cached[name] = block
             self._hash[block] = name
+            if self.newly_named is not None:
+                self.newly_named.append((block, name))
+
+    def take_named(self) -> list[tuple[int, int]]:
+        """The (block, name) pairs named since the last call (a tier beyond the device asked)."""
+        named, self.newly_named = self.newly_named or [], []
+        return named
 
     # --- sequences' block tables --------------------------------------------------------
 
@@ -151,17 +159,23 @@ class BlockManager:
         for a sequence with computed tokens, nor for one asking for prompt logprobs or pooling
         its prompt: a hit's tokens would never be computed, and neither their logprobs nor their
         hidden states are kept."""
+        return self.lookup(seq.full_block_hashes(self.block_size, self.prefix_blocks(seq)))
+
+    def prefix_blocks(self, seq: Sequence) -> int:
+        """How many of a waiting sequence's first blocks a prefix cache may supply (match_prefix)."""
         params = seq.params
         if seq.num_computed_tokens or params.prompt_logprobs is not None or params.pooling is not None:
-            return []
-        bs = self.block_size
-        return self.lookup(seq.full_block_hashes(bs, (seq.num_tokens - 1) // bs))
+            return 0
+        return (seq.num_tokens - 1) // self.block_size
+
+    def num_revived(self, hits: list[int]) -> int:
+        """Free blocks among `hits`: sharing them takes them out of the free pool."""
+        return sum(1 for block in hits if self._ref_counts[block] == 0)
 
     def num_admittable(self, hits: list[int]) -> int:
         """Tokens past the prefix `hits` that the free pool can hold (a hit on a free block takes
         that block out of the pool)."""
-        revived = sum(1 for block in hits if self._ref_counts[block] == 0)
-        return (len(self._free) - revived) * self.block_size
+        return (len(self._free) - self.num_revived(hits)) * self.block_size
 
     def allocate_prompt(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
         """Start a sequence's table: the prefix `hits` shared (its tokens count as computed), then

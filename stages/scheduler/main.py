@@ -75,7 +75,9 @@ class SchedulerStage:
         # nothing else runs before it.
         self.core: EngineCore
         self.num_requests = 0
-        self.seen = {"aborts": 0, "preemptions": 0, "queries": 0, "hits": 0, "lora_loads": 0, "lora_evictions": 0}
+        counted = ("aborts", "preemptions", "queries", "hits", "lora_loads", "lora_evictions", "host_hits", "saved", "loaded")
+        self.seen: dict[str, int] = dict.fromkeys(counted, 0)
+        self.kv_block_bytes = 0  # a block's bytes on one rank, all layers (WorkerReady)
         self.prompt_tokens_per_s = 0.0  # moving average, for Retry-After
         self.last_step_end = time.monotonic()
         self.stats = StatsLog()
@@ -83,12 +85,14 @@ class SchedulerStage:
 
     def start(self) -> None:
         """Wait for every worker rank's capacity, then size the pool they all can hold."""
-        reports: dict[int, int] = {}
+        reports: dict[int, WorkerReady] = {}
         while len(reports) < len(self.workers):
             msg = self.inbox.recv()
             if isinstance(msg, WorkerReady):
-                reports[msg.rank] = msg.num_kv_blocks
-        num_blocks = min(reports.values())
+                reports[msg.rank] = msg
+        num_blocks = min(report.num_kv_blocks for report in reports.values())
+        num_host_slots = min(report.num_host_slots for report in reports.values())
+        self.kv_block_bytes = reports[0].kv_block_bytes
         for worker in self.workers:
             worker.send(InitializeCache(num_blocks))
         for detokenizer in self.detokenizers:  # before any TokenBatch: a predecessor's sequences are gone
@@ -103,9 +107,11 @@ class SchedulerStage:
             seq_ids=seq_ids_of(cfg, self.engine),
             adapters=adapters_for(cfg),
             speculative=cfg.speculative,
+            num_host_slots=num_host_slots,
         )
         kv_dtype, num_tokens = cfg.cache.kv_dtype(cfg.model.dtype), num_blocks * cfg.cache.block_size
         metrics.kv_blocks_capacity.set(num_blocks)
+        metrics.kv_host_blocks_capacity.set(num_host_slots)
         metrics.kv_tokens_capacity.set(num_tokens)
         metrics.kv_cache_info.labels(engine=str(self.engine), kv_cache_dtype=kv_dtype).set(1)
         log.info("KV pool: %d blocks of %d tokens = %d tokens, KV cache %s", num_blocks, cfg.cache.block_size, num_tokens, kv_dtype)
@@ -291,7 +297,13 @@ class SchedulerStage:
         metrics.requests_waiting.set(len(s.waiting))
         metrics.requests_preempted.set(s.waiting.num_preempted)
         metrics.lora_resident.set(len(s.adapters.resident) if s.adapters else 0)
+        tiers, block_bytes = s.tiers, self.kv_block_bytes
+        if tiers is not None:
+            metrics.kv_host_blocks_used.set(len(tiers.host))
         for name, counter, value in (
+            ("host_hits", metrics.kv_host_hits, tiers.num_host_hits if tiers else 0),
+            ("saved", metrics.kv_bytes_to_host, tiers.num_saved * block_bytes if tiers else 0),
+            ("loaded", metrics.kv_bytes_to_device, tiers.num_loaded * block_bytes if tiers else 0),
             ("aborts", metrics.aborts, s.num_aborts),
             ("preemptions", metrics.preemptions, s.num_preemptions),
             ("queries", metrics.prefix_cache_queries, blocks.num_cache_queries),

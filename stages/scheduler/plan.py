@@ -31,6 +31,8 @@ def step_plan(step: ScheduledStep) -> StepPlan:
         copy_blocks=step.copy_blocks,
         num_steps=step.num_steps,
         lora_loads=step.lora_loads,
+        kv_saves=step.kv_saves,
+        kv_loads=step.kv_loads,
     )
 
 

@@ -44,6 +44,8 @@ class ScheduledStep:
     num_steps: int = 1  # forward passes: > 1 is a window of decodes
     num_passes_done: int = 0  # passes whose result the scheduler applied
     lora_loads: list[LoraLoad] = dataclasses.field(default_factory=list)  # adapters placed before the forward
+    kv_saves: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device block, host slot): kv_tiers.py
+    kv_loads: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host slot, device block)
 
     def draws(self, pass_index: int = 0) -> Iterator[tuple[Row, Sequence]]:
         """(row, sequence) of each draw of a pass: each sampling row's own sequence and its forks;

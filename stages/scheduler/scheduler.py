@@ -23,6 +23,7 @@ from conveyor.config.speculative import SpeculativeConfig
 from conveyor.stages.scheduler.adapters import Adapters, UnknownAdapter
 from conveyor.stages.scheduler.block_manager import BlockManager, kv_slots
 from conveyor.stages.scheduler.early_aborts import EarlyAborts
+from conveyor.stages.scheduler.kv_tiers import KvTiers
 from conveyor.stages.scheduler.prompt_outputs import attach_prompt_outputs, take_prompt_outputs
 from conveyor.stages.scheduler.scheduled_step import ScheduledStep, SeqUpdate
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
@@ -44,8 +45,10 @@ class Scheduler:
         seq_ids: range = range(0, 2**63),
         speculative: SpeculativeConfig | None = None,
         adapters: Adapters | None = None,
+        tiers: KvTiers | None = None,
     ):
         self.config = config
+        self.tiers = tiers  # the KV tiers beyond the device pool (kv_tiers.py); None: the device's alone
         self.adapters = adapters  # LoRA (adapters.py); None: the base weights only
         self.speculative = speculative  # speculation.py: which rows get lookahead
         self.blocks = blocks
@@ -77,11 +80,14 @@ class Scheduler:
         seq_ids: range = range(0, 2**63),
         speculative: SpeculativeConfig | None = None,
         adapters: Adapters | None = None,
+        num_host_slots: int = 0,
     ) -> Scheduler:
         """A scheduler over a fresh pool of `num_blocks` KV blocks of `block_size` tokens, with
         prefix caching as `config` says, numbering its sequences from `seq_ids`, its decoding
-        rows verifying drafts as `speculative` says (None: never)."""
+        rows verifying drafts as `speculative` says (None: never), its prefix cache going on into
+        `num_host_slots` blocks of host memory (0: none)."""
         blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
+        tiers = KvTiers(blocks, num_host_slots) if num_host_slots and config.enable_prefix_caching else None
         return cls(
             config,
             blocks,
@@ -90,6 +96,7 @@ class Scheduler:
             seq_ids=seq_ids,
             speculative=speculative,
             adapters=adapters,
+            tiers=tiers,
         )
 
     # --- requests in and out -------------------------------------------------------------
@@ -104,7 +111,7 @@ class Scheduler:
                 raise UnknownAdapter(adapter)
             self.adapters.check(adapter)
         self.waiting.check_room(len(request.prompt_token_ids), self.config)
-        seq = Sequence.from_request(self._new_seq_id(), request, detokenizer)
+        seq = Sequence.from_request(self.new_seq_id(), request, detokenizer)
         return seq if self.add(seq) else None
 
     def add(self, seq: Sequence) -> bool:
@@ -143,7 +150,7 @@ class Scheduler:
                 self.finish(seq, FinishReason.ABORT, report=report)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or (self.tiers is not None and self.tiers.holding))
 
     def take_unsampled_updates(self) -> list[SeqUpdate]:
         updates, self._unsampled_updates = self._unsampled_updates, []
@@ -153,6 +160,8 @@ class Scheduler:
 
     def schedule(self) -> ScheduledStep | None:
         """The next step (None: nothing to run or tell the worker), its token counts committed."""
+        if self.tiers is not None:
+            self.tiers.begin_step(self.num_steps + 1)
         build = StepBuilder(self)
         preemptions_before = self.num_preemptions
         policy = self.config.policy
@@ -169,7 +178,8 @@ class Scheduler:
             if self.num_preemptions == preemptions_before:
                 build.admit(chunk=policy == "splitfuse")
         rows = build.rows
-        if not rows and not self._finished_for_worker and not build.lora_loads:
+        moves = self.tiers is not None and (self.tiers.saves or self.tiers.loads)
+        if not rows and not self._finished_for_worker and not build.lora_loads and not moves:
             return None
         num_steps = 1
         # Still nothing waiting: no row preempted another (a victim waits, and gets a single step).
@@ -236,23 +246,7 @@ class Scheduler:
                 self.finish(seq, FinishReason.STOP, report=False)
         self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
 
-    # --- forks and endings -----------------------------------------------------------------
-
-    def fork(self, seq: Sequence) -> list[Sequence]:
-        """Its pending siblings, running beside it and sharing its blocks (its prompt's draw is
-        being planned: StepBuilder.commit)."""
-        children = []
-        for index in range(1, seq.num_pending_forks + 1):
-            child = seq.fork(self._new_seq_id(), index)
-            if child.lora_slot >= 0 and self.adapters is not None and seq.params.adapter is not None:
-                self.adapters.pin(seq.params.adapter)  # the child runs on its parent's slot
-            self.blocks.fork(seq, child)
-            child.num_blocks_sent = len(child.block_ids)  # the worker copies the parent's table
-            self.by_request[seq.request_id].append(child)
-            self.running.append(child)
-            children.append(child)
-        seq.num_pending_forks = 0
-        return children
+    # --- endings ---------------------------------------------------------------------------
 
     def preempt(self, seq: Sequence) -> None:
         """Free its blocks; it waits again with every token it has, to be computed again."""
@@ -303,7 +297,7 @@ class Scheduler:
             seq.known_by_detokenizer = update.new_to_detokenizer = True
         return update
 
-    def _new_seq_id(self) -> int:
+    def new_seq_id(self) -> int:
         seq_id = self._next_seq_id
         self._next_seq_id += self._seq_ids.step
         return seq_id

@@ -6,7 +6,7 @@ pool left, each reusing its cached prefix; `reserve` finds blocks for a running 
 tokens, shrinking a prompt chunk to what fits and, when not one token fits, preempting the least
 important running sequence that has no row yet; `commit` counts the rows' tokens as computed and
 their draws as pending, and makes the ScheduledStep. The Scheduler owns the sequences and how they
-fork and end (`fork`, `preempt`, `finish`); a builder lives for one `Scheduler.schedule` call.
+end (`preempt`, `finish`); forks.py makes a row's siblings; a builder lives for one `Scheduler.schedule` call.
 Pure Python.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from conveyor.stages.scheduler.forks import fork_siblings
 from conveyor.stages.scheduler.scheduled_step import Row, ScheduledStep
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
 from conveyor.stages.scheduler.speculation import grant_lookahead, reserve_ahead, speculates
@@ -102,6 +103,8 @@ class StepBuilder:
                 waiting_for_slot.append(sched.waiting.pop())
                 continue
             hits = blocks.match_prefix(seq)
+            if sched.tiers is not None and sched.tiers.prefetch(seq, hits, sched.num_steps + 1):
+                break  # its blocks beyond the device come back in this plan: admitted at the next
             num_uncached = seq.num_tokens - len(hits) * blocks.block_size
             num = min(num_uncached, self.budget)
             if not chunk and num < num_uncached and (self.rows or self.budget < config.max_num_batched_tokens):
@@ -194,7 +197,7 @@ class StepBuilder:
             seq.num_pending_lookahead += row.lookahead
             if row.samples:
                 if seq.num_pending_forks:
-                    row.forks = sched.fork(seq)
+                    row.forks = fork_siblings(sched, seq)
                 seq.num_pending_tokens += 1
                 for child in row.forks:
                     child.num_pending_tokens += 1
@@ -210,4 +213,6 @@ class StepBuilder:
             num_sampled=num_sampled,
             num_steps=num_steps,
             lora_loads=self.lora_loads,
+            kv_saves=tiers.saves if (tiers := sched.tiers) is not None else [],
+            kv_loads=tiers.loads if tiers is not None else [],
         )

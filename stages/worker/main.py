@@ -22,6 +22,7 @@ import zmq
 
 from conveyor.config import EngineConfig
 from conveyor.gpu.parallel.rendezvous import init_group
+from conveyor.gpu.step.features.kv_offload import KvOffloadStep
 from conveyor.gpu.step.runner import ModelRunner
 from conveyor.stages import metrics
 from conveyor.stages.liveness import Pulse
@@ -59,7 +60,10 @@ def run(config: EngineConfig, index: int) -> None:
     try:
         inbox = receiver(ctx, config, WORKER, index)
         scheduler = sender(ctx, config, SCHEDULER, engine)
-        scheduler.send(WorkerReady(rank=rank, num_kv_blocks=runner.num_available_blocks()))
+        offload = runner.feature(KvOffloadStep)
+        num_slots = offload.num_slots if offload is not None else 0
+        block_bytes = runner.attn.bytes_per_block(config.cache.block_size)
+        scheduler.send(WorkerReady(rank, runner.num_available_blocks(), num_slots, block_bytes))
 
         def send(results: list[StepResult]) -> None:
             for result in results:

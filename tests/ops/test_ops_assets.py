@@ -151,7 +151,7 @@ def test_dockerfile_copies_every_package_dir():
 def test_dashboard_has_the_rows_of_the_issue():
     dashboard = json.loads(DASHBOARD.read_text())
     rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
-    assert rows == ["Overview", "Latency", "GPU bubble", "Queue", "KV cache", "Stages", "Speculative decoding"]
+    assert rows == ["Overview", "Latency", "GPU bubble", "Queue", "KV cache", "Stages", "Speculative decoding", "KV tiers"]
     ids = [p["id"] for p in dashboard["panels"] if p["type"] == "row"] + [p["id"] for p in dashboard_panels()]
     assert len(ids) == len(set(ids))
     assert dashboard["uid"] == "conveyor" and dashboard["schemaVersion"] >= 39

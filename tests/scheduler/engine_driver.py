@@ -27,14 +27,16 @@ def detok_stops(token: int) -> bool:
     return token % DETOK_STOP == 7
 
 
-def make(k: int = 1, num_blocks=256, block_size=4, budget=32, max_seqs=64, max_model_len=512, **config):
-    """A scheduler planning windows of up to `k` passes, and a fake worker with the same pool."""
+def make(k: int = 1, num_blocks=256, block_size=4, budget=32, max_seqs=64, max_model_len=512, num_host_slots=0, **config):
+    """A scheduler planning windows of up to `k` passes, and a fake worker with the same pool
+    (and `num_host_slots` of KV host tier)."""
     sched = Scheduler.from_config(
         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, num_scheduler_steps=k, **config),
         num_blocks=num_blocks,
         block_size=block_size,
         max_model_len=max_model_len,
         eos_token_ids=EOS_IDS,
+        num_host_slots=num_host_slots,
     )
     return sched, FakeRunner(num_blocks, block_size, EOS_IDS)
 
@@ -68,6 +70,7 @@ def check_invariants(sched: Scheduler) -> None:
     """Reference counts equal the sequences holding each block, and every running sequence's
     table covers its computed tokens."""
     holders = Counter(b for s in sched.running for b in s.block_ids)
+    holders.update(sched.tiers.held_blocks() if sched.tiers is not None else [])  # loaded back, named at the next step
     for block in range(sched.blocks.num_blocks):
         assert sched.blocks.ref_count(block) == holders[block], f"block {block}"
     assert sched.blocks.num_used == len(holders)

@@ -45,9 +45,12 @@ requests_strategy = st.lists(
     caching=st.booleans(),
     lookahead=st.booleans(),
     eos=st.booleans(),
+    host_slots=st.sampled_from([0, 3, 64]),
 )
-def test_random_streams_keep_every_invariant(reqs, block_size, num_blocks, budget, max_seqs, policy, caching, lookahead, eos):
-    sched, runner = make(1, num_blocks, block_size, budget, max_seqs, max_model_len=256, policy=policy, enable_prefix_caching=caching)
+def test_random_streams_keep_every_invariant(
+    reqs, block_size, num_blocks, budget, max_seqs, policy, caching, lookahead, eos, host_slots
+):
+    sched, runner = make(1, num_blocks, block_size, budget, max_seqs, 256, host_slots, policy=policy, enable_prefix_caching=caching)
     driver = Driver(sched, runner, depth=2 if lookahead else 1)
     prefixes = [[(p * 31 + j) % 500 for j in range(k)] for p, k in enumerate((0, 9, 20))]
     prompts = {f"r{i}": prefixes[pre] + [(i * 13 + j) % 500 + 1 for j in range(own)] for i, (pre, own, *_) in enumerate(reqs)}

@@ -1,5 +1,5 @@
 """The features of the worker's step, each a StepFeature (base.py) in its own file: lora.py,
-speculation.py, prompt_logprobs.py, pooling.py, grammars.py. `features_for` builds those a
+speculation.py, prompt_logprobs.py, pooling.py, grammars.py, kv_offload.py. `features_for` builds those a
 config enables, in the order the core calls their hooks: LoRA names its rows' slots before the
 forward; a drafter's pass follows the target's before other features read its hidden states.
 Where two features meet, the meeting is in the core's files, one each: the pass sampler (drafts x
@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from conveyor.config.engine import EngineConfig
-from conveyor.gpu.backends.ops import Ops
+from conveyor.gpu.backends import Backend
 from conveyor.gpu.lora.slots import LoraSlots
 from conveyor.gpu.parallel.group import TensorParallel
 from conveyor.gpu.step.features.base import StepFeature
 from conveyor.gpu.step.features.grammars import GrammarStep
+from conveyor.gpu.step.features.kv_offload import KvOffloadStep
 from conveyor.gpu.step.features.lora import LoraStep
 from conveyor.gpu.step.features.pooling import PoolingStep
 from conveyor.gpu.step.features.prompt_logprobs import PromptLogprobsStep
@@ -31,17 +32,19 @@ __all__ = ["StepFeature", "features_for"]
 
 
 def features_for(
-    config: EngineConfig, platform: Platform, batch: PersistentBatch, tp: TensorParallel, model: CausalLM, ops: Ops
+    config: EngineConfig, platform: Platform, batch: PersistentBatch, tp: TensorParallel, model: CausalLM, backend: Backend
 ) -> list[StepFeature]:
     """The step's features under `config`, in hook order. LoRA's slots are allocated here, before
     the KV pool is sized."""
     features: list[StepFeature] = []
     if config.lora.enable_lora:
-        features.append(LoraStep(LoraSlots(model, config, ops, tp, platform.device)))
+        features.append(LoraStep(LoraSlots(model, config, backend.ops, tp, platform.device)))
     if config.speculative is not None:
         features.append(SpeculationStep(config, platform, batch, tp, model))
     features.append(PromptLogprobsStep(model.compute_logits))
     if config.model.pooling is not None:
         features.append(PoolingStep(config.model.pooling))
     features.append(GrammarStep(config.model, tp, platform.device))
+    if config.cache.kv_offloading_size:
+        features.append(KvOffloadStep(config.cache.kv_offloading_size, backend.attn.bytes_per_block(config.cache.block_size)))
     return features

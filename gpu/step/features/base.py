@@ -44,8 +44,9 @@ class StepFeature:
         """Bytes the feature keeps per KV block beside the target's (all layers)."""
         return 0
 
-    def allocate(self, num_blocks: int) -> None:
-        """The pool is sized: allocate the feature's share of `num_blocks` blocks."""
+    def allocate(self, num_blocks: int, kv_caches: list[torch.Tensor]) -> None:
+        """The pool is sized, and `kv_caches` (the target's, `num_blocks` blocks) allocated:
+        allocate the feature's share."""
 
     def decode_model(self, model: DecodeModel) -> DecodeModel:
         """The model as decode graphs capture and run it."""

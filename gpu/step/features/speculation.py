@@ -58,7 +58,7 @@ class SpeculationStep(StepFeature):
     def bytes_per_block(self) -> int:
         return self.drafter.passes.bytes_per_block() if self.drafter is not None else 0
 
-    def allocate(self, num_blocks: int) -> None:
+    def allocate(self, num_blocks: int, kv_caches: list[torch.Tensor]) -> None:
         if self.drafter is not None:
             self.drafter.passes.allocate(num_blocks)
 
