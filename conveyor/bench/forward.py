@@ -18,7 +18,8 @@ import itertools
 import statistics
 import time
 
-from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
+from conveyor.wire.messages import SamplingParams
+from conveyor.wire.step import NewSeq, ScheduledSeq, StepPlan
 
 # torch: the torch backend, the reference paths. attention: the cpu backend's attention, the C++
 # paged attention (paged_attention.cpp), with torch ops. fused: that plus the cpu ops' RMSNorm /

@@ -25,7 +25,8 @@ from conveyor.sim.simulator import fake_result
 from conveyor.stages.scheduler.plan import step_plan, token_batches
 from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.wire.channel import encode
-from conveyor.wire.messages import SamplingParams, ScheduleRequest, StepResult
+from conveyor.wire.messages import SamplingParams, ScheduleRequest
+from conveyor.wire.step import StepResult
 
 
 def measure(num_running: int, *, steps: int = 200, prompt_len: int = 200, block_size: int = 16) -> dict:

@@ -27,7 +27,8 @@ def measure(num_rows: int, *, steps: int = 200, prompt_len: int = 100) -> dict:
     from conveyor.gpu.step.runner import ModelRunner
     from conveyor.tiny.checkpoint import make_config
     from conveyor.tiny.generate import SHAPES
-    from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan, WorkerInbound
+    from conveyor.wire.messages import SamplingParams, WorkerInbound
+    from conveyor.wire.step import NewSeq, ScheduledSeq, StepPlan
 
     with tempfile.TemporaryDirectory() as path:
         model = read_model_config(make_config(path, dtype="bfloat16", **SHAPES["llama3-8b"]))

@@ -51,7 +51,8 @@ def measure(grid: list[list[tuple[int, int]]], *, repeats: int = 5, threads: int
 
     from conveyor.engine_config import build_engine_config
     from conveyor.gpu.step.runner import ModelRunner
-    from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
+    from conveyor.wire.messages import SamplingParams
+    from conveyor.wire.step import NewSeq, ScheduledSeq, StepPlan
 
     num_blocks = max(sum(-(-(s + n) // BLOCK_SIZE) for s, n in rows) for rows in grid)
     config = build_engine_config(model, device="cpu", num_kv_blocks=num_blocks, block_size=BLOCK_SIZE)

@@ -28,7 +28,8 @@ from conveyor.sim.workloads import SYNTHETIC_VOCAB, SimRequest
 from conveyor.stages.scheduler.engine_core import EngineCore
 from conveyor.stages.scheduler.scheduled_step import ScheduledStep, SeqUpdate
 from conveyor.stages.scheduler.scheduler import Scheduler
-from conveyor.wire.messages import SamplingParams, ScheduleRequest, StepResult
+from conveyor.wire.messages import SamplingParams, ScheduleRequest
+from conveyor.wire.step import StepResult
 
 
 @dataclasses.dataclass(frozen=True)

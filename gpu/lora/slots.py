@@ -36,7 +36,7 @@ from conveyor.gpu.models.layers import Linear, RowParallelLinear
 from conveyor.gpu.parallel.group import TensorParallel
 from conveyor.gpu.parallel.shard import cut
 from conveyor.gpu.step.cuda_graphs import DecodeModel
-from conveyor.wire.messages import LoraLoad
+from conveyor.wire.step import LoraLoad
 
 Weights = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, target) -> (A, B): gpu/lora/weights.py
 NOT_TARGETED: tuple[None, None] = (None, None)

@@ -33,7 +33,8 @@ from conveyor.gpu.sampling.params_table import DrawParams
 from conveyor.gpu.sampling.penalties import apply_penalties, penalises_repeats
 from conveyor.gpu.sampling.sampler import sample
 from conveyor.gpu.sampling.transfer import to_device, to_host
-from conveyor.wire.messages import SamplingParams, TopLogprobs
+from conveyor.wire.messages import SamplingParams
+from conveyor.wire.step import TopLogprobs
 
 if TYPE_CHECKING:
     from conveyor.gpu.structured import TokenMask

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from conveyor.gpu.sampling.transfer import to_device
-from conveyor.wire.messages import PromptLogprobs, StepResult, TopLogprobs
+from conveyor.wire.step import PromptLogprobs, StepResult, TopLogprobs
 
 # Positions whose logits are materialised at once: [SLICE, V] float32 (SmolLM2: 25 MiB).
 SLICE = 128

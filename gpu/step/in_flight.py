@@ -14,7 +14,7 @@ import collections
 import torch
 
 from conveyor.gpu.step.passes import LaunchedPass, pass_result
-from conveyor.wire.messages import StepResult
+from conveyor.wire.step import StepResult
 
 
 class InFlight:

@@ -15,7 +15,8 @@ from conveyor.gpu.spec.draft_length import Acceptance
 from conveyor.gpu.spec.verify import accepted_length
 from conveyor.gpu.step.pass_clock import PassClock
 from conveyor.gpu.step.step_inputs import PassInputs
-from conveyor.wire.messages import Fork, SamplingParams, StepPlan, StepResult, TopLogprobs
+from conveyor.wire.messages import SamplingParams
+from conveyor.wire.step import Fork, StepPlan, StepResult, TopLogprobs
 from conveyor.wire.stop_rules import stops_on
 
 if TYPE_CHECKING:  # xgrammar loads with the first constrained sequence

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.step.passes import WorkerSeq
-from conveyor.wire.messages import StepPlan
+from conveyor.wire.step import StepPlan
 
 
 def check_plan(

@@ -44,7 +44,7 @@ from conveyor.gpu.step.plan_checks import check_plan
 from conveyor.gpu.step.platform import Platform, platform_for
 from conveyor.gpu.step.profile_steps import profile_run
 from conveyor.gpu.step.step_inputs import PassInputs
-from conveyor.wire.messages import NewSeq, StepPlan, StepResult
+from conveyor.wire.step import NewSeq, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=StepFeature)

@@ -21,7 +21,8 @@ from conveyor.default_model import default_gguf
 from conveyor.gpu.loading.gguf import ensure_checkpoint
 from conveyor.gpu.models.registry import read_model_config
 from conveyor.gpu.step.runner import ModelRunner
-from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
+from conveyor.wire.messages import SamplingParams
+from conveyor.wire.step import NewSeq, ScheduledSeq, StepPlan
 
 BLOCK_SIZE, BLOCKS_PER_ROW = 16, 40  # 640 tokens of KV a row
 PROMPT_TOKENS, WARM_UP_STEPS = 128, 10

@@ -25,7 +25,8 @@ from conveyor.engine_config import build_engine_config
 from conveyor.gpu.loading.gguf import ensure_checkpoint
 from conveyor.gpu.step.runner import ModelRunner
 from conveyor.tiny.lora import make_random_adapter
-from conveyor.wire.messages import LoraLoad, NewSeq, SamplingParams, ScheduledSeq, StepPlan
+from conveyor.wire.messages import SamplingParams
+from conveyor.wire.step import LoraLoad, NewSeq, ScheduledSeq, StepPlan
 
 BLOCK_SIZE, PROMPT_TOKENS = 16, 32
 

@@ -20,7 +20,8 @@ import time
 
 from conveyor.engine_config import build_engine_config
 from conveyor.gpu.step.runner import ModelRunner
-from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
+from conveyor.wire.messages import SamplingParams
+from conveyor.wire.step import NewSeq, ScheduledSeq, StepPlan
 
 BLOCK_SIZE, PROMPT_TOKENS, WARM_UP_STEPS = 16, 100, 10
 

@@ -30,7 +30,8 @@ from conveyor.engine_config import build_engine_config  # noqa: E402
 from conveyor.gpu.step.runner import ModelRunner  # noqa: E402
 from conveyor.tiny.checkpoint import make_checkpoint  # noqa: E402
 from conveyor.tiny.generate import SHAPES  # noqa: E402
-from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan  # noqa: E402
+from conveyor.wire.messages import SamplingParams  # noqa: E402
+from conveyor.wire.step import NewSeq, ScheduledSeq, StepPlan  # noqa: E402
 
 BLOCK_SIZE, PROMPT_TOKENS = 16, 128
 ACTIVITIES = [torch.profiler.ProfilerActivity.CUDA]

@@ -18,7 +18,7 @@ import collections
 
 from conveyor.config.engine import EngineConfig
 from conveyor.config.lora_adapter import AdapterInfo, read_adapter_info
-from conveyor.wire.messages import LoraLoad
+from conveyor.wire.step import LoraLoad
 
 
 class UnknownAdapter(LookupError):

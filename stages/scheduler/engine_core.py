@@ -25,7 +25,8 @@ from conveyor.stages.scheduler.plan import step_plan
 from conveyor.stages.scheduler.scheduled_step import ScheduledStep, SeqUpdate
 from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.stages.scheduler.sequence import Sequence
-from conveyor.wire.messages import ScheduleRequest, StepPlan, StepResult
+from conveyor.wire.messages import ScheduleRequest
+from conveyor.wire.step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 

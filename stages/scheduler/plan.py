@@ -4,7 +4,8 @@ batches for the detokenizers. Shared by the scheduler stage and the in-process P
 from __future__ import annotations
 
 from conveyor.stages.scheduler.scheduled_step import ScheduledStep, SeqUpdate
-from conveyor.wire.messages import DetokSeq, Fork, NewSeq, ScheduledSeq, SeqTokens, StepPlan, TokenBatch
+from conveyor.wire.messages import DetokSeq, SeqTokens, TokenBatch
+from conveyor.wire.step import Fork, NewSeq, ScheduledSeq, StepPlan
 
 PROMPT_TAIL_TOKENS = 6  # decoding context the detokenizer needs for the first output tokens
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from conveyor.stages.scheduler.scheduled_step import ScheduledStep, SeqUpdate
 from conveyor.stages.scheduler.sequence import SeqStatus
-from conveyor.wire.messages import StepResult
+from conveyor.wire.step import StepResult
 
 
 def take_prompt_outputs(step: ScheduledStep, result: StepResult) -> None:

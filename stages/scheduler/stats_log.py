@@ -7,7 +7,7 @@ import time
 
 from conveyor.stages.scheduler.scheduled_step import ScheduledStep
 from conveyor.stages.scheduler.scheduler import Scheduler
-from conveyor.wire.messages import StepResult
+from conveyor.wire.step import StepResult
 
 log = logging.getLogger("conveyor.stats")
 INTERVAL_S = 10.0

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from conveyor.stages.scheduler.block_manager import BlockManager
 from conveyor.stages.scheduler.scheduled_step import Row, ScheduledStep
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
-from conveyor.wire.messages import StepResult
+from conveyor.wire.step import StepResult
 from conveyor.wire.stop_rules import tokens_left
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ingress_fakes import running_server
+from tests.ingress_server import running_server
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import requests
 
 from conveyor.wire.messages import EngineStatus
 from tests.api.anthropic_fakes import assert_error
-from tests.ingress_fakes import MAX_BODY_BYTES, MODEL_NAME, post, running_server, wait_for
+from tests.ingress_server import MAX_BODY_BYTES, MODEL_NAME, post, running_server, wait_for
 
 USER = [{"role": "user", "content": "hi"}]
 OK = {"model": MODEL_NAME, "max_tokens": 10, "messages": USER}

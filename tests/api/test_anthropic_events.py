@@ -20,7 +20,7 @@ from tests.api.anthropic_fakes import (
     events,
     parse_events,
 )
-from tests.ingress_fakes import MODEL_NAME, post, running_server, usage_of, wait_for
+from tests.ingress_server import MODEL_NAME, post, running_server, usage_of, wait_for
 
 
 @pytest.fixture(scope="module")

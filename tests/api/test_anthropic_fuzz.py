@@ -13,7 +13,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import content_type_conformance, not_a_server_error, response_schema_conformance, status_code_conformance
 
 from tests.api.anthropic_fakes import check_order, parse_events
-from tests.ingress_fakes import MODEL_NAME
+from tests.ingress_server import MODEL_NAME
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 

@@ -11,7 +11,7 @@ import anthropic
 import pytest
 
 from tests.api.anthropic_fakes import EXPECTED_CALLS, NUM_PROMPT_TOKENS, SCRIPTS, TOOLS, ScriptedEngine
-from tests.ingress_fakes import MODEL_NAME, post, running_server
+from tests.ingress_server import MODEL_NAME, post, running_server
 
 
 @pytest.fixture(scope="module")

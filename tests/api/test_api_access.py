@@ -10,7 +10,8 @@ import requests
 
 from conveyor.stages.ingress.cors import Cors
 from conveyor.stages.tokenizer.encoder import PromptEncoder
-from tests.ingress_fakes import MAX_MODEL_LEN, MODEL_NAME, assert_error, post, running_server
+from tests.ingress_fakes import MAX_MODEL_LEN
+from tests.ingress_server import MODEL_NAME, assert_error, post, running_server
 
 KEY = "sk-test-key"
 GOOD_ORIGIN = "http://good.example"

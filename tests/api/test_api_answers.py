@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from conveyor.stages.tokenizer.encoder import PromptEncoder
-from tests.ingress_fakes import MODEL_NAME, assert_error, choice_output, post, sse, wait_for, with_prompt
+from tests.ingress_fakes import choice_output
+from tests.ingress_server import MODEL_NAME, assert_error, post, sse, wait_for, with_prompt
 
 
 def text_of(choice: dict) -> str:

@@ -9,7 +9,8 @@ import json
 import openai
 import pytest
 
-from tests.ingress_fakes import MAX_BODY_BYTES, MODEL_NAME, NUM_TOKENS, VOCAB_SIZE, assert_error, post, sse
+from tests.ingress_fakes import NUM_TOKENS
+from tests.ingress_server import MAX_BODY_BYTES, MODEL_NAME, VOCAB_SIZE, assert_error, post, sse
 
 
 def test_every_parameter_reaches_sampling_params(server):

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.ingress_fakes import post, raw_post, sse, wait_for
+from tests.ingress_server import post, raw_post, sse, wait_for
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

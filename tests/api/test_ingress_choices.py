@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.ingress_fakes import choice_output, post, sse, usage_of, with_prompt
+from tests.ingress_fakes import choice_output
+from tests.ingress_server import post, sse, usage_of, with_prompt
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -12,18 +12,8 @@ import pytest
 import requests
 
 from conveyor.wire.messages import EngineStatus
-from tests.ingress_fakes import (
-    MAX_MODEL_LEN,
-    MODEL_NAME,
-    NUM_TOKENS,
-    assert_error,
-    choice_output,
-    post,
-    sse,
-    usage_of,
-    wait_for,
-    with_prompt,
-)
+from tests.ingress_fakes import MAX_MODEL_LEN, NUM_TOKENS, choice_output
+from tests.ingress_server import MODEL_NAME, assert_error, post, sse, usage_of, wait_for, with_prompt
 
 TEXT = "".join(f" t{i}" for i in range(NUM_TOKENS))
 IDS = [100 + i for i in range(NUM_TOKENS)]

@@ -15,16 +15,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from conveyor.stages.ingress.app import errors_as_json
 from conveyor.wire.messages import DeltaBatch, EngineStatus, TextDelta
-from tests.ingress_fakes import (
-    MAX_BODY_BYTES,
-    MAX_MODEL_LEN,
-    assert_error,
-    post,
-    running_server,
-    sse,
-    wait_for,
-    with_prompt,
-)
+from tests.ingress_fakes import MAX_MODEL_LEN
+from tests.ingress_server import MAX_BODY_BYTES, assert_error, post, running_server, sse, wait_for, with_prompt
 
 
 @pytest.mark.parametrize("stream", [False, True])

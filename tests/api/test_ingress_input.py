@@ -18,7 +18,7 @@ import requests
 from conveyor.stages.ingress.errors import ApiError
 from conveyor.stages.ingress.protocol import Generation, Prompt, check_num_seqs
 from conveyor.wire.messages import SamplingParams
-from tests.ingress_fakes import assert_error, post
+from tests.ingress_server import assert_error, post
 
 GOOD: dict[str, dict[str, object]] = {  # route: a body it accepts
     "/v1/completions": {"prompt": "ok"},

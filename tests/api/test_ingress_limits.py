@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.ingress_fakes import running_server
+from tests.ingress_server import running_server
 
 HEADER_TIMEOUT_S = 0.3
 BODY_TIMEOUT_S = 0.3

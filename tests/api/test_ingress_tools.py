@@ -10,7 +10,8 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from tests.ingress_fakes import MODEL_NAME, ScriptedEngine, post, running_server, sse
+from tests.ingress_fakes import ScriptedEngine
+from tests.ingress_server import MODEL_NAME, post, running_server, sse
 
 TOOLS = [
     {

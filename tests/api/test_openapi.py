@@ -19,7 +19,7 @@ from schemathesis.checks import (
 from conveyor.stages.ingress.app import build_app
 from conveyor.stages.ingress.engine_client import EngineClient
 from conveyor.wire.messages import REPETITION_PENALTY_RANGE
-from tests.ingress_fakes import running_server
+from tests.ingress_server import running_server
 
 ROUTES = {
     ("get", "/health"),

@@ -15,7 +15,7 @@ from conveyor.stages.ingress.responses_api.answer import new_response
 from conveyor.stages.ingress.responses_api.bodies import ResponsesBody
 from conveyor.stages.ingress.responses_api.events import ResponseEvents
 from tests.api.test_responses_api_sdk import SCRIPTS, TOOLS, ScriptedEngine
-from tests.ingress_fakes import post, running_server
+from tests.ingress_server import post, running_server
 
 TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
 TEXT_EVENTS = {

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests import ingress_fakes
-from tests.ingress_fakes import MODEL_NAME, assert_error, post, running_server, wait_for
+from tests.ingress_server import MODEL_NAME, assert_error, post, running_server, wait_for
 
 TOOLS = [
     {

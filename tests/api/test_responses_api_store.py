@@ -11,7 +11,7 @@ from conveyor.stages.ingress.errors import ApiError
 from conveyor.stages.ingress.responses_api.items import chat_messages, output_items, responses_param
 from conveyor.stages.ingress.responses_api.pages import input_items_page
 from conveyor.stages.ingress.responses_api.store import ResponseStore, StoredResponse
-from tests.ingress_fakes import assert_error, post, running_server
+from tests.ingress_server import assert_error, post, running_server
 
 
 class Clock:

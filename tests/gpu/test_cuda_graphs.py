@@ -25,7 +25,7 @@ from conveyor.gpu.models.registry import read_model_config
 from conveyor.gpu.parallel.group import SINGLE
 from conveyor.gpu.step.cuda_graphs import DecodeGraphs, bucket_sizes, buckets_for, can_capture
 from conveyor.tiny.lora import make_random_adapter
-from conveyor.wire.messages import LoraLoad
+from conveyor.wire.step import LoraLoad
 from tests.gpu_checkpoints import VOCAB, checkpoint
 
 pytest.importorskip("triton")

@@ -31,7 +31,8 @@ from conveyor.sim.devices import DEVICES
 from conveyor.sim.presets import H100_LLAMA3_8B
 from conveyor.tiny.checkpoint import make_config
 from conveyor.tiny.generate import SHAPES
-from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
+from conveyor.wire.messages import SamplingParams
+from conveyor.wire.step import NewSeq, ScheduledSeq, StepPlan
 from tests.gpu.test_gpu_multistep import WindowDriver
 
 

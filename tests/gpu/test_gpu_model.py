@@ -22,7 +22,8 @@ from conveyor.gpu.backends.cpu.kernels import cpu_fused_ops, cpu_small_linear, p
 from conveyor.gpu.loading.loader import load_model
 from conveyor.gpu.models.registry import read_model_config
 from conveyor.gpu.step.runner import ModelRunner
-from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan
+from conveyor.wire.messages import SamplingParams
+from conveyor.wire.step import NewSeq, ScheduledSeq, StepPlan
 from tests.gpu_checkpoints import ARCHS, VOCAB, checkpoint, engine_config, hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=None)

@@ -16,7 +16,8 @@ import torch
 
 from conveyor.gpu.step.persistent_batch import PersistentBatch
 from conveyor.gpu.step.runner import ModelRunner
-from conveyor.wire.messages import NewSeq, SamplingParams, ScheduledSeq, StepPlan, StepResult
+from conveyor.wire.messages import SamplingParams
+from conveyor.wire.step import NewSeq, ScheduledSeq, StepPlan, StepResult
 from tests.gpu_checkpoints import VOCAB, engine_config, hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=None)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conveyor.gpu.step.runner import ModelRunner
-from conveyor.wire.messages import Fork, NewSeq, SamplingParams, ScheduledSeq, StepPlan
+from conveyor.wire.messages import SamplingParams
+from conveyor.wire.step import Fork, NewSeq, ScheduledSeq, StepPlan
 from tests.gpu_checkpoints import VOCAB, engine_config, hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=None)

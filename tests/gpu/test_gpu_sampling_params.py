@@ -19,7 +19,8 @@ from conveyor.gpu.sampling.filters import filter_min_p
 from conveyor.gpu.step.profile_steps import profile_run
 from conveyor.gpu.step.runner import ModelRunner
 from conveyor.tiny.checkpoint import make_checkpoint
-from conveyor.wire.messages import Fork, NewSeq, SamplingParams, ScheduledSeq, StepPlan
+from conveyor.wire.messages import SamplingParams
+from conveyor.wire.step import Fork, NewSeq, ScheduledSeq, StepPlan
 
 V = 64
 EOS = (3, 5)

@@ -66,7 +66,7 @@ def get_routes(command: str, tmp_path: Path) -> set[str]:
     """The GET routes the process serves: the ingress app built on a tiny config, or the router's."""
     if command == "serve":
         from conveyor.stages.ingress.app import build_app
-        from tests.ingress_fakes import make_config
+        from tests.ingress_server import make_config
 
         app = build_app(make_config(tmp_path, str(tmp_path)), None)  # type: ignore[arg-type]  # no engine is called
     else:

@@ -19,11 +19,11 @@ from conveyor.wire.messages import (
     RequestAccepted,
     SamplingParams,
     ScheduleRequest,
-    StepPlan,
     WorkerReady,
 )
+from conveyor.wire.step import StepPlan
 from conveyor.wire.topology import DETOKENIZER, INGRESS, ROUTER, SCHEDULER, WORKER, receiver, sender
-from tests.ingress_fakes import make_config
+from tests.ingress_server import make_config
 
 
 def load(num_waiting: int = 0, num_received: int = 0) -> EngineLoad:

@@ -36,7 +36,7 @@ def test_a_stop_string_finish_from_the_detokenizer_ends_the_sequence():
 
 
 def test_top_logprobs_reach_the_update_of_sequences_that_asked():
-    from conveyor.wire.messages import StepResult, TopLogprobs
+    from conveyor.wire.step import StepResult, TopLogprobs
 
     sched, runner = make()
     sched.add_request(request(0, prompt_of(1, 5), max_tokens=1, logprobs=2))

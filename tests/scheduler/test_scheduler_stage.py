@@ -21,15 +21,14 @@ from conveyor.wire.messages import (
     InitializeCache,
     SamplingParams,
     ScheduleRequest,
-    StepPlan,
-    StepResult,
     TokenBatch,
     WorkerInbound,
     WorkerReady,
 )
+from conveyor.wire.step import StepPlan, StepResult
 from conveyor.wire.topology import DETOKENIZER, INGRESS, SCHEDULER, WORKER, receiver, sender
 from tests.fake_worker import FakeRunner
-from tests.ingress_fakes import make_config
+from tests.ingress_server import make_config
 from tests.scheduler.engine_driver import prompt_of
 
 

@@ -17,7 +17,8 @@ from conveyor.config import SchedulerConfig
 from conveyor.config.speculative import SpeculativeConfig
 from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.stages.scheduler.sequence import SeqStatus
-from conveyor.wire.messages import FinishReason, SamplingParams, ScheduleRequest, StepResult, StructuredOutput
+from conveyor.wire.messages import FinishReason, SamplingParams, ScheduleRequest, StructuredOutput
+from conveyor.wire.step import StepResult
 from tests.fake_worker import FakeRunner
 from tests.scheduler.engine_driver import EOS_IDS, Driver, reference
 

@@ -22,7 +22,8 @@ pytestmark = [
 SNIPPET = """
 import zmq
 from conveyor.config import EngineConfig
-from conveyor.wire.messages import AbortRequest, StepPlan
+from conveyor.wire.messages import AbortRequest
+from conveyor.wire.step import StepPlan
 from conveyor.wire.topology import SCHEDULER, sender
 
 def tell(ctx: zmq.Context, config: EngineConfig) -> None:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from conveyor.gpu.step.cuda_graphs import DecodeModel
     from conveyor.gpu.step.passes import PassOutput, PassWork, WorkerSeq
     from conveyor.gpu.structured import TokenMask
-    from conveyor.wire.messages import NewSeq, ScheduledSeq, StepPlan
+    from conveyor.wire.step import NewSeq, ScheduledSeq, StepPlan
 
 
 class StepFeature:

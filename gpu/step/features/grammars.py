@@ -19,7 +19,7 @@ from conveyor.gpu.parallel.group import TensorParallel
 from conveyor.gpu.step.features.base import StepFeature
 from conveyor.gpu.step.passes import PassWork, WorkerSeq
 from conveyor.gpu.structured import TokenMask, grammars_for, token_mask
-from conveyor.wire.messages import NewSeq
+from conveyor.wire.step import NewSeq
 
 
 class GrammarStep(StepFeature):

@@ -13,7 +13,7 @@ from conveyor.gpu.step.features.base import StepFeature
 if TYPE_CHECKING:
     from conveyor.gpu.step.cuda_graphs import DecodeModel
     from conveyor.gpu.step.passes import PassWork, WorkerSeq
-    from conveyor.wire.messages import NewSeq, StepPlan
+    from conveyor.wire.step import NewSeq, StepPlan
 
 log = logging.getLogger(__name__)
 

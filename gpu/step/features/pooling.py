@@ -18,7 +18,8 @@ import torch
 from conveyor.config.pooling import PoolingConfig
 from conveyor.gpu.step.features.base import StepFeature
 from conveyor.gpu.step.passes import PassWork
-from conveyor.wire.messages import SamplingParams, SeqEmbedding, StepResult
+from conveyor.wire.messages import SamplingParams
+from conveyor.wire.step import SeqEmbedding, StepResult
 
 
 @dataclasses.dataclass

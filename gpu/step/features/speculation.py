@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from conveyor.gpu.step.passes import PassWork, WorkerSeq
     from conveyor.gpu.step.persistent_batch import PersistentBatch
     from conveyor.gpu.step.platform import Platform
-    from conveyor.wire.messages import ScheduledSeq, StepPlan
+    from conveyor.wire.step import ScheduledSeq, StepPlan
 
 
 class SpeculationStep(StepFeature):
