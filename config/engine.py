@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from conveyor.config.errors import ConfigError
 from conveyor.config.lora import LoraConfig
 from conveyor.config.model import ModelConfig
 from conveyor.config.options import option
@@ -43,6 +44,14 @@ class CacheConfig:
     kv_offloading_size: float = option(
         0.0, "host memory in GiB for prefix-cache KV blocks beyond the device pool (0: no host tier)", minimum=0
     )
+    kv_disk_dir: str | None = option(
+        None, "directory keeping the host tier's KV blocks across restarts (needs --kv-offloading-size)", none="no disk tier"
+    )
+    kv_disk_size: float = option(64.0, "GiB of --kv-disk-dir's files; least recently used go past it", minimum=0)
+
+    def __post_init__(self) -> None:
+        if self.kv_disk_dir is not None and not self.kv_offloading_size:
+            raise ConfigError("--kv-disk-dir needs --kv-offloading-size: the disk keeps the host tier's blocks")
 
     def kv_dtype(self, model_dtype: str) -> str:
         """The KV cache's torch dtype name for a model of `model_dtype` ("bfloat16", "float8_e4m3fn")."""
@@ -74,6 +83,11 @@ class SchedulerConfig:
     # Two steps in flight: docs/architecture.md ("Overlap"). Off: each plan waits for the last result.
     async_scheduling: bool = option(True, "plan the next step while the current one computes")
     enable_prefix_caching: bool = option(True, "reuse the KV of cached full blocks across requests")
+    preemption_mode: str = option(
+        "recompute",
+        "a preempted sequence's KV: recompute it when it resumes, or swap it to the host tier and back (needs --kv-offloading-size)",
+        choices=("recompute", "swap"),
+    )
     # Multi-step windows (stages/scheduler/windows.py): docs/architecture.md ("Overlap").
     num_scheduler_steps: int = option(1, "decode passes per plan when every row decodes (multi-step)", minimum=1)
     # Admission bounds, on by default so one client cannot fill the server: past them new

@@ -82,12 +82,23 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
     check_lora(lora, model_config)
     if lora.enable_lora and parallel.data_parallel_size > 1:
         raise ConfigError("--enable-lora with --data-parallel-size above 1 is not supported yet (each engine would load each adapter)")
+    cache = CacheConfig(**fields[CacheConfig])
+    if lora.enable_lora and cache.kv_disk_dir is not None:
+        # A block's name covers its adapter's name, not its weights: another adapter under the same
+        # name after a restart would read stale KV from disk.
+        raise ConfigError("--kv-disk-dir with --enable-lora is not supported yet (KV on disk is keyed by adapter name, not weights)")
+    if scheduler.preemption_mode == "swap" and not cache.kv_offloading_size:
+        raise ConfigError("--preemption-mode swap needs --kv-offloading-size: a preempted sequence's KV goes to the host tier")
+    if cache.kv_disk_dir is not None:
+        from conveyor.gpu.kv.disk_dir import open_kv_dir  # torch-free
+
+        open_kv_dir(cache.kv_disk_dir)  # a missing or read-only directory: one line at start-up, before any stage starts
     server = fields[ServerConfig]
     if "chat_template" in server:
         server["chat_template"] = _read_template(server["chat_template"])
     return EngineConfig(
         model=model_config,
-        cache=CacheConfig(**fields[CacheConfig]),
+        cache=cache,
         scheduler=scheduler,
         parallel=parallel,
         stages=StagesConfig(**fields[StagesConfig]),

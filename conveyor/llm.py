@@ -87,6 +87,7 @@ class LLM:
             speculative=self.config.speculative,
             adapters=adapters_for(self.config),
             num_host_slots=offload.num_slots if (offload := self.runner.feature(KvOffloadStep)) is not None else 0,
+            kv_warm=offload.warm if offload is not None else None,
         )
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()

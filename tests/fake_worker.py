@@ -8,7 +8,7 @@ bad fork all change the outputs, which tests compare with `expected_tokens`.
 
 from __future__ import annotations
 
-from conveyor.wire.messages import ScheduledSeq, StepPlan, StepResult
+from conveyor.wire.step import ScheduledSeq, StepPlan, StepResult
 from conveyor.wire.stop_rules import stops_on, tokens_left
 
 VOCAB = 1000
@@ -174,7 +174,7 @@ class FakeRunner:
                 "prompt": new.num_prompt_tokens,
                 "params": new.params,
             }
-        for block, slot in plan.kv_saves:  # saves, then loads, before the passes, as the worker does
+        for block, slot, _ in plan.kv_saves:  # saves, then loads, before the passes, as the worker does
             self.host[slot] = list(self.kv[block])
         for slot, block in plan.kv_loads:
             self.kv[block] = list(self.host[slot])

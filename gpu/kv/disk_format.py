@@ -25,11 +25,17 @@ import json
 import struct
 import sys
 import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 FORMAT_VERSION = 1
 MAGIC = b"CVKV"
 HEADER = struct.Struct("<4sHHQQII8s")  # see the module docstring
 HASH_MASK = (1 << 64) - 1
+
+
+if TYPE_CHECKING:
+    from conveyor.config.model import ModelConfig
 
 
 def python_hash_scheme() -> str:
@@ -107,3 +113,13 @@ def check_header(header: bytes, block_hash: int, key: str, payload_bytes: int) -
     if length != payload_bytes:
         raise BadFile(f"payload length {length}, expected {payload_bytes}")
     return crc
+
+
+def model_identity(model: ModelConfig) -> str:
+    """A local checkpoint's identity for KVValidity.model: a digest of the model config as read
+    (dtype and quantization included) and of its directory's files by name, size and modification
+    time, so that replaced weights name another directory."""
+    root = Path(model.path)
+    files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in root.iterdir() if f.is_file())
+    text = json.dumps([repr(model), files])
+    return f"{root.name}-{hashlib.blake2b(text.encode(), digest_size=8).hexdigest()}"

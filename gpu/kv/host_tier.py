@@ -64,7 +64,11 @@ class KVTransfer:
 class HostTier:
     """`num_slots` host blocks shaped after `kv_caches` (allocate_kv_caches' tensors)."""
 
-    def __init__(self, kv_caches: list[torch.Tensor], num_slots: int, *, staging_bytes: int = STAGING_BYTES) -> None:
+    def __init__(
+        self, kv_caches: list[torch.Tensor], num_slots: int, *, pool: torch.Tensor | None = None, staging_bytes: int = STAGING_BYTES
+    ) -> None:
+        """`pool`: the slots' memory, [num_slots, bytes_per_slot] uint8 on the host, when it was
+        filled before the device pool existed (blocks read from disk at start-up)."""
         if num_slots < 1:
             raise ValueError("the host tier needs at least one slot")
         num_blocks = kv_caches[0].shape[1]
@@ -80,7 +84,7 @@ class HostTier:
         self.bytes_per_slot = sum(layer_bytes)
         self._cuda = self.device.type == "cuda"
         self._unpin: Callable[[], object] = lambda: None
-        self.pool = self._allocate_pool()  # [num_slots, bytes_per_slot] uint8, on the host
+        self.pool = self._allocate_pool(pool)  # [num_slots, bytes_per_slot] uint8, on the host
         self._pool_rows = _layer_rows(self.pool, layer_bytes)
         self._stream: torch.cuda.Stream | None = None
         if self._cuda:
@@ -128,16 +132,18 @@ class HostTier:
             self._stream.synchronize()
         self._unpin()
 
-    def _allocate_pool(self) -> torch.Tensor:
+    def _allocate_pool(self, pool: torch.Tensor | None) -> torch.Tensor:
         shape = (self.num_slots, self.bytes_per_slot)
+        if pool is not None and (tuple(pool.shape) != shape or pool.dtype != torch.uint8 or not pool.is_contiguous()):
+            raise ValueError(f"a pool of {tuple(pool.shape)} {pool.dtype}: expected contiguous {shape} uint8")
         if not self._cuda:
-            return torch.empty(shape, dtype=torch.uint8)
+            return pool if pool is not None else torch.empty(shape, dtype=torch.uint8)
         cudart = torch.cuda.cudart()
         if not hasattr(cudart, "cudaHostRegister"):  # an older torch: pinned, rounded up to a power of two
-            return torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+            return pool.pin_memory() if pool is not None else torch.empty(shape, dtype=torch.uint8, pin_memory=True)
         # Page-locked, so that copies run asynchronously at full PCIe speed; unpinned before the
         # memory goes back (close, or when the tier is collected).
-        pool = torch.empty(shape, dtype=torch.uint8)
+        pool = pool if pool is not None else torch.empty(shape, dtype=torch.uint8)
         torch.cuda.check_error(cudart.cudaHostRegister(pool.data_ptr(), pool.numel(), 0))
         self._unpin = weakref.finalize(self, _unregister, pool.data_ptr())
         self._unpin.atexit = False  # at exit the process's pinned pages go with it

@@ -14,6 +14,8 @@ torch, no zmq.
   into the prefix cache at the next step, where its admission finds them as device hits. So a
   load overlaps the pass of the plan that carries it, and only its own request waits for it.
 - The host tier's slots are evicted least recently used first (a save or a hit uses a slot).
+  With --kv-disk-dir the worker writes each saved block through to disk and, at start-up, reads
+  the most recently used ones back into its slots: those come in as `warm`.
 
 Invariant: within a plan the worker applies saves, then loads, then runs passes; a plan's saves
 are decided before its loads, so a slot a load reads is never a save's destination in one plan.
@@ -22,7 +24,10 @@ are decided before its loads, so a slot a load reads is never a save's destinati
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
+
+from conveyor.wire.step import NO_NAME
 
 if TYPE_CHECKING:
     from conveyor.stages.scheduler.block_manager import BlockManager
@@ -30,12 +35,14 @@ if TYPE_CHECKING:
 
 
 class HostSlots:
-    """Block names -> host slots, least recently used first."""
+    """Block names -> host slots, least recently used first; `warm`: (name, slot) pairs the slots
+    hold already (read back from disk at start-up), least recently used first."""
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, warm: Iterable[tuple[int, int]] = ()) -> None:
         self.num_slots = num_slots
-        self._slot_of: OrderedDict[int, int] = OrderedDict()
-        self._free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self._slot_of: OrderedDict[int, int] = OrderedDict(warm)
+        taken = set(self._slot_of.values())
+        self._free = [s for s in range(num_slots - 1, -1, -1) if s not in taken]  # popped from the end: slot 0 first
 
     def __len__(self) -> int:
         return len(self._slot_of)
@@ -53,6 +60,20 @@ class HostSlots:
         self._slot_of[name] = slot
         return slot
 
+    def reserve(self, num: int, avoid: set[int]) -> list[int] | None:
+        """`num` slots taken out of the tier (a swapped-out sequence's, until `release`): free
+        ones first, then the least recently used names' but those in `avoid`; None, and nothing
+        taken, when there are not enough."""
+        evictable = [name for name, slot in self._slot_of.items() if slot not in avoid][: max(0, num - len(self._free))]
+        if len(self._free) + len(evictable) < num:
+            return None
+        for name in evictable:
+            self._free.append(self._slot_of.pop(name))
+        return [self._free.pop() for _ in range(num)]
+
+    def release(self, slots: list[int]) -> None:
+        self._free += slots
+
     def lookup(self, names: list[int]) -> list[int]:
         """The slots holding the longest run of `names` from its start (each a use)."""
         slots = []
@@ -66,14 +87,21 @@ class HostSlots:
 
 
 class KvTiers:
-    def __init__(self, blocks: BlockManager, num_host_slots: int) -> None:
+    def __init__(self, blocks: BlockManager, num_host_slots: int, warm: Iterable[tuple[int, int]] = ()) -> None:
         self.blocks = blocks
-        self.host = HostSlots(num_host_slots)
+        self.host = HostSlots(num_host_slots, warm)
         blocks.newly_named = []  # the block manager now lists each block it names (take_named)
-        self.saves: list[tuple[int, int]] = []  # this plan's (device block, host slot)
+        self.saves: list[tuple[int, int, int]] = []  # this plan's (device block, host slot, name)
         self.loads: list[tuple[int, int]] = []  # this plan's (host slot, device block)
         self._loaded: list[tuple[int, int]] = []  # (device block, name) loaded by the plan before, to name now
         self._prefetch_step: dict[int, int] = {}  # seq_id -> the step that loaded its blocks
+        # Swap preemption (--preemption-mode swap): a preempted sequence's blocks in slots out of the
+        # LRU, then loaded back into held device blocks the step before it runs again.
+        self._swapped: dict[int, list[int]] = {}  # seq_id -> its host slots
+        self._swapping_in: dict[int, list[int]] = {}  # seq_id -> the device blocks loaded back for it
+        self._reading: set[int] = set()  # slots this plan's loads read: no save may take them
+        self._read: list[int] = []  # swap slots the plan before read back: free from this step on
+        self.num_swapped_out = 0  # blocks
         self.num_host_hits = 0  # blocks loaded back from the host tier (each a device miss it saved)
         self.num_saved = 0
         self.num_loaded = 0
@@ -84,24 +112,27 @@ class KvTiers:
         return bool(self._loaded)
 
     def held_blocks(self) -> list[int]:
-        """The device blocks the tier holds (one reference each): loaded, not yet named."""
-        return [block for block, _ in self._loaded]
+        """The device blocks the tier holds (one reference each): loaded, not yet named, or loaded
+        back for a swapped-out sequence that has not run again yet."""
+        return [block for block, _ in self._loaded] + [b for table in self._swapping_in.values() for b in table]
 
     def begin_step(self, step: int) -> None:
         """Before plan `step` is built: the blocks the plan before loaded join the prefix cache
         (free, so the waiting sequence that asked for them finds them as hits), and this plan's
         saves are the blocks named since the plan before was built."""
-        self.saves, self.loads = [], []
+        self.saves, self.loads, self._reading = [], [], set()
         blocks = self.blocks
         if self._loaded:
             for block, name in self._loaded:
                 blocks.register(block, name)  # unless an identical block was named meanwhile
-            blocks.free(self.held_blocks())
+            blocks.free([block for block, _ in self._loaded])
             self._loaded = []
+        self.host.release(self._read)
+        self._read = []
         for block, name in blocks.take_named():
             slot = self.host.store(name)
             if slot is not None:
-                self.saves.append((block, slot))
+                self.saves.append((block, slot, name))
         self.num_saved += len(self.saves)
         self._prefetch_step = {seq_id: s for seq_id, s in self._prefetch_step.items() if s >= step - 1}
 
@@ -123,8 +154,59 @@ class KvTiers:
         fresh = blocks.allocate(len(slots))
         blocks.free(hits)
         self.loads += zip(slots, fresh)
+        self._reading.update(slots)
         self._loaded += zip(fresh, names)
         self._prefetch_step[seq.seq_id] = step
         self.num_host_hits += len(slots)
         self.num_loaded += len(slots)
         return True
+
+    # --- swap preemption ------------------------------------------------------------------------
+
+    def swap_out(self, seq: Sequence) -> bool:
+        """Copy a sequence being preempted to host slots (before its blocks are released): the
+        blocks of its known tokens but the last, which computes again when it resumes (its logits
+        draw the next token). False, and nothing done, when the tier has no room for it."""
+        keep = min(seq.num_computed_tokens, len(seq.token_ids) - 1)  # draws in flight are dropped
+        num = -(-keep // self.blocks.block_size)
+        slots = self.host.reserve(num, self._reading) if num else None
+        if slots is None:
+            return False
+        self.saves += [(block, slot, NO_NAME) for block, slot in zip(seq.block_ids, slots)]
+        self._swapped[seq.seq_id] = slots
+        seq.num_swapped_tokens = keep
+        self.num_swapped_out += num
+        return True
+
+    def resume(self, seq: Sequence) -> bool | None:
+        """A waiting sequence's swapped-out blocks: None if it has none (it computes as any);
+        True while they are on their way (loaded back by this plan into blocks held for it, or
+        the pool has no room yet: it waits); False once they are back: its table and computed
+        count are restored, and it runs from there."""
+        table = self._swapping_in.pop(seq.seq_id, None)
+        if table is not None:
+            seq.block_ids, seq.num_computed_tokens = table, seq.num_swapped_tokens
+            return False
+        slots = self._swapped.get(seq.seq_id)
+        if slots is None:
+            return None
+        if self.blocks.can_allocate(len(slots) + 1):
+            fresh = self.blocks.allocate(len(slots))
+            self.loads += zip(slots, fresh)
+            self._reading.update(slots)
+            self._read += self._swapped.pop(seq.seq_id)
+            self._swapping_in[seq.seq_id] = fresh
+        return True
+
+    def hold_again(self, seq: Sequence) -> None:
+        """A sequence `resume` gave its table back to that could not run this step after all:
+        the tier holds its blocks again until it does."""
+        self._swapping_in[seq.seq_id] = seq.block_ids
+        seq.block_ids, seq.num_computed_tokens = [], 0
+
+    def forget(self, seq: Sequence) -> None:
+        """A sequence that ends while swapped out: its slots and held blocks go back."""
+        if (slots := self._swapped.pop(seq.seq_id, None)) is not None:
+            self.host.release(slots)
+        if (table := self._swapping_in.pop(seq.seq_id, None)) is not None:
+            self.blocks.free(table)

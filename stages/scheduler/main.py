@@ -47,9 +47,9 @@ from conveyor.wire.messages import (
     ScheduleRequest,
     SchedulerInbound,
     StageFailed,
-    StepResult,
     WorkerReady,
 )
+from conveyor.wire.step import StepResult
 from conveyor.wire.topology import DETOKENIZER, INGRESS, ROUTER, SCHEDULER, engine_workers, receiver, sender, senders, seq_ids_of
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,9 @@ class SchedulerStage:
         num_blocks = min(report.num_kv_blocks for report in reports.values())
         num_host_slots = min(report.num_host_slots for report in reports.values())
         self.kv_block_bytes = reports[0].kv_block_bytes
+        # Blocks every rank read back into the same slot (each rank keeps its own shard on disk).
+        common = set.intersection(*(set(r.kv_warm) for r in reports.values()))
+        warm = [entry for entry in reports[0].kv_warm if entry in common]
         for worker in self.workers:
             worker.send(InitializeCache(num_blocks))
         for detokenizer in self.detokenizers:  # before any TokenBatch: a predecessor's sequences are gone
@@ -108,6 +111,7 @@ class SchedulerStage:
             adapters=adapters_for(cfg),
             speculative=cfg.speculative,
             num_host_slots=num_host_slots,
+            kv_warm=warm,
         )
         kv_dtype, num_tokens = cfg.cache.kv_dtype(cfg.model.dtype), num_blocks * cfg.cache.block_size
         metrics.kv_blocks_capacity.set(num_blocks)

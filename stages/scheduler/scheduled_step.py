@@ -12,7 +12,8 @@ import dataclasses
 from collections.abc import Iterator
 
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
-from conveyor.wire.messages import FinishReason, LoraLoad, PromptTokens, StepResult, TokenLogprob
+from conveyor.wire.messages import FinishReason, PromptTokens, TokenLogprob
+from conveyor.wire.step import LoraLoad, StepResult
 
 
 @dataclasses.dataclass(slots=True)
@@ -44,7 +45,7 @@ class ScheduledStep:
     num_steps: int = 1  # forward passes: > 1 is a window of decodes
     num_passes_done: int = 0  # passes whose result the scheduler applied
     lora_loads: list[LoraLoad] = dataclasses.field(default_factory=list)  # adapters placed before the forward
-    kv_saves: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device block, host slot): kv_tiers.py
+    kv_saves: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (device block, host slot, name): kv_tiers.py
     kv_loads: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host slot, device block)
 
     def draws(self, pass_index: int = 0) -> Iterator[tuple[Row, Sequence]]:

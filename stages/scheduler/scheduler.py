@@ -31,7 +31,8 @@ from conveyor.stages.scheduler.speculation import settle_lookahead
 from conveyor.stages.scheduler.step_builder import StepBuilder
 from conveyor.stages.scheduler.waiting_queue import WaitingQueue
 from conveyor.stages.scheduler.windows import extend_rows, may_extend, roll_back_unrun
-from conveyor.wire.messages import FinishReason, ScheduleRequest, StepResult, TokenLogprob
+from conveyor.wire.messages import FinishReason, ScheduleRequest, TokenLogprob
+from conveyor.wire.step import StepResult
 
 
 class Scheduler:
@@ -81,13 +82,15 @@ class Scheduler:
         speculative: SpeculativeConfig | None = None,
         adapters: Adapters | None = None,
         num_host_slots: int = 0,
+        kv_warm: list[tuple[int, int]] | None = None,
     ) -> Scheduler:
         """A scheduler over a fresh pool of `num_blocks` KV blocks of `block_size` tokens, with
         prefix caching as `config` says, numbering its sequences from `seq_ids`, its decoding
         rows verifying drafts as `speculative` says (None: never), its prefix cache going on into
-        `num_host_slots` blocks of host memory (0: none)."""
+        `num_host_slots` blocks of host memory (0: none), `kv_warm` the (name, slot) blocks they
+        hold from the start."""
         blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
-        tiers = KvTiers(blocks, num_host_slots) if num_host_slots and config.enable_prefix_caching else None
+        tiers = KvTiers(blocks, num_host_slots, kv_warm or ()) if num_host_slots else None
         return cls(
             config,
             blocks,
@@ -249,7 +252,10 @@ class Scheduler:
     # --- endings ---------------------------------------------------------------------------
 
     def preempt(self, seq: Sequence) -> None:
-        """Free its blocks; it waits again with every token it has, to be computed again."""
+        """Free its blocks; it waits again with every token it has, to be computed again, or, with
+        --preemption-mode swap and room in the host tier, to have its blocks loaded back."""
+        if self.config.preemption_mode == "swap" and self.tiers is not None:
+            self.tiers.swap_out(seq)  # before the release: it copies the table's blocks
         self.blocks.release(seq)
         self._leave_slot(seq)
         seq.num_computed_tokens = 0
@@ -280,6 +286,8 @@ class Scheduler:
         seq.num_pending_lookahead = 0
         self.blocks.release(seq)
         self._leave_slot(seq)
+        if self.tiers is not None:
+            self.tiers.forget(seq)
         if seq.known_by_worker:
             self._finished_for_worker.append(seq.seq_id)
         if report:

@@ -13,15 +13,8 @@ from __future__ import annotations
 import enum
 
 from conveyor.stages.scheduler.block_manager import ROOT_HASH, chain_hash
-from conveyor.wire.messages import (
-    FinishReason,
-    PromptLogprobs,
-    PromptTokens,
-    SamplingParams,
-    ScheduleRequest,
-    TokenLogprob,
-    TopLogprobs,
-)
+from conveyor.wire.messages import FinishReason, PromptTokens, SamplingParams, ScheduleRequest, TokenLogprob
+from conveyor.wire.step import PromptLogprobs, TopLogprobs
 from conveyor.wire.stop_rules import stop_reason
 
 
@@ -54,6 +47,7 @@ class Sequence:
         "status",
         "finish_reason",
         "num_preemptions",
+        "num_swapped_tokens",
         "num_pending_forks",
         "num_pending_tokens",
         "num_pending_lookahead",
@@ -100,6 +94,7 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_preemptions = 0
+        self.num_swapped_tokens = 0  # tokens whose KV the host tier holds while it is swapped out (kv_tiers.py)
         self.num_pending_forks = params.num_samples - 1
         self.num_pending_tokens = 0  # drawn by planned steps, ids not back yet (token_ids lacks them)
         # Draft tokens its planned steps may add beyond those draws (speculation.py): how far the

@@ -18,7 +18,8 @@ from conveyor.stages.scheduler.forks import fork_siblings
 from conveyor.stages.scheduler.scheduled_step import Row, ScheduledStep
 from conveyor.stages.scheduler.sequence import SeqStatus, Sequence
 from conveyor.stages.scheduler.speculation import grant_lookahead, reserve_ahead, speculates
-from conveyor.wire.messages import FinishReason, LoraLoad
+from conveyor.wire.messages import FinishReason
+from conveyor.wire.step import LoraLoad
 from conveyor.wire.stop_rules import tokens_left
 
 if TYPE_CHECKING:
@@ -102,6 +103,11 @@ class StepBuilder:
             if adapter is not None and adapters is not None and seq.lora_slot < 0 and not self._place(seq, adapter):
                 waiting_for_slot.append(sched.waiting.pop())
                 continue
+            swapped = sched.tiers.resume(seq) if sched.tiers is not None else None
+            if swapped is not None:  # preempted by swapping (kv_tiers.py)
+                if swapped or not self._resume(seq):
+                    break  # its blocks come back in this plan (it runs at the next), or have no room yet
+                continue
             hits = blocks.match_prefix(seq)
             if sched.tiers is not None and sched.tiers.prefetch(seq, hits, sched.num_steps + 1):
                 break  # its blocks beyond the device come back in this plan: admitted at the next
@@ -123,6 +129,21 @@ class StepBuilder:
             sched.running.append(seq)
             self.rows.append(Row(seq, num, [], []))
             self.budget -= num
+
+    def _resume(self, seq: Sequence) -> bool:
+        """Run a swapped-out sequence again from its restored table: its next chunk, as a running
+        sequence's (it holds its blocks alone). False: no token fits this step."""
+        num = min(seq.num_tokens - seq.num_computed_tokens, self.budget, self.sched.blocks.num_appendable(seq))
+        if num < 1:
+            assert self.sched.tiers is not None
+            self.sched.tiers.hold_again(seq)
+            return False
+        self.sched.waiting.pop()
+        self.sched.blocks.append(seq, num)
+        seq.status = SeqStatus.RUNNING
+        self.sched.running.append(seq)
+        self.add(Row(seq, num, [], []))
+        return True
 
     def _place(self, seq: Sequence, adapter: str) -> bool:
         """Give a waiting sequence its adapter's slot (pinned until it stops running: Scheduler.stop_running);

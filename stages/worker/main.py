@@ -27,7 +27,8 @@ from conveyor.gpu.step.runner import ModelRunner
 from conveyor.stages import metrics
 from conveyor.stages.liveness import Pulse
 from conveyor.stages.runtime import report_ready
-from conveyor.wire.messages import InitializeCache, StepPlan, StepResult, WorkerReady
+from conveyor.wire.messages import InitializeCache, WorkerReady
+from conveyor.wire.step import StepPlan, StepResult
 from conveyor.wire.topology import SCHEDULER, WORKER, engine_and_rank, receiver, sender
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ def run(config: EngineConfig, index: int) -> None:
         offload = runner.feature(KvOffloadStep)
         num_slots = offload.num_slots if offload is not None else 0
         block_bytes = runner.attn.bytes_per_block(config.cache.block_size)
-        scheduler.send(WorkerReady(rank, runner.num_available_blocks(), num_slots, block_bytes))
+        warm = offload.warm if offload is not None else []
+        scheduler.send(WorkerReady(rank, runner.num_available_blocks(), num_slots, block_bytes, warm))
 
         def send(results: list[StepResult]) -> None:
             for result in results:

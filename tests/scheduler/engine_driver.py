@@ -15,7 +15,8 @@ from conveyor.config import SchedulerConfig
 from conveyor.stages.scheduler.engine_core import EngineCore
 from conveyor.stages.scheduler.scheduled_step import ScheduledStep, SeqUpdate
 from conveyor.stages.scheduler.scheduler import Scheduler
-from conveyor.wire.messages import FinishReason, SamplingParams, ScheduleRequest, StepResult
+from conveyor.wire.messages import FinishReason, SamplingParams, ScheduleRequest
+from conveyor.wire.step import StepResult
 from tests.fake_worker import FakeRunner, next_token
 
 EOS_IDS = tuple(range(0, 1000, 10))  # one fake-model token in ten ends a sequence that allows it

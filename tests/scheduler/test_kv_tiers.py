@@ -52,7 +52,7 @@ def test_a_block_is_saved_by_the_plan_after_the_one_that_computes_it():
     driver.run()
     prefill, *later = driver.steps
     assert prefill.kv_saves == []  # computed by this plan: copied by the next
-    assert sorted(block for step in later for block, _ in step.kv_saves) == sorted(prefill.rows[0].new_block_ids[:3])
+    assert sorted(block for step in later for block, _, _ in step.kv_saves) == sorted(prefill.rows[0].new_block_ids[:3])
 
 
 def test_a_load_lost_to_the_pool_is_recomputed_not_retried():
@@ -69,3 +69,26 @@ def test_a_load_lost_to_the_pool_is_recomputed_not_retried():
     for i in range(2, 5):
         (seq,) = [s for s in driver.seqs.values() if s.request_id == f"r{i}"]
         assert seq.output_token_ids == expected
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preempted_sequences_come_back_from_the_host_tier_when_swapped(mode, depth):
+    """A pool too small for every sequence at once preempts; swapped ones resume from their
+    saved blocks (computing only their last token again), and every output is the fake model's."""
+    sched, runner = make(num_blocks=10, block_size=BLOCK, budget=32, num_host_slots=64, preemption_mode=mode)
+    driver = Driver(sched, runner, depth=depth)
+    prompts = [prompt_of(300 + i, 2 * BLOCK + 1) for i in range(4)]
+    for i, prompt in enumerate(prompts):
+        driver.core.add_request(request(i, prompt, max_tokens=12, ignore_eos=True))
+    driver.run()
+    assert sched.num_preemptions > 0
+    tiers = sched.tiers
+    assert tiers is not None and (tiers.num_swapped_out > 0) == (mode == "swap")
+    for i, prompt in enumerate(prompts):
+        (seq,) = [s for s in driver.seqs.values() if s.request_id == f"r{i}"]
+        assert seq.output_token_ids == reference(prompt, request(i, [], max_tokens=12, ignore_eos=True).params, 0, 512, False)
+    computed = sum(row.num_tokens for step in driver.steps for row in step.rows)
+    if mode == "swap":  # each resume computes one token again, not the whole sequence
+        assert computed < sum(len(p) + 12 for p in prompts) + 2 * sched.num_preemptions
+    assert sched.blocks.num_used == 0

@@ -46,11 +46,14 @@ requests_strategy = st.lists(
     lookahead=st.booleans(),
     eos=st.booleans(),
     host_slots=st.sampled_from([0, 3, 64]),
+    swap=st.booleans(),
 )
 def test_random_streams_keep_every_invariant(
-    reqs, block_size, num_blocks, budget, max_seqs, policy, caching, lookahead, eos, host_slots
+    reqs, block_size, num_blocks, budget, max_seqs, policy, caching, lookahead, eos, host_slots, swap
 ):
-    sched, runner = make(1, num_blocks, block_size, budget, max_seqs, 256, host_slots, policy=policy, enable_prefix_caching=caching)
+    mode = "swap" if swap else "recompute"
+    config = dict(policy=policy, enable_prefix_caching=caching, preemption_mode=mode)
+    sched, runner = make(1, num_blocks, block_size, budget, max_seqs, 256, host_slots, **config)
     driver = Driver(sched, runner, depth=2 if lookahead else 1)
     prefixes = [[(p * 31 + j) % 500 for j in range(k)] for p, k in enumerate((0, 9, 20))]
     prompts = {f"r{i}": prefixes[pre] + [(i * 13 + j) % 500 + 1 for j in range(own)] for i, (pre, own, *_) in enumerate(reqs)}

@@ -1,53 +1,95 @@
-"""The KV host tier as the step meets it (a StepFeature, --kv-offloading-size): the plan's saves
-(device blocks to host slots) and loads (host slots to device blocks) applied before its passes,
-saves first, by gpu/kv/host_tier.py. The scheduler decides what moves
+"""The KV tiers beyond the device as the step meets them (a StepFeature, --kv-offloading-size and
+--kv-disk-dir): the plan's saves (device blocks to host slots) and loads (host slots to device
+blocks) applied before its passes, saves first, by gpu/kv/host_tier.py; each saved block written
+through to disk (gpu/kv/disk_tier.py), and at start-up the most recently used blocks on disk read
+back into the host slots, before the worker reports ready. The scheduler decides what moves
 (stages/scheduler/kv_tiers.py); this moves the bytes.
 
 Ordering, on CUDA where the copies run on a side stream behind the passes queued before them: a
 plan's saves read blocks its passes may rewrite (a freed block handed out again), so its first
 pass waits for them; its loads fill blocks no row of it reads (the scheduler holds them for the
 next plan), so the next plan's first pass waits for them, and the copy overlaps this plan's
-passes. On a CPU every copy is done when the call returns.
+passes. A save's bytes go to disk at the next plan, once it is done. On a CPU every copy is done
+when the call returns.
 
-The emulated device keeps no KV bytes: there the tier moves nothing (its transfer time is not
+The emulated device keeps no KV bytes: there the tiers move nothing (their transfer time is not
 modelled yet).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
+import torch
+
+from conveyor.gpu.kv.disk_format import KVValidity, model_identity
+from conveyor.gpu.kv.disk_tier import GIB, DiskTier
 from conveyor.gpu.kv.host_tier import HostTier, KVTransfer, num_host_slots
 from conveyor.gpu.step.features.base import StepFeature
+from conveyor.wire.step import NO_NAME
 
 if TYPE_CHECKING:
-    import torch
-
+    from conveyor.config.engine import EngineConfig
+    from conveyor.gpu.backends import AttentionBackend
+    from conveyor.gpu.parallel.group import TensorParallel
     from conveyor.gpu.step.passes import PassWork
     from conveyor.wire.messages import StepPlan
 
+log = logging.getLogger(__name__)
+
 
 class KvOffloadStep(StepFeature):
-    def __init__(self, gib: float, bytes_per_block: int) -> None:
-        self.num_slots = num_host_slots(gib, bytes_per_block)
+    def __init__(self, config: EngineConfig, attn: AttentionBackend, tp: TensorParallel) -> None:
+        cache = config.cache
+        self.block_bytes = attn.bytes_per_block(cache.block_size)
+        self.num_slots = num_host_slots(cache.kv_offloading_size, self.block_bytes) if self.block_bytes else 0
         self.host: HostTier | None = None
+        self.disk: DiskTier | None = None
+        self.warm: list[tuple[int, int]] = []  # (block name, host slot) read from disk at start-up, oldest first
+        self._pool: torch.Tensor | None = None  # the host slots' memory until the device pool exists
         self._before_pass: list[KVTransfer] = []  # what the next pass must wait for
         self._next_plan: list[KVTransfer] = []  # this plan's loads: the next plan's first pass waits
+        self._to_disk: list[tuple[KVTransfer, list[tuple[int, int]]]] = []  # saves in flight: (slot, name) each
         self.num_saved = 0  # blocks copied each way (by this rank)
         self.num_loaded = 0
+        if cache.kv_disk_dir is not None and self.num_slots:
+            validity = KVValidity(
+                model_identity(config.model), str(attn.kv_dtype), cache.block_size, type(attn).__name__, tp.rank, tp.size
+            )
+            capacity = int(cache.kv_disk_size * GIB)
+            self.disk = DiskTier(cache.kv_disk_dir, validity=validity, payload_bytes=self.block_bytes, capacity_bytes=capacity)
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Read the most recently used blocks on disk into the host slots (each checked: a bad
+        file is a miss and its slot stays free)."""
+        assert self.disk is not None
+        self._pool = torch.empty((self.num_slots, self.block_bytes), dtype=torch.uint8)
+        for name in self.disk.hashes()[-self.num_slots :]:
+            slot = len(self.warm)
+            if self.disk.read_into(name, self._pool[slot].numpy().data):
+                self.warm.append((name, slot))
+        log.info("KV disk tier: %d blocks read back into the host tier at start-up", len(self.warm))
 
     def allocate(self, num_blocks: int, kv_caches: list[torch.Tensor]) -> None:
         if self.num_slots and kv_caches and kv_caches[0][0, 0].numel():  # the emulated device's caches are empty
-            self.host = HostTier(kv_caches, self.num_slots)
+            self.host = HostTier(kv_caches, self.num_slots, pool=self._pool)
+            assert self.host.bytes_per_slot == self.block_bytes, "a host slot is one block of every layer"
+        self._pool = None
 
     def apply(self, plan: StepPlan) -> None:
         self._before_pass += self._next_plan
         self._next_plan = []
         if self.host is None:
             return
+        self._write_through()
         if plan.kv_saves:
-            blocks, slots = zip(*plan.kv_saves)
-            self._before_pass.append(self.host.save(blocks, slots))
+            blocks, slots, names = zip(*plan.kv_saves)
+            transfer = self.host.save(blocks, slots)
+            self._before_pass.append(transfer)
+            if self.disk is not None:
+                self._to_disk.append((transfer, list(zip(slots, names))))
             self.num_saved += len(blocks)
         if plan.kv_loads:
             slots, blocks = zip(*plan.kv_loads)
@@ -58,3 +100,21 @@ class KvOffloadStep(StepFeature):
         for transfer in self._before_pass:
             transfer.wait_on_stream()
         self._before_pass = []
+
+    def _write_through(self) -> None:
+        """The saves before this plan's, to disk (queued: the writer thread writes them), before
+        this plan's saves may reuse their slots."""
+        assert self.host is not None
+        for transfer, saved in self._to_disk:
+            transfer.wait()
+            for slot, name in saved:
+                if name != NO_NAME:  # a swapped-out sequence's block: nothing to keep
+                    assert self.disk is not None
+                    self.disk.put(name, self.host.block_bytes(slot))
+        self._to_disk = []
+
+    def flush(self) -> None:
+        """Everything saved so far on disk (tests, shutdown)."""
+        if self.host is not None and self.disk is not None:
+            self._write_through()
+            self.disk.flush()
