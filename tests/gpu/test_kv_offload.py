@@ -3,9 +3,14 @@ from host memory, and every output is what recomputing it gives."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from conveyor import LLM
+from conveyor import LLM, LoRARequest
+from conveyor.gpu.step.features.kv_offload import KvOffloadStep
+from conveyor.llm import RequestOutput
+from conveyor.tiny.lora import make_random_adapter
 from conveyor.wire.messages import SamplingParams
 
 BLOCK = 4
@@ -22,7 +27,7 @@ def _evicting() -> list[list[int]]:
     return [[150 + (11 * i + 3 * j) % 90 for i in range(12 * BLOCK)] for j in range(3)]
 
 
-def _run(llm: LLM, params: list[SamplingParams] | SamplingParams) -> list[list[list[int]]]:
+def _run(llm: LLM, params: list[SamplingParams] | SamplingParams) -> list[list[list[list[int]]]]:
     """A prefix, prompts that evict it from the device, then the prefix again with another tail."""
     outputs = []
     for prompts in (_prompts(0), _evicting(), _prompts(1)):
@@ -71,3 +76,83 @@ def test_without_the_tier_the_evicted_prefix_is_recomputed(path):
     llm.generate(_evicting(), greedy)
     (again,) = llm.generate(_prompts(1), greedy)
     assert again.num_cached_tokens == 0 and llm.core.scheduler.tiers is None
+
+
+def _disk_llm(path: str, root) -> LLM:
+    return LLM(path, kv_offloading_size=0.01, kv_disk_dir=str(root), **POOL)
+
+
+def test_a_restart_finds_its_prefixes_on_disk(path, tmp_path):
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    first = _disk_llm(path, tmp_path / "kv")
+    (before,) = first.generate(_prompts(0), greedy)
+    offload = first.runner.feature(KvOffloadStep)
+    assert offload is not None and offload.disk is not None
+    offload.flush()
+    del first, offload
+    restarted = _disk_llm(path, tmp_path / "kv")
+    (again,) = restarted.generate(_prompts(0), greedy)
+    assert again.num_cached_tokens == 10 * BLOCK  # nothing of it on the device: all from disk
+    assert again.outputs[0].token_ids == before.outputs[0].token_ids
+
+
+def test_a_corrupt_block_on_disk_is_a_miss(path, tmp_path, caplog):
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    first = _disk_llm(path, tmp_path / "kv")
+    (before,) = first.generate(_prompts(0), greedy)
+    offload = first.runner.feature(KvOffloadStep)
+    assert offload is not None
+    offload.flush()
+    del first, offload
+    files = sorted((tmp_path / "kv").rglob("*.kv"))
+    assert len(files) >= 10
+    for f in files:  # one flipped byte each, past the header
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    restarted = _disk_llm(path, tmp_path / "kv")
+    (again,) = restarted.generate(_prompts(0), greedy)
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == before.outputs[0].token_ids
+    assert sum("checksum" in r.getMessage() for r in caplog.records) == 1  # logged once
+
+
+def test_another_model_never_reads_the_blocks(checkpoints, tmp_path):
+    greedy = SamplingParams(temperature=0.0, max_tokens=2)
+    first = _disk_llm(str(checkpoints["LlamaForCausalLM"]), tmp_path / "kv")
+    first.generate(_prompts(0), greedy)
+    offload = first.runner.feature(KvOffloadStep)
+    assert offload is not None
+    offload.flush()
+    del first, offload
+    other = _disk_llm(str(checkpoints["Qwen2ForCausalLM"]), tmp_path / "kv")
+    (again,) = other.generate(_prompts(0), greedy)
+    assert again.num_cached_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0, max_tokens=6), SamplingParams(temperature=0.9, seed=7, max_tokens=6, n=2)],
+    ids=["greedy", "seeded-n2"],
+)
+def test_an_adapters_prefix_back_from_the_host_tier_is_its_own(path, tmp_path, params):
+    """A prefix served through an adapter, evicted, asked for by the base model (whose hashes
+    differ: no hit in either tier), then through the adapter again (its blocks from the host):
+    outputs as without the tier."""
+    adapter = LoRARequest("tiny", str(make_random_adapter(Path(path), tmp_path / "lora", rank=8)))
+    options = dict(POOL, enable_lora=True, max_loras=1, max_lora_rank=8)
+    turns = [(_prompts(0), adapter), (_evicting(), None), (_prompts(0), None), (_prompts(1), adapter)]
+
+    def serve(llm: LLM) -> list[list[RequestOutput]]:
+        return [llm.generate(prompts, params, lora_request=lora) for prompts, lora in turns]
+
+    tiered = LLM(path, kv_offloading_size=0.01, **options)
+    tiers = tiered.core.scheduler.tiers
+    assert tiers is not None
+    first, _, base, again = ours = serve(tiered)
+    assert base[0].num_cached_tokens == 0  # the adapter's blocks sit in the host tier under other names
+    assert again[0].num_cached_tokens == 10 * BLOCK and tiers.num_host_hits >= 9
+    assert base[0].outputs[0].token_ids != first[0].outputs[0].token_ids  # the adapter changes the text
+    plain = serve(LLM(path, **options))
+    assert [[c.token_ids for o in turn for c in o.outputs] for turn in ours] == [
+        [c.token_ids for o in turn for c in o.outputs] for turn in plain
+    ]
