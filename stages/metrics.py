@@ -142,6 +142,13 @@ worker_emulated_host_cpu = _per_engine(
     "CPU a GPU host would spend that the emulated device modelled (launches, eager forwards, spin-waits)",
     per_device=True,
 )
+kv_load_seconds = _per_engine(
+    Histogram,
+    "conveyor_kv_load_seconds",
+    "KV host tier: a plan's loads back to the device, from when they could start",
+    buckets=_STEP_SECONDS,
+    per_device=True,
+)
 worker_step_busy = _per_engine(
     Histogram, "conveyor_worker_step_busy_seconds", "Device compute time per step", buckets=_STEP_SECONDS, per_device=True
 )

@@ -26,6 +26,7 @@ return. Who may touch what while a transfer is in flight:
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -42,10 +43,19 @@ def num_host_slots(gib: float, bytes_per_block: int) -> int:
 
 class KVTransfer:
     """A batch of block copies between the device pool and the host pool. `done` is None where
-    they completed on issue (a CPU)."""
+    they completed on issue (a CPU: `host_seconds` is how long they took); on CUDA `issued` marks
+    the compute stream's point they waited for."""
 
-    def __init__(self, done: torch.cuda.Event | None = None) -> None:
-        self.done = done
+    def __init__(
+        self, done: torch.cuda.Event | None = None, issued: torch.cuda.Event | None = None, host_seconds: float = 0.0
+    ) -> None:
+        self.done, self.issued, self.host_seconds = done, issued, host_seconds
+
+    def seconds(self) -> float | None:
+        """How long the copies took from when they could start (None while in flight)."""
+        if self.done is None or self.issued is None:
+            return self.host_seconds
+        return self.issued.elapsed_time(self.done) / 1000 if self.done.query() else None
 
     def ready(self) -> bool:
         return self.done is None or self.done.query()
@@ -111,10 +121,11 @@ class HostTier:
         if not blocks:
             return KVTransfer()
         if not self._cuda:
+            started = time.perf_counter()
             blocks_t, slots_t = _indices(blocks), _indices(slots)
             for dev, host in zip(self._device_rows, self._pool_rows):
                 dev.index_copy_(0, blocks_t, host.index_select(0, slots_t))
-            return KVTransfer()
+            return KVTransfer(host_seconds=time.perf_counter() - started)
         return self._on_side_stream(blocks, slots, to_host=False)
 
     def block_bytes(self, slot: int) -> memoryview:
@@ -154,7 +165,7 @@ class HostTier:
         in chunks of the staging buffer's size, each sorted by slot so that consecutive slots are
         one copy."""
         assert self._stream is not None
-        issued = torch.cuda.Event()
+        issued = torch.cuda.Event(enable_timing=True)
         issued.record()  # on the compute stream: after the passes queued so far
         pairs = sorted(zip(slots, blocks))
         chunk = self._staging.shape[0]
@@ -177,9 +188,9 @@ class HostTier:
                         self._stream.wait_event(issued)
                     for dev, staged in zip(self._device_rows, self._staging_rows):
                         dev.index_copy_(0, blocks_t, staged[:n])
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(self._stream)
-        return KVTransfer(done)
+        return KVTransfer(done, issued)
 
     def _check(self, blocks: Sequence[int], slots: Sequence[int], *, dst_is_slot: bool) -> None:
         if len(blocks) != len(slots):

@@ -85,6 +85,8 @@ def run(config: EngineConfig, index: int) -> None:
                         # Every landed pass; the one just launched may wait, so a multi-step window's results
                         # trail the device by one pass at most (on a CPU, compute is synchronous: none).
                         send(runner.collect(keep=1))
+                    for seconds in offload.take_load_seconds() if offload is not None and rank == 0 else ():
+                        metrics.kv_load_seconds.observe(seconds)
                     if log.isEnabledFor(logging.DEBUG):  # a step timeline, next to the ingress's arrivals
                         log.debug(
                             "step %d started=%.4f rows=%d tokens=%d new=%d passes=%d launch_ms=%.1f",

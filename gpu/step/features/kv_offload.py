@@ -51,6 +51,7 @@ class KvOffloadStep(StepFeature):
         self._before_pass: list[KVTransfer] = []  # what the next pass must wait for
         self._next_plan: list[KVTransfer] = []  # this plan's loads: the next plan's first pass waits
         self._to_disk: list[tuple[KVTransfer, list[tuple[int, int]]]] = []  # saves in flight: (slot, name) each
+        self._timed: list[KVTransfer] = []  # loads whose time is not taken yet (take_load_seconds)
         self.num_saved = 0  # blocks copied each way (by this rank)
         self.num_loaded = 0
         if cache.kv_disk_dir is not None and self.num_slots:
@@ -93,7 +94,9 @@ class KvOffloadStep(StepFeature):
             self.num_saved += len(blocks)
         if plan.kv_loads:
             slots, blocks = zip(*plan.kv_loads)
-            self._next_plan.append(self.host.load(slots, blocks))
+            load = self.host.load(slots, blocks)
+            self._next_plan.append(load)
+            self._timed.append(load)
             self.num_loaded += len(blocks)
 
     def begin_pass(self, work: PassWork) -> None:
@@ -112,6 +115,12 @@ class KvOffloadStep(StepFeature):
                     assert self.disk is not None
                     self.disk.put(name, self.host.block_bytes(slot))
         self._to_disk = []
+
+    def take_load_seconds(self) -> list[float]:
+        """How long each load batch done since the last call took (the worker's histogram)."""
+        times = [(t, t.seconds()) for t in self._timed]
+        self._timed = [t for t, s in times if s is None]
+        return [s for _, s in times if s is not None]
 
     def flush(self) -> None:
         """Everything saved so far on disk (tests, shutdown)."""
