@@ -301,7 +301,9 @@ IngressInbound = RequestAccepted | RequestRejected | DeltaBatch | EngineStatus |
 class EngineLoad(Struct, tag=40):
     """From each scheduler, at most every LOAD_REPORT_INTERVAL_S while busy and once when idle:
     what the router balances on. `num_received` counts the ScheduleRequests it has received since
-    it started, so the router knows which of those it sent are still on their way."""
+    it started, so the router knows which of those it sent are still on their way.
+    `num_host_blocks`: the host tier's capacity in blocks (--kv-offloading-size; 0: none); the
+    engine's prefix cache spans the device pool and the host tier."""
 
     engine: int
     num_waiting: int
@@ -309,6 +311,7 @@ class EngineLoad(Struct, tag=40):
     num_kv_blocks_used: int
     num_kv_blocks: int
     num_received: int
+    num_host_blocks: int = 0
 
 
 # ScheduleRequest from tokenizers, AbortRequest from ingresses, EngineLoad from schedulers,

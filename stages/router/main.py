@@ -63,7 +63,12 @@ class RouterStage:
                     self.policy.report(
                         msg.engine,
                         policy.EngineLoad(
-                            msg.num_waiting, msg.num_running, msg.num_kv_blocks_used, msg.num_kv_blocks, msg.num_received
+                            msg.num_waiting,
+                            msg.num_running,
+                            msg.num_kv_blocks_used,
+                            msg.num_kv_blocks,
+                            msg.num_received,
+                            msg.num_host_blocks,
                         ),
                     )
                     self.books.received(msg.engine, msg.num_received)

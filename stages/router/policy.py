@@ -11,8 +11,10 @@ router (stages/replica_router/replicas.py) one for whole daemons. The interface,
     policy.forget(engine)                            # it restarted: its cache and counts are gone
 
 Invariants: a block's hash names the whole prefix up to its end, as the scheduler's prefix cache
-names its blocks; an engine's map never outgrows its reported KV capacity; a routed request counts
-against its engine until the engine reports it received. The policies: docs/architecture.md, 2b.
+names its blocks; an engine's map never outgrows its reported KV capacity, its device pool plus
+its host tier (--kv-offloading-size), since a prefix hit in either saves the recompute; a routed
+request counts against its engine until the engine reports it received. The policies:
+docs/architecture.md, 2b.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ class EngineLoad:
     num_waiting: int = 0
     num_running: int = 0
     num_kv_blocks_used: int = 0
-    num_kv_blocks: int = 0  # its KV capacity, in blocks (0: not known yet)
+    num_kv_blocks: int = 0  # its device pool's capacity, in blocks (0: not known yet)
     num_received: int = 0
+    num_host_blocks: int = 0  # its host tier's capacity, in blocks (0: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +91,11 @@ class _Engine:
 
     @property
     def map_capacity(self) -> int:
-        return self.load.num_kv_blocks or DEFAULT_MAP_BLOCKS
+        """Blocks the engine's prefix cache can hold: what the device pool evicts, the host tier
+        keeps, so the map remembers as many as both."""
+        if not self.load.num_kv_blocks:
+            return DEFAULT_MAP_BLOCKS
+        return self.load.num_kv_blocks + self.load.num_host_blocks
 
     def num_matched(self, hashes: Sequence[int]) -> int:
         n = 0
@@ -112,10 +119,10 @@ class _Engine:
 class RoutingPolicy:
     """round_robin: the ready engines in turn. least_loaded: `_least_loaded`. cache_aware
     (SGLang's cache-aware router, without its radix tree): an approximate map per engine of the
-    block hashes it was sent, LRU-bounded by its KV capacity; an imbalanced set of engines sends
-    the request to the least loaded, else the longest match (ties to the less loaded) wins if it
-    covers `cache_threshold` of the prompt's blocks, else the least loaded. Either way the
-    request's hashes join the chosen engine's map."""
+    block hashes it was sent, LRU-bounded by its KV capacity (device pool + host tier); an
+    imbalanced set of engines sends the request to the least loaded, else the longest match (ties
+    to the less loaded) wins if it covers `cache_threshold` of the prompt's blocks, else the least
+    loaded. Either way the request's hashes join the chosen engine's map."""
 
     def __init__(self, policy: str, num_engines: int, settings: RoutingSettings = RoutingSettings()):
         if policy not in ("cache_aware", "round_robin", "least_loaded"):

@@ -283,7 +283,10 @@ class SchedulerStage:
         if self.load_reports is None:
             return
         s, blocks = self.scheduler, self.scheduler.blocks
-        load = EngineLoad(self.engine, len(s.waiting), len(s.running), blocks.num_used, blocks.num_blocks, self.num_received)
+        num_host_blocks = s.tiers.host.num_slots if s.tiers is not None else 0
+        load = EngineLoad(
+            self.engine, len(s.waiting), len(s.running), blocks.num_used, blocks.num_blocks, self.num_received, num_host_blocks
+        )
         self.load_reports.offer(load, idle=not self.core.in_flight)
 
     def record_step(self, step: ScheduledStep) -> None:

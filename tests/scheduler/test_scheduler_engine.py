@@ -41,7 +41,7 @@ def test_engine_one_of_two_names_itself_everywhere(tmp_path):
         ingress = receiver(ctx, config, INGRESS)
         router = receiver(ctx, config, ROUTER)
         stage = SchedulerStage(config, ctx, engine=1)
-        sender(ctx, config, SCHEDULER, 1).send(WorkerReady(rank=0, num_kv_blocks=64))
+        sender(ctx, config, SCHEDULER, 1).send(WorkerReady(rank=0, num_kv_blocks=64, num_host_slots=32))
         stage.start()
         assert isinstance(worker.recv(timeout_ms=5000), InitializeCache)
         assert detokenizer.recv(timeout_ms=5000) == EngineStarted(1)  # before any TokenBatch
@@ -59,6 +59,7 @@ def test_engine_one_of_two_names_itself_everywhere(tmp_path):
         report = router.recv(timeout_ms=5000)
         assert isinstance(report, EngineLoad)
         assert (report.engine, report.num_received, report.num_running, report.num_kv_blocks) == (1, 3, 3, 64)
+        assert report.num_host_blocks == 32  # the router bounds its prefix map by pool + host tier
     finally:
         ctx.destroy(linger=0)
         shutil.rmtree(run_dir, ignore_errors=True)

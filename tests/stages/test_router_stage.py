@@ -105,3 +105,20 @@ def test_a_dead_engine_fails_only_the_requests_on_their_way_to_it(wired):
     stage.handle(EngineStatus(ready=True, engine=0))
     stage.handle(request("r7"))
     assert [m.request_id for m in drain(schedulers[0])] == ["r7"]  # the idle engine again
+
+
+def test_an_engines_host_tier_widens_its_prefix_map(wired):
+    """The wire's num_host_blocks reaches the policy: a pool of 1 block alone keeps 1 of a 2-block
+    prompt (40 tokens, blocks of 16); with a host tier of 8 the next two prompts evict nothing."""
+    stage, schedulers, ingress = wired
+    stage.handle(EngineStatus(ready=True, engine=0))
+    stage.handle(EngineLoad(engine=0, num_waiting=0, num_running=0, num_kv_blocks_used=0, num_kv_blocks=1, num_received=0))
+    stage.handle(request("a"))
+    assert stage.policy.num_mapped_blocks(0) == 1  # the pool alone
+    stage.handle(
+        EngineLoad(engine=0, num_waiting=0, num_running=0, num_kv_blocks_used=0, num_kv_blocks=1, num_received=1, num_host_blocks=8)
+    )
+    stage.handle(request("b"))
+    stage.handle(request("c"))
+    assert stage.policy.num_mapped_blocks(0) == 5  # 1 + 2 + 2: nothing evicted past the pool
+    assert [m.request_id for m in drain(schedulers[0])] == ["a", "b", "c"]

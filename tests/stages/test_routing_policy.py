@@ -1,7 +1,7 @@
 """The data-parallel routing policy (stages/router/policy.py), without sockets: prefix affinity
 wins while loads are balanced, the least loaded takes over past both imbalance thresholds, an
 engine that is not ready is never chosen, round robin takes turns, and an engine's prefix map is
-bounded by its reported KV capacity."""
+bounded by its reported KV capacity, device pool plus host tier."""
 
 from __future__ import annotations
 
@@ -139,6 +139,20 @@ def test_prefix_map_is_lru_bounded_by_reported_kv_capacity():
     assert route is not None and route.num_matched_blocks == 0
     policy.report(0, EngineLoad(num_kv_blocks=3))  # a smaller capacity trims at once
     assert policy.num_mapped_blocks(0) == 3
+
+
+@pytest.mark.parametrize(("num_host_blocks", "reason", "num_matched"), [(0, "least_loaded", 0), (16, "affinity", 8)])
+def test_a_host_tier_keeps_affinity_past_the_device_pool(num_host_blocks: int, reason: str, num_matched: int):
+    """24 blocks routed to an engine whose pool holds 10: the first prompt's 8 are still a hit
+    when its host tier keeps what the pool evicted (10 + 16 >= 24), and forgotten without one."""
+    policy = ready_policy(num_engines=1)
+    policy.report(0, EngineLoad(num_kv_blocks=10, num_host_blocks=num_host_blocks))
+    first = prefix_hashes(prompt(1, 0), BLOCK)  # 8 blocks
+    for p in (1, 2, 3):
+        policy.route(prefix_hashes(prompt(p, 0), BLOCK))
+    assert policy.num_mapped_blocks(0) == min(24, 10 + num_host_blocks)
+    route = policy.route(first)
+    assert route is not None and (route.reason, route.num_matched_blocks) == (reason, num_matched)
 
 
 def test_forget_empties_a_restarted_engines_map_and_counts():
