@@ -31,7 +31,7 @@ from conveyor.gpu.step.platform import Platform
 from conveyor.gpu.structured import combined
 
 if TYPE_CHECKING:
-    from conveyor.gpu.step.features.base import StepFeature
+    from conveyor.gpu.step.features.base import Hooks
 
 
 @dataclasses.dataclass
@@ -66,7 +66,7 @@ class PassSampler:
     batch: PersistentBatch
     tp: TensorParallel
     eos_token_ids: tuple[int, ...]
-    features: list[StepFeature]
+    hooks: Hooks  # the features' (features/base.py)
     in_flight: InFlight
 
     def sample(self, work: PassWork, hidden: torch.Tensor, window: Window, k: int) -> tuple[DeviceSamples, torch.Tensor] | None:
@@ -83,7 +83,7 @@ class PassSampler:
             settled.append(True)
             self.in_flight.settle()
 
-        masks = [m for f in self.features if (m := f.mask(work, settle)) is not None]  # the host works while the device computes
+        masks = [m for mask in self.hooks.mask if (m := mask(work, settle)) is not None]  # the host works while the device computes
         if settled and k > 0 and not window.active(k):
             return None
         draws = pass_draws(work, self.batch.slots)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from conveyor.gpu.backends import AttentionBackend
 from conveyor.gpu.sampling.penalties import penalises_repeats
-from conveyor.gpu.step.features.base import StepFeature
+from conveyor.gpu.step.features.base import Hooks
 from conveyor.gpu.step.passes import PassWork, Window
 from conveyor.gpu.step.persistent_batch import PersistentBatch
 from conveyor.gpu.step.step_inputs import RowSpec, first_pass_inputs, next_pass_inputs
@@ -27,7 +27,7 @@ class PassBuilder:
     block_size: int
     sliding_window: int | None
     graphed: Callable[[int, bool], bool]  # (rows, every row decodes one token) -> the pass replays a captured graph
-    features: list[StepFeature]
+    hooks: Hooks  # the features' (features/base.py)
 
     def must_wait(self, window: Window, active: list[int], k: int) -> bool:
         """Whether the host must see the ids in flight before pass k of the window launches (a
@@ -39,7 +39,7 @@ class PassBuilder:
             if lag == 0:
                 continue
             row = window.plan.scheduled[i] if k == 0 else None
-            if penalises_repeats(seq.params) or any(f.must_wait(seq, row) for f in self.features):
+            if penalises_repeats(seq.params) or (self.hooks.must_wait and any(wait(seq, row) for wait in self.hooks.must_wait)):
                 return True
             if row is not None:
                 end = seq.num_computed + (1 if window.plan.num_steps > 1 else row.num_tokens)
@@ -51,8 +51,8 @@ class PassBuilder:
         """A plan's first pass, with the drafts the features give its rows (a single step's only)."""
         plan, rows = window.plan, window.rows
         drafts: dict[int, list[int]] = {}
-        for feature in self.features if plan.num_steps == 1 else ():
-            drafts |= feature.drafts(rows, plan.scheduled)
+        for propose in self.hooks.drafts if plan.num_steps == 1 else ():
+            drafts |= propose(rows, plan.scheduled)
         specs, num_new, sampling = [], [], []
         slots, one_step = self.batch.slots, plan.num_steps == 1
         for i, (seq, row) in enumerate(zip(rows, plan.scheduled)):

@@ -34,6 +34,7 @@ from conveyor.gpu.sampling.draws import DeviceSamples
 from conveyor.gpu.step.advance import advance
 from conveyor.gpu.step.cuda_graphs import DecodeGraphs, DecodeModel
 from conveyor.gpu.step.features import StepFeature, features_for
+from conveyor.gpu.step.features.base import Hooks
 from conveyor.gpu.step.in_flight import InFlight
 from conveyor.gpu.step.pass_clock import Mark, PassClock
 from conveyor.gpu.step.pass_sampler import PassSampler
@@ -89,9 +90,10 @@ class ModelRunner:
         self._graph_probe: DecodeGraphs | None = None
         # What a step does beyond running the model (gpu/step/features/): each through StepFeature's hooks.
         self.features = features_for(config, self.platform, self.batch, self.tp, self.model, self.backend)
-        self.passes = PassBuilder(self.batch, self.attn, self.block_size, config.model.sliding_window, self._graphed, self.features)
+        self.hooks = hooks = Hooks(self.features)
+        self.passes = PassBuilder(self.batch, self.attn, self.block_size, config.model.sliding_window, self._graphed, hooks)
         eos = config.model.eos_token_ids
-        self.sampler = PassSampler(self.model, self.platform, self.batch, self.tp, eos, self.features, self.in_flight)
+        self.sampler = PassSampler(self.model, self.platform, self.batch, self.tp, eos, hooks, self.in_flight)
 
     def feature(self, kind: type[F]) -> F | None:
         """The runner's feature of class `kind`, if its config enables it."""
@@ -186,12 +188,12 @@ class ModelRunner:
         for seq_id in plan.finished_seq_ids:
             if self.seqs.pop(seq_id, None) is not None:
                 self.batch.remove(seq_id)
-                for feature in self.features:
-                    feature.drop(seq_id)
+                for drop in self.hooks.drop:
+                    drop(seq_id)
         for new in plan.new_seqs:
             self._register(new)
-        for feature in self.features:
-            feature.apply(plan)
+        for apply in self.hooks.apply:
+            apply(plan)
         self.attn.copy_blocks(self.kv_caches, plan.copy_blocks)
         if not plan.scheduled:
             return None
@@ -214,15 +216,15 @@ class ModelRunner:
         # hit: then the leading num_computed_tokens already have KV in the row's blocks.
         seq = WorkerSeq(new.seq_id, list(new.token_ids), new.params, new.num_prompt_tokens, new.num_computed_tokens, index=new.index)
         self.seqs[new.seq_id] = seq
-        for feature in self.features:
-            feature.register(seq, new)
+        for register in self.hooks.register:
+            register(seq, new)
         self.batch.add(new.seq_id, [], new.params)
 
     def _adopt(self, fork: WorkerSeq) -> None:
         """A fork made by a pass (gpu/step/advance.py): the worker holds it from now on."""
         self.seqs[fork.seq_id] = fork
-        for feature in self.features:
-            feature.register(fork, None)
+        for register in self.hooks.register:
+            register(fork, None)
 
     # --- one pass: inputs, forward, sample, advance, report ----------------------------------
 
@@ -236,10 +238,10 @@ class ModelRunner:
             return False
         clock = PassClock(self.platform.mark, arrival if arrival is not None else self._last_clock)
         work = self.passes.first(window) if k == 0 else self.passes.next(window, k, active)
-        for feature in self.features:
-            feature.begin_pass(work)
+        for begin_pass in self.hooks.begin_pass:
+            begin_pass(work)
         hidden = self._forward(work.inputs)  # [T, H]
-        outputs = [out for f in self.features if (out := f.after_forward(work, hidden, k == 0)) is not None]
+        outputs = [out for after in self.hooks.after_forward if (out := after(work, hidden, k == 0)) is not None]
         samples, param_slots = None, None
         if work.sampling:
             drawn = self.sampler.sample(work, hidden[work.inputs.logit_index], window, k)

@@ -89,3 +89,23 @@ class StepFeature:
         called once its forward is launched. `settle` collects every pass in flight first, where
         the mask needs their ids."""
         return None
+
+
+class Hooks:
+    """The per-pass and per-sequence hooks of a runner's features, each list holding the bound
+    methods of the features that override it, in feature order: the core calls only those, so a
+    hook nobody uses costs nothing per pass or per row (a decode pass of 256 rows asks
+    `must_wait` of each)."""
+
+    def __init__(self, features: list[StepFeature]) -> None:
+        def overriding(name: str) -> list:
+            return [getattr(f, name) for f in features if getattr(type(f), name) is not getattr(StepFeature, name)]
+
+        self.register = overriding("register")
+        self.drop = overriding("drop")
+        self.apply = overriding("apply")
+        self.drafts = overriding("drafts")
+        self.must_wait = overriding("must_wait")
+        self.begin_pass = overriding("begin_pass")
+        self.after_forward = overriding("after_forward")
+        self.mask = overriding("mask")
