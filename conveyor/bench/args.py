@@ -16,7 +16,8 @@ OFFLINE_ENGINE_OPTIONS = ("device", "dtype", "max_num_seqs", "max_num_batched_to
 DATASET_HELP = (
     "sharegpt (needs --dataset-path), random (--input-len/--output-len), prefill-heavy (~462 in, 16 out), "
     "decode-heavy (~462 in, 256 out), fastgen-PROMPT-OUTPUT (FastGen's normal workloads, e.g. fastgen-1200-60, "
-    "fastgen-2600-128: 30%% spread), fixed, normal"
+    "fastgen-2600-128: 30%% spread), fixed, normal; bench serve only: multi-turn (ShareGPT conversations "
+    "replayed turn by turn, needs --dataset-path; --num-prompts counts conversations)"
 )
 
 
@@ -36,7 +37,9 @@ def add_dataset(p: argparse.ArgumentParser, *, num_prompts: int | None, num_prom
 def add_serve(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("server")
     s.add_argument("--base-url", default="http://127.0.0.1:8000")
-    s.add_argument("--endpoint", default="/v1/completions", help="or /v1/chat/completions")
+    s.add_argument(
+        "--endpoint", help="/v1/completions or /v1/chat/completions (default: the chat one for multi-turn, else completions)"
+    )
     s.add_argument("--model", help="model name in the API (default: the first of GET /v1/models)")
     s.add_argument("--api-key", help="sent as Authorization: Bearer")
     s.add_argument(
@@ -80,6 +83,24 @@ def add_serve(p: argparse.ArgumentParser) -> None:
         type=_count(1),
         default=256,
         help="tokens of each system prompt (random words; the prompt length counts them too)",
+    )
+    turns = p.add_argument_group("multi-turn (--dataset multi-turn)")
+    turns.add_argument(
+        "--multi-turn-concurrency",
+        type=_count(1),
+        default=16,
+        help="conversations active at once, each sending its next turn when its last one finished: the working set "
+        "is about this x the mean prompt (the run's header says how that compares with the server's KV pool)",
+    )
+    turns.add_argument(
+        "--multi-turn-max-output", type=_count(1), default=256, help="cap on a turn's max_tokens (the recorded reply's length)"
+    )
+    turns.add_argument(
+        "--multi-turn-max-context",
+        type=_count(2),
+        default=2000,
+        help="a conversation ends before a turn's prompt + output exceeds this many tokens "
+        "(the prompt is estimated: keep a margin under the model's context length)",
     )
     load = p.add_argument_group("load")
     load.add_argument(

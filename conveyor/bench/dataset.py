@@ -8,6 +8,7 @@ Datasets (`DatasetConfig.name`):
   prefill-heavy   ~462 prompt / 16 output tokens;  decode-heavy: ~462 / 256
   fastgen-P-O     FastGen's normal workloads: mean prompt P, mean output O, 30% spread
   fixed, normal   as in the simulator
+  multi-turn      ShareGPT conversations turn by turn: `bench serve` replays them (multi_turn.py)
 Lengths are drawn exactly as the simulator draws them for the same seed; synthetic prompts are
 written to those lengths by a PromptMaker. With `num_system_prompts` K > 0, every request of any
 dataset also opens with one of K shared system prompts (system_prompts.py), which its prompt
@@ -25,7 +26,8 @@ from conveyor.bench.system_prompts import add_system_prompts
 from conveyor.sim.sharegpt import Picker, sharegpt_pairs
 from conveyor.sim.workloads import WorkloadConfig, synthetic_lengths
 
-DATASETS = ("sharegpt", "random", "prefill-heavy", "decode-heavy", "fastgen-P-O", "fixed", "normal")
+MULTI_TURN = "multi-turn"  # not a list of requests: multi_turn.py makes and sends its turns
+DATASETS = ("sharegpt", "random", "prefill-heavy", "decode-heavy", "fastgen-P-O", "fixed", "normal", MULTI_TURN)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +58,7 @@ class DatasetConfig:
 
     @property
     def synthetic(self) -> bool:
-        return self.name != "sharegpt"
+        return self.name not in ("sharegpt", MULTI_TURN)
 
     def workload(self) -> WorkloadConfig:
         return WorkloadConfig(
@@ -72,6 +74,8 @@ class DatasetConfig:
 
 async def make_dataset(config: DatasetConfig, counter: TokenCounter) -> list[BenchRequest]:
     """`config.num_prompts` requests (a ShareGPT file that runs short repeats picks, as vLLM's does)."""
+    if config.name == MULTI_TURN:
+        raise ValueError("the multi-turn dataset is replayed by `conveyor bench serve` only")
     requests = await _requests(config, counter, np.random.default_rng(config.seed))
     if config.num_system_prompts:
         requests = await add_system_prompts(requests, config, counter)

@@ -9,7 +9,8 @@ The definitions are the simulator's (docs/simulator.md, "Metrics"), on the clien
   TPOT            per request, (last chunk - first chunk) / (output tokens - 1)
   E2E             end of stream - send
   prefix cache    the server's hit rate over the run, from its /metrics (server_metrics.py);
-  hit rate        blank when it exports no prefix cache counters
+  hit rate        blank when it exports no prefix cache counters; the host tier's share of the
+                  lookups beside it (conveyor with --kv-offloading-size; its hits count in both)
   effective       FastGen's SLA (conveyor.sim.run_metrics.meets_sla): TTFT <= prompt tokens / 512
   throughput      tokens/s and the EMA of the per-token gaps under 1/N s, N = 2, 4, 6 tokens/s;
                   requests meeting it, per second
@@ -52,6 +53,7 @@ class ServeMetrics:
     effective_throughput: dict[float, float]  # generation SLA (tokens/s) -> requests / s
     errors: dict[str, int]  # the failures' messages, with how often each happened
     prefix_cache_hit_rate: float | None = None  # the server's, over the run (server_metrics.py)
+    kv_host_hit_rate: float | None = None  # lookups the server's KV host tier supplied, of all lookups
 
     def as_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -67,6 +69,7 @@ def compute(
     num_clients: int | None = None,
     request_rate: float | None = None,
     prefix_cache_hit_rate: float | None = None,
+    kv_host_hit_rate: float | None = None,
 ) -> ServeMetrics:
     done = [r for r in results if r.success]
     failed = [r for r in results if not r.success]
@@ -95,6 +98,7 @@ def compute(
         effective_throughput={n: sum(meets_sla(rec, gen_tokens_per_s=n) for rec in records) / duration for n in SLA_GEN_TOKENS_PER_S},
         errors=dict(Counter(r.error or "" for r in failed)),  # a failed request has an error
         prefix_cache_hit_rate=prefix_cache_hit_rate,
+        kv_host_hit_rate=kv_host_hit_rate,
     )
 
 
@@ -113,13 +117,18 @@ ROWS = [
     ("output tokens/s", lambda m: m.output_throughput, "{:.0f}"),
     ("total tokens/s", lambda m: m.total_throughput, "{:.0f}"),
     ("mean input / output tokens", lambda m: f"{m.mean_input_len:.0f} / {m.mean_output_len:.0f}", "{}"),
-    ("prefix cache hit rate (server)", lambda m: "" if m.prefix_cache_hit_rate is None else f"{m.prefix_cache_hit_rate:.1%}", "{}"),
+    ("prefix cache hit rate (server)", lambda m: _percent(m.prefix_cache_hit_rate), "{}"),
+    ("hits from the KV host tier (server)", lambda m: _percent(m.kv_host_hit_rate), "{}"),
     *_latency_rows("TTFT", "ttft", "ms", 1e3, "{:.1f}"),
     *_latency_rows("TPOT", "tpot", "ms", 1e3, "{:.2f}"),
     *_latency_rows("ITL", "itl", "ms", 1e3, "{:.2f}"),
     *_latency_rows("E2E", "e2e", "s", 1.0, "{:.2f}"),
     *((f"effective req/s (gen {n:g} tok/s)", lambda m, n=n: m.effective_throughput[n], "{:.2f}") for n in SLA_GEN_TOKENS_PER_S),
 ]
+
+
+def _percent(rate: float | None) -> str:
+    return "" if rate is None else f"{rate:.1%}"
 
 
 def table(points: list[ServeMetrics]) -> str:

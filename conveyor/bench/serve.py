@@ -5,6 +5,7 @@ HTTP and measure what its clients see.
         --dataset-path sharegpt.json --request-rate 8 --num-prompts 500
     conveyor bench serve --dataset fastgen-2600-60 --sweep-clients 1,2,4,8,16,32 \\
         --result-json out.json --plot-dir plots/
+    conveyor bench serve --dataset multi-turn --dataset-path sharegpt.json --multi-turn-concurrency 24
 
 `run` is one run: one load point (open loop, load.py) or one per client count (closed loop), every
 request streamed on one event loop and measured by results.py; the table goes to stdout, the
@@ -12,6 +13,8 @@ figures and the JSON where asked. Invariants: a server that cannot answer one sh
 stops the run before any point; each point draws its own prompts (and, with --num-system-prompts,
 its own shared system prompts: system_prompts.py), so no point finds another's in a prefix cache;
 a point's prefix cache hit rate comes from the servers' /metrics around it (server_metrics.py).
+The multi-turn dataset is one point of its own: conversations replayed turn by turn, several at
+once (multi_turn.py), on the chat endpoint unless --endpoint says otherwise.
 """
 
 from __future__ import annotations
@@ -26,18 +29,20 @@ import sys
 import aiohttp
 from tqdm import tqdm
 
-from conveyor.bench import client, load, server_metrics
-from conveyor.bench.dataset import BenchRequest, DatasetConfig, make_dataset
+from conveyor.bench import client, load, multi_turn, server_metrics
+from conveyor.bench.dataset import MULTI_TURN, BenchRequest, DatasetConfig, make_dataset
+from conveyor.bench.multi_turn import MultiTurnConfig
 from conveyor.bench.prompts import TokenCounter, choose_counter
 from conveyor.bench.results import ServeMetrics, compute, table
 
 DEFAULT_PROMPTS, DEFAULT_PROMPTS_PER_POINT = 500, 512  # vLLM's ShareGPT runs; FastGen's sweeps
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 @dataclasses.dataclass(frozen=True)
 class ServeBenchConfig:
     base_url: str = "http://127.0.0.1:8000"
-    endpoint: str = "/v1/completions"
+    endpoint: str = COMPLETIONS
     model: str | None = None  # None: the first of GET /v1/models
     api_key: str | None = None
     tokenizer: str | None = None  # tokenizer.json, for servers without POST /tokenize
@@ -51,6 +56,7 @@ class ServeBenchConfig:
     progress: bool = True
     extra_body: dict | None = None  # merged into every request body (a constraint, say)
     metrics_urls: tuple[str, ...] = ()  # whose /metrics tell the prefix cache hit rate (): base_url
+    multi_turn: MultiTurnConfig = MultiTurnConfig()  # the multi-turn dataset's load
 
     @property
     def metrics_sources(self) -> tuple[str, ...]:
@@ -66,7 +72,7 @@ class ServeBenchConfig:
         num = args.num_prompts or (DEFAULT_PROMPTS_PER_POINT if sweep else DEFAULT_PROMPTS)
         return cls(
             base_url=args.base_url.rstrip("/"),
-            endpoint=args.endpoint,
+            endpoint=args.endpoint or (CHAT if args.dataset == MULTI_TURN else COMPLETIONS),
             model=args.model,
             api_key=args.api_key,
             tokenizer=args.tokenizer,
@@ -80,6 +86,11 @@ class ServeBenchConfig:
             progress=not args.disable_tqdm,
             extra_body=args.extra_body,
             metrics_urls=args.metrics_url or (),
+            multi_turn=MultiTurnConfig(
+                concurrency=args.multi_turn_concurrency,
+                max_output=args.multi_turn_max_output,
+                max_context=args.multi_turn_max_context,
+            ),
         )
 
 
@@ -115,6 +126,9 @@ async def run(config: ServeBenchConfig) -> ServeReport:
             body.update(config.extra_body or {})
             return await client.send(session, url, request, body)
 
+        if config.dataset.name == MULTI_TURN:
+            point = await _multi_turn_point(config, session, model, counter, ignore_eos, send)
+            return ServeReport(model, counter.name, [point])
         points = []
         for i, (label, clients) in enumerate(_points(config)):
             # Drawn afresh per point (seed + i), so that no point finds another's prompts cached.
@@ -137,12 +151,59 @@ async def run(config: ServeBenchConfig) -> ServeReport:
                     )
                 else:
                     results, duration = await load.closed_loop(requests, send, num_clients=clients, progress=bar)
-            hit_rate = server_metrics.hit_rate(before, await server_metrics.scrape_all(session, config.metrics_sources))
+            after = await server_metrics.scrape_all(session, config.metrics_sources)
             rate = None if clients is not None or math.isinf(config.request_rate) else config.request_rate
             points.append(
-                compute(results, duration, label=label, num_clients=clients, request_rate=rate, prefix_cache_hit_rate=hit_rate)
+                compute(
+                    results,
+                    duration,
+                    label=label,
+                    num_clients=clients,
+                    request_rate=rate,
+                    prefix_cache_hit_rate=server_metrics.hit_rate(before, after),
+                    kv_host_hit_rate=server_metrics.host_hit_rate(before, after),
+                )
             )
         return ServeReport(model, counter.name, points)
+
+
+async def _multi_turn_point(
+    config: ServeBenchConfig, session: aiohttp.ClientSession, model: str, counter: TokenCounter, ignore_eos: bool, send: load.Send
+) -> ServeMetrics:
+    """The multi-turn dataset's one point (multi_turn.py): its header, the test request, its turns."""
+    if config.sweep_clients or config.max_concurrency or not math.isinf(config.request_rate) or config.dataset.num_system_prompts:
+        raise BenchError(
+            "multi-turn sets its load with --multi-turn-concurrency: "
+            "it takes no --sweep-clients, --request-rate, --max-concurrency or --num-system-prompts"
+        )
+    turns = config.multi_turn
+    conversations = await multi_turn.make_conversations(config.dataset, turns, counter)
+    if not conversations:
+        raise BenchError("no conversation has two turns within --multi-turn-max-context")
+    pool = await server_metrics.kv_pool_tokens(session, config.metrics_sources)
+    print(f"{config.base_url}{config.endpoint}, model {model}, prompt tokens counted by {counter.name}", flush=True)
+    print(multi_turn.describe(conversations, turns.concurrency, pool), flush=True)
+    await _test_request(send)
+    url = config.base_url + config.endpoint
+
+    async def send_turn(turn: multi_turn.Turn) -> client.RequestResult:
+        body = multi_turn.payload(turn, model, chat=config.chat, ignore_eos=ignore_eos, return_token_ids=config.return_token_ids)
+        body.update(config.extra_body or {})
+        return await client.send(session, url, turn.request(), body)
+
+    label = f"{turns.concurrency} conversations"
+    before = await server_metrics.scrape_all(session, config.metrics_sources)
+    with tqdm(total=sum(len(c) for c in conversations), desc=label, disable=not config.progress, unit="req") as bar:
+        results, duration = await multi_turn.replay(conversations, send_turn, concurrency=turns.concurrency, progress=bar)
+    after = await server_metrics.scrape_all(session, config.metrics_sources)
+    return compute(
+        results,
+        duration,
+        label=label,
+        num_clients=turns.concurrency,
+        prefix_cache_hit_rate=server_metrics.hit_rate(before, after),
+        kv_host_hit_rate=server_metrics.host_hit_rate(before, after),
+    )
 
 
 async def first_model(session: aiohttp.ClientSession, base_url: str) -> str:

@@ -1,0 +1,180 @@
+"""The multi-turn workload of `conveyor bench serve --dataset multi-turn`: ShareGPT conversations
+replayed turn by turn, several at once, so that a KV cache has to keep conversations between turns.
+
+Turns: a conversation's exchanges are its leading (human, gpt) pairs, both with text. Turn k sends
+every earlier exchange (the user's message, then the *recorded* reply as the assistant's) and the
+k-th user message, so each turn's prompt is exactly the previous turn's prompt + its recorded reply
++ the next user message, and a prefix cache that kept the previous prompt finds it all (the
+server's own replies are discarded). max_tokens is the recorded reply's length, capped. A
+conversation stops before the first turn whose prompt and output would pass `max_context`
+tokens; one left with fewer than two turns is not used. Conversations are taken in an order
+shuffled by the seed, `num_prompts` of them (all there are, if fewer).
+
+Load (`replay`): `concurrency` conversations are active at once, each a closed loop that sends its
+next turn only when its previous turn finished; one that ends hands its place to the next. The KV
+working set, the prompts the active conversations' next turns extend, is then about concurrency x
+mean prompt tokens: for a working set of W times a pool of P tokens (the server's
+conveyor_kv_cache_capacity_tokens), concurrency ~ W x P / mean prompt. `describe` prints both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+from conveyor.bench import client
+from conveyor.bench.dataset import BenchRequest, DatasetConfig
+from conveyor.bench.prompts import TokenCounter, special_tokens
+
+TOKENS_PER_MESSAGE = 8  # a chat template's role header and end marker, roughly (ChatML, Llama 3: ~5)
+TARGET_WORKING_SET = 5.0  # x the KV pool: issue 50's "working set about 5x the device pool"
+
+Message = tuple[str, str]  # (role, content)
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiTurnConfig:
+    concurrency: int = 16  # conversations active at once
+    max_output: int = 256  # cap on a turn's max_tokens
+    max_context: int = 2000  # prompt + max_tokens a turn may reach: under a 2048-token model, with a margin
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    messages: tuple[Message, ...]  # the chat so far: user, assistant, ..., ending with the user's
+    prompt_len: int  # tokens, estimated: the messages' counts + TOKENS_PER_MESSAGE each (+ a BOS)
+    output_len: int  # max_tokens: the recorded reply's tokens, capped
+
+    def request(self) -> BenchRequest:
+        """The turn as the client's request: its last message, with the turn's lengths."""
+        return BenchRequest(self.messages[-1][1], self.prompt_len, self.output_len)
+
+    @property
+    def transcript(self) -> str:
+        """The messages as one completion prompt, joined by blank lines, so turn k+1's
+        transcript extends turn k's as its chat does."""
+        return "\n\n".join(content for _, content in self.messages)
+
+
+Conversation = tuple[Turn, ...]
+
+
+def exchanges(messages: list[dict]) -> list[tuple[str, str]]:
+    """The leading (human, gpt) pairs of a ShareGPT conversation, up to the first out of turn or
+    without text."""
+    out = []
+    for human, gpt in zip(messages[0::2], messages[1::2]):
+        if (human.get("from"), gpt.get("from")) != ("human", "gpt") or not human.get("value") or not gpt.get("value"):
+            break
+        out.append((human["value"], gpt["value"]))
+    return out
+
+
+def read_exchanges(path: str) -> list[list[tuple[str, str]]]:
+    """The exchanges of each conversation in a ShareGPT file that has at least two, in file order."""
+    with open(path, encoding="utf-8") as f:
+        entries = json.load(f)
+    found = (exchanges(e.get("conversations") or []) for e in entries)
+    return [pairs for pairs in found if len(pairs) >= 2]
+
+
+def make_turns(pairs: list[tuple[str, str]], counts: list[tuple[int, int]], overhead: int, config: MultiTurnConfig) -> Conversation:
+    """One conversation's turns, from its (user, reply) pairs and their token counts (each count
+    with the counter's `overhead` special tokens, which a message inside a chat does not carry)."""
+    messages: list[Message] = []
+    context = overhead  # the chat's own BOS
+    turns = []
+    for (user, reply), (num_user, num_reply) in zip(pairs, counts, strict=True):
+        prompt_len = context + num_user - overhead + TOKENS_PER_MESSAGE
+        output_len = max(1, min(num_reply - overhead, config.max_output))
+        if prompt_len + output_len > config.max_context:
+            break
+        messages.append(("user", user))
+        turns.append(Turn(tuple(messages), prompt_len, output_len))
+        messages.append(("assistant", reply))
+        context = prompt_len + num_reply - overhead + TOKENS_PER_MESSAGE
+    return tuple(turns)
+
+
+async def make_conversations(dataset: DatasetConfig, config: MultiTurnConfig, counter: TokenCounter) -> list[Conversation]:
+    """`dataset.num_prompts` conversations of at least two turns each, in the seed's order."""
+    if dataset.path is None:
+        raise ValueError("the multi-turn dataset needs --dataset-path (a ShareGPT JSON file)")
+    found = read_exchanges(dataset.path)
+    order = list(range(len(found)))
+    random.Random(dataset.seed).shuffle(order)
+    overhead = await special_tokens(counter)
+    kept: list[Conversation] = []
+    while order and len(kept) < dataset.num_prompts:
+        wanted = dataset.num_prompts - len(kept) + 8  # a few more: some fall short of two turns
+        chunk, order = order[:wanted], order[wanted:]
+        counts = iter(await counter.count([text for i in chunk for pair in found[i] for text in pair]))
+        for i in chunk:
+            turns = make_turns(found[i], [(next(counts), next(counts)) for _ in found[i]], overhead, config)
+            if len(turns) >= 2 and len(kept) < dataset.num_prompts:
+                kept.append(turns)
+    return kept
+
+
+def payload(turn: Turn, model: str, *, chat: bool, ignore_eos: bool, return_token_ids: bool) -> dict:
+    """The client's body for a turn: the chat so far as messages, or as a transcript for a
+    completion endpoint."""
+    body = client.payload(turn.request(), model, chat=chat, ignore_eos=ignore_eos, return_token_ids=return_token_ids)
+    if chat:
+        body["messages"] = [{"role": role, "content": content} for role, content in turn.messages]
+    else:
+        body["prompt"] = turn.transcript
+    return body
+
+
+async def replay(
+    conversations: list[Conversation],
+    send: Callable[[Turn], Awaitable[client.RequestResult]],
+    *,
+    concurrency: int,
+    progress=None,
+) -> tuple[list[client.RequestResult], float]:
+    """Every turn's result, in the order they finished, and the run's duration (first send to last
+    finish): `concurrency` conversations at once, each turn sent when its conversation's previous
+    one finished (a failed turn too: the next prompt holds the recorded reply, not the server's)."""
+    if concurrency < 1:
+        raise ValueError("multi-turn needs at least one active conversation")
+    pending = iter(conversations)  # shared: a slot whose conversation ended takes the next one
+    results: list[client.RequestResult] = []
+
+    async def slot() -> None:
+        for conversation in pending:
+            for turn in conversation:
+                results.append(await send(turn))
+                if progress is not None:
+                    progress.update(1)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(slot() for _ in range(concurrency)))
+    return results, time.perf_counter() - start
+
+
+def describe(conversations: list[Conversation], concurrency: int, pool_tokens: float | None) -> str:
+    """The workload in two lines, with the working set it keeps against the server's KV pool."""
+    turns = [t for c in conversations for t in c]
+    prompt = sum(t.prompt_len for t in turns) / len(turns)
+    output = sum(t.output_len for t in turns) / len(turns)
+    active = min(concurrency, len(conversations))
+    working_set = active * prompt
+    text = (
+        f"dataset multi-turn: {len(conversations)} conversations, {len(turns)} turns ({len(turns) / len(conversations):.1f} each), "
+        f"mean prompt ~{prompt:.0f} / max output {output:.0f} tokens\n"
+        f"{active} conversations at once: working set ~{working_set:.0f} tokens"
+    )
+    if pool_tokens:
+        suggest = math.ceil(TARGET_WORKING_SET * pool_tokens / prompt)
+        text += (
+            f" = {working_set / pool_tokens:.1f}x the server's KV pool of {pool_tokens:.0f} tokens "
+            f"({TARGET_WORKING_SET:g}x: --multi-turn-concurrency {suggest})"
+        )
+    return text

@@ -1,0 +1,165 @@
+"""conveyor bench serve's multi-turn workload (conveyor/bench/multi_turn.py): each turn's prompt is
+the previous turn's prompt + its recorded reply + the next user message, conversations are closed
+loops of which N are active at once, and a run against a fake server whose /metrics tell a KV pool
+and host-tier hits reports both, on the chat endpoint and as completion transcripts."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+
+import pytest
+from aiohttp import web
+
+from conveyor import cli
+from conveyor.bench.client import RequestResult
+from conveyor.bench.dataset import DatasetConfig
+from conveyor.bench.multi_turn import (
+    TOKENS_PER_MESSAGE,
+    MultiTurnConfig,
+    Turn,
+    exchanges,
+    make_conversations,
+    make_turns,
+    read_exchanges,
+    replay,
+)
+from tests.ops.bench_fakes import SHAREGPT, FakeServer
+
+
+def test_each_turn_extends_the_last_by_its_recorded_reply(tiny_counter):
+    config = MultiTurnConfig(max_output=64, max_context=1500)
+    dataset = DatasetConfig("multi-turn", 12, path=SHAREGPT, seed=3)
+    conversations = asyncio.run(make_conversations(dataset, config, tiny_counter))
+    replies = {pairs[0][0]: [reply for _, reply in pairs] for pairs in read_exchanges(SHAREGPT)}
+    assert len(conversations) == 12 and all(len(c) >= 2 for c in conversations)
+    for turns in conversations:
+        recorded = replies[turns[0].messages[0][1]]
+        assert turns[0].messages[0][0] == "user" and len(turns[0].messages) == 1
+        for k, (last, turn) in enumerate(zip(turns, turns[1:])):
+            assert turn.messages[: len(last.messages)] == last.messages
+            assert [role for role, _ in turn.messages[len(last.messages) :]] == ["assistant", "user"]
+            assert turn.messages[len(last.messages)][1] == recorded[k]  # the file's reply, not the server's
+            assert turn.transcript.startswith(last.transcript + "\n\n" + recorded[k] + "\n\n")
+            assert turn.prompt_len > last.prompt_len
+        assert all(1 <= t.output_len <= 64 and t.prompt_len + t.output_len <= 1500 for t in turns)
+    assert asyncio.run(make_conversations(dataset, config, tiny_counter)) == conversations
+    other = asyncio.run(make_conversations(DatasetConfig("multi-turn", 12, path=SHAREGPT, seed=4), config, tiny_counter))
+    assert [c[0].messages for c in other] != [c[0].messages for c in conversations]
+
+
+def test_turn_lengths_and_where_a_conversation_stops():
+    pairs = [("a b", "c d e"), ("f", "g h"), ("i j k", "l")]
+    counts = [(3, 4), (2, 300), (4, 2)]  # each with one special token (a BOS), as a counter gives them
+    turns = make_turns(pairs, counts, overhead=1, config=MultiTurnConfig(max_output=100, max_context=10_000))
+    first = 1 + 2 + TOKENS_PER_MESSAGE
+    second = first + 3 + TOKENS_PER_MESSAGE + 1 + TOKENS_PER_MESSAGE
+    assert [t.prompt_len for t in turns[:2]] == [first, second]
+    assert [t.output_len for t in turns] == [3, 100, 1]  # the reply's tokens, capped at max_output
+    assert turns[2].messages == (("user", "a b"), ("assistant", "c d e"), ("user", "f"), ("assistant", "g h"), ("user", "i j k"))
+    short = make_turns(pairs, counts, overhead=1, config=MultiTurnConfig(max_output=100, max_context=second + 99))
+    assert len(short) == 1  # turn 2's prompt + 100 output tokens would pass the context
+
+
+def test_exchanges_stop_at_the_first_out_of_turn_or_empty_message():
+    human, gpt = ({"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"})
+    assert exchanges([human, gpt, human, gpt, human]) == [("hi", "hello")] * 2  # no reply: not a turn
+    assert exchanges([human, gpt, gpt, human, human, gpt]) == [("hi", "hello")]
+    assert exchanges([human, gpt, {"from": "human", "value": ""}, gpt]) == [("hi", "hello")]
+    found = read_exchanges(SHAREGPT)
+    assert all(len(pairs) >= 2 for pairs in found) and len(found) == 433  # 434 have two human turns; one goes out of turn
+
+
+def test_replay_keeps_n_conversations_each_a_closed_loop():
+    conversations = [tuple(Turn((("user", f"{c}.{k}"),), 10, 1) for k in range(1 + c % 3)) for c in range(7)]
+    events: list[tuple[str, str]] = []
+    active: set[str] = set()
+    most = 0
+
+    async def send(turn: Turn) -> RequestResult:
+        nonlocal most
+        name = turn.messages[-1][1]
+        active.add(name.split(".")[0])
+        most = max(most, len(active))
+        events.append(("send", name))
+        await asyncio.sleep(0.001 * (1 + int(name.split(".")[0]) % 4))
+        events.append(("done", name))
+        conversation, k = name.split(".")
+        if int(k) == int(conversation) % 3:  # its last turn
+            active.discard(conversation)
+        return RequestResult(10, 1, 0.0)
+
+    results, duration = asyncio.run(replay(conversations, send, concurrency=3))
+    assert len(results) == sum(len(c) for c in conversations) and duration > 0
+    assert most == 3
+    assert [name for kind, name in events[:3]] == ["0.0", "1.0", "2.0"]  # three conversations open at once
+    for c, turns in enumerate(conversations):
+        for k in range(1, len(turns)):
+            assert events.index(("send", f"{c}.{k}")) > events.index(("done", f"{c}.{k - 1}"))
+    with pytest.raises(ValueError):
+        asyncio.run(replay(conversations, send, concurrency=0))
+
+
+class TieredFake(FakeServer):
+    """The fake server with a KV pool gauge and a host-tier counter: one host hit per follow-up turn."""
+
+    POOL_TOKENS = 512
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = (await super().metrics(request)).text or ""
+        host_hits = sum(len(b.get("messages", [])) > 1 or "\n\n" in b.get("prompt", "") for b in self.bodies)
+        text += f'# TYPE conveyor_kv_cache_capacity_tokens gauge\nconveyor_kv_cache_capacity_tokens{{engine="0"}} {self.POOL_TOKENS}\n'
+        text += f'# TYPE conveyor_kv_host_hits counter\nconveyor_kv_host_hits_total{{engine="0"}} {host_hits}.0\n'
+        return web.Response(text=text, content_type="text/plain")
+
+
+@pytest.fixture(scope="module")
+def tiered():
+    server = TieredFake()
+    yield server
+    server.stop()
+
+
+def _run(server: FakeServer, *flags: str) -> int:
+    server.reset()
+    args = f"bench serve --base-url {server.url} --dataset multi-turn --dataset-path {SHAREGPT} --num-prompts 5 --disable-tqdm"
+    return cli.main([*args.split(), "--multi-turn-max-output", "2", "--multi-turn-max-context", "1200", *flags])
+
+
+def test_serve_replays_conversations_on_the_chat_endpoint(tiered, tmp_path, capsys):
+    out = tmp_path / "multi.json"
+    lookups_before = sum(tiered.cache_counts["queries"]) + 1  # the counts run on; the test request looks up 1 block
+    assert _run(tiered, "--multi-turn-concurrency", "2", "--result-json", str(out)) == 0
+    bodies = tiered.bodies[1:]  # after the test request
+    by_conversation = collections.defaultdict(list)
+    for body in bodies:
+        assert body["stream"] and body["max_tokens"] <= 2
+        by_conversation[body["messages"][0]["content"]].append(body["messages"])
+    assert len(by_conversation) == 5
+    for sent in by_conversation.values():
+        assert [len(m) for m in sent] == list(range(1, 2 * len(sent), 2))  # turn by turn, in order
+        assert all(b[: len(a)] == a for a, b in zip(sent, sent[1:]))
+    point = json.loads(out.read_text())["points"][0]
+    assert point["num_completed"] == len(bodies) and point["num_failed"] == 0 and point["num_clients"] == 2
+    assert point["prefix_cache_hit_rate"] > 0.5  # the fake's cache keeps each conversation so far
+    follow_ups = len(bodies) - 5  # the fake counts one host hit for each
+    assert point["kv_host_hit_rate"] == pytest.approx(follow_ups / (sum(tiered.cache_counts["queries"]) - lookups_before))
+    stdout = capsys.readouterr().out
+    assert "/v1/chat/completions" in stdout and "5 conversations" in stdout
+    assert "x the server's KV pool of 512 tokens" in stdout and "--multi-turn-concurrency" in stdout
+    assert "| hits from the KV host tier (server)" in stdout
+
+
+def test_serve_sends_transcripts_to_a_completion_endpoint(tiered):
+    assert _run(tiered, "--endpoint", "/v1/completions", "--multi-turn-concurrency", "3") == 0
+    prompts = [body["prompt"] for body in tiered.bodies[1:]]
+    followed = [p for p in prompts if any(q != p and p.startswith(q + "\n\n") for q in prompts)]
+    assert len(prompts) > 10 and len(followed) == len(prompts) - 5  # every turn but the first extends one
+
+
+def test_serve_refuses_open_loop_flags_with_multi_turn(tiered, capsys):
+    assert _run(tiered, "--sweep-clients", "1,2") == 1
+    assert "--multi-turn-concurrency" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "serve", "--multi-turn-concurrency", "0"])
