@@ -29,6 +29,13 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("CONVEYOR_CPU_KERNELS", "1") != "0"
 
 
+def cpu_isa() -> str:
+    """CONVEYOR_CPU_ISA: the instruction-set variant the C++ CPU kernels are built in, one of
+    gpu/backends/cpu/kernels/isa.py's VARIANTS (x86-64-v3, x86-64-v4-vnni-bf16, ...): what an older
+    or another vendor's CPU runs, measured on this one. The default builds for this CPU."""
+    return os.environ.get("CONVEYOR_CPU_ISA") or "native"
+
+
 API_KEY_VARIABLE = "CONVEYOR_API_KEY"
 
 

@@ -157,7 +157,10 @@ def main(args: argparse.Namespace) -> int:
     except RuntimeError as e:
         print(f"error: {e}")
         return 1
+    from conveyor.gpu.backends.cpu.kernels import isa
+
     print(f"one worker step on the CPU, median ms over {args.rounds} interleaved rounds of {args.repeats}")
+    print(f"CPU {isa.describe_in_use()}")
     print(f"{'step':>16} {'torch':>9} {'attention':>10} {'fused':>9} {'all':>9} {'cpu':>9} {'all / torch':>12} {'cpu / torch':>12}")
     for kind, rows, length in shapes:
         ms = {v: results[(kind, rows, length, v)] * 1e3 for v in VARIANTS}

@@ -117,6 +117,15 @@ def run_transformers(requests: list[BenchRequest], model: str, *, device: str, d
     return OfflineResult(f"transformers (batch {batch_size})", len(requests), seconds, num_prompt, wanted, num_generated)
 
 
+def _cpu_line(device: str) -> str:
+    """On a CPU, the CPU's model and the C++ kernels' ISA variant (CONVEYOR_CPU_ISA); else ""."""
+    if device != "cpu":
+        return ""
+    from conveyor.gpu.backends.cpu.kernels import isa
+
+    return f"CPU {isa.describe_in_use()}"
+
+
 def _synchronize(device: str) -> None:
     if device == "cuda":
         import torch
@@ -164,10 +173,9 @@ def _main(args: argparse.Namespace) -> int:
 
     prompt = sum(r.prompt_len for r in requests) / len(requests)
     output = sum(r.output_len for r in requests) / len(requests)
-    print(
-        f"model {model} on {device} ({dtype})\ndataset {config.name}: {len(requests)} requests, "
-        f"mean prompt {prompt:.0f} / output {output:.0f} tokens\n"
-    )
+    cpu = _cpu_line(device)
+    where = f"model {model} on {device} ({dtype})" + (f"\n{cpu}" if cpu else "")
+    print(f"{where}\ndataset {config.name}: {len(requests)} requests, mean prompt {prompt:.0f} / output {output:.0f} tokens\n")
     header = ["engine", "seconds", "requests/s", "output tokens/s", "total tokens/s", "generated tokens"]
     body = [
         [
@@ -189,6 +197,7 @@ def _main(args: argparse.Namespace) -> int:
             "model": model,
             "device": device,
             "dtype": dtype,
+            "cpu": cpu or None,
             "dataset": dataclasses.asdict(config),
             "results": [r.as_dict() for r in results],
             "ratio": ratio,

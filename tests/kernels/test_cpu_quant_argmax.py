@@ -19,7 +19,7 @@ from conveyor.gpu.backends.cpu.kernels.quant_argmax import ROW_CANDIDATES, Argma
 from conveyor.gpu.backends.cpu.ops import ARGMAX_MIN_ROWS, CpuOps
 from conveyor.gpu.models.layers import ParallelLMHead
 from conveyor.gpu.quant.weight import QuantizedWeight, quantize_groups
-from tests.kernels.test_cpu_quant_linear import build
+from tests.kernels.test_cpu_quant_linear import BUILDS, build
 
 NATIVE = cpu_quant_argmax()
 pytestmark = pytest.mark.skipif(
@@ -77,7 +77,7 @@ def test_the_bound_holds_on_every_output(kind, group, mins):
         assert ((three - one).abs() > bound / 100).any()  # not a vacuous bound: within 100x of the error
 
 
-@pytest.mark.parametrize("build_name", ["native", "avx2", "avx2-maddubs"])
+@pytest.mark.parametrize("build_name", BUILDS)
 @pytest.mark.parametrize("kind,group,mins", HEADS)
 def test_a_product_over_some_rows_is_the_full_products_columns(kind, group, mins, build_name):
     """What the recompute relies on: the same row count, the same sums, whichever outputs."""
@@ -93,7 +93,7 @@ def test_a_product_over_some_rows_is_the_full_products_columns(kind, group, mins
         assert torch.equal(kernel(x, sub), full[:, some])
 
 
-@pytest.mark.parametrize("build_name", ["native", "avx2", "avx2-maddubs"])
+@pytest.mark.parametrize("build_name", BUILDS)
 @pytest.mark.parametrize("kind,group,mins", HEADS)
 def test_the_argmax_is_the_full_products(kind, group, mins, build_name):
     """Random rows (flat: many candidates, or past ROW_CANDIDATES and the full product) at every

@@ -1,9 +1,10 @@
 """The C++ quantized linear (gpu/backends/cpu/kernels/quant_linear.cpp, .py) against the
 reference, QuantizedWeight.dequantize() + F.linear in float64: every kind, with and without
-mins, bias and act-order perm, on odd shapes, through each path, in this machine's build and,
-on an AVX-512 machine, in its AVX2 builds too (with AVX-VNNI where the CPU has it, and without:
-vpmaddubsw). Then through the cpu ops (prepare, quant_linear, the fallback), and in context:
-the tiny model quantized at load decodes the same greedy tokens on the cpu backend as on torch's.
+mins, bias and act-order perm, on odd shapes, through each path, in every ISA variant this
+machine can run (tests/kernels/cpu_isa.py: on an AVX-512 VNNI machine, 512-bit products with and
+without VNNI and 256-bit ones with AVX-VNNI and without, vpmaddubsw). Then through the cpu ops
+(prepare, quant_linear, the fallback), and in context: the tiny model quantized at load decodes
+the same greedy tokens on the cpu backend as on torch's.
 
 Tolerances, relative to scale = |x| |W|^T + |bias| (what the sum's rounding is relative to):
 - float paths (direct, dequantize): 1e-5. float32 sums of up to 1536 products in another order
@@ -19,7 +20,6 @@ Tolerances, relative to scale = |x| |W|^T + |bias| (what the sum's rounding is r
 from __future__ import annotations
 
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,26 +32,21 @@ from conveyor.gpu.backends.cpu.kernels.quant_linear import CpuQuantLinear, Quant
 from conveyor.gpu.backends.cpu.ops import CpuOps
 from conveyor.gpu.models.layers import Linear
 from conveyor.gpu.quant.weight import QuantizedWeight, quantize_groups
+from tests.kernels.cpu_isa import variant_params
 
 NATIVE = cpu_quant_linear()
 pytestmark = pytest.mark.skipif(NATIVE is None, reason="no C++ compiler for the CPU kernels")
 
-CPU_FLAGS = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
-BUILDS = {
-    "native": (),
-    "avx2": ("-mno-avx512f",),  # an AVX-512 machine's AVX2 build: 8-lane vectors (AVX-VNNI if the CPU has it)
-    "avx2-maddubs": ("-mno-avx512f", "-mno-avxvnni"),  # an AVX2 machine without VNNI (Zen 3)
-}
+BUILDS = variant_params(int8=True)  # ISA variant names (isa.py), each path once outside -m slow
 
 
 def build(name: str) -> CpuQuantLinear:
+    """The kernel built for the ISA variant `name` (one this CPU runs: BUILDS skips the others)."""
     assert NATIVE is not None
     if name == "native":
         return NATIVE
-    if "avx512f" not in CPU_FLAGS or (name == "avx2-maddubs" and "avx_vnni" not in CPU_FLAGS):
-        pytest.skip(f"the {name} build is this machine's native one, or one it lacks")
-    lib = load_library("quant_linear", BUILDS[name])
-    assert lib is not None
+    lib = load_library("quant_linear", name)
+    assert lib is not None, f"quant_linear.cpp did not build for {name}"
     return CpuQuantLinear(lib)
 
 
@@ -90,7 +85,7 @@ def quantized_x(x: torch.Tensor, planes: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["float32-scales", "float16-scales"])
-@pytest.mark.parametrize("build_name", list(BUILDS))
+@pytest.mark.parametrize("build_name", BUILDS)
 @pytest.mark.parametrize("path", ["direct", "int8", "int8x2", "int8x3", "dequantize"])
 @pytest.mark.parametrize("kind", ["u4", "u8", "e4m3"])
 def test_matches_the_reference(kind, path, build_name, half):

@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 
-from conveyor.gpu.backends.cpu.kernels import CpuLora, cpu_lora
+from conveyor.gpu.backends.cpu.kernels import CpuLora, cpu_lora, isa
 from conveyor.gpu.backends.cpu.kernels.build import load_library
 from conveyor.gpu.backends.cpu.ops import CpuOps
 from conveyor.gpu.backends.ops import Ops
@@ -27,7 +27,7 @@ from tests.triton_compile import compile_for_sm90
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}
-BACKENDS = ["torch", "cpu", "cpu-avx2", "triton"]  # cpu-avx2: lora.cpp built without AVX-512, as an AVX2 machine runs it
+BACKENDS = ["torch", "cpu", "cpu-avx2", "triton"]  # cpu-avx2: lora.cpp built for x86-64-v3, as an AVX2 machine runs it
 SLOTS = [0, -1, 2, 1, 0, -1, 2, 2, 1]  # T = 9: every slot, and base-model tokens between them
 RANKS = (16, 8, 4)  # each slot's adapter rank; R = 16
 NARROW_RANKS = (8, 5, 3)  # R = 8: under the kernels' least tile of 16, so their masks matter
@@ -42,7 +42,9 @@ def make_ops(name: str) -> Ops:
         assert lora is not None, "lora.cpp did not build"
         return CpuOps(None, None, None, lora)
     if name == "cpu-avx2":
-        lib = load_library("lora", ("-mno-avx512f",))
+        if isa.missing_features(isa.VARIANTS["x86-64-v3"]) != []:
+            pytest.skip("this CPU cannot run x86-64-v3 (AVX2) code")
+        lib = load_library("lora", "x86-64-v3")
         assert lib is not None, "lora.cpp did not build for AVX2"
         return CpuOps(None, None, None, CpuLora(lib))
     pytest.importorskip("triton")

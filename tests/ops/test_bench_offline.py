@@ -9,6 +9,7 @@ import json
 import pytest
 
 from conveyor import cli
+from conveyor.gpu.backends.cpu.kernels import isa
 
 
 def test_offline_reports_both_engines(tmp_path, capsys):
@@ -27,7 +28,9 @@ def test_offline_reports_both_engines(tmp_path, capsys):
     assert ours["num_output_tokens"] == hf["num_output_tokens"] == 16
     assert ours["output_throughput"] > 0 and hf["output_throughput"] > 0
     assert report["ratio"] == pytest.approx(ours["output_throughput"] / hf["output_throughput"])
-    assert "conveyor / transformers:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "conveyor / transformers:" in out
+    assert report["cpu"] == f"CPU {isa.describe_in_use()}" and report["cpu"] in out  # the CPU's model, the kernels' variant
 
 
 def test_step_times_input_preparation():
@@ -49,7 +52,7 @@ def test_forward_times_each_variant_on_each_shape(capsys):
     rc = cli.main(["bench", "forward", "--decode", "2x8", "--prefill", "1x5", "--rounds", "1", "--repeats", "1"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "decode 2x8" in out and "prefill 1x5" in out
+    assert "decode 2x8" in out and "prefill 1x5" in out and f"CPU {isa.describe_in_use()}" in out
 
 
 def test_forward_rejects_a_bad_shape(capsys):

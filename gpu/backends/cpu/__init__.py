@@ -6,10 +6,13 @@ kernel (cpu/attention.py), the fused elementwise ops and, where it pays on this 
 oneDNN's packed weights where they pay (AVX-512), and the quantized-linear kernel
 (cpu/ops.py). A piece whose library cannot be built is replaced by torch's; with none of them,
 or on another device or dtype, it raises BackendUnavailable with the reason, and `select` falls
-back to the torch backend with a warning.
+back to the torch backend with a warning. Once built, it logs the CPU's model and the kernels'
+ISA variant (CONVEYOR_CPU_ISA) with the paths that variant runs.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -22,11 +25,14 @@ from conveyor.gpu.backends.cpu.kernels import (
     cpu_quant_argmax,
     cpu_quant_linear,
     cpu_small_linear,
+    isa,
     paged_attention_kernel,
 )
 from conveyor.gpu.backends.cpu.kernels.small_linear import CpuSmallLinear, pays_on_this_cpu
 from conveyor.gpu.backends.cpu.ops import CpuOps
 from conveyor.gpu.backends.torch import TorchAttention
+
+log = logging.getLogger(__name__)
 
 
 def cpu_backend(model: ModelConfig, device: torch.device, kv_dtype: str | None = None) -> Backend:
@@ -39,7 +45,9 @@ def cpu_backend(model: ModelConfig, device: torch.device, kv_dtype: str | None =
     kernel, fused = paged_attention_kernel(), cpu_fused_ops()
     small_linear = cpu_small_linear() if pays_on_this_cpu() else None
     if kernel is None and fused is None and small_linear is None:
-        raise BackendUnavailable("no C++ kernel could be built (no compiler, a failed build, or CONVEYOR_CPU_KERNELS=0)")
+        reasons = "no compiler, a failed build, a CONVEYOR_CPU_ISA this CPU cannot run, or CONVEYOR_CPU_KERNELS=0"
+        raise BackendUnavailable(f"no C++ kernel could be built ({reasons})")
+    log.info("CPU %s", isa.describe_in_use())
     attn: AttentionBackend = (
         CpuAttention(model, device, kernel, kv_dtype) if kernel is not None else TorchAttention(model, device, kv_dtype)
     )
