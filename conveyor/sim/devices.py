@@ -31,6 +31,9 @@ class DeviceSpec:
     launch_s: float
     link_bw: float  # NVLink bytes/s per direction, for tensor-parallel all-reduces
     peak_fp8_flops: float = 0.0  # dense FP8 FLOP/s (0: no FP8 tensor cores); gemm_roofline.py's W8A8
+    # Host <-> device bytes/s per direction, achievable: PCIe 5.0 x16 (64 GB/s) or 4.0 x16 (32 GB/s)
+    # times HOST_LINK_UTIL (ASSUMED, as BW_UTIL is for memory). The KV host tier's copies (gpu/emulated/host_link.py).
+    host_bw: float = 64e9 * 0.8
 
     def allreduce_s(self, num_bytes: float, ranks: int) -> float:
         """One ring all-reduce of `num_bytes` over `ranks` devices (0 on one device)."""
@@ -46,7 +49,7 @@ DEVICES: dict[str, DeviceSpec] = {
     for d in (
         DeviceSpec("h100", 989e12, 3.35e12, 81559 * MIB, 0.4e-3, 450e9, 1979e12),
         DeviceSpec("h200", 989e12, 4.8e12, 143771 * MIB, 0.4e-3, 450e9, 1979e12),
-        DeviceSpec("a100-80g", 312e12, 2.039e12, 81920 * MIB, 0.5e-3, 300e9),
+        DeviceSpec("a100-80g", 312e12, 2.039e12, 81920 * MIB, 0.5e-3, 300e9, host_bw=32e9 * 0.8),
     )
 }
 DEVICE_NAMES = tuple(DEVICES)

@@ -33,6 +33,7 @@ from conveyor.gpu.backends import Backend
 from conveyor.gpu.backends.torch import TorchOps
 from conveyor.gpu.emulated.draws import EmulatedDraws
 from conveyor.gpu.emulated.footprint import footprint, pass_cost
+from conveyor.gpu.emulated.host_link import EmulatedHostLink
 from conveyor.gpu.emulated.model import EmulatedAttention, EmulatedModel
 from conveyor.gpu.emulated.stream import VirtualCopy, VirtualEvent, VirtualStream
 from conveyor.gpu.sampling.draws import DeviceSamples
@@ -119,6 +120,12 @@ class EmulatedPlatform:
 
     def host_copy(self, tensors: list) -> VirtualCopy:
         return VirtualCopy(tensors, self.stream.record())
+
+    def host_tier(
+        self, kv_caches: list[torch.Tensor], num_slots: int, bytes_per_slot: int, pool: torch.Tensor | None
+    ) -> EmulatedHostLink:
+        """No KV bytes: the copies are time on the host link (host_link.py)."""
+        return EmulatedHostLink(self.stream, num_slots, bytes_per_slot, self.spec.host_bw)
 
     def draw(self, logits, rows, eos_token_ids, draw_params, mask) -> DeviceSamples:
         return self.draws(logits, rows, eos_token_ids, draw_params, mask)

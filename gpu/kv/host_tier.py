@@ -29,11 +29,34 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 GIB = 1024**3
 STAGING_BYTES = 64 * 2**20  # the CUDA staging buffer: a chunk of ~1 ms of PCIe 5.0
+
+
+class Transfer(Protocol):
+    """A batch of copies in flight (KVTransfer here; the emulated device's link has its own)."""
+
+    def ready(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+    def wait_on_stream(self) -> None: ...
+
+    def seconds(self) -> float | None: ...
+
+
+class KVCopies(Protocol):
+    """What the KV host tier's step feature moves bytes with: HostTier, or a platform's stand-in."""
+
+    def save(self, blocks: Sequence[int], slots: Sequence[int]) -> Transfer: ...
+
+    def load(self, slots: Sequence[int], blocks: Sequence[int]) -> Transfer: ...
+
+    def block_bytes(self, slot: int) -> memoryview: ...
 
 
 def num_host_slots(gib: float, bytes_per_block: int) -> int:

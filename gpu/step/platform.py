@@ -26,6 +26,7 @@ import torch
 from conveyor.config.engine import CacheConfig, EngineConfig
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends import Backend, select
+from conveyor.gpu.kv.host_tier import HostTier, KVCopies
 from conveyor.gpu.kv.kv_cache import num_blocks_for_memory
 from conveyor.gpu.sampling.draws import DeviceSamples, SamplingRow, draw_step
 from conveyor.gpu.sampling.params_table import DrawParams
@@ -58,6 +59,11 @@ class Platform(Protocol):
     def mark(self) -> Mark: ...
 
     def host_copy(self, tensors: list[torch.Tensor | None]) -> ResultCopy: ...
+
+    def host_tier(self, kv_caches: list[torch.Tensor], num_slots: int, bytes_per_slot: int, pool: torch.Tensor | None) -> KVCopies:
+        """The KV host tier's `num_slots` slots (of one block of every layer, `bytes_per_slot`) and
+        its copies beside `kv_caches` (gpu/kv/host_tier.py); `pool`: their memory, filled already."""
+        ...
 
     def draw(
         self,
@@ -98,6 +104,9 @@ class TorchPlatform:
 
     def host_copy(self, tensors: list[torch.Tensor | None]) -> ResultCopy:
         return HostCopy(tensors)
+
+    def host_tier(self, kv_caches: list[torch.Tensor], num_slots: int, bytes_per_slot: int, pool: torch.Tensor | None) -> KVCopies:
+        return HostTier(kv_caches, num_slots, pool=pool)
 
     def draw(self, logits, rows, eos_token_ids, draw_params, mask) -> DeviceSamples:
         return draw_step(logits, rows, eos_token_ids, draw_params, mask)

@@ -46,5 +46,5 @@ def features_for(
         features.append(PoolingStep(config.model.pooling))
     features.append(GrammarStep(config.model, tp, platform.device))
     if config.cache.kv_offloading_size:
-        features.append(KvOffloadStep(config, backend.attn, tp))
+        features.append(KvOffloadStep(config, backend.attn, tp, platform))
     return features

@@ -12,8 +12,9 @@ next plan), so the next plan's first pass waits for them, and the copy overlaps 
 passes. A save's bytes go to disk at the next plan, once it is done. On a CPU every copy is done
 when the call returns.
 
-The emulated device keeps no KV bytes: there the tiers move nothing (their transfer time is not
-modelled yet).
+The platform moves the bytes (`host_tier`): on the emulated device nothing moves, and each batch
+of copies is time on its host link at the device's bandwidth (gpu/emulated/host_link.py), which
+the passes wait for as above.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 
 from conveyor.gpu.kv.disk_format import KVValidity, model_identity
 from conveyor.gpu.kv.disk_tier import GIB, DiskTier
-from conveyor.gpu.kv.host_tier import HostTier, KVTransfer, num_host_slots
+from conveyor.gpu.kv.host_tier import KVCopies, Transfer, num_host_slots
 from conveyor.gpu.step.features.base import StepFeature
 from conveyor.wire.step import NO_NAME
 
@@ -34,24 +35,26 @@ if TYPE_CHECKING:
     from conveyor.gpu.backends import AttentionBackend
     from conveyor.gpu.parallel.group import TensorParallel
     from conveyor.gpu.step.passes import PassWork
+    from conveyor.gpu.step.platform import Platform
     from conveyor.wire.messages import StepPlan
 
 log = logging.getLogger(__name__)
 
 
 class KvOffloadStep(StepFeature):
-    def __init__(self, config: EngineConfig, attn: AttentionBackend, tp: TensorParallel) -> None:
+    def __init__(self, config: EngineConfig, attn: AttentionBackend, tp: TensorParallel, platform: Platform) -> None:
         cache = config.cache
+        self.platform = platform  # how the bytes move: host_tier (real copies, or the emulated link's time)
         self.block_bytes = attn.bytes_per_block(cache.block_size)
         self.num_slots = num_host_slots(cache.kv_offloading_size, self.block_bytes) if self.block_bytes else 0
-        self.host: HostTier | None = None
+        self.host: KVCopies | None = None
         self.disk: DiskTier | None = None
         self.warm: list[tuple[int, int]] = []  # (block name, host slot) read from disk at start-up, oldest first
         self._pool: torch.Tensor | None = None  # the host slots' memory until the device pool exists
-        self._before_pass: list[KVTransfer] = []  # what the next pass must wait for
-        self._next_plan: list[KVTransfer] = []  # this plan's loads: the next plan's first pass waits
-        self._to_disk: list[tuple[KVTransfer, list[tuple[int, int]]]] = []  # saves in flight: (slot, name) each
-        self._timed: list[KVTransfer] = []  # loads whose time is not taken yet (take_load_seconds)
+        self._before_pass: list[Transfer] = []  # what the next pass must wait for
+        self._next_plan: list[Transfer] = []  # this plan's loads: the next plan's first pass waits
+        self._to_disk: list[tuple[Transfer, list[tuple[int, int]]]] = []  # saves in flight: (slot, name) each
+        self._timed: list[Transfer] = []  # loads whose time is not taken yet (take_load_seconds)
         self.num_saved = 0  # blocks copied each way (by this rank)
         self.num_loaded = 0
         if cache.kv_disk_dir is not None and self.num_slots:
@@ -74,9 +77,8 @@ class KvOffloadStep(StepFeature):
         log.info("KV disk tier: %d blocks read back into the host tier at start-up", len(self.warm))
 
     def allocate(self, num_blocks: int, kv_caches: list[torch.Tensor]) -> None:
-        if self.num_slots and kv_caches and kv_caches[0][0, 0].numel():  # the emulated device's caches are empty
-            self.host = HostTier(kv_caches, self.num_slots, pool=self._pool)
-            assert self.host.bytes_per_slot == self.block_bytes, "a host slot is one block of every layer"
+        if self.num_slots:
+            self.host = self.platform.host_tier(kv_caches, self.num_slots, self.block_bytes, self._pool)
         self._pool = None
 
     def apply(self, plan: StepPlan) -> None:
