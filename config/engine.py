@@ -19,7 +19,7 @@ from conveyor.config.lora import LoraConfig
 from conveyor.config.model import ModelConfig
 from conveyor.config.options import option
 from conveyor.config.speculative import SpeculativeConfig
-from conveyor.sim.devices import DEVICE_NAMES
+from conveyor.gpu.emulated.devices import DEVICE_NAMES
 
 # --kv-cache-dtype: what the paged KV cache stores, as a torch dtype name; auto: the model's dtype.
 # fp8 is e4m3 (float8_e4m3fn) with one scale per layer for keys and one for values
@@ -111,10 +111,10 @@ ROUTING_POLICIES = ("cache_aware", "round_robin", "least_loaded")
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     device: str = "cpu"  # "cpu", "cuda" or "emulated": resolved from the --device option at build time
-    # --device emulated: the GPU whose passes are modelled (gpu/emulated/, a row of conveyor/sim/devices.py).
+    # --device emulated: the GPU whose passes are modelled (gpu/emulated/, a row of gpu/emulated/devices.py).
     emulate: str | None = option(None, "with --device emulated: the GPU to model", choices=DEVICE_NAMES, none="h100")
     # Its pass times: the device's calibration table of measured kernel times where it has one for
-    # the model (conveyor/sim/calibrated.py), else the roofline; or the roofline alone.
+    # the model (gpu/emulated/calibrated.py), else the roofline; or the roofline alone.
     emulate_cost: str = option(
         "table", "with --device emulated: pass times from measured kernel times (table) or a bare roofline", choices=EMULATE_COSTS
     )

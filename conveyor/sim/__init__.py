@@ -1,9 +1,10 @@
 """The scheduling simulator: the engine's own EngineCore (Scheduler, block manager, overlap and
 multi-step pacing) driven by a discrete-event clock, with a forward-pass cost model in place of
-the worker and a host cost for the engine's CPU work.
+the worker and a host cost for the engine's CPU work. A tool beside the serving path, which never
+imports it (the layout test in tests/ops says so): the device table and the pass cost models it
+shares with the emulated device live with the device, in gpu/emulated/.
 
-costmodel.py    step latency from a step's shape, least-squares fit, scaling
-roofline.py     step latency from hardware numbers: launch + max(memory, compute)
+calibrate.py    builds the emulated device's calibration tables from GPU run records
 gemm_roofline.py  one (quantized) linear layer's roofline: the issue-29 estimates
 hostcost.py     the host's work per plan
 presets.py      shipped cost models (cpu-tiny measured, a100-* and h100-llama3-8b derived)

@@ -1,5 +1,5 @@
 """The emulated device's calibration table, built from the GPU runs' records (ops/gpu/runs/*.json):
-`python -m conveyor.sim.calibrate ops/gpu/runs/*.json` writes conveyor/sim/calibration/<kind>.json
+`python -m conveyor.sim.calibrate ops/gpu/runs/*.json` writes gpu/emulated/calibration/<kind>.json
 for each device kind the records name; calibrated.py reads it.
 
 The table holds measured figures only, reduced (a median where several runs measured the same
@@ -24,7 +24,8 @@ import json
 import statistics
 from pathlib import Path
 
-TABLES = Path(__file__).resolve().parent / "calibration"
+from conveyor.gpu.emulated.calibrated import TABLES
+
 MODEL = {  # the shape every recorded figure was measured on (conveyor.tiny.generate's llama3-8b)
     "hidden_size": 4096,
     "intermediate_size": 14336,

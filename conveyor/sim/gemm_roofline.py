@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from conveyor.sim.devices import BW_UTIL, DEVICES, DeviceSpec
+from conveyor.gpu.emulated.devices import BW_UTIL, DEVICES, DeviceSpec
 
 
 @dataclasses.dataclass(frozen=True)

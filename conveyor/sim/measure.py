@@ -17,7 +17,7 @@ import json
 import math
 import time
 
-from conveyor.sim.costmodel import Measurement, StepShape, fit
+from conveyor.gpu.emulated.costmodel import Measurement, StepShape, fit
 
 BLOCK_SIZE = 16
 

@@ -16,10 +16,10 @@ is zero. `--cost` (cost_model) finds a preset only through PRESETS.
 
 from __future__ import annotations
 
-from conveyor.sim.costmodel import CostModel, PassCost
-from conveyor.sim.devices import DEVICES
+from conveyor.gpu.emulated.costmodel import CostModel, PassCost
+from conveyor.gpu.emulated.devices import DEVICES
+from conveyor.gpu.emulated.roofline import RooflineCost
 from conveyor.sim.hostcost import HostCost
-from conveyor.sim.roofline import RooflineCost
 
 # Fitted by `python -m conveyor.sim.measure`: the minimum of 14 repeats per grid point (two runs of
 # --repeats 7; one thread; the runner as of commit 51fe2c0). RMS relative error 8% over the grid

@@ -22,7 +22,7 @@ import dataclasses
 import math
 
 from conveyor.config import CacheConfig, SchedulerConfig
-from conveyor.sim.costmodel import PassCost, StepShape
+from conveyor.gpu.emulated.costmodel import PassCost, StepShape
 from conveyor.sim.hostcost import HostCost
 from conveyor.sim.workloads import SYNTHETIC_VOCAB, SimRequest
 from conveyor.stages.scheduler.engine_core import EngineCore

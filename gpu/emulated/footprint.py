@@ -19,8 +19,8 @@ import functools
 import torch
 
 from conveyor.config.model import ModelConfig
-from conveyor.sim.devices import DeviceSpec
-from conveyor.sim.roofline import RooflineCost
+from conveyor.gpu.emulated.devices import DeviceSpec
+from conveyor.gpu.emulated.roofline import RooflineCost
 
 
 @dataclasses.dataclass(frozen=True)

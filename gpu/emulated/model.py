@@ -21,8 +21,8 @@ import dataclasses
 import torch
 
 from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata
+from conveyor.gpu.emulated.costmodel import PassCost, StepShape
 from conveyor.gpu.emulated.stream import VirtualStream
-from conveyor.sim.costmodel import PassCost, StepShape
 
 
 class EmulatedModel:

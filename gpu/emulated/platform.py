@@ -1,10 +1,10 @@
-"""EmulatedPlatform: a GPU from the device table (conveyor/sim/devices.py), modelled, in place of
+"""EmulatedPlatform: a GPU from the device table (gpu/emulated/devices.py), modelled, in place of
 a real one (gpu/step/platform.py has the seam).
 
 Runs for real: everything on the host, the runner's whole CUDA-graph path included. Emulated:
 the device's work, and the CPU a GPU host's driver spends beside that host code. Each pass is
 queued on a virtual stream (stream.py) for its time on this device: from the device's calibration
-table of kernel times measured on it (conveyor/sim/calibrated.py; with it the eager forwards' host
+table of kernel times measured on it (gpu/emulated/calibrated.py; with it the eager forwards' host
 time and CUDA's spin-waits, counted in conveyor_worker_emulated_host_cpu_seconds), or from the
 roofline (footprint.py) where the table has not the model's shapes or `--emulate-cost roofline`
 asks; the start-up log says which. Its ids are drawn on the host (draws.py) but readable only
@@ -31,15 +31,15 @@ from conveyor.config.errors import ConfigError
 from conveyor.config.model import ModelConfig
 from conveyor.gpu.backends import Backend
 from conveyor.gpu.backends.torch import TorchOps
+from conveyor.gpu.emulated.calibrated import for_model, load_table
+from conveyor.gpu.emulated.costmodel import PassCost
+from conveyor.gpu.emulated.devices import DEVICES, MIB
 from conveyor.gpu.emulated.draws import EmulatedDraws
 from conveyor.gpu.emulated.footprint import footprint, pass_cost
 from conveyor.gpu.emulated.host_link import EmulatedHostLink
 from conveyor.gpu.emulated.model import EmulatedAttention, EmulatedModel
 from conveyor.gpu.emulated.stream import VirtualCopy, VirtualEvent, VirtualStream
 from conveyor.gpu.sampling.draws import DeviceSamples
-from conveyor.sim.calibrated import for_model, load_table
-from conveyor.sim.costmodel import PassCost
-from conveyor.sim.devices import DEVICES, MIB
 from conveyor.stages import metrics
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class EmulatedPlatform:
             self.cost = calibrated
             self.stream.spin_waits = True  # CUDA's default wait on a host with more cores than GPUs
             self.stream.on_modelled_cpu = lambda seconds: metrics.worker_emulated_host_cpu.inc(seconds)
-            source = f"the calibration table conveyor/sim/calibration/{self.spec.name}.json (kernel times measured on the device)"
+            source = f"the calibration table gpu/emulated/calibration/{self.spec.name}.json (kernel times measured on the device)"
         elif table is not None:
             source = f"roofline: {self.spec.name}'s calibration table has no entries for this model's shapes"
         else:
@@ -73,7 +73,7 @@ class EmulatedPlatform:
         self.draws = EmulatedDraws(ordinary_ids(config.model), config.model.vocab_size)
         torch.set_num_threads(1)  # host tensors of a few hundred ids: threads would only contend
         log.warning(
-            "EMULATED device: %s%s, modelled, not measured: pass times from %s (conveyor/sim/devices.py: %.0f TFLOP/s, "
+            "EMULATED device: %s%s, modelled, not measured: pass times from %s (gpu/emulated/devices.py: %.0f TFLOP/s, "
             "%.2f TB/s); no weights loaded; every device time and figure is emulated",
             self.spec.name,
             f" x {num_ranks} (tensor parallel)" if num_ranks > 1 else "",

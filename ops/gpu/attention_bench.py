@@ -9,7 +9,7 @@ variant forced, torch SDPA as a sanity reference, FlashInfer's wrappers when imp
 Each time is the device's: the call replayed from a CUDA graph, the median of 50 replays with
 the L2 cleared before each (kernel_bench.py's `graph_us`). Beside it, the roofline: the bytes
 the call must move (each row's K and V once, q read, out written, its pages' table entries) at
-the bandwidth of the card's row of conveyor/sim/devices.py, or its FLOPs at the bf16 peak where
+the bandwidth of the card's row of gpu/emulated/devices.py, or its FLOPs at the bf16 peak where
 those take longer (the chunk); `x` is time / roofline (issue 48 asks for <= 1.5 at 64 and 256
 rows). Each output is checked against the float32 torch reference (`max_err`).
 --dry-run (or no CUDA device): the same code under Triton's interpreter on shapes cut to a few
@@ -41,7 +41,7 @@ from attention_candidates import Step, candidates  # noqa: E402
 from kernel_bench import graph_us  # noqa: E402
 
 from conveyor.gpu.backends.triton.paged_attention_reference import reference_paged_attention  # noqa: E402
-from conveyor.sim.devices import DEVICES, DeviceSpec  # noqa: E402
+from conveyor.gpu.emulated.devices import DEVICES, DeviceSpec  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,8 +46,8 @@ from conveyor.gpu.backends.triton.gemm_picks import PICKS, ROW_BUCKETS, makers  
 from conveyor.gpu.backends.triton.int4pack import Int4PackWeight, int4pack_linear  # noqa: E402
 from conveyor.gpu.backends.triton.quant_linear import KernelWeight, kernel_weight, quant_linear  # noqa: E402
 from conveyor.gpu.backends.triton.quant_linear_words import WordWeight, words_linear  # noqa: E402
+from conveyor.gpu.emulated.devices import DEVICES  # noqa: E402
 from conveyor.gpu.quant.weight import QuantizedWeight, quantize_groups  # noqa: E402
-from conveyor.sim.devices import DEVICES  # noqa: E402
 from conveyor.sim.gemm_roofline import FORMATS, MODELS, estimate  # noqa: E402
 
 LAYERS = ("qkv", "o", "gate_up", "down")

@@ -1,4 +1,4 @@
-"""The emulated device on its calibration table (conveyor/sim/calibrated.py): which cost it takes,
+"""The emulated device on its calibration table (gpu/emulated/calibrated.py): which cost it takes,
 the host it holds for an eager forward, and the GPU host's CPU it counts without spending it.
 A fake clock drives the stream, as in test_emulated_device.py."""
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conveyor.gpu.backends.base import AttentionMetadata
+from conveyor.gpu.emulated.calibrated import CalibratedCost
 from conveyor.gpu.emulated.model import EmulatedModel, GraphMetadata, pass_shape
 from conveyor.gpu.emulated.platform import EmulatedPlatform
+from conveyor.gpu.emulated.roofline import RooflineCost
 from conveyor.gpu.emulated.stream import VirtualStream
-from conveyor.sim.calibrated import CalibratedCost
-from conveyor.sim.roofline import RooflineCost
 from tests.gpu.test_emulated_device import FakeClock, emulated_config, llama3_8b  # noqa: F401  (fixtures)
 
 

@@ -17,6 +17,8 @@ import torch
 
 from conveyor.config import CacheConfig, ConfigError, EngineConfig, ParallelConfig
 from conveyor.config.model import ModelConfig
+from conveyor.gpu.emulated.costmodel import StepShape
+from conveyor.gpu.emulated.devices import DEVICES
 from conveyor.gpu.emulated.draws import EmulatedDraws
 from conveyor.gpu.emulated.footprint import footprint, pass_cost
 from conveyor.gpu.emulated.platform import EmulatedPlatform, ordinary_ids
@@ -26,8 +28,6 @@ from conveyor.gpu.sampling.draws import SamplingRow
 from conveyor.gpu.step.pass_clock import PassClock
 from conveyor.gpu.step.runner import ModelRunner
 from conveyor.gpu.structured import TokenMask
-from conveyor.sim.costmodel import StepShape
-from conveyor.sim.devices import DEVICES
 from conveyor.sim.presets import H100_LLAMA3_8B
 from conveyor.tiny.checkpoint import make_config
 from conveyor.tiny.generate import SHAPES

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from conveyor.gpu.emulated.devices import DEVICES
 from conveyor.gpu.emulated.host_link import EmulatedHostLink
 from conveyor.gpu.emulated.stream import VirtualStream
-from conveyor.sim.devices import DEVICES
 from tests.gpu.test_emulated_device import FakeClock
 
 BLOCK = 2 * 2**20  # Llama-3-8B's bf16 KV for 16 tokens: 32 layers x 2 x 8 heads x 128 x 16 x 2 bytes

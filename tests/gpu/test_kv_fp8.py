@@ -24,13 +24,13 @@ from conveyor import LLM, SamplingParams
 from conveyor.config import CacheConfig, ConfigError, EngineConfig, ParallelConfig
 from conveyor.engine_config import build_engine_config
 from conveyor.gpu.backends import select
+from conveyor.gpu.emulated.costmodel import StepShape
+from conveyor.gpu.emulated.devices import DEVICES
 from conveyor.gpu.emulated.footprint import pass_cost
 from conveyor.gpu.emulated.platform import EmulatedPlatform
 from conveyor.gpu.kv.kv_fp8 import KVScales
 from conveyor.gpu.loading.loader import load_model
 from conveyor.gpu.models.registry import read_model_config
-from conveyor.sim.costmodel import StepShape
-from conveyor.sim.devices import DEVICES
 from conveyor.tiny.checkpoint import make_checkpoint, make_config
 from conveyor.tiny.generate import SHAPES
 from tests.conftest import ARCHITECTURES, SMALL

@@ -1,5 +1,5 @@
 """The emulated device's calibration table (conveyor/sim/calibrate.py) and the pass times taken from
-it (conveyor/sim/calibrated.py): the committed table is what the committed GPU records build, a
+it (gpu/emulated/calibrated.py): the committed table is what the committed GPU records build, a
 recorded shape gives its recorded time, and the times move with the table."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.gpu.emulated.calibrated import CalibratedCost, for_model, interpolate, load_table
+from conveyor.gpu.emulated.costmodel import StepShape
+from conveyor.gpu.emulated.devices import DEVICES
 from conveyor.gpu.models.registry import read_model_config
 from conveyor.sim.calibrate import MODEL, TABLES, build, load_records
-from conveyor.sim.calibrated import CalibratedCost, for_model, interpolate, load_table
-from conveyor.sim.costmodel import StepShape
-from conveyor.sim.devices import DEVICES
 from conveyor.tiny.checkpoint import make_config
 from conveyor.tiny.generate import SHAPES
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.sim.devices import DEVICES
+from conveyor.gpu.emulated.devices import DEVICES
 from conveyor.sim.gemm_roofline import FORMATS, MODELS, estimate, main
 
 H100 = DEVICES["h100"]

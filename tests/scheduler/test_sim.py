@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conveyor.config import CacheConfig, SchedulerConfig
+from conveyor.gpu.emulated.costmodel import CostModel, Measurement, StepShape, fit
 from conveyor.sim import __main__ as cli
-from conveyor.sim.costmodel import CostModel, Measurement, StepShape, fit
 from conveyor.sim.presets import A100_7B, CPU_TINY, PRESETS
 from conveyor.sim.run_metrics import compute, meets_sla
 from conveyor.sim.simulator import RequestRecord, SimConfig, build_scheduler, simulate

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from conveyor.config import SchedulerConfig
+from conveyor.gpu.emulated.costmodel import StepShape
 from conveyor.sim import __main__ as cli
-from conveyor.sim.costmodel import StepShape
 from conveyor.sim.hostcost import HostCost
 from conveyor.sim.presets import H100_LLAMA3_8B, HOST_COSTS
 from conveyor.sim.run_metrics import compute

@@ -32,9 +32,10 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from conveyor.sim.calibrate import TABLES
-from conveyor.sim.costmodel import StepShape
-from conveyor.sim.devices import MFU, DeviceSpec
+from conveyor.gpu.emulated.costmodel import StepShape
+from conveyor.gpu.emulated.devices import MFU, DeviceSpec
+
+TABLES = Path(__file__).resolve().parent / "calibration"  # one table per device, written by conveyor/sim/calibrate.py
 
 US = 1e-6
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from conveyor.sim.costmodel import StepShape
-from conveyor.sim.devices import BW_UTIL, MFU, DeviceSpec
+from conveyor.gpu.emulated.costmodel import StepShape
+from conveyor.gpu.emulated.devices import BW_UTIL, MFU, DeviceSpec
 
 
 @dataclasses.dataclass(frozen=True)
