@@ -138,8 +138,7 @@ class KvTiers:
 
     def prefetch(self, seq: Sequence, hits: list[int], step: int) -> bool:
         """Load the blocks of `seq`'s prefix past its device `hits` that the host tier holds, if
-        any, into fresh device blocks (as many as the free pool holds, leaving a block for the rest
-        of its prompt); True when it
+        any, into fresh device blocks (leaving a block for the rest of its prompt); True when it
         waits for them (admitted at the next step). A sequence whose load was lost meanwhile
         (the pool evicted the loaded blocks) is not loaded twice in a row: it computes them."""
         blocks = self.blocks
@@ -147,9 +146,11 @@ class KvTiers:
         if len(hits) >= limit or self._prefetch_step.get(seq.seq_id, -2) >= step - 1:
             return False
         names = seq.full_block_hashes(blocks.block_size, limit)[len(hits) :]
-        room = blocks.num_free - blocks.num_revived(hits) - 1  # a block left for the rest of its prompt
-        slots = self.host.lookup(names)[: max(0, room)]  # a full pool loads what fits: a shorter prefix
-        if not slots:
+        slots = self.host.lookup(names)
+        # Room for all of it and a block more, or nothing: loading into a pool the running
+        # sequences have filled starves their decodes (measured: a partial load there cut the
+        # multi-turn race's tokens/s tenfold through preemptions).
+        if not slots or not blocks.can_allocate(len(slots) + 1 + blocks.num_revived(hits)):
             return False
         names = names[: len(slots)]
         blocks.share(hits)  # held while the fresh blocks are taken, so that none of them is evicted
