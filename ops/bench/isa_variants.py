@@ -3,14 +3,15 @@
 code path, so that each ISA's speed is measured side by side on one machine (issue 52).
 
     python ops/bench/isa_variants.py [--rows 1] [--out 1536] [--in 576] [--kind u4] [--group 32]
-                                     [--rounds 7] [--calls 200] [--threads N]
+                                     [--scales float16] [--rounds 7] [--calls 200] [--threads N]
 
-The default shape is SmolLM2-135M's gate projection at one decode row, Q4_1-like (u4, groups of
-32, with mins, float16 scales as GGUF's). Prints per variant the median ms per call over `rounds`
-rounds of `calls` calls, the variants interleaved in every round so the machine's drift falls on
-all alike; the weight bytes read per ms as GB/s (a decode row reads every weight once); the
-largest difference from native's output, relative to its largest output (the int8 paths' sums
-are exact integers, so the variants differ only in float rounding); and the paths each runs.
+The default shape is SmolLM2-135M's gate projection at one decode row, Q4_1-like (u4, groups of 32,
+with mins, float16 scales as GGUF's; --scales float32 keeps them float32, the kernels' other form).
+Prints per variant the median ms per call over `rounds` rounds of `calls` calls, the variants
+interleaved in every round so the machine's drift falls on all alike; the weight bytes read per ms
+as GB/s (a decode row reads every weight once); the largest difference from native's output,
+relative to its largest output (the int8 paths' sums are exact integers, so the variants differ
+only in float rounding); and the paths each runs.
 Run it on a quiet machine: a shared one's neighbours move the figures more than an ISA does.
 """
 
@@ -39,8 +40,9 @@ def main(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)  # the kernels share torch's libgomp, so its pool too
     g = torch.Generator().manual_seed(0)
     w = quantize_groups(torch.randn(args.out, args.in_features, generator=g), args.kind, args.group)
-    w.scales, w.mins = w.scales.half().float(), None if w.mins is None else w.mins.half().float()
-    w.compact()  # float16 scales and mins, as a GGUF's
+    if args.scales == "float16":
+        w.scales, w.mins = w.scales.half().float(), None if w.mins is None else w.mins.half().float()
+        w.compact()  # float16 scales and mins, as a GGUF's
     x = torch.randn(args.rows, args.in_features, generator=g)
     kernels: dict[str, tuple[CpuQuantLinear, QuantizedWeight]] = {}
     for name in isa.runnable():
@@ -62,6 +64,7 @@ def main(args: argparse.Namespace) -> None:
             times[name].append((time.perf_counter() - start) / args.calls * 1e3)
     nbytes = weight_bytes(w)
     shape = f"x [{args.rows}, {args.in_features}] times {args.kind} W [{args.out}, {args.in_features}] G={args.group}"
+    shape += f", {args.scales} scales"
     print(f"{isa.cpu_model()}, {torch.get_num_threads()} OpenMP threads; {shape} ({nbytes / 1e6:.2f} MB)")
     print(f"median of {args.rounds} rounds of {args.calls} calls")
     print("| variant | ms per call | GB/s | vs native | paths |\n|---|---:|---:|---:|---|")
@@ -80,6 +83,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--in", dest="in_features", type=int, default=576, help="input features K")
     p.add_argument("--kind", choices=("u4", "u8"), default="u4")
     p.add_argument("--group", type=int, default=32)
+    p.add_argument("--scales", choices=("float16", "float32"), default="float16", help="how scales and mins are stored")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--threads", type=int, help="OpenMP threads, torch's and the kernels' (one pool; default: torch's)")

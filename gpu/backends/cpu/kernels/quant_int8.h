@@ -38,12 +38,19 @@ constexpr int kBlock = 32;                 // inputs per x scale
 constexpr int64_t kPrefetchBytes = 4096;   // how far ahead of its reads a thread asks for codes
 // (measured on one core of this machine, 1536 x 576 u4: none 100 us, 1 KB to 8 KB 95 to 99 us)
 
-// Which scales the lanes of one vector of codes take: lane l, group base + lane_group[l].
+// Which scales the lanes of one vector of codes take: lane l, group base + lane_group[l]. Every
+// vector reads the same number of scales, scale_lanes(K / G), from `base`: its first group, moved
+// back where that would read past the row. So a row of kIntLanes groups or more has whole-vector
+// scale loads, unmasked, and a shorter one reads all its scales each time, by masks made once per
+// call. (Masks made per vector cost a tenth of an AVX2 u4 call, measured: that loop is bound by
+// its uops.)
 struct alignas(64) VecPlan {
-  int32_t lane_group[kIntLanes];
+  int32_t lane_group[kIntLanes];  // < scale_lanes
   int32_t lane_block[kIntLanes];  // x's block, -1 past K
-  int64_t base, span, code_bytes;  // first group, groups taken, bytes of codes (less at K's end)
+  int64_t base, code_bytes;       // first group read, bytes of codes (less at K's end)
 };
+
+inline int scale_lanes(int64_t num_groups) { return static_cast<int>(std::min<int64_t>(kIntLanes, num_groups)); }
 
 // The plan for rows of K inputs in groups of G, cached by shape (a model has a handful).
 const std::vector<VecPlan>& plan_for(int64_t K, int64_t G, bool u4) {
@@ -54,16 +61,15 @@ const std::vector<VecPlan>& plan_for(int64_t K, int64_t G, bool u4) {
   plan.resize((K + vec_inputs - 1) / vec_inputs);
   for (int64_t v = 0; v < static_cast<int64_t>(plan.size()); ++v) {
     VecPlan& p = plan[v];
-    p.base = v * vec_inputs / G;
-    int64_t last = p.base;
+    // Each lane's inputs lie in one group, so the vector's groups number at most kIntLanes (and
+    // K / G): they lie in [base, base + scale_lanes).
+    p.base = std::min(v * vec_inputs / G, K / G - scale_lanes(K / G));
     for (int l = 0; l < kIntLanes; ++l) {
       const int64_t k = v * vec_inputs + (u4 ? l / 4 * 32 : 4 * l);  // the lane's first input
       const int64_t group = std::min(k, K - 1) / G;  // a lane past K takes any scale: it adds 0
       p.lane_group[l] = static_cast<int32_t>(group - p.base);
       p.lane_block[l] = k < K ? static_cast<int32_t>(k / kBlock) : -1;
-      last = std::max(last, group);
     }
-    p.span = last - p.base + 1;
     p.code_bytes = std::min<int64_t>(kVecBytes, row_bytes - v * kVecBytes);
   }
   return plan;
@@ -184,20 +190,20 @@ void int8_block(const QuantizedX& xq, const uint8_t* q, const S* scales, const S
   const float* dv = xq.dx.data() + m0 * dx_row;
   q += n0 * row_bytes, scales += n0 * groups, mins = mins ? mins + n0 * groups : nullptr;
   const VecPlan* plan = xq.plan;
+  const FirstLanes vec_scales(scale_lanes(groups));  // read per vector of codes, from plan->base
   for (const uint8_t* codes = q; codes < q + row_bytes; codes += kVecBytes, xv += xq.xvec_stride, dv += kIntLanes, ++plan) {
     const ivec idx = load_ivec(plan->lane_group);
-    const int span = static_cast<int>(plan->span);
     const S* s0 = scales + plan->base;
     for (int n = 0; n < NB; ++n) {
       _mm_prefetch(reinterpret_cast<const char*>(codes + n * row_bytes + ahead), _MM_HINT_T0);
       const Codes c = load_codes<U4>(codes + n * row_bytes, plan->code_bytes);
-      const fvec s = permute(idx, load_scales(s0 + n * groups, span));
+      const fvec s = permute(idx, load_scales(s0 + n * groups, vec_scales));
       for (int m = 0; m < MB; ++m)
         acc[n][m] = cvt(dot_codes<U4, P>(c, xv + m * x_row, xq.xvec_bytes)) * load_fvec(dv + m * dx_row) * s + acc[n][m];
     }
   }
   for (int64_t g = 0; g < groups; g += kIntLanes) {  // the mins' (and the u8 shift's) part
-    const int width = static_cast<int>(std::min<int64_t>(kIntLanes, groups - g));
+    const FirstLanes width(static_cast<int>(std::min<int64_t>(kIntLanes, groups - g)));
     for (int n = 0; n < NB; ++n) {
       fvec mn = mins ? load_scales(mins + n * groups + g, width) : fvec{};
       if (xq.shifted) mn += load_scales(scales + n * groups + g, width) * 128.f;
