@@ -93,6 +93,12 @@ def add_serve(p: argparse.ArgumentParser) -> None:
         "is about this x the mean prompt (the run's header says how that compares with the server's KV pool)",
     )
     turns.add_argument(
+        "--multi-turn-replies",
+        choices=("generated", "recorded"),
+        default="generated",
+        help="the assistant's turns: the server's own replies, as a chat client sends them back, or ShareGPT's recorded ones",
+    )
+    turns.add_argument(
         "--multi-turn-max-output", type=_count(1), default=256, help="cap on a turn's max_tokens (the recorded reply's length)"
     )
     turns.add_argument(

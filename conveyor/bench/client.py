@@ -34,6 +34,7 @@ class RequestResult:
     chunk_times: list[float] = dataclasses.field(default_factory=list)  # each output chunk's arrival
     chunk_tokens: list[int] = dataclasses.field(default_factory=list)  # tokens in each (>= 1)
     error: str | None = None
+    text: str = ""  # the output text, as streamed (a multi-turn conversation sends it back)
 
     @property
     def success(self) -> bool:
@@ -111,6 +112,7 @@ async def send(session: aiohttp.ClientSession, url: str, request: BenchRequest, 
                         if tokens:
                             result.chunk_times.append(arrived)
                             result.chunk_tokens.append(tokens)
+                            result.text += _output_text(event)
     except _StreamError as e:
         result.error = f"error event: {e}"
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # ValueError: bad JSON
@@ -139,6 +141,17 @@ def _events(lines: list[bytes]):
         data = line[5:].strip()
         if data and data != b"[DONE]":
             yield json.loads(data)
+
+
+def _output_text(event: dict) -> str:
+    """The text an event carries: a completion choice's, or a chat delta's content."""
+    for choice in event.get("choices") or ():
+        text = choice.get("text")
+        if text is None:
+            text = (choice.get("delta") or {}).get("content")
+        if text:
+            return text
+    return ""
 
 
 def _output_tokens(event: dict) -> int:

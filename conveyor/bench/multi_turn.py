@@ -2,10 +2,12 @@
 replayed turn by turn, several at once, so that a KV cache has to keep conversations between turns.
 
 Turns: a conversation's exchanges are its leading (human, gpt) pairs, both with text. Turn k sends
-every earlier exchange (the user's message, then the *recorded* reply as the assistant's) and the
-k-th user message, so each turn's prompt is exactly the previous turn's prompt + its recorded reply
-+ the next user message, and a prefix cache that kept the previous prompt finds it all (the
-server's own replies are discarded). max_tokens is the recorded reply's length, capped. A
+every earlier exchange and the k-th user message. The assistant's messages are what the server
+generated for the earlier turns (`replies="generated"`, the default: what a chat client sends
+back, so each turn's prompt is the previous turn's prompt + the reply the server computed + the
+next user message, and a prefix cache that kept the previous turn finds all of it), or the
+recorded ShareGPT replies (`"recorded"`: the same prompts whatever the server says, to compare
+servers; the previous reply is then never a prefix hit). max_tokens is the recorded reply's length, capped. A
 conversation stops before the first turn whose prompt and output would pass `max_context`
 tokens; one left with fewer than two turns is not used. Conversations are taken in an order
 shuffled by the seed, `num_prompts` of them (all there are, if fewer).
@@ -33,6 +35,7 @@ from conveyor.bench.prompts import TokenCounter, special_tokens
 
 TOKENS_PER_MESSAGE = 8  # a chat template's role header and end marker, roughly (ChatML, Llama 3: ~5)
 TARGET_WORKING_SET = 5.0  # x the KV pool: issue 50's "working set about 5x the device pool"
+REPLIES = ("generated", "recorded")  # what a turn's assistant messages hold (replay)
 
 Message = tuple[str, str]  # (role, content)
 
@@ -42,6 +45,7 @@ class MultiTurnConfig:
     concurrency: int = 16  # conversations active at once
     max_output: int = 256  # cap on a turn's max_tokens
     max_context: int = 2000  # prompt + max_tokens a turn may reach: under a 2048-token model, with a margin
+    replies: str = "generated"  # the assistant's turns: one of REPLIES (replay)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +142,15 @@ async def replay(
     *,
     concurrency: int,
     progress=None,
+    replies: str = "generated",
 ) -> tuple[list[client.RequestResult], float]:
     """Every turn's result, in the order they finished, and the run's duration (first send to last
     finish): `concurrency` conversations at once, each turn sent when its conversation's previous
-    one finished (a failed turn too: the next prompt holds the recorded reply, not the server's)."""
+    one finished. `replies`: "generated", each assistant turn is the text the server streamed for
+    it, as a chat client sends it back (a failed turn's is the recorded reply); "recorded", the
+    ShareGPT replies, the same prompts whatever the server says (to compare servers)."""
+    if replies not in REPLIES:
+        raise ValueError(f"replies: one of {REPLIES}, not {replies!r}")
     if concurrency < 1:
         raise ValueError("multi-turn needs at least one active conversation")
     pending = iter(conversations)  # shared: a slot whose conversation ended takes the next one
@@ -149,10 +158,19 @@ async def replay(
 
     async def slot() -> None:
         for conversation in pending:
+            said: list[Message] = []  # the assistant's turns so far, as this run's server gave them
             for turn in conversation:
-                results.append(await send(turn))
+                if replies == "generated" and said:  # messages alternate: odd ones are the assistant's
+                    messages = tuple(said[i // 2] if i % 2 else m for i, m in enumerate(turn.messages))
+                    turn = dataclasses.replace(turn, messages=messages)
+                result = await send(turn)
+                results.append(result)
                 if progress is not None:
                     progress.update(1)
+                k = len(said)  # this turn's index: its recorded reply is the next turn's message 2k + 1
+                following = conversation[k + 1].messages if k + 1 < len(conversation) else ()
+                recorded = following[2 * k + 1] if len(following) > 2 * k + 1 else ("assistant", "")
+                said.append(("assistant", result.text) if result.success and result.text else recorded)
 
     start = time.perf_counter()
     await asyncio.gather(*(slot() for _ in range(concurrency)))

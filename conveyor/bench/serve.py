@@ -90,6 +90,7 @@ class ServeBenchConfig:
                 concurrency=args.multi_turn_concurrency,
                 max_output=args.multi_turn_max_output,
                 max_context=args.multi_turn_max_context,
+                replies=args.multi_turn_replies,
             ),
         )
 
@@ -194,7 +195,9 @@ async def _multi_turn_point(
     label = f"{turns.concurrency} conversations"
     before = await server_metrics.scrape_all(session, config.metrics_sources)
     with tqdm(total=sum(len(c) for c in conversations), desc=label, disable=not config.progress, unit="req") as bar:
-        results, duration = await multi_turn.replay(conversations, send_turn, concurrency=turns.concurrency, progress=bar)
+        results, duration = await multi_turn.replay(
+            conversations, send_turn, concurrency=turns.concurrency, progress=bar, replies=turns.replies
+        )
     after = await server_metrics.scrape_all(session, config.metrics_sources)
     return compute(
         results,

@@ -163,3 +163,25 @@ def test_serve_refuses_open_loop_flags_with_multi_turn(tiered, capsys):
     assert "--multi-turn-concurrency" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["bench", "serve", "--multi-turn-concurrency", "0"])
+
+
+@pytest.mark.parametrize("replies", ["generated", "recorded"])
+def test_a_turn_sends_back_the_reply_the_server_gave(replies):
+    """Generated replies: turn k+1's assistant messages are the texts the server streamed for the
+    turns before (a failed turn's is the recorded reply); recorded: the file's, whatever the server said."""
+    recorded = [("user", "u0"), ("assistant", "r0"), ("user", "u1"), ("assistant", "r1"), ("user", "u2")]
+    conversation = tuple(Turn(tuple(recorded[: 2 * k + 1]), 10, 1) for k in range(3))
+    sent: list[tuple[tuple[str, str], ...]] = []
+
+    async def send(turn: Turn) -> RequestResult:
+        sent.append(turn.messages)
+        k = len(sent) - 1
+        return RequestResult(10, 1, 0.0, text=f"said{k}", error="boom" if k == 1 else None)
+
+    asyncio.run(replay([conversation], send, concurrency=1, replies=replies))
+    assistants = [[text for role, text in messages if role == "assistant"] for messages in sent]
+    if replies == "generated":
+        assert assistants == [[], ["said0"], ["said0", "r1"]]  # turn 1 failed: its recorded reply stands
+    else:
+        assert assistants == [[], ["r0"], ["r0", "r1"]]
+    assert [m[-1] for m in sent] == [("user", "u0"), ("user", "u1"), ("user", "u2")]
