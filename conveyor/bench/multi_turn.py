@@ -101,7 +101,9 @@ def make_turns(pairs: list[tuple[str, str]], counts: list[tuple[int, int]], over
         messages.append(("user", user))
         turns.append(Turn(tuple(messages), prompt_len, output_len))
         messages.append(("assistant", reply))
-        context = prompt_len + num_reply - overhead + TOKENS_PER_MESSAGE
+        # The next prompt holds this turn's reply: the server's (at most output_len tokens) or the file's.
+        reply_len = output_len if config.replies == "generated" else num_reply - overhead
+        context = prompt_len + reply_len + TOKENS_PER_MESSAGE
     return tuple(turns)
 
 

@@ -60,6 +60,9 @@ def test_turn_lengths_and_where_a_conversation_stops():
     assert turns[2].messages == (("user", "a b"), ("assistant", "c d e"), ("user", "f"), ("assistant", "g h"), ("user", "i j k"))
     short = make_turns(pairs, counts, overhead=1, config=MultiTurnConfig(max_output=100, max_context=second + 99))
     assert len(short) == 1  # turn 2's prompt + 100 output tokens would pass the context
+    # Recorded replies: turn 3's prompt holds turn 2's 299-token reply, not the 100 the server may say.
+    kept = make_turns(pairs, counts, overhead=1, config=MultiTurnConfig(max_output=100, max_context=10_000, replies="recorded"))
+    assert kept[2].prompt_len - turns[2].prompt_len == 299 - 100
 
 
 def test_exchanges_stop_at_the_first_out_of_turn_or_empty_message():
