@@ -52,9 +52,12 @@ class HostSlots:
 
     def store(self, name: int) -> int | None:
         """The slot to copy a block named `name` into, evicting the least recently used name when
-        every slot is taken; None when the tier holds that name already (it counts as a use)."""
+        every slot is taken; None when the tier holds that name already (it counts as a use), or
+        when swapped-out sequences hold every slot."""
         if name in self._slot_of:
             self._slot_of.move_to_end(name)
+            return None
+        if not self._free and not self._slot_of:
             return None
         slot = self._free.pop() if self._free else self._slot_of.popitem(last=False)[1]
         self._slot_of[name] = slot

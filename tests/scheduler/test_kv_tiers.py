@@ -19,6 +19,11 @@ def test_host_slots_evict_the_least_recently_used_name():
     assert slots.store(12) == 1  # 11 was least recently used
     assert 11 not in slots and slots.lookup([10, 12, 11]) == [0, 1]
     assert slots.store(13) == 0  # the lookup used 10 before 12
+    taken = slots.reserve(2, avoid=set())
+    assert taken is not None and sorted(taken) == [0, 1] and len(slots) == 0  # a swapped-out sequence takes every slot
+    assert slots.store(14) is None  # no slot left to save into: the block is not kept
+    slots.release(taken)
+    assert slots.store(14) in (0, 1)
 
 
 def _serve(driver: Driver, i: int, prompt: list[int]) -> list[int]:
