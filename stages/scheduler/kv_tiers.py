@@ -102,6 +102,8 @@ class KvTiers:
         # LRU, then loaded back into held device blocks the step before it runs again.
         self._swapped: dict[int, list[int]] = {}  # seq_id -> its host slots
         self._swapping_in: dict[int, list[int]] = {}  # seq_id -> the device blocks loaded back for it
+        self._loaded_at: dict[int, int] = {}  # seq_id -> the scheduling round that loaded them back
+        self._round = 0  # begin_step calls: a round that plans nothing counts too (steps would not advance)
         self._reading: set[int] = set()  # slots this plan's loads read: no save may take them
         self._read: list[int] = []  # swap slots the plan before read back: free from this step on
         self.num_swapped_out = 0  # blocks
@@ -124,7 +126,12 @@ class KvTiers:
         (free, so the waiting sequence that asked for them finds them as hits), and this plan's
         saves are the blocks named since the plan before was built."""
         self.saves, self.loads, self._reading = [], [], set()
+        self._round += 1
         blocks = self.blocks
+        for seq_id, at in list(self._loaded_at.items()):
+            if at < self._round - 1:  # not run in the round after its load (another sequence went first):
+                del self._loaded_at[seq_id]  # its held blocks go back, lest they keep that one out, and it computes again
+                blocks.free(self._swapping_in.pop(seq_id))
         if self._loaded:
             for block, name in self._loaded:
                 blocks.register(block, name)  # unless an identical block was named meanwhile
@@ -188,9 +195,12 @@ class KvTiers:
         """A waiting sequence's swapped-out blocks: None if it has none (it computes as any);
         True while they are on their way (loaded back by this plan into blocks held for it, or
         the pool has no room yet: it waits); False once they are back: its table and computed
-        count are restored, and it runs from there."""
+        count are restored, and it runs from there. Blocks loaded back are held one scheduling
+        round: a sequence not run in the round after its load (the queue's head went first) is
+        recomputed, so that held blocks never keep the head out of the pool."""
         table = self._swapping_in.pop(seq.seq_id, None)
         if table is not None:
+            del self._loaded_at[seq.seq_id]
             seq.block_ids, seq.num_computed_tokens = table, seq.num_swapped_tokens
             return False
         slots = self._swapped.get(seq.seq_id)
@@ -202,12 +212,14 @@ class KvTiers:
             self._reading.update(slots)
             self._read += self._swapped.pop(seq.seq_id)
             self._swapping_in[seq.seq_id] = fresh
+            self._loaded_at[seq.seq_id] = self._round
         return True
 
     def hold_again(self, seq: Sequence) -> None:
         """A sequence `resume` gave its table back to that could not run this step after all:
         the tier holds its blocks again until it does."""
         self._swapping_in[seq.seq_id] = seq.block_ids
+        self._loaded_at[seq.seq_id] = self._round  # one more round at most
         seq.block_ids, seq.num_computed_tokens = [], 0
 
     def forget(self, seq: Sequence) -> None:
@@ -215,4 +227,5 @@ class KvTiers:
         if (slots := self._swapped.pop(seq.seq_id, None)) is not None:
             self.host.release(slots)
         if (table := self._swapping_in.pop(seq.seq_id, None)) is not None:
+            del self._loaded_at[seq.seq_id]
             self.blocks.free(table)

@@ -97,3 +97,27 @@ def test_preempted_sequences_come_back_from_the_host_tier_when_swapped(mode, dep
     if mode == "swap":  # each resume computes one token again, not the whole sequence
         assert computed < sum(len(p) + 12 for p in prompts) + 2 * sched.num_preemptions
     assert sched.blocks.num_used == 0
+
+
+def test_blocks_loaded_back_never_keep_the_queues_head_out():
+    """Found by the property test: a swapped-out sequence loaded back while another, ahead of it
+    in the queue, could not resume for want of the blocks it held. Held blocks now last one round:
+    every request finishes, with the fake model's tokens."""
+    from conveyor.wire.messages import SamplingParams, ScheduleRequest
+
+    sched, runner = make(1, 58, 1, 9, 2, 256, 64, policy="prefill_first", enable_prefix_caching=False, preemption_mode="swap")
+    driver = Driver(sched, runner)
+    prompts = {
+        "r0": [1],
+        "r1": [(31 + j) % 500 for j in range(9)] + [14],
+        "r2": [27],
+        "r3": [40],
+        "r4": [53],
+        "r5": [(62 + j) % 500 for j in range(20)] + [(5 * 13 + j) % 500 + 1 for j in range(20)],
+    }
+    wanted = {"r0": (1, 1, 0), "r1": (6, 3, 0), "r2": (1, 1, 0), "r3": (1, 1, 0), "r4": (1, 1, 0), "r5": (2, 2, 1)}
+    for rid, (max_tokens, n, priority) in wanted.items():
+        params = SamplingParams(n=n, max_tokens=max_tokens)
+        driver.core.add_request(ScheduleRequest(rid, 0, prompts[rid], params, 0.0, priority))
+    driver.run(max_ticks=2000)
+    assert sched.num_preemptions > 0 and sched.blocks.num_used == 0
