@@ -191,13 +191,14 @@ class KvTiers:
         self.num_swapped_out += num
         return True
 
-    def resume(self, seq: Sequence) -> bool | None:
+    def resume(self, seq: Sequence, idle: bool = False) -> bool | None:
         """A waiting sequence's swapped-out blocks: None if it has none (it computes as any);
         True while they are on their way (loaded back by this plan into blocks held for it, or
         the pool has no room yet: it waits); False once they are back: its table and computed
         count are restored, and it runs from there. Blocks loaded back are held one scheduling
         round: a sequence not run in the round after its load (the queue's head went first) is
-        recomputed, so that held blocks never keep the head out of the pool."""
+        recomputed, so that held blocks never keep the head out of the pool; nor is one whose
+        blocks find no room while nothing runs (`idle`) that could free it."""
         table = self._swapping_in.pop(seq.seq_id, None)
         if table is not None:
             del self._loaded_at[seq.seq_id]
@@ -205,6 +206,9 @@ class KvTiers:
             return False
         slots = self._swapped.get(seq.seq_id)
         if slots is None:
+            return None
+        if idle and not self.blocks.can_allocate(len(slots) + 1):  # nothing runs to free room: compute it again
+            self.host.release(self._swapped.pop(seq.seq_id))
             return None
         if self.blocks.can_allocate(len(slots) + 1):
             fresh = self.blocks.allocate(len(slots))

@@ -103,7 +103,7 @@ class StepBuilder:
             if adapter is not None and adapters is not None and seq.lora_slot < 0 and not self._place(seq, adapter):
                 waiting_for_slot.append(sched.waiting.pop())
                 continue
-            swapped = sched.tiers.resume(seq) if sched.tiers is not None else None
+            swapped = sched.tiers.resume(seq, idle=not sched.running and not self.rows) if sched.tiers is not None else None
             if swapped is not None:  # preempted by swapping (kv_tiers.py)
                 if swapped or not self._resume(seq):
                     break  # its blocks come back in this plan (it runs at the next), or have no room yet
