@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import multiprocessing
 import os
 from pathlib import Path
 from unittest import mock
@@ -28,6 +27,7 @@ from conveyor.gpu.step import runner as runner_module
 from conveyor.gpu.step.features.kv_offload import KvOffloadStep
 from conveyor.wire.messages import SamplingParams
 from tests.gpu.test_kv_offload import POOL, _run
+from tests.gpu.test_tensor_parallel import run_forked
 
 CASES = [  # (params, --max-num-batched-tokens): greedy whole, seeded and forked chunked
     (SamplingParams(temperature=0.0, max_tokens=6), None),
@@ -67,18 +67,8 @@ def test_a_prefix_back_from_each_ranks_host_tier_gives_the_single_rank_outputs(p
     # First, as one rank without the tier: this also builds the C++ kernels once, which the
     # forked ranks inherit (each would build them again, at once, in a fresh cache).
     expected = [_run(LLM(path, **_options(chunk)), params) for params, chunk in CASES]
-    ctx = multiprocessing.get_context("fork")  # the ranks inherit the imports
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    ranks = [ctx.Process(target=_rank_main, args=(r, str(tmp_path / "store"), path, str(outs[r]))) for r in range(2)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(120)
-    codes = [p.exitcode for p in ranks]
-    for p in ranks:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0, 0], f"rank exit codes {codes}"
+    run_forked(_rank_main, [(r, str(tmp_path / "store"), path, str(outs[r])) for r in range(2)], 120)
     first, second = (json.loads(out.read_text()) for out in outs)
     for case, ours, theirs, single in zip(CASES, first, second, expected):
         assert ours["hits"] >= 9, case  # the prefix's blocks but the one its last token's logits need

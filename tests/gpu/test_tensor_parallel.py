@@ -119,19 +119,25 @@ def _rank_main(rank: int, size: int, store: str, checkpoints: dict[str, str], ou
         torch.distributed.destroy_process_group()
 
 
-def run_ranks(size: int, checkpoints: dict[str, str], tmp: Path) -> dict[str, object]:
-    ctx = multiprocessing.get_context("fork")  # the ranks inherit the imports (spawn re-imports transformers in each)
-    out = tmp / f"tp{size}.pt"
-    ranks = [ctx.Process(target=_rank_main, args=(r, size, str(tmp / f"store{size}"), checkpoints, str(out))) for r in range(size)]
+def run_forked(target, rank_args: list[tuple], timeout: float) -> None:
+    """One forked process per rank, `target(*rank_args[r])`, each exiting 0 within `timeout` s
+    (fork: the ranks inherit the imports; spawn would re-import transformers in each)."""
+    ctx = multiprocessing.get_context("fork")
+    ranks = [ctx.Process(target=target, args=args) for args in rank_args]
     for p in ranks:
         p.start()
     for p in ranks:
-        p.join(240)
+        p.join(timeout)
     codes = [p.exitcode for p in ranks]
     for p in ranks:
         if p.is_alive():
             p.kill()
-    assert codes == [0] * size, f"rank exit codes {codes}"
+    assert codes == [0] * len(ranks), f"rank exit codes {codes}"
+
+
+def run_ranks(size: int, checkpoints: dict[str, str], tmp: Path) -> dict[str, object]:
+    out = tmp / f"tp{size}.pt"
+    run_forked(_rank_main, [(r, size, str(tmp / f"store{size}"), checkpoints, str(out)) for r in range(size)], 240)
     return torch.load(out)
 
 

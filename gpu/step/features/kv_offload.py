@@ -19,6 +19,7 @@ the passes wait for as above.
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import TYPE_CHECKING
 
@@ -54,7 +55,9 @@ class KvOffloadStep(StepFeature):
         self._before_pass: list[Transfer] = []  # what the next pass must wait for
         self._next_plan: list[Transfer] = []  # this plan's loads: the next plan's first pass waits
         self._to_disk: list[tuple[Transfer, list[tuple[int, int]]]] = []  # saves in flight: (slot, name) each
-        self._timed: list[Transfer] = []  # loads whose time is not taken yet (take_load_seconds)
+        # Loads whose time is not taken yet (take_load_seconds: the worker's metrics); bounded, as
+        # an in-process engine (LLM) never takes them.
+        self._timed: collections.deque[Transfer] = collections.deque(maxlen=1024)
         self.num_saved = 0  # blocks copied each way (by this rank)
         self.num_loaded = 0
         if cache.kv_disk_dir is not None and self.num_slots:
@@ -121,7 +124,7 @@ class KvOffloadStep(StepFeature):
     def take_load_seconds(self) -> list[float]:
         """How long each load batch done since the last call took (the worker's histogram)."""
         times = [(t, t.seconds()) for t in self._timed]
-        self._timed = [t for t, s in times if s is None]
+        self._timed = collections.deque((t for t, s in times if s is None), maxlen=self._timed.maxlen)
         return [s for _, s in times if s is not None]
 
     def flush(self) -> None:
