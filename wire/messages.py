@@ -31,6 +31,7 @@ from conveyor.wire.sampling_params import (  # noqa: F401 - every stage imports 
     SamplingParams,
     StructuredOutput,
 )
+from conveyor.wire.images import ContentPart, ImageData, ImageInput
 from conveyor.wire.step import StepPlan, StepResult
 from conveyor.wire.struct import Struct
 
@@ -65,6 +66,9 @@ class ChatMessage(Struct):
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
     name: str | None = None  # a tool turn: the function's name, where the client gave it
+    # A message with images: its content in order, text and images (`content` is then its text
+    # parts joined, for what reads text alone). None: `content` is the whole message.
+    parts: list[ContentPart] | None = None
 
 
 class TokenizeRequest(Struct, tag=1):
@@ -79,6 +83,7 @@ class TokenizeRequest(Struct, tag=1):
     priority: int = 0  # lower runs first; equal priorities are first come first served
     sent_time: float = 0.0  # time.time() when the ingress sent it (per-stage latency)
     tools: str | None = None  # chat: the request's `tools` as JSON text, passed to the chat template
+    images: list[ImageData] = []  # the request's images in order; ChatMessage.parts name them by index
 
 
 TokenizerInbound = TokenizeRequest
@@ -108,6 +113,7 @@ class ScheduleRequest(Struct, tag=2):
     arrival_time: float
     priority: int = 0
     sent_time: float = 0.0  # time.time() when the tokenizer sent it
+    images: list[ImageInput] = []  # preprocessed, in prompt order (wire/images.py)
 
 
 class AbortRequest(Struct, tag=3):
@@ -126,6 +132,18 @@ class WorkerReady(Struct, tag=4):
     num_host_slots: int = 0  # KV blocks its host tier holds (--kv-offloading-size); the minimum, too
     kv_block_bytes: int = 0  # one KV block's bytes on this rank, all layers (what a tier moves per block)
     kv_warm: list[tuple[int, int]] = []  # (block name, host slot) read back from --kv-disk-dir, least recently used first
+    kv_disk: list[int] = []  # the block names --kv-disk-dir holds for this rank, least recently used first
+    num_disk_blocks: int = 0  # blocks --kv-disk-size holds (0: no disk tier)
+
+
+class KvFetched(Struct, tag=8):
+    """From every worker rank, as its disk reads finish (StepPlan.kv_fetches), unasked: each
+    (block name, host slot) read and checked into the slot, or missed (no such file, or a bad one).
+    Every read is answered once, whether or not a plan is running."""
+
+    rank: int
+    fetched: list[tuple[int, int]] = []
+    missed: list[tuple[int, int]] = []
 
 
 class AdapterCommand(Struct, tag=7):
@@ -140,7 +158,9 @@ class AdapterCommand(Struct, tag=7):
 
 
 # StepResult: step.py
-SchedulerInbound = ScheduleRequest | AbortRequest | FinishSeqs | WorkerReady | StepResult | StageFailed | AdapterCommand
+SchedulerInbound = (
+    ScheduleRequest | AbortRequest | FinishSeqs | WorkerReady | StepResult | StageFailed | AdapterCommand | KvFetched
+)
 
 
 # --- received by a worker (StepPlan: step.py) ----------------------------------------------

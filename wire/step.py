@@ -15,6 +15,7 @@ reused; new fields only ever go at the end of a struct.
 
 from __future__ import annotations
 
+from conveyor.wire.images import ImageInput
 from conveyor.wire.sampling_params import SamplingParams
 from conveyor.wire.struct import Struct
 
@@ -36,6 +37,7 @@ class NewSeq(Struct):
     # the worker starts computing after them.
     num_computed_tokens: int = 0
     lora_slot: int = -1  # the device slot holding its adapter (StepPlan.lora_loads); -1: the base weights
+    images: list[ImageInput] = []  # its prompt's images: the vision tower embeds their placeholder tokens
 
 
 class Fork(Struct):
@@ -89,6 +91,10 @@ class StepPlan(Struct, tag=10):
     # copies back, which no row of this plan reads.
     kv_saves: list[tuple[int, int, int]] = []  # (device block, host slot, the block's name: its key on disk; NO_NAME)
     kv_loads: list[tuple[int, int]] = []
+    # The KV disk tier (--kv-disk-dir): (block name, host slot) files to read into host slots, off
+    # the step's path (a thread); each rank answers each with KvFetched (messages.py). The scheduler
+    # keeps the slots out of the host tier's books until every rank has answered.
+    kv_fetches: list[tuple[int, int]] = []
 
 
 class LoraLoad(Struct):
