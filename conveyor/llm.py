@@ -28,6 +28,8 @@ from conveyor.stages.tokenizer.encoder import PromptEncoder
 from conveyor.stages.tokenizer.preparation import Rejected, prepare
 from conveyor.wire.messages import ChatMessage, Pooling, SamplingParams, TextDelta, TextLogprob, TokenizeRequest
 
+READ_WAIT_S = 0.05  # with nothing to run but reads from the KV disk tier: how long to wait before planning again
+
 
 @dataclasses.dataclass
 class CompletionOutput:
@@ -88,7 +90,10 @@ class LLM:
             adapters=adapters_for(self.config),
             num_host_slots=offload.num_slots if (offload := self.runner.feature(KvOffloadStep)) is not None else 0,
             kv_warm=offload.warm if offload is not None else None,
+            num_disk_blocks=offload.num_disk_blocks if offload is not None else 0,
+            kv_disk=offload.disk_names() if offload is not None else None,
         )
+        self.offload = offload  # the KV tiers' byte mover: its reads from disk are answered here
         self.detokenizer = Detokenizer(self.tokenizer)
         self._ids = itertools.count()
         self._cached_tokens: dict[str, int] = {}
@@ -216,8 +221,14 @@ class LLM:
         id and sample index."""
         samples: dict[str, dict[int, CompletionOutput]] = {}
         while self.core.has_work():
+            num_steps = self.core.scheduler.num_steps
             for updates in self.core.run_step(self.runner.execute):
                 self._detokenize(updates, samples)
+            if self.offload is not None and self.offload.reading:  # reads from disk: wait for one if nothing else ran
+                if self.core.scheduler.num_steps == num_steps:
+                    self.offload.wait_fetched(READ_WAIT_S)
+                if (fetched := self.offload.take_fetched()) is not None:
+                    self.core.kv_fetched(fetched)
         return samples
 
     def _detokenize(self, updates: list, samples: dict[str, dict[int, CompletionOutput]]) -> None:

@@ -190,6 +190,12 @@ steps = _per_engine(Counter, "conveyor_scheduler_steps", "Forward passes planned
 prefix_cache_queries = _per_engine(Counter, "conveyor_prefix_cache_queries", "Full KV blocks looked up in the prefix cache")
 prefix_cache_hits = _per_engine(Counter, "conveyor_prefix_cache_hits", "Full KV blocks found in the prefix cache")
 kv_host_hits = _per_engine(Counter, "conveyor_kv_host_hits", "Full KV blocks the device missed and the host tier held")
+kv_disk_hits = _per_engine(
+    Counter, "conveyor_kv_disk_hits", "Full KV blocks the device and the host tier missed, read from the disk tier (--kv-disk-dir)"
+)
+kv_disk_misses = _per_engine(
+    Counter, "conveyor_kv_disk_misses", "Reads from the KV disk tier that found no valid file (computed again instead)"
+)
 kv_bytes_to_host = _per_engine(Counter, "conveyor_kv_offload_bytes_to_host", "KV bytes copied to the host tier (each rank's)")
 kv_bytes_to_device = _per_engine(Counter, "conveyor_kv_offload_bytes_to_device", "KV bytes loaded back from the host tier")
 preemptions = _per_engine(Counter, "conveyor_preemptions", "Sequences preempted by recomputation")

@@ -4,11 +4,19 @@ It keeps a simulated KV store: computing a token writes its id into the slot its
 names, and the next token is a hash of the context *read back through the block table*. So a
 block shared without copy-on-write, a wrong prefix-cache hit, a lost or repeated token, or a
 bad fork all change the outputs, which tests compare with `expected_tokens`.
+
+With a disk tier (`disk`) it writes each named save through to a dict, reads the plan's
+`kv_fetches` from it into host slots, and answers them when `take_fetched` is called (the
+worker's loop looking for finished reads) for the `read_delay`-th time since they came, unless
+`hold_reads`. A name `lost` selects was never written (a dropped write): its read is a miss.
 """
 
 from __future__ import annotations
 
-from conveyor.wire.step import ScheduledSeq, StepPlan, StepResult
+from collections.abc import Callable
+
+from conveyor.wire.messages import KvFetched
+from conveyor.wire.step import NO_NAME, ScheduledSeq, StepPlan, StepResult
 from conveyor.wire.stop_rules import stops_on, tokens_left
 
 VOCAB = 1000
@@ -35,13 +43,28 @@ def expected_tokens(prompt: list[int], num: int, index: int = 0, stop: int | Non
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int, eos_token_ids: tuple[int, ...] = (), max_model_len: int = 1 << 30):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        eos_token_ids: tuple[int, ...] = (),
+        max_model_len: int = 1 << 30,
+        disk: bool = False,
+        lost: Callable[[int], bool] = lambda name: False,
+    ):
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.spec_rows: list[tuple[int, int]] = []  # (drafts, accepted) of each verifying row
         self.eos_token_ids = frozenset(eos_token_ids)
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.host: dict[int, list[int | None]] = {}  # the KV host tier's slots (stages/scheduler/kv_tiers.py)
+        self.disk: dict[int, list[int | None]] | None = {} if disk else None  # the disk tier's files, by block name
+        self.lost = lost  # names whose write is dropped
+        self.reads: list[tuple[int, int]] = []  # (name, slot) read, not answered yet
+        self.hold_reads = False  # answer no read (take_fetched) while set
+        self.read_delay = 1  # take_fetched calls a read waits for its answer
+        self._read_ages: list[int] = []  # per read: take_fetched calls since it came
+        self.num_reads = 0
         self.seqs: dict[int, dict] = {}
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -174,12 +197,46 @@ class FakeRunner:
                 "prompt": new.num_prompt_tokens,
                 "params": new.params,
             }
-        for block, slot, _ in plan.kv_saves:  # saves, then loads, before the passes, as the worker does
+        reading = {slot for _, slot in self.reads}
+        for block, slot, name in plan.kv_saves:  # saves, then loads, then reads, before the passes, as the worker does
+            assert slot not in reading, "a save into a slot being read from disk"
             self.host[slot] = list(self.kv[block])
+            if self.disk is not None and name != NO_NAME and not self.lost(name):
+                self.disk[name] = list(self.kv[block])
         for slot, block in plan.kv_loads:
+            assert slot not in reading, "a load from a slot being read from disk"
             self.kv[block] = list(self.host[slot])
+        for name, slot in plan.kv_fetches:
+            assert all(slot != s for _, s in self.reads), "a slot read into twice"
+            assert all(slot != s for s, _ in plan.kv_loads), "a read into a slot a load reads"
+            assert all(slot != s for _, s, _ in plan.kv_saves), "a read into a slot a save writes"
+            self.host[slot] = [None] * self.block_size  # being written: nothing valid until answered
+            self.reads.append((name, slot))
+            self._read_ages.append(0)
         for src, dst in plan.copy_blocks:
             self.kv[dst] = list(self.kv[src])
+
+    def take_fetched(self, rank: int = 0) -> KvFetched | None:
+        """Answer the reads that have waited `read_delay` calls: each file copied into its slot,
+        or missed; None when none is answered."""
+        self._read_ages = [age + 1 for age in self._read_ages]
+        if self.hold_reads:
+            return None
+        done = [read for read, age in zip(self.reads, self._read_ages) if age >= self.read_delay]
+        if not done:
+            return None
+        assert self.disk is not None, "a read without a disk tier"
+        fetched, missed = [], []
+        for name, slot in done:
+            block = self.disk.get(name)
+            if block is None:
+                missed.append((name, slot))
+            else:
+                self.host[slot] = list(block)
+                fetched.append((name, slot))
+        self.num_reads += len(done)
+        self.reads, self._read_ages = self.reads[len(done) :], self._read_ages[len(done) :]
+        return KvFetched(rank, fetched, missed)
 
     @staticmethod
     def _table(seq: dict, row: ScheduledSeq) -> None:

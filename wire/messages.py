@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 
+from conveyor.wire.images import ContentPart, ImageData, ImageInput
 from conveyor.wire.sampling_params import (  # noqa: F401 - every stage imports them from here
     MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
@@ -31,7 +32,6 @@ from conveyor.wire.sampling_params import (  # noqa: F401 - every stage imports 
     SamplingParams,
     StructuredOutput,
 )
-from conveyor.wire.images import ContentPart, ImageData, ImageInput
 from conveyor.wire.step import StepPlan, StepResult
 from conveyor.wire.struct import Struct
 
@@ -158,9 +158,7 @@ class AdapterCommand(Struct, tag=7):
 
 
 # StepResult: step.py
-SchedulerInbound = (
-    ScheduleRequest | AbortRequest | FinishSeqs | WorkerReady | StepResult | StageFailed | AdapterCommand | KvFetched
-)
+SchedulerInbound = ScheduleRequest | AbortRequest | FinishSeqs | WorkerReady | StepResult | StageFailed | AdapterCommand | KvFetched
 
 
 # --- received by a worker (StepPlan: step.py) ----------------------------------------------

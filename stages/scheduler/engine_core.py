@@ -25,7 +25,7 @@ from conveyor.stages.scheduler.plan import step_plan
 from conveyor.stages.scheduler.scheduled_step import ScheduledStep, SeqUpdate
 from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.stages.scheduler.sequence import Sequence
-from conveyor.wire.messages import ScheduleRequest
+from conveyor.wire.messages import KvFetched, ScheduleRequest
 from conveyor.wire.step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class EngineCore:
         self.scheduler = scheduler
         self.in_flight: collections.deque[ScheduledStep] = collections.deque()  # planned, last result pending
         self.max_in_flight = 2 if async_scheduling else 1
-        self.stalled = False  # the last try planned nothing while a step was in flight
+        self.stalled = False  # the last try planned nothing while a step (or a read from disk) was in flight
         self.idle = True  # nothing was in flight after the last try: the next plan follows an idle spell
         self.alone: ScheduledStep | None = None  # the first step after an idle spell
 
@@ -67,6 +67,13 @@ class EngineCore:
         """Scheduler.drop_requests: the requests of a dead ingress or detokenizer."""
         self.stalled = False
         return self.scheduler.drop_requests(owned_by)
+
+    def kv_fetched(self, msg: KvFetched) -> None:
+        """A worker rank's answers to reads from the KV disk tier (kv_disk.py)."""
+        self.stalled = False
+        tiers = self.scheduler.tiers
+        if tiers is not None and tiers.disk is not None:
+            tiers.disk.fetched(msg)
 
     def apply(self, result: StepResult) -> tuple[ScheduledStep | None, list[SeqUpdate]]:
         """One pass's result: (its step, or None when it matches no step in flight; the updates
@@ -114,9 +121,17 @@ class EngineCore:
                 if plan.after_idle:
                     self.alone = step
             planned = step, plan
-        self.stalled = (step is None or not step.rows) and bool(self.in_flight)
+        tiers = self.scheduler.tiers
+        waits = bool(self.in_flight) or (tiers is not None and tiers.only_reading)  # for a result, or a read from disk
+        self.stalled = (step is None or not step.rows) and waits
         self.idle = not self.in_flight
         return planned
+
+    def wake_in(self) -> float | None:
+        """Seconds until planning may find something new though no input came (a sequence's
+        wait for its reads from disk ends); None: only an input can."""
+        tiers = self.scheduler.tiers
+        return tiers.disk.wake_in() if tiers is not None and tiers.disk is not None else None
 
     def take_unsampled_updates(self) -> list[SeqUpdate]:
         """Sequences that ended without a token (aborted, too long for the pool) since the last

@@ -16,9 +16,17 @@ torch, no zmq.
 - The host tier's slots are evicted least recently used first (a save or a hit uses a slot).
   With --kv-disk-dir the worker writes each saved block through to disk and, at start-up, reads
   the most recently used ones back into its slots: those come in as `warm`.
+- Reads from disk, on a hit: a waiting sequence whose prefix runs on past the device and the
+  host tier into blocks the disk holds (kv_disk.py's index) has them read into host slots taken
+  out of the books (the plan's `kv_fetches`; the worker reads on a thread of its own and every
+  rank answers with KvFetched). It waits, set aside so that the sequences behind it are
+  admitted, until every rank has answered for its blocks (or kv_disk.FETCH_WAIT_S passed); what
+  was read is then a host hit, loaded one step ahead as above. Nothing counts before every rank
+  has checked its bytes: a read that failed is a miss, and the rest of the prefix is computed.
 
-Invariant: within a plan the worker applies saves, then loads, then runs passes; a plan's saves
-are decided before its loads, so a slot a load reads is never a save's destination in one plan.
+Invariant: within a plan the worker applies saves, then loads, then starts its disk reads, then
+runs passes; a plan's saves are decided before its loads and reads, so a slot a load reads or a
+save writes is never a read's destination in one plan, nor (for a save's) a swap's.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from conveyor.stages.scheduler.kv_disk import DiskBooks
 from conveyor.wire.step import NO_NAME
 
 if TYPE_CHECKING:
@@ -50,6 +59,10 @@ class HostSlots:
     def __contains__(self, name: int) -> bool:
         return name in self._slot_of
 
+    def slot(self, name: int) -> int | None:
+        """The slot holding `name` (not a use)."""
+        return self._slot_of.get(name)
+
     def store(self, name: int) -> int | None:
         """The slot to copy a block named `name` into, evicting the least recently used name when
         every slot is taken; None when the tier holds that name already (it counts as a use), or
@@ -63,19 +76,30 @@ class HostSlots:
         self._slot_of[name] = slot
         return slot
 
-    def reserve(self, num: int, avoid: set[int]) -> list[int] | None:
-        """`num` slots taken out of the tier (a swapped-out sequence's, until `release`): free
-        ones first, then the least recently used names' but those in `avoid`; None, and nothing
-        taken, when there are not enough."""
+    def reserve(self, num: int, avoid: set[int], *, fewer: bool = False) -> list[int] | None:
+        """`num` slots taken out of the tier (a swapped-out sequence's, or a disk read's, until
+        `release` or `adopt`): free ones first, then the least recently used names' but those in
+        `avoid`; None, and nothing taken, when there are not enough, unless `fewer`: then as many
+        as there are."""
         evictable = [name for name, slot in self._slot_of.items() if slot not in avoid][: max(0, num - len(self._free))]
         if len(self._free) + len(evictable) < num:
-            return None
+            if not fewer:
+                return None
+            num = len(self._free) + len(evictable)
         for name in evictable:
             self._free.append(self._slot_of.pop(name))
         return [self._free.pop() for _ in range(num)]
 
     def release(self, slots: list[int]) -> None:
         self._free += slots
+
+    def adopt(self, name: int, slot: int) -> None:
+        """A reserved slot now holds the block `name` (read from disk): it joins the tier, the
+        most recently used; or goes back free if the tier came to hold `name` meanwhile."""
+        if name in self._slot_of:
+            self._free.append(slot)
+        else:
+            self._slot_of[name] = slot
 
     def lookup(self, names: list[int]) -> list[int]:
         """The slots holding the longest run of `names` from its start (each a use)."""
@@ -90,9 +114,22 @@ class HostSlots:
 
 
 class KvTiers:
-    def __init__(self, blocks: BlockManager, num_host_slots: int, warm: Iterable[tuple[int, int]] = ()) -> None:
+    """The books over `blocks`: `num_host_slots` of host tier, `warm` in them at start-up, and
+    `num_disk_blocks` of disk tier (0: none) holding `on_disk` at start-up, read by `num_ranks`
+    ranks."""
+
+    def __init__(
+        self,
+        blocks: BlockManager,
+        num_host_slots: int,
+        warm: Iterable[tuple[int, int]] = (),
+        num_disk_blocks: int = 0,
+        on_disk: Iterable[int] = (),
+        num_ranks: int = 1,
+    ) -> None:
         self.blocks = blocks
         self.host = HostSlots(num_host_slots, warm)
+        self.disk = DiskBooks(self.host, num_disk_blocks, on_disk, num_ranks) if num_disk_blocks else None
         blocks.newly_named = []  # the block manager now lists each block it names (take_named)
         self.saves: list[tuple[int, int, int]] = []  # this plan's (device block, host slot, name)
         self.loads: list[tuple[int, int]] = []  # this plan's (host slot, device block)
@@ -107,9 +144,14 @@ class KvTiers:
         self._reading: set[int] = set()  # slots this plan's loads read: no save may take them
         self._read: list[int] = []  # swap slots the plan before read back: free from this step on
         self.num_swapped_out = 0  # blocks
-        self.num_host_hits = 0  # blocks loaded back from the host tier (each a device miss it saved)
+        self.num_host_hits = 0  # blocks loaded back from the host tier (each a device miss it saved; disk hits apart)
         self.num_saved = 0
         self.num_loaded = 0
+
+    @property
+    def fetches(self) -> list[tuple[int, int]]:
+        """This plan's reads from disk: (block name, host slot)."""
+        return self.disk.fetches if self.disk is not None else []
 
     @property
     def holding(self) -> bool:
@@ -126,6 +168,8 @@ class KvTiers:
         (free, so the waiting sequence that asked for them finds them as hits), and this plan's
         saves are the blocks named since the plan before was built."""
         self.saves, self.loads, self._reading = [], [], set()
+        if self.disk is not None:
+            self.disk.begin_step()
         self._round += 1
         blocks = self.blocks
         for seq_id, at in list(self._loaded_at.items()):
@@ -139,10 +183,15 @@ class KvTiers:
             self._loaded = []
         self.host.release(self._read)
         self._read = []
+        saves: dict[int, tuple[int, int, int]] = {}  # by slot: more names than slots evict this plan's own
         for block, name in blocks.take_named():
             slot = self.host.store(name)
             if slot is not None:
-                self.saves.append((block, slot, name))
+                saves[slot] = (block, slot, name)
+        self.saves = list(saves.values())
+        if self.disk is not None:  # the worker writes them through
+            for _, _, name in self.saves:
+                self.disk.index.add(name)
         self.num_saved += len(self.saves)
         self._prefetch_step = {seq_id: s for seq_id, s in self._prefetch_step.items() if s >= step - 1}
 
@@ -156,6 +205,8 @@ class KvTiers:
         if len(hits) >= limit or self._prefetch_step.get(seq.seq_id, -2) >= step - 1:
             return False
         names = seq.full_block_hashes(blocks.block_size, limit)[len(hits) :]
+        if self.disk is not None and self.disk.fetch(seq.seq_id, names, self._reading | {s for _, s, _ in self.saves}):
+            return True  # reads from disk: it waits, set aside (`reading`)
         slots = self.host.lookup(names)
         # Room for all of it and a block more, or nothing: loading into a pool the running
         # sequences have filled starves their decodes (measured: a partial load there cut the
@@ -170,9 +221,22 @@ class KvTiers:
         self._reading.update(slots)
         self._loaded += zip(fresh, names)
         self._prefetch_step[seq.seq_id] = step
-        self.num_host_hits += len(slots)
+        num_read = self.disk.loaded(names) if self.disk is not None else 0
+        self.num_host_hits += len(slots) - num_read
         self.num_loaded += len(slots)
         return True
+
+    def reading(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence waits for blocks of its prefix on their way from disk (it
+        is set aside meanwhile, and the sequences behind it go first)."""
+        return self.disk is not None and self.disk.reading(seq.seq_id)
+
+    @property
+    def only_reading(self) -> bool:
+        """Whether reads from disk are in flight and nothing else of the tiers' waits for the
+        next plan: with no row planned, nothing changes before a read is answered or the wait
+        of the sequence asking for it ends (DiskBooks.wake_in)."""
+        return self.disk is not None and bool(self.disk.reads) and not self.loads
 
     # --- swap preemption ------------------------------------------------------------------------
 
@@ -182,7 +246,7 @@ class KvTiers:
         draw the next token). False, and nothing done, when the tier has no room for it."""
         keep = min(seq.num_computed_tokens, len(seq.token_ids) - 1)  # draws in flight are dropped
         num = -(-keep // self.blocks.block_size)
-        slots = self.host.reserve(num, self._reading) if num else None
+        slots = self.host.reserve(num, self._reading | {slot for _, slot, _ in self.saves}) if num else None
         if slots is None:
             return False
         self.saves += [(block, slot, NO_NAME) for block, slot in zip(seq.block_ids, slots)]
@@ -227,7 +291,10 @@ class KvTiers:
         seq.block_ids, seq.num_computed_tokens = [], 0
 
     def forget(self, seq: Sequence) -> None:
-        """A sequence that ends while swapped out: its slots and held blocks go back."""
+        """A sequence that ends while swapped out, or waiting for reads: its slots and held
+        blocks go back (reads in flight go on: their slots are freed or kept when answered)."""
+        if self.disk is not None:
+            self.disk.forget(seq.seq_id)
         if (slots := self._swapped.pop(seq.seq_id, None)) is not None:
             self.host.release(slots)
         if (table := self._swapping_in.pop(seq.seq_id, None)) is not None:

@@ -2,8 +2,9 @@
 
 Takes (one socket, SchedulerInbound): ScheduleRequest from tokenizers (with data parallelism,
 from the router), AbortRequest from ingress (the router), FinishSeqs (a stop string matched) from
-detokenizers, WorkerReady and StepResult from worker rank 0, StageFailed from the launcher (a
-detokenizer's requests fail with a 503, a dead ingress's are aborted).
+detokenizers, WorkerReady and StepResult from worker rank 0, KvFetched (answers to reads from
+the KV disk tier) from every worker rank, StageFailed from the launcher (a detokenizer's requests
+fail with a 503, a dead ingress's are aborted).
 Sends: InitializeCache and StepPlan to its engine's worker ranks; EngineStarted, then one
 TokenBatch per detokenizer per step; RequestAccepted (naming its engine), or RequestRejected (429)
 past the queue bounds, to the request's ingress; StageReady to the launcher; with data
@@ -42,6 +43,7 @@ from conveyor.wire.messages import (
     FinishReason,
     FinishSeqs,
     InitializeCache,
+    KvFetched,
     RequestAccepted,
     RequestRejected,
     ScheduleRequest,
@@ -75,7 +77,8 @@ class SchedulerStage:
         # nothing else runs before it.
         self.core: EngineCore
         self.num_requests = 0
-        counted = ("aborts", "preemptions", "queries", "hits", "lora_loads", "lora_evictions", "host_hits", "saved", "loaded")
+        counted = ["aborts", "preemptions", "queries", "hits", "lora_loads", "lora_evictions"]
+        counted += ["host_hits", "saved", "loaded", "disk_hits", "disk_misses"]
         self.seen: dict[str, int] = dict.fromkeys(counted, 0)
         self.kv_block_bytes = 0  # a block's bytes on one rank, all layers (WorkerReady)
         self.prompt_tokens_per_s = 0.0  # moving average, for Retry-After
@@ -96,6 +99,9 @@ class SchedulerStage:
         # Blocks every rank read back into the same slot (each rank keeps its own shard on disk).
         common = set.intersection(*(set(r.kv_warm) for r in reports.values()))
         warm = [entry for entry in reports[0].kv_warm if entry in common]
+        # A block is on disk when every rank holds its shard there.
+        on_disk = set.intersection(*(set(r.kv_disk) for r in reports.values()))
+        num_disk_blocks = min(report.num_disk_blocks for report in reports.values())
         for worker in self.workers:
             worker.send(InitializeCache(num_blocks))
         for detokenizer in self.detokenizers:  # before any TokenBatch: a predecessor's sequences are gone
@@ -112,6 +118,9 @@ class SchedulerStage:
             speculative=cfg.speculative,
             num_host_slots=num_host_slots,
             kv_warm=warm,
+            num_disk_blocks=num_disk_blocks,
+            kv_disk=[name for name in reports[0].kv_disk if name in on_disk],
+            num_ranks=len(reports),
         )
         kv_dtype, num_tokens = cfg.cache.kv_dtype(cfg.model.dtype), num_blocks * cfg.cache.block_size
         metrics.kv_blocks_capacity.set(num_blocks)
@@ -128,7 +137,7 @@ class SchedulerStage:
         core = self.core
         while True:
             # Block until an input comes when the core cannot plan now.
-            msg = self.inbox.recv(timeout_ms=0 if core.wants_to_plan() else None)
+            msg = self.inbox.recv(timeout_ms=0 if core.wants_to_plan() else wake_ms(core))
             updates: list[SeqUpdate] = []
             while msg is not None:
                 updates += self.handle(msg)
@@ -154,6 +163,8 @@ class SchedulerStage:
                 self.ingresses[msg.ingress].send(self.adapter_command(msg))
             case FinishSeqs():
                 self.core.finish_seqs(msg.seq_ids)
+            case KvFetched():
+                self.core.kv_fetched(msg)
             case StepResult():
                 step, updates = self.core.apply(msg)
                 if step is None:
@@ -309,6 +320,8 @@ class SchedulerStage:
             metrics.kv_host_blocks_used.set(len(tiers.host))
         for name, counter, value in (
             ("host_hits", metrics.kv_host_hits, tiers.num_host_hits if tiers else 0),
+            ("disk_hits", metrics.kv_disk_hits, tiers.disk.num_hits if tiers and tiers.disk else 0),
+            ("disk_misses", metrics.kv_disk_misses, tiers.disk.num_misses if tiers and tiers.disk else 0),
             ("saved", metrics.kv_bytes_to_host, tiers.num_saved * block_bytes if tiers else 0),
             ("loaded", metrics.kv_bytes_to_device, tiers.num_loaded * block_bytes if tiers else 0),
             ("aborts", metrics.aborts, s.num_aborts),
@@ -321,6 +334,13 @@ class SchedulerStage:
             if value > self.seen[name]:
                 counter.inc(value - self.seen[name])
                 self.seen[name] = value
+
+
+def wake_ms(core: EngineCore) -> int | None:
+    """How long the loop may wait for an input when the core cannot plan now: until it may
+    plan anew by itself (a wait for a read from disk ends), or forever."""
+    seconds = core.wake_in()
+    return None if seconds is None else max(1, int(seconds * 1000) + 1)
 
 
 def run(config: EngineConfig, index: int) -> None:

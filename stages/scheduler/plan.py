@@ -14,7 +14,7 @@ def step_plan(step: ScheduledStep) -> StepPlan:
     return StepPlan(
         step=step.step,
         new_seqs=[
-            NewSeq(seq.seq_id, list(seq.token_ids), seq.params, seq.num_prompt_tokens, seq.index, computed, seq.lora_slot)
+            NewSeq(seq.seq_id, list(seq.token_ids), seq.params, seq.num_prompt_tokens, seq.index, computed, seq.lora_slot, seq.images)
             for seq, computed in zip(step.new_seqs, step.new_seqs_computed)
         ],
         scheduled=[
@@ -34,6 +34,7 @@ def step_plan(step: ScheduledStep) -> StepPlan:
         lora_loads=step.lora_loads,
         kv_saves=step.kv_saves,
         kv_loads=step.kv_loads,
+        kv_fetches=step.kv_fetches,
     )
 
 

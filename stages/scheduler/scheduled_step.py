@@ -47,6 +47,7 @@ class ScheduledStep:
     lora_loads: list[LoraLoad] = dataclasses.field(default_factory=list)  # adapters placed before the forward
     kv_saves: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (device block, host slot, name): kv_tiers.py
     kv_loads: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host slot, device block)
+    kv_fetches: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (name, host slot) read from disk
 
     def draws(self, pass_index: int = 0) -> Iterator[tuple[Row, Sequence]]:
         """(row, sequence) of each draw of a pass: each sampling row's own sequence and its forks;

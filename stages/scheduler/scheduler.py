@@ -83,14 +83,18 @@ class Scheduler:
         adapters: Adapters | None = None,
         num_host_slots: int = 0,
         kv_warm: list[tuple[int, int]] | None = None,
+        num_disk_blocks: int = 0,
+        kv_disk: list[int] | None = None,
+        num_ranks: int = 1,
     ) -> Scheduler:
         """A scheduler over a fresh pool of `num_blocks` KV blocks of `block_size` tokens, with
         prefix caching as `config` says, numbering its sequences from `seq_ids`, its decoding
         rows verifying drafts as `speculative` says (None: never), its prefix cache going on into
         `num_host_slots` blocks of host memory (0: none), `kv_warm` the (name, slot) blocks they
-        hold from the start."""
+        hold from the start, and on into `num_disk_blocks` blocks on disk (0: none), `kv_disk`
+        the names there from the start, each read by `num_ranks` workers."""
         blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching)
-        tiers = KvTiers(blocks, num_host_slots, kv_warm or ()) if num_host_slots else None
+        tiers = KvTiers(blocks, num_host_slots, kv_warm or (), num_disk_blocks, kv_disk or (), num_ranks) if num_host_slots else None
         return cls(
             config,
             blocks,
@@ -181,7 +185,7 @@ class Scheduler:
             if self.num_preemptions == preemptions_before:
                 build.admit(chunk=policy == "splitfuse")
         rows = build.rows
-        moves = self.tiers is not None and (self.tiers.saves or self.tiers.loads)
+        moves = self.tiers is not None and (self.tiers.saves or self.tiers.loads or self.tiers.fetches)
         if not rows and not self._finished_for_worker and not build.lora_loads and not moves:
             return None
         num_steps = 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 
 from conveyor.stages.scheduler.block_manager import ROOT_HASH, chain_hash
+from conveyor.wire.images import ImageInput
 from conveyor.wire.messages import FinishReason, PromptTokens, SamplingParams, ScheduleRequest, TokenLogprob
 from conveyor.wire.step import PromptLogprobs, TopLogprobs
 from conveyor.wire.stop_rules import stop_reason
@@ -55,6 +56,7 @@ class Sequence:
         "prompt_logprobs",
         "embedding",
         "lora_slot",
+        "images",
         "enqueue_time",
         "first_scheduled_time",
         "first_token_time",
@@ -72,6 +74,7 @@ class Sequence:
         detokenizer: int = 0,
         arrival_time: float = 0.0,
         priority: int = 0,
+        images: list[ImageInput] | None = None,
     ):
         self.seq_id = seq_id
         self.request_id = request_id
@@ -106,6 +109,7 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob] | None = [] if params.prompt_logprobs is not None else None
         self.embedding: list[float] = []  # a pooling sequence's vector, once its prompt is done
         self.lora_slot = -1  # the worker's slot of its adapter (params.adapter) while it runs; -1: none
+        self.images = images or []  # its prompt's images (wire/images.py), in prompt order
         # Wall-clock times (time.time(), comparable with arrival_time) for the metrics.
         self.enqueue_time = arrival_time  # reached the scheduler
         self.first_scheduled_time: float | None = None
@@ -123,6 +127,7 @@ class Sequence:
             detokenizer=detokenizer,
             arrival_time=request.arrival_time,
             priority=request.priority,
+            images=request.images,
         )
 
     @property
@@ -170,7 +175,10 @@ class Sequence:
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else self._root_hash()
-            hashes.append(chain_hash(parent, self.token_ids[i * block_size : (i + 1) * block_size]))
+            tokens = self.token_ids[i * block_size : (i + 1) * block_size]
+            if self.images:  # an image's placeholder ids are all alike: its pixels name the block
+                tokens = [*tokens, *image_keys(self.images, i * block_size, (i + 1) * block_size)]
+            hashes.append(chain_hash(parent, tokens))
         return hashes[:num_blocks]
 
     def _root_hash(self) -> int:
@@ -222,3 +230,16 @@ class Sequence:
             f"Sequence({self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})"
         )
+
+
+IMAGE_MARK = -2  # no token id: what sets an image's key apart from the block's tokens
+
+
+def image_keys(images: list[ImageInput], start: int, end: int) -> list[int]:
+    """What a block of tokens [start, end) adds to its name for the images whose placeholder
+    tokens it holds: each one's hash and how far into it the block starts."""
+    keys: list[int] = []
+    for image in images:
+        if image.offset < end and image.offset + image.length > start:
+            keys += [IMAGE_MARK, image.hash, start - image.offset]
+    return keys

@@ -85,23 +85,26 @@ class StepBuilder:
         """Start waiting sequences while the budget, the seats and the pool allow; without
         `chunk`, a prompt that does not fit whole waits for a step with room for all of it."""
         sched = self.sched
-        waiting_for_slot: list[Sequence] = []  # their adapter found no slot: the next ones may go first
+        set_aside: list[Sequence] = []  # their adapter found no slot, or their prefix comes from disk: the next ones may go first
         try:
-            self._admit(chunk, waiting_for_slot)
+            self._admit(chunk, set_aside)
         finally:
-            for seq in waiting_for_slot:
+            for seq in set_aside:
                 sched.waiting.push(seq)
 
-    def _admit(self, chunk: bool, waiting_for_slot: list[Sequence]) -> None:
+    def _admit(self, chunk: bool, set_aside: list[Sequence]) -> None:
         sched = self.sched
         blocks, config, adapters = sched.blocks, sched.config, sched.adapters
         while self.budget > 0 and len(sched.running) < config.max_num_seqs:
             seq = sched.waiting.peek()
             if seq is None:
                 break
+            if sched.tiers is not None and sched.tiers.reading(seq):  # its prefix is on its way from disk
+                set_aside.append(sched.waiting.pop())
+                continue
             adapter = seq.params.adapter
             if adapter is not None and adapters is not None and seq.lora_slot < 0 and not self._place(seq, adapter):
-                waiting_for_slot.append(sched.waiting.pop())
+                set_aside.append(sched.waiting.pop())
                 continue
             swapped = sched.tiers.resume(seq, idle=not sched.running and not self.rows) if sched.tiers is not None else None
             if swapped is not None:  # preempted by swapping (kv_tiers.py)
@@ -110,6 +113,9 @@ class StepBuilder:
                 continue
             hits = blocks.match_prefix(seq)
             if sched.tiers is not None and sched.tiers.prefetch(seq, hits, sched.num_steps + 1):
+                if sched.tiers.reading(seq):  # read from disk by this plan: it waits for them
+                    set_aside.append(sched.waiting.pop())
+                    continue
                 break  # its blocks beyond the device come back in this plan: admitted at the next
             num_uncached = seq.num_tokens - len(hits) * blocks.block_size
             num = min(num_uncached, self.budget)
@@ -236,4 +242,5 @@ class StepBuilder:
             lora_loads=self.lora_loads,
             kv_saves=tiers.saves if (tiers := sched.tiers) is not None else [],
             kv_loads=tiers.loads if tiers is not None else [],
+            kv_fetches=tiers.fetches if tiers is not None else [],
         )

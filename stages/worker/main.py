@@ -5,7 +5,9 @@ each loads its shard; all of them run every plan, and rank 0 alone answers.
 
 Takes (WorkerInbound): InitializeCache once, then StepPlan per step, from the scheduler.
 Sends: WorkerReady (its KV capacity) and, from rank 0, one StepResult per forward pass of a plan
-with rows (a multi-step plan has several), each as soon as its ids reach the host.
+with rows (a multi-step plan has several), each as soon as its ids reach the host; from every
+rank, KvFetched as its reads from the KV disk tier finish (looked for every READ_POLL_MS while
+some are in flight, whether or not a plan runs).
 
 The loop is receive, launch, send, and never lets the device wait for a result to be sent: it
 waits for whichever comes first, the next plan (launched at once, behind the passes in flight)
@@ -34,6 +36,7 @@ from conveyor.wire.topology import SCHEDULER, WORKER, engine_and_rank, receiver,
 log = logging.getLogger(__name__)
 
 POLL_MS = 1  # how often to look for a plan while a pass whose landing time is unknown computes
+READ_POLL_MS = 2  # how often to look for finished reads from the KV disk tier while some are in flight
 
 
 def record_step(result: StepResult) -> None:
@@ -44,13 +47,16 @@ def record_step(result: StepResult) -> None:
     metrics.worker_step_idle.observe(result.idle_time)
 
 
-def wait_ms(runner: ModelRunner) -> int | None:
+def wait_ms(runner: ModelRunner, offload: KvOffloadStep | None = None) -> int | None:
     """How long to wait for a message: forever with nothing in flight, else until the oldest pass
-    lands (rounded down: the rest is waited for by collecting it), or POLL_MS where unknown."""
+    lands (rounded down: the rest is waited for by collecting it), or POLL_MS where unknown; at
+    most READ_POLL_MS while reads from disk are in flight."""
+    reading = offload is not None and offload.reading
     if not runner.has_pending():
-        return None
+        return READ_POLL_MS if reading else None
     left = runner.landing_in()
-    return POLL_MS if left is None else int(left * 1000)
+    wait = POLL_MS if left is None else int(left * 1000)
+    return min(wait, READ_POLL_MS) if reading else wait
 
 
 def run(config: EngineConfig, index: int) -> None:
@@ -65,7 +71,8 @@ def run(config: EngineConfig, index: int) -> None:
         num_slots = offload.num_slots if offload is not None else 0
         block_bytes = runner.attn.bytes_per_block(config.cache.block_size)
         warm = offload.warm if offload is not None else []
-        scheduler.send(WorkerReady(rank, runner.num_available_blocks(), num_slots, block_bytes, warm))
+        on_disk, num_disk_blocks = (offload.disk_names(), offload.num_disk_blocks) if offload is not None else ([], 0)
+        scheduler.send(WorkerReady(rank, runner.num_available_blocks(), num_slots, block_bytes, warm, on_disk, num_disk_blocks))
 
         def send(results: list[StepResult]) -> None:
             for result in results:
@@ -74,7 +81,7 @@ def run(config: EngineConfig, index: int) -> None:
                     record_step(result)
 
         while True:
-            match inbox.recv(timeout_ms=wait_ms(runner)):
+            match inbox.recv(timeout_ms=wait_ms(runner, offload)):
                 case InitializeCache(num_kv_blocks=num_blocks):
                     runner.initialize_cache(num_blocks)
                     report_ready(ctx, config, WORKER, index)
@@ -98,7 +105,9 @@ def run(config: EngineConfig, index: int) -> None:
                             plan.num_steps,
                             1000 * (time.time() - started),
                         )
-                case None:  # no plan came while the oldest pass computed
+                case None:  # no plan came while the oldest pass computed (or a read from disk went on)
                     send(runner.collect_due())
+            if offload is not None and (fetched := offload.take_fetched()) is not None:
+                scheduler.send(fetched)
     finally:
         ctx.destroy(linger=0)

@@ -1,7 +1,8 @@
 """The KV disk tier (gpu/kv/disk_tier.py): blocks written as files come back byte for byte, after a
 restart too; a changed model reads nothing; a corrupt, truncated or misplaced file is a miss logged
 once; a full disk stops writes while reads go on; a bad directory is refused at start-up; the size
-cap evicts the least recently used; two processes writing one directory leave only valid files."""
+cap evicts the least recently used; two processes writing one directory leave only valid files; reads
+on a hit (disk_reads.py) run on their own thread, after the copies in flight, each answered once."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from conveyor.config.errors import ConfigError
 from conveyor.gpu.kv import disk_tier as disk_tier_module
 from conveyor.gpu.kv.disk_dir import STALE_TEMP_S
 from conveyor.gpu.kv.disk_format import HEADER, KVValidity, file_name
+from conveyor.gpu.kv.disk_reads import DiskReads
 from conveyor.gpu.kv.disk_tier import DiskTier
 
 PAYLOAD = 4096
@@ -294,3 +296,41 @@ def test_two_processes_writing_one_directory_leave_valid_files(tmp_path):
     assert all(reader.get(h) == block(h) for h in everything) and reader.stats.bad_files == 0
     assert not list(tmp_path.rglob("*.tmp"))
     reader.close()
+
+
+class _CopyInFlight:
+    """A host-tier transfer (host_tier.Transfer) that is done once `done` is set."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def ready(self) -> bool:
+        return self.done
+
+
+def _answers(reads: DiskReads, num: int) -> list[tuple[int, int, bool]]:
+    got: list[tuple[int, int, bool]] = []
+    deadline = time.monotonic() + 10
+    while len(got) < num and time.monotonic() < deadline:
+        reads.wait(0.5)
+        got += reads.take()
+    return got
+
+
+def test_reads_on_a_hit_fill_slots_on_their_own_thread_and_answer_each_once(tmp_path, caplog):
+    disk = written(tmp_path, [1, 2])
+    slots = [memoryview(bytearray(PAYLOAD)) for _ in range(3)]
+    copy = _CopyInFlight()
+    reads = DiskReads(disk)
+    reads.submit([(1, 0, slots[0]), (99, 1, slots[1]), (2, 2, slots[2])], after=[copy])
+    time.sleep(0.05)
+    assert reads.take() == [] and reads.pending and bytes(slots[0]) == bytes(PAYLOAD)  # a load may still read the slots
+    copy.done = True
+    assert _answers(reads, 3) == [(1, 0, True), (99, 1, False), (2, 2, True)]  # 99: no such file, a miss
+    assert bytes(slots[0]) == block(1) and bytes(slots[2]) == block(2) and not reads.pending
+    with caplog.at_level(logging.WARNING, logger="conveyor.gpu.kv.disk_reads"):
+        reads.submit([(1, 0, memoryview(bytearray(10))), (2, 1, memoryview(bytearray(10)))], after=[])  # a bug: wrong sizes
+        assert _answers(reads, 2) == [(1, 0, False), (2, 1, False)]  # still answered, as misses
+    assert len(caplog.records) == 1
+    reads.close()
+    disk.close()

@@ -3,6 +3,9 @@ from host memory, and every output is what recomputing it gives."""
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -156,3 +159,71 @@ def test_an_adapters_prefix_back_from_the_host_tier_is_its_own(path, tmp_path, p
     assert [[c.token_ids for o in turn for c in o.outputs] for turn in ours] == [
         [c.token_ids for o in turn for c in o.outputs] for turn in plain
     ]
+
+
+def _written(llm: LLM) -> None:
+    """Every block saved so far on disk (the write-through is asynchronous)."""
+    offload = llm.runner.feature(KvOffloadStep)
+    assert offload is not None and offload.disk is not None
+    offload.flush()
+
+
+def _on_disk_only(path: str, root: Path, greedy: SamplingParams) -> tuple[list[int], list[Path], int]:
+    """The prefix served by one engine, then unrelated prompts, all written through to `root`:
+    (its outputs, its files, a block's bytes). Its files are made the oldest, so that an engine
+    started on `root` with a small host tier reads the others back at start-up, not these."""
+    first = _disk_llm(path, root)
+    (before,) = first.generate(_prompts(0), greedy)
+    _written(first)
+    prefix_files = sorted(root.rglob("*.kv"))
+    assert len(prefix_files) == 11  # the prompt's ten full blocks, and one of its tail and output
+    for f in prefix_files:
+        os.utime(f, (time.time() - 1000, time.time() - 1000))
+    first.generate(_evicting(), greedy)
+    _written(first)
+    offload = first.runner.feature(KvOffloadStep)
+    assert offload is not None
+    return before.outputs[0].token_ids, prefix_files, offload.block_bytes
+
+
+def _restarted(path: str, root: Path, num_slots: int, block_bytes: int) -> tuple[LLM, KvOffloadStep]:
+    llm = LLM(path, kv_offloading_size=num_slots * block_bytes / 2**30, kv_disk_dir=str(root), **POOL)
+    offload = llm.runner.feature(KvOffloadStep)
+    assert offload is not None and offload.num_slots == num_slots and len(offload.warm) == num_slots
+    return llm, offload
+
+
+def test_a_prefix_on_disk_beyond_the_host_tier_is_read_on_a_hit(path, tmp_path):
+    """A restart whose host tier (16 blocks) is smaller than what the disk holds (46): it reads the
+    most recently used blocks back at start-up, and the repeated prompt's prefix, older, is read
+    from disk when the prompt comes, not computed."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    before, _, block_bytes = _on_disk_only(path, tmp_path / "kv", greedy)
+    restarted, offload = _restarted(path, tmp_path / "kv", 16, block_bytes)
+    tiers = restarted.core.scheduler.tiers
+    assert tiers is not None and tiers.disk is not None and len(tiers.disk.index) > 16
+    assert offload.disk is not None
+    reads = offload.disk.stats.hits
+    (again,) = restarted.generate(_prompts(0), greedy)
+    assert again.outputs[0].token_ids == before  # as computed fresh by the first engine
+    assert again.num_cached_tokens == 10 * BLOCK
+    assert tiers.disk.num_hits == 10 and tiers.num_host_hits == 0 and offload.disk.stats.hits - reads == 10
+
+
+def test_a_corrupt_block_read_on_a_hit_is_a_miss(path, tmp_path, caplog):
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    before, prefix_files, block_bytes = _on_disk_only(path, tmp_path / "kv", greedy)
+    for f in prefix_files:  # one flipped byte each, past the header; still the oldest files
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+        os.utime(f, (time.time() - 1000, time.time() - 1000))
+    restarted, offload = _restarted(path, tmp_path / "kv", 16, block_bytes)
+    tiers = restarted.core.scheduler.tiers
+    assert tiers is not None and tiers.disk is not None
+    with caplog.at_level(logging.WARNING, logger="conveyor.gpu.kv.disk_tier"):
+        (again,) = restarted.generate(_prompts(0), greedy)
+    assert again.outputs[0].token_ids == before and again.num_cached_tokens == 0
+    assert tiers.disk.num_misses == 10 and tiers.disk.num_hits == 0
+    assert sum("checksum" in r.getMessage() for r in caplog.records) == 1  # logged once
+    assert offload.disk is not None and offload.disk.stats.bad_files == 10  # each found bad, and deleted

@@ -10,6 +10,7 @@ every table, prefix-cache hit, copy-on-write, fork and window pass is."""
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 
 from conveyor.config import SchedulerConfig
 from conveyor.stages.scheduler.engine_core import EngineCore
@@ -28,9 +29,22 @@ def detok_stops(token: int) -> bool:
     return token % DETOK_STOP == 7
 
 
-def make(k: int = 1, num_blocks=256, block_size=4, budget=32, max_seqs=64, max_model_len=512, num_host_slots=0, **config):
+def make(
+    k: int = 1,
+    num_blocks=256,
+    block_size=4,
+    budget=32,
+    max_seqs=64,
+    max_model_len=512,
+    num_host_slots=0,
+    num_disk_blocks=0,
+    lost: Callable[[int], bool] = lambda name: False,
+    num_ranks=1,
+    **config,
+):
     """A scheduler planning windows of up to `k` passes, and a fake worker with the same pool
-    (and `num_host_slots` of KV host tier)."""
+    (and `num_host_slots` of KV host tier, `num_disk_blocks` of disk tier where the names `lost`
+    selects are never written)."""
     sched = Scheduler.from_config(
         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, num_scheduler_steps=k, **config),
         num_blocks=num_blocks,
@@ -38,8 +52,10 @@ def make(k: int = 1, num_blocks=256, block_size=4, budget=32, max_seqs=64, max_m
         max_model_len=max_model_len,
         eos_token_ids=EOS_IDS,
         num_host_slots=num_host_slots,
+        num_disk_blocks=num_disk_blocks,
+        num_ranks=num_ranks,
     )
-    return sched, FakeRunner(num_blocks, block_size, EOS_IDS)
+    return sched, FakeRunner(num_blocks, block_size, EOS_IDS, disk=num_disk_blocks > 0, lost=lost)
 
 
 def request(i: int, prompt: list[int], **params) -> ScheduleRequest:
@@ -133,6 +149,8 @@ class Driver:
                 self.finished[sid] = FinishReason.STOP
 
     def tick(self) -> None:
+        if (fetched := self.runner.take_fetched()) is not None:  # the worker's reads from disk answered since the last tick
+            self.core.kv_fetched(fetched)
         step = self.plan() if self.core.may_plan() else None
         if self.results and (step is None or not self.core.may_plan()):
             self.apply_one()

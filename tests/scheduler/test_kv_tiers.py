@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from conveyor.stages.scheduler.kv_disk import FETCH_WAIT_S, DiskIndex
 from conveyor.stages.scheduler.kv_tiers import HostSlots
+from conveyor.stages.scheduler.sequence import SeqStatus
+from conveyor.wire.messages import KvFetched
 from tests.scheduler.engine_driver import Driver, make, prompt_of, reference, request
 
 BLOCK = 4
@@ -121,3 +124,185 @@ def test_blocks_loaded_back_never_keep_the_queues_head_out():
         driver.core.add_request(ScheduleRequest(rid, 0, prompts[rid], params, 0.0, priority))
     driver.run(max_ticks=2000)
     assert sched.num_preemptions > 0 and sched.blocks.num_used == 0
+
+
+# --- the disk tier: reads on a hit (kv_disk.py) -----------------------------------------------
+
+
+def test_the_disk_index_forgets_the_least_recently_used_past_its_size():
+    index = DiskIndex(3, [1, 2, 3, 4])
+    assert len(index) == 3 and 1 not in index
+    index.add(2)  # a use
+    index.add(5)
+    assert 3 not in index and all(n in index for n in (2, 4, 5))
+    index.discard(4)
+    assert 4 not in index and len(index) == 2
+
+
+def _evicted_from_both_tiers(depth: int = 1, **options):
+    """A prefix served once (saved to the host tier and written through to disk), then unrelated
+    prompts that evict it from the device pool and from a host tier of 12 slots: only the disk
+    holds it. Returns (driver, the prefix's prompt, its first outputs, its block names)."""
+    sched, runner = make(num_blocks=16, block_size=BLOCK, budget=64, num_host_slots=12, num_disk_blocks=1000, **options)
+    driver = Driver(sched, runner, depth=depth)
+    prompt = prompt_of(1, 10 * BLOCK) + [7]
+    first = _serve(driver, 0, prompt)
+    (seq,) = [s for s in driver.seqs.values() if s.request_id == "r0"]
+    names = seq.full_block_hashes(BLOCK, 10)
+    for i in range(1, 4):
+        _serve(driver, i, prompt_of(100 + i, 12 * BLOCK))
+    tiers = sched.tiers
+    assert tiers is not None and tiers.disk is not None
+    assert not any(name in tiers.host for name in names) and all(name in tiers.disk.index for name in names)
+    return driver, prompt, first, names
+
+
+def _seq(driver: Driver, i: int):
+    return next(s for s in driver.core.scheduler.by_request.get(f"r{i}", []) + list(driver.seqs.values()) if s.request_id == f"r{i}")
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
+def test_a_prefix_only_the_disk_holds_is_read_loaded_and_hit(depth):
+    driver, prompt, first, names = _evicted_from_both_tiers(depth)
+    tiers = driver.sched.tiers
+    assert tiers is not None and tiers.disk is not None
+    hits_before = tiers.num_host_hits
+    again = _serve(driver, 4, prompt)
+    assert again == first
+    fetched = [name for step in driver.steps for name, _ in step.kv_fetches]
+    assert fetched == names  # each block read once, in prompt order
+    assert _seq(driver, 4).num_cached_tokens == 10 * BLOCK  # none of it computed again
+    assert tiers.disk.num_hits == 10 and tiers.num_host_hits == hits_before and tiers.disk.num_misses == 0
+    assert driver.runner.num_reads == 10
+
+
+def test_nothing_counts_before_the_read_is_answered_and_the_others_run_meanwhile():
+    driver, prompt, first, names = _evicted_from_both_tiers()
+    sched, core, runner = driver.sched, driver.core, driver.runner
+    tiers = sched.tiers
+    assert tiers is not None and tiers.disk is not None
+    runner.hold_reads = True
+    core.add_request(request(4, prompt, max_tokens=3, ignore_eos=True))
+    other = prompt_of(300, 2 * BLOCK)
+    core.add_request(request(5, other, max_tokens=3, ignore_eos=True))
+    for _ in range(12):  # the read is not answered: its sequence waits, the one behind it runs to its end
+        driver.tick()
+    waiting = _seq(driver, 4)
+    assert waiting.status is SeqStatus.WAITING and waiting.num_computed_tokens == 0
+    assert _seq(driver, 5).output_token_ids == reference(other, request(5, [], max_tokens=3, ignore_eos=True).params, 0, 512, False)
+    assert not any(name in tiers.host for name in names) and tiers.disk.num_hits == 0  # not a hit before it is answered
+    assert len(runner.reads) == 10 and not core.wants_to_plan()  # idle: the stage waits for KvFetched
+    runner.hold_reads = False
+    core.kv_fetched(runner.take_fetched())
+    assert all(name in tiers.host for name in names) and core.wants_to_plan()
+    driver.run()
+    assert _seq(driver, 4).output_token_ids == first and _seq(driver, 4).num_cached_tokens == 10 * BLOCK
+    assert tiers.disk.num_hits == 10
+
+
+def test_a_read_that_fails_is_a_miss_and_the_rest_is_computed():
+    driver, prompt, first, names = _evicted_from_both_tiers()
+    tiers = driver.sched.tiers
+    assert tiers is not None and tiers.disk is not None and driver.runner.disk is not None
+    del driver.runner.disk[names[4]]  # a corrupt file, deleted by the worker's check (or another daemon's eviction)
+    again = _serve(driver, 4, prompt)
+    assert again == first
+    assert _seq(driver, 4).num_cached_tokens == 4 * BLOCK  # the blocks before the missing one
+    assert tiers.disk.num_misses == 1 and tiers.disk.num_hits == 4
+    assert names[4] in tiers.host  # computed again, and saved again
+    assert len(tiers.host) + len(tiers.host._free) == tiers.host.num_slots  # no slot lost to the miss
+
+
+def test_with_tensor_parallelism_a_block_counts_when_every_rank_read_it():
+    driver, prompt, first, names = _evicted_from_both_tiers(num_ranks=2)
+    core, runner = driver.core, driver.runner
+    tiers = driver.sched.tiers
+    assert tiers is not None and tiers.disk is not None
+    runner.hold_reads = True
+    core.add_request(request(4, prompt, max_tokens=3, ignore_eos=True))
+    driver.tick()
+    runner.hold_reads = False
+    rank0 = runner.take_fetched(rank=0)
+    assert rank0 is not None and len(rank0.fetched) == 10
+    core.kv_fetched(rank0)
+    core.kv_fetched(rank0)  # a rank's answer counts once
+    assert not any(name in tiers.host for name in names)
+    # Rank 1 found its shard of the fifth block bad: a miss for all ranks, its slot free again.
+    missed = [rank0.fetched[4]]
+    core.kv_fetched(KvFetched(1, rank0.fetched[:4] + rank0.fetched[5:], missed))
+    assert [name in tiers.host for name in names] == [True] * 4 + [False] + [True] * 5
+    assert names[4] not in tiers.disk.index and tiers.disk.num_misses == 1
+    driver.run()
+    assert _seq(driver, 4).output_token_ids == first and _seq(driver, 4).num_cached_tokens == 4 * BLOCK
+
+
+def test_a_read_never_answered_stops_the_wait_after_a_while():
+    driver, prompt, first, names = _evicted_from_both_tiers()
+    core, runner = driver.core, driver.runner
+    tiers = driver.sched.tiers
+    assert tiers is not None and tiers.disk is not None
+    now = [1000.0]
+    tiers.disk.clock = lambda: now[0]
+    runner.hold_reads = True  # a hung disk
+    core.add_request(request(4, prompt, max_tokens=3, ignore_eos=True))
+    for _ in range(3):
+        driver.tick()
+    assert _seq(driver, 4).status is SeqStatus.WAITING
+    assert core.wake_in() == pytest.approx(FETCH_WAIT_S)  # the stage wakes then, with no input
+    now[0] += FETCH_WAIT_S
+    driver.run()  # it computes its prompt, reads still in flight
+    assert _seq(driver, 4).output_token_ids == first and _seq(driver, 4).num_cached_tokens == 0
+    assert len(runner.reads) == 10 and len(tiers.disk.reads) == 10  # their slots stay out until answered
+    runner.hold_reads = False
+    core.kv_fetched(runner.take_fetched())  # late answers: the slots go back (the tier holds those names again)
+    assert len(tiers.disk.reads) == 0 and len(tiers.host) + len(tiers.host._free) == tiers.host.num_slots
+
+
+def test_a_restarted_scheduler_reads_what_the_disk_held():
+    """A scheduler started with names on disk (WorkerReady.kv_disk) and an empty host tier: the
+    prefix comes from disk, with the fake model's tokens."""
+    driver, prompt, first, names = _evicted_from_both_tiers()
+    disk = driver.runner.disk
+    sched, runner = make(num_blocks=16, block_size=BLOCK, budget=64, num_host_slots=12, num_disk_blocks=1000)
+    tiers = sched.tiers
+    assert tiers is not None and tiers.disk is not None
+    tiers.disk.index = DiskIndex(1000, names)
+    runner.disk = disk
+    restarted = Driver(sched, runner)
+    assert _serve(restarted, 0, prompt) == first
+    assert _seq(restarted, 0).num_cached_tokens == 10 * BLOCK and tiers.disk.num_hits == 10
+
+
+def test_sequences_short_of_host_slots_never_take_turns_evicting_each_others_reads():
+    """Found by the property test: prefixes read from disk into a host tier too small for them
+    all, each read evicting another's before it was loaded, forever. A block is read once per
+    sequence: what the host tier loses again is computed. Every request finishes, with the fake
+    model's tokens."""
+    from conveyor.wire.messages import SamplingParams, ScheduleRequest
+
+    sched, runner = make(1, 12, 2, 8, 3, 256, 3, 200, lambda name: name % 5 == 0, policy="prefill_first", enable_prefix_caching=True)
+    driver = Driver(sched, runner)
+    prompts = {"r0": [1, 2, 3, 4, 5, 6], "r1": [14], "r2": [27], "r3": [(31 + j) % 500 for j in range(9)] + [40, 41]}
+    wanted = {"r0": (4, 1, 1), "r1": (1, 1, 0), "r2": (3, 1, 1), "r3": (5, 2, 0)}
+    for rid, (max_tokens, n, priority) in wanted.items():
+        params = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True)
+        driver.core.add_request(ScheduleRequest(rid, 0, prompts[rid], params, 0.0, priority))
+    driver.run(max_ticks=2000)
+    for seq in driver.seqs.values():
+        assert seq.output_token_ids == reference(prompts[seq.request_id], seq.params, seq.index, 256, False)
+    assert len(driver.seqs) == 5 and runner.num_reads > 0
+
+
+def test_more_blocks_named_in_a_step_than_host_slots_save_each_slot_once():
+    """Found through the daemon: a prompt of 10 blocks computed in one step over a host tier of 3
+    slots saved three blocks into each slot in one plan (the worker refuses a transfer writing a
+    slot twice). The last three named are saved."""
+    sched, runner = make(num_blocks=32, block_size=BLOCK, budget=64, num_host_slots=3)
+    driver = Driver(sched, runner)
+    prompt = prompt_of(9, 10 * BLOCK + 1)
+    _serve(driver, 0, prompt)
+    saves = [save for step in driver.steps for save in step.kv_saves]
+    assert saves and all(len({slot for _, slot, _ in step.kv_saves}) == len(step.kv_saves) for step in driver.steps)
+    names = _seq(driver, 0).full_block_hashes(BLOCK, 10)
+    tiers = sched.tiers
+    assert tiers is not None and [name in tiers.host for name in names] == [False] * 7 + [True] * 3

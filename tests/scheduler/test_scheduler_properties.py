@@ -6,7 +6,8 @@ tight pools, every policy) against the scheduler's invariants, checked after eve
 - every admitted request finishes, and every sample's tokens are exactly the fake model's,
   up to its max_tokens or its first EOS;
 and all of it with asynchronous scheduling too (`lookahead`: step n+1 is planned and executed
-before step n's ids reach the scheduler, as the scheduler stage runs it).
+before step n's ids reach the scheduler, as the scheduler stage runs it), and with the KV host
+tier and a disk tier behind it (`disk`: one write in five dropped, so some reads miss).
 """
 
 from __future__ import annotations
@@ -47,13 +48,17 @@ requests_strategy = st.lists(
     eos=st.booleans(),
     host_slots=st.sampled_from([0, 3, 64]),
     swap=st.booleans(),
+    disk=st.sampled_from([0, 1, 3]),  # a disk tier whose reads are answered that many ticks later (0: none)
 )
 def test_random_streams_keep_every_invariant(
-    reqs, block_size, num_blocks, budget, max_seqs, policy, caching, lookahead, eos, host_slots, swap
+    reqs, block_size, num_blocks, budget, max_seqs, policy, caching, lookahead, eos, host_slots, swap, disk
 ):
     mode = "swap" if swap else "recompute"
     config = dict(policy=policy, enable_prefix_caching=caching, preemption_mode=mode)
-    sched, runner = make(1, num_blocks, block_size, budget, max_seqs, 256, host_slots, **config)
+    num_disk_blocks = 200 if disk and host_slots else 0
+    lost = lambda name: name % 5 == 0  # noqa: E731 - dropped writes: their reads miss
+    sched, runner = make(1, num_blocks, block_size, budget, max_seqs, 256, host_slots, num_disk_blocks, lost, **config)
+    runner.read_delay = disk
     driver = Driver(sched, runner, depth=2 if lookahead else 1)
     prefixes = [[(p * 31 + j) % 500 for j in range(k)] for p, k in enumerate((0, 9, 20))]
     prompts = {f"r{i}": prefixes[pre] + [(i * 13 + j) % 500 + 1 for j in range(own)] for i, (pre, own, *_) in enumerate(reqs)}

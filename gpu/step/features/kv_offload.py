@@ -2,8 +2,10 @@
 --kv-disk-dir): the plan's saves (device blocks to host slots) and loads (host slots to device
 blocks) applied before its passes, saves first, by gpu/kv/host_tier.py; each saved block written
 through to disk (gpu/kv/disk_tier.py), and at start-up the most recently used blocks on disk read
-back into the host slots, before the worker reports ready. The scheduler decides what moves
-(stages/scheduler/kv_tiers.py); this moves the bytes.
+back into the host slots, before the worker reports ready. On a hit beyond the host tier the
+plan's reads (`kv_fetches`) fill host slots from disk on a thread of their own
+(gpu/kv/disk_reads.py), and `take_fetched` gives their answers for the scheduler (KvFetched). The
+scheduler decides what moves (stages/scheduler/kv_tiers.py); this moves the bytes.
 
 Ordering, on CUDA where the copies run on a side stream behind the passes queued before them: a
 plan's saves read blocks its passes may rewrite (a freed block handed out again), so its first
@@ -25,10 +27,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from conveyor.gpu.kv.disk_format import KVValidity, model_identity
+from conveyor.gpu.kv.disk_format import HEADER, KVValidity, model_identity
+from conveyor.gpu.kv.disk_reads import DiskReads
 from conveyor.gpu.kv.disk_tier import GIB, DiskTier
 from conveyor.gpu.kv.host_tier import KVCopies, Transfer, num_host_slots
 from conveyor.gpu.step.features.base import StepFeature
+from conveyor.wire.messages import KvFetched
 from conveyor.wire.step import NO_NAME
 
 if TYPE_CHECKING:
@@ -46,10 +50,15 @@ class KvOffloadStep(StepFeature):
     def __init__(self, config: EngineConfig, attn: AttentionBackend, tp: TensorParallel, platform: Platform) -> None:
         cache = config.cache
         self.platform = platform  # how the bytes move: host_tier (real copies, or the emulated link's time)
+        self.rank = tp.rank
         self.block_bytes = attn.bytes_per_block(cache.block_size)
         self.num_slots = num_host_slots(cache.kv_offloading_size, self.block_bytes) if self.block_bytes else 0
         self.host: KVCopies | None = None
         self.disk: DiskTier | None = None
+        self.reads: DiskReads | None = None  # reads from disk on a hit (None: no disk tier)
+        self.num_disk_blocks = 0  # blocks --kv-disk-size holds
+        self._refused: list[tuple[int, int, bool]] = []  # reads answered as misses at once (a slot out of range)
+        self._loads: list[Transfer] = []  # loads that may still read their slots: a read into one waits for them
         self.warm: list[tuple[int, int]] = []  # (block name, host slot) read from disk at start-up, oldest first
         self._pool: torch.Tensor | None = None  # the host slots' memory until the device pool exists
         self._before_pass: list[Transfer] = []  # what the next pass must wait for
@@ -66,7 +75,9 @@ class KvOffloadStep(StepFeature):
             )
             capacity = int(cache.kv_disk_size * GIB)
             self.disk = DiskTier(cache.kv_disk_dir, validity=validity, payload_bytes=self.block_bytes, capacity_bytes=capacity)
+            self.num_disk_blocks = capacity // (HEADER.size + self.block_bytes)
             self._warm_up()
+            self.reads = DiskReads(self.disk)
 
     def _warm_up(self) -> None:
         """Read the most recently used blocks on disk into the host slots (each checked: a bad
@@ -102,7 +113,45 @@ class KvOffloadStep(StepFeature):
             load = self.host.load(slots, blocks)
             self._next_plan.append(load)
             self._timed.append(load)
+            self._loads.append(load)
             self.num_loaded += len(blocks)
+        if plan.kv_fetches:
+            self._fetch(plan.kv_fetches)
+
+    def _fetch(self, fetches: list[tuple[int, int]]) -> None:
+        """Read blocks from disk into host slots (the scheduler took them out of its books), on
+        the reader thread, once the loads that may be reading those slots are done."""
+        assert self.host is not None
+        self._loads = [t for t in self._loads if not t.ready()]
+        reads = []
+        for name, slot in fetches:
+            if self.reads is None or not 0 <= slot < self.num_slots:
+                self._refused.append((name, slot, False))
+            else:
+                reads.append((name, slot, self.host.block_bytes(slot)))
+        if self.reads is not None:
+            self.reads.submit(reads, self._loads)
+
+    @property
+    def reading(self) -> bool:
+        """Whether reads from disk wait to be answered (`take_fetched`)."""
+        return bool(self._refused) or (self.reads is not None and self.reads.pending)
+
+    def take_fetched(self) -> KvFetched | None:
+        """This rank's answers to the reads finished since the last call; None: none."""
+        done, self._refused = self._refused + (self.reads.take() if self.reads is not None else []), []
+        if not done:
+            return None
+        return KvFetched(self.rank, [(n, s) for n, s, ok in done if ok], [(n, s) for n, s, ok in done if not ok])
+
+    def wait_fetched(self, timeout_s: float) -> None:
+        """Block until a read is answered (or `timeout_s` passed, or none is in flight)."""
+        if self.reads is not None and not self._refused:
+            self.reads.wait(timeout_s)
+
+    def disk_names(self) -> list[int]:
+        """The block names on disk for this rank, least recently used first (WorkerReady.kv_disk)."""
+        return self.disk.hashes() if self.disk is not None else []
 
     def begin_pass(self, work: PassWork) -> None:
         for transfer in self._before_pass:
