@@ -15,6 +15,7 @@ from conveyor.config.engine import (
     config_to_json,
 )
 from conveyor.config.errors import ConfigError
+from conveyor.config.media import MediaConfig, accepts_images
 from conveyor.config.model import ModelConfig
 from conveyor.config.moe import MoeConfig
 
@@ -22,6 +23,7 @@ __all__ = [
     "CacheConfig",
     "ConfigError",
     "EngineConfig",
+    "MediaConfig",
     "ModelConfig",
     "MoeConfig",
     "ParallelConfig",
@@ -29,6 +31,7 @@ __all__ = [
     "SchedulingPolicy",
     "ServerConfig",
     "StagesConfig",
+    "accepts_images",
     "config_from_json",
     "config_to_json",
 ]

@@ -16,6 +16,7 @@ import enum
 
 from conveyor.config.errors import ConfigError
 from conveyor.config.lora import LoraConfig
+from conveyor.config.media import MediaConfig
 from conveyor.config.model import ModelConfig
 from conveyor.config.options import option
 from conveyor.config.speculative import SpeculativeConfig
@@ -240,6 +241,7 @@ class EngineConfig:
     server: ServerConfig = ServerConfig()
     speculative: SpeculativeConfig | None = None  # --speculative-config; None: no speculation
     lora: LoraConfig = LoraConfig()  # --enable-lora and its adapters
+    media: MediaConfig = MediaConfig()  # images the ingress takes (config/media.py)
 
     def replace(self, **changes) -> EngineConfig:
         return dataclasses.replace(self, **changes)

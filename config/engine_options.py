@@ -19,6 +19,7 @@ from conveyor.config.engine import (
     StagesConfig,
 )
 from conveyor.config.lora import LoraConfig
+from conveyor.config.media import MediaConfig
 from conveyor.config.model import DTYPES
 from conveyor.config.options import Setting, option, settings
 from conveyor.config.quant import ONLINE_METHODS
@@ -72,6 +73,7 @@ OPTION_CLASSES: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "speculative decoding": SpeculationOptions,
     "LoRA adapters": LoraConfig,
+    "images": MediaConfig,
     "parallelism": ParallelConfig,
     "stages": StagesConfig,
     "server": ServerConfig,

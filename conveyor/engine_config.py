@@ -25,6 +25,7 @@ from conveyor.config.engine import (
 from conveyor.config.engine_options import OPTION_CLASSES, ModelOptions, SpeculationOptions
 from conveyor.config.errors import ConfigError
 from conveyor.config.lora import LoraConfig
+from conveyor.config.media import MediaConfig
 from conveyor.config.model import ModelConfig
 from conveyor.config.options import collect
 from conveyor.config.speculative import parse_speculative_config
@@ -105,6 +106,7 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
         server=ServerConfig(**server),
         speculative=speculative,
         lora=lora,
+        media=MediaConfig(**fields[MediaConfig]),
     )
 
 

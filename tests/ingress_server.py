@@ -21,7 +21,7 @@ from typing import Any
 import requests
 import uvloop
 
-from conveyor.config import EngineConfig, ServerConfig
+from conveyor.config import EngineConfig, MediaConfig, ServerConfig
 from conveyor.gpu.models.registry import read_model_config
 from conveyor.stages.ingress.main import serve
 from conveyor.tiny import tokenizer as tiny_tokenizer
@@ -35,9 +35,9 @@ MAX_BODY_BYTES = 64 * 1024
 VOCAB_SIZE = tiny_tokenizer.VOCAB_SIZE  # the tiny checkpoint's
 
 
-def make_config(root: Path, run_dir: str, **server_fields: Any) -> EngineConfig:
+def make_config(root: Path, run_dir: str, media: MediaConfig | None = None, **server_fields: Any) -> EngineConfig:
     """A tiny checkpoint (real tokenizer and chat template) served as MODEL_NAME; `server_fields`
-    override ServerConfig fields (api_key, allowed_origins, ...)."""
+    override ServerConfig fields (api_key, allowed_origins, ...); `media` the image settings."""
     ckpt = make_checkpoint(
         root / "ckpt",
         hidden_size=64,
@@ -49,7 +49,7 @@ def make_config(root: Path, run_dir: str, **server_fields: Any) -> EngineConfig:
     )
     model = read_model_config(ckpt, served_name=MODEL_NAME)
     server = ServerConfig(host="127.0.0.1", port=free_port(), run_dir=run_dir, max_body_bytes=MAX_BODY_BYTES, **server_fields)
-    return EngineConfig(model=model, server=server)
+    return EngineConfig(model=model, server=server, media=media or MediaConfig())
 
 
 def free_port() -> int:
@@ -160,11 +160,11 @@ def wait_for(predicate, timeout: float = 5.0, interval: float = 0.01) -> bool:
 
 
 @contextlib.contextmanager
-def running_server(root: Path, engine_class: type[FakeEngine] = FakeEngine, **server):
+def running_server(root: Path, engine_class: type[FakeEngine] = FakeEngine, media: MediaConfig | None = None, **server):
     """A FakeEngine (or a subclass answering otherwise) and the ingress, the engine reported
     ready: yields (url, engine, config)."""
     run_dir = make_run_dir()
-    config = make_config(root, run_dir, **server)
+    config = make_config(root, run_dir, media, **server)
     engine = engine_class(run_dir)
     engine.start()
     thread = ServerThread(config)

@@ -73,6 +73,7 @@ def build_app(config: EngineConfig, engine: EngineClient) -> web.Application:
     app.router.add_get("/v1/responses/{response_id}/input_items", responses.input_items)
     app.router.add_post("/v1/responses/{response_id}/cancel", responses.cancel)
     app.on_cleanup.append(responses.close)
+    app.on_cleanup.append(generate.images.close)
     app.router.add_post("/tokenize", tokens.tokenize)
     app.router.add_post("/detokenize", tokens.detokenize)
     return app

@@ -168,9 +168,15 @@ class CompletionBody(SamplingBody, kw_only=True):
     tools: list[Any] | None = None  # a 400: tools are for /v1/chat/completions
 
 
+class ImageUrlBody(Body, kw_only=True):
+    url: str  # data:image/...;base64,... or an http(s) URL the ingress fetches (stages/ingress/media/)
+    detail: str | None = None  # OpenAI's "auto", "low", "high": accepted; the model's processor decides
+
+
 class ContentPart(Body, kw_only=True):
-    type: str
+    type: str  # "text" or "image_url"
     text: str | None = None
+    image_url: ImageUrlBody | str | None = None  # some clients send the URL as a bare string
 
 
 class ChatMessageBody(Body, kw_only=True):

@@ -144,6 +144,7 @@ class EngineClient:
                     priority=gen.priority,
                     sent_time=time.time(),
                     tools=tools,
+                    images=gen.images or [],  # a chat's (one prompt); loaded by GenerateRoutes.run
                 )
             )
         return stream

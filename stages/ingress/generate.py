@@ -11,7 +11,8 @@ into an AbortRequest to the scheduler. An error after a stream began (the engine
 bug, or a choice the scheduler ended with FinishReason.ERROR) ends the stream with an error
 event, then [DONE]; before any byte, the same errors are a 500 JSON answer. A choice that ends
 in ERROR (its logits were not finite) fails the whole HTTP request: its other prompts and
-choices are aborted.
+choices are aborted. A chat's images are resolved (media/loader.py: decoded, fetched, checked)
+before submission, so an image's 400 comes before the tokenizer sees the request.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from aiohttp import web
 from conveyor.config import EngineConfig
 from conveyor.stages.ingress.engine_client import EngineClient, Event, RequestStream
 from conveyor.stages.ingress.errors import ApiError, check_model, draining, not_ready, read_body
+from conveyor.stages.ingress.media.loader import ImageLoader
 from conveyor.stages.ingress.protocol import Generation, check_num_seqs, parse_chat, parse_completion
 from conveyor.stages.ingress.responses import DONE, SSE_HEADERS, ResponseBuilder, write_quietly
 from conveyor.stages.ingress.tokens import LazyEncoder
@@ -126,6 +128,7 @@ class GenerateRoutes:
         self.engine = engine
         self.encoder = encoder
         self.system_fingerprint = system_fingerprint
+        self.images = ImageLoader(config)  # its fetch session closes with the app (app.py)
         # Chat answers' formats, found once at start: a bad flag fails the ingress, not a request.
         self.tool_format = tool_format(config)
         self.reasoning_format = config.server.reasoning_parser
@@ -170,6 +173,7 @@ class GenerateRoutes:
         if model.pooling is not None and gen.params.pooling is None:
             message = f"the model `{model.served_name}` is an embedding model: it serves POST /v1/embeddings, not generation"
             raise ApiError(400, message, param="model", code="model_not_generative")
+        await self.images.load(gen)  # done already for a background response (responses_api/routes.py)
         response_id = self.engine.new_request_id(id_prefix or ("chatcmpl" if chat else "cmpl"))
         num_prompts = len(gen.prompts)
         request_ids = [response_id] if num_prompts == 1 else [f"{response_id}-{p}" for p in range(num_prompts)]

@@ -8,7 +8,9 @@ ids inside the vocabulary) or several fields at once, and SamplingParams has the
 output constraint (structured_params.py) and a chat's tools (tool_params.py) are resolved there.
 `best_of` (accepted on both routes, as vLLM does) asks for that many samples of which the `n`
 most likely are returned, so it cannot stream. `check_num_seqs` bounds what one request may start,
-prompts x max(n, best_of) sequences, by `config.server.max_seqs_per_request`.
+prompts x max(n, best_of) sequences, by `config.server.max_seqs_per_request`. A chat message's
+image_url parts become `Generation.image_urls`, each labelled with its part and indexed from the
+message's ContentParts; media/loader.py turns them into `Generation.images` before submission.
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ from typing import Any
 
 import msgspec
 
-from conveyor.stages.ingress.bodies import ChatBody, ChatMessageBody, CompletionBody, SamplingBody, ToolCallBody
+from conveyor.stages.ingress.bodies import ChatBody, CompletionBody, SamplingBody
+from conveyor.stages.ingress.chat_messages import chat_messages
 from conveyor.stages.ingress.errors import ApiError
+from conveyor.stages.ingress.media.urls import ImageUrl
 from conveyor.stages.ingress.structured_params import structured_output
 from conveyor.stages.ingress.tool_params import tool_choice
-from conveyor.wire.messages import ChatMessage, SamplingParams, StructuredOutput, ToolCall
+from conveyor.wire.images import ImageData
+from conveyor.wire.messages import ChatMessage, SamplingParams, StructuredOutput
 
 MAX_PROMPTS = 256  # prompts in one completion batch: each is an engine request of its own
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +66,15 @@ class Generation:
     # max_tokens 0 (completions): one pass over each prompt, whose draw the answer leaves out.
     prompt_only: bool = False
     show_prompt_logprobs: bool = False  # the body asked for vLLM's prompt_logprobs field
+    # A chat's images in request order, as the body named them (MessagePart.image indexes them),
+    # and their bytes once media/loader.py has them (None until then).
+    image_urls: list[ImageUrl] = dataclasses.field(default_factory=list)
+    images: list[ImageData] | None = None
+
+    def label_images(self, parts: list[str]) -> None:
+        """Name the images as a route that translated its body onto a chat body (anthropic/,
+        responses_api/) names their parts: `parts` in the order the chat messages hold them."""
+        self.image_urls = [ImageUrl(image.url, part) for image, part in zip(self.image_urls, parts, strict=True)]
 
 
 def parse_completion(data: bytes, vocab_size: int) -> Generation:
@@ -98,7 +111,8 @@ def parse_chat(data: bytes, vocab_size: int) -> Generation:
         raise ApiError(400, message, param=structured.param)
     structured = tools.structured or structured
     gen = _generation(body, max_tokens, logprobs, vocab_size, structured)  # None: until EOS or the context is full
-    gen.prompts = [Prompt(messages=chat_messages(body.messages))]
+    messages, gen.image_urls = chat_messages(body.messages)
+    gen.prompts = [Prompt(messages=messages)]
     gen.add_generation_prompt = body.add_generation_prompt
     gen.tools, gen.tool_mode, gen.tool_name = tools.tools, tools.mode, tools.name
     gen.parallel_tool_calls = body.parallel_tool_calls
@@ -247,39 +261,3 @@ def prompts_of(prompt: str | list[Any], vocab_size: int, param: str = "prompt", 
 
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def chat_messages(messages: list[ChatMessageBody]) -> list[ChatMessage]:
-    """A tool turn without a name gets the one its call had: some templates (Llama 3.1's,
-    Mistral's) write the function's name beside its result."""
-    names = {call.id: call.function.name for m in messages for call in m.tool_calls or ()}
-    return [_chat_message(m, i, names) for i, m in enumerate(messages)]
-
-
-def _chat_message(message: ChatMessageBody, i: int, names: dict[str, str]) -> ChatMessage:
-    role = ROLES[message.role]
-    if message.tool_calls is not None and role != "assistant":
-        raise ApiError(400, "only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
-    tool_calls = [_tool_call(call) for call in message.tool_calls] if message.tool_calls else None
-    name = call_id = None
-    if role == "tool":
-        call_id = message.tool_call_id
-        name = message.name or names.get(call_id or "")
-    return ChatMessage(role, _content(message, i), tool_calls=tool_calls, tool_call_id=call_id, name=name)
-
-
-def _tool_call(call: ToolCallBody) -> ToolCall:
-    arguments = call.function.arguments
-    text = arguments if isinstance(arguments, str) else msgspec.json.encode(arguments).decode()
-    return ToolCall(id=call.id, name=call.function.name, arguments=text)
-
-
-def _content(message: ChatMessageBody, i: int) -> str:
-    if message.content is None or isinstance(message.content, str):
-        return message.content or ""
-    texts = []
-    for part in message.content:
-        if part.type != "text" or part.text is None:
-            raise ApiError(400, "only text content parts are supported", param=f"messages[{i}].content")
-        texts.append(part.text)
-    return "\n".join(texts)

@@ -4,7 +4,8 @@ Both use a PromptEncoder (tokenizers + jinja2, no torch) built from the checkpoi
 server's chat template override, exactly as the tokenizer stage builds its own: /tokenize gives
 the ids a generation request would be scheduled with. The encoder loads on first use, off the
 event loop; so does every encode or decode, a long prompt being milliseconds of CPU. The
-generation routes borrow it to echo prompts given as token ids.
+generation routes borrow it to echo prompts given as token ids. Messages with images are a 400
+naming the first image part (`check_no_images`, which count_tokens shares).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from aiohttp import web
 
 from conveyor.config import EngineConfig
 from conveyor.stages.ingress.bodies import DetokenizeBody, DetokenizeResult, TokenizeBody, TokenizeResult
+from conveyor.stages.ingress.chat_messages import chat_messages
 from conveyor.stages.ingress.errors import ApiError, check_model, read_body
-from conveyor.stages.ingress.protocol import chat_messages, decode
+from conveyor.stages.ingress.media.urls import ImageUrl, refuse
+from conveyor.stages.ingress.protocol import decode
 from conveyor.stages.ingress.tool_params import template_tool
 from conveyor.stages.tokenizer.encoder import PromptEncoder, template_messages
 from conveyor.stages.tokenizer.length_limit import PromptTooLong
@@ -70,7 +73,9 @@ class TokenRoutes:
             if body.prompt is not None:
                 ids = await asyncio.to_thread(encoder.encode_prompt, body.prompt, max_len)
             else:
-                messages = template_messages(chat_messages(body.messages or []))
+                chat, images = chat_messages(body.messages or [])
+                check_no_images(images, "/tokenize")
+                messages = template_messages(chat)
                 try:
                     tools = None if body.tools is None else [template_tool(t) for t in body.tools]
                     ids = await asyncio.to_thread(encoder.encode_chat, messages, body.add_generation_prompt, max_len, tools)
@@ -91,6 +96,18 @@ class TokenRoutes:
             raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="tokens")
         text = await self.encoder.decode(body.tokens, body.skip_special_tokens)
         return _json(DetokenizeResult(prompt=text))
+
+
+def check_no_images(images: list[ImageUrl], route: str) -> None:
+    """The counting routes take text alone. An image's tokens are known only once the tokenizer
+    stage has preprocessed it (their number follows its size for Qwen2-VL); vLLM's /tokenize
+    counts the unexpanded image markers instead (vllm issue 16191), a number no generation uses."""
+    if images:
+        message = (
+            f"{route} counts text only: an image's tokens are known once the tokenizer stage has "
+            "preprocessed it; send the request and read its usage instead"
+        )
+        raise refuse(images[0].part, message, "images_not_supported")
 
 
 def _json(result: msgspec.Struct) -> web.Response:

@@ -245,7 +245,7 @@ def test_a_background_rejection_fails_the_response(client):
         ({"input": [{"content": "no role"}]}, "input[0].role"),
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
         ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "detail": "low"}]}]}, "input[0].content[0]"),
         ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
         ({"input": 5}, "input"),
         ({"input": []}, "input"),

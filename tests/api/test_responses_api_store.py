@@ -94,7 +94,7 @@ def test_calls_join_the_assistant_turn_before_them():
         {"type": "message", "role": "developer", "content": "d"},
         {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"},
     ]
-    messages = chat_messages(conversation, "be brief")
+    messages, _ = chat_messages(conversation, "be brief")
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "tool", "developer", "assistant"]
     assert messages[2]["content"] == "let me see" and [c["id"] for c in messages[2]["tool_calls"]] == ["c1", "c2"]
     assert messages[3] == {"role": "tool", "tool_call_id": "c1", "content": "r1"}

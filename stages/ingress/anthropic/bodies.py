@@ -2,8 +2,9 @@
 
 The bounds Anthropic documents sit on the fields (temperature in [0, 1], max_tokens from 1,
 max_tokens and model required), so decoding enforces them and openapi.py publishes them. Content
-blocks are a tagged union on `type`: text, tool_use, tool_result and thinking are read; image and
-document blocks decode so that translate.py can refuse them by name. Unknown fields (cache_control,
+blocks are a tagged union on `type`: text, image, tool_use, tool_result and thinking are read;
+document blocks decode so that translate.py can refuse them by name. An image's source stays a
+plain object that translate.py checks, so each refusal says what the block lacks. Unknown fields (cache_control,
 citations, service_tier, ...) are ignored, as the chat bodies ignore theirs. Component names in
 /openapi.json are the class names, so they must not repeat a name of ../bodies.py.
 """
@@ -26,11 +27,12 @@ class TextBlockParam(Block, tag="text"):
     text: str
 
 
-class ImageBlockParam(Block, tag="image"):  # decoded to be refused with a clear 400
+class ImageBlockParam(Block, tag="image"):
+    # {"type": "base64", "media_type": "image/png", "data": ...} or {"type": "url", "url": ...}
     source: dict[str, Any] | None = None
 
 
-class DocumentBlockParam(Block, tag="document"):  # likewise
+class DocumentBlockParam(Block, tag="document"):  # decoded to be refused with a clear 400
     source: dict[str, Any] | None = None
 
 

@@ -6,7 +6,8 @@ error answer before any byte, a client gone aborts it. One answer is the chat an
 message (reply.py); a stream is the chat chunk choices turned into Anthropic's events
 (stream.py). count_tokens renders the same prompt (messages and tools through the chat template)
 with the ingress's PromptEncoder, as /tokenize does, and answers {"input_tokens": N}; it needs no
-engine, so it answers while the engine loads. Errors take Anthropic's shape (errors.py).
+engine, so it answers while the engine loads; it counts text alone (images are a 400). Errors
+take Anthropic's shape (errors.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from conveyor.stages.ingress.errors import ApiError, check_model, read_body
 from conveyor.stages.ingress.generate import GenerateRoutes, Run
 from conveyor.stages.ingress.protocol import decode
 from conveyor.stages.ingress.responses import SSE_HEADERS, write_quietly
-from conveyor.stages.ingress.tokens import TOKENIZE_CONTEXTS
+from conveyor.stages.ingress.tokens import TOKENIZE_CONTEXTS, check_no_images
 from conveyor.stages.tokenizer.encoder import template_messages
 from conveyor.stages.tokenizer.length_limit import PromptTooLong
 
@@ -57,6 +58,7 @@ class MessagesRoutes:
         body: CountTokensBody = decode(await read_body(request, self.config.server.max_body_bytes), CountTokensBody)
         gen = prompt_of(body, self.config.model.vocab_size)
         check_model(self.config, gen.model)
+        check_no_images(gen.image_urls, "count_tokens")
         assert gen.prompts[0].messages is not None  # a chat request's one prompt is its messages
         messages = template_messages(gen.prompts[0].messages)
         encoder = await self.generate.encoder.get()

@@ -9,8 +9,11 @@ are dropped (templates drop earlier reasoning). A tool_result must answer a tool
 earlier turn. Tools become function tools (input_schema the parameters); tool_choice auto, any,
 tool and none become "auto", "required", the named function and "none"; disable_parallel_tool_use
 becomes parallel_tool_calls false; output_config.format (a JSON schema) becomes response_format
-json_schema. Image and document blocks, server tools and a final assistant turn (prefill) are
-refused with a 400 that says so.
+json_schema. A user turn's (or a tool_result's) image blocks become image_url parts in place: a
+base64 source as a data: URL (JPEG, PNG, GIF or WebP, as Anthropic takes), a url source as its URL;
+each is labelled `messages[i].content[j]` (in a tool_result, `...content[j].content[k]`), the
+part every image refusal names. Document blocks, images in assistant turns, file sources, server
+tools and a final assistant turn (prefill) are refused with a 400 that says so.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from conveyor.stages.ingress.anthropic.bodies import (
     AnthropicTool,
     ContentBlockParam,
     CountTokensBody,
+    ImageBlockParam,
     MessagesBody,
     RedactedThinkingBlockParam,
     TextBlockParam,
@@ -37,9 +41,12 @@ from conveyor.stages.ingress.anthropic.bodies import (
 from conveyor.stages.ingress.errors import ApiError
 from conveyor.stages.ingress.protocol import Generation, parse_chat
 
+# The media types Anthropic takes in a base64 image source.
+MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
 
 def generation(body: MessagesBody, vocab_size: int) -> Generation:
-    chat = chat_request(body)
+    chat, image_parts = chat_request(body)
     chat |= {"max_tokens": body.max_tokens, "stream": body.stream}
     if "" in (body.stop_sequences or []):
         raise ApiError(400, "stop_sequences must not hold an empty string", param="stop_sequences")
@@ -48,16 +55,22 @@ def generation(body: MessagesBody, vocab_size: int) -> Generation:
     if body.output_config is not None and body.output_config.format is not None:
         schema = body.output_config.format.schema
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
-    return parse_chat(msgspec.json.encode(chat), vocab_size)
+    gen = parse_chat(msgspec.json.encode(chat), vocab_size)
+    gen.label_images(image_parts)
+    return gen
 
 
 def prompt_of(body: CountTokensBody, vocab_size: int) -> Generation:
     """What count_tokens counts: the prompt (messages and tools) a generation would be given."""
-    return parse_chat(msgspec.json.encode(chat_request(body)), vocab_size)
+    chat, image_parts = chat_request(body)
+    gen = parse_chat(msgspec.json.encode(chat), vocab_size)
+    gen.label_images(image_parts)
+    return gen
 
 
-def chat_request(body: CountTokensBody) -> dict[str, Any]:
-    """The chat body's model, messages, tools and tool_choice."""
+def chat_request(body: CountTokensBody) -> tuple[dict[str, Any], list[str]]:
+    """The chat body's model, messages, tools and tool_choice; and the label of each image part,
+    in the order the chat messages hold them."""
     if body.messages[-1].role == "assistant":
         message = "a final assistant message (prefill) is not supported: end with a user message"
         raise ApiError(400, message, param=f"messages[{len(body.messages) - 1}]")
@@ -65,20 +78,21 @@ def chat_request(body: CountTokensBody) -> dict[str, Any]:
     if body.system:
         messages.append({"role": "system", "content": _text(body.system)})
     tool_use_ids: set[str] = set()
+    image_parts: list[str] = []
     for i, turn in enumerate(body.messages):
         if isinstance(turn.content, str):
             messages.append({"role": turn.role, "content": turn.content})
         elif turn.role == "assistant":
             messages.append(_assistant(turn.content, i, tool_use_ids))
         else:
-            messages.extend(_user(turn.content, i, tool_use_ids))
+            messages.extend(_user(turn.content, i, tool_use_ids, image_parts))
     chat: dict[str, Any] = {"model": body.model, "messages": messages}
     if body.tools is not None:
         chat["tools"] = [_tool(tool, i) for i, tool in enumerate(body.tools)]
     if body.tool_choice is not None:
         chat["tool_choice"] = _tool_choice(body.tool_choice)
         chat["parallel_tool_calls"] = not getattr(body.tool_choice, "disable_parallel_tool_use", False)
-    return chat
+    return chat, image_parts
 
 
 def _assistant(blocks: list[ContentBlockParam], i: int, tool_use_ids: set[str]) -> dict[str, Any]:
@@ -100,33 +114,71 @@ def _assistant(blocks: list[ContentBlockParam], i: int, tool_use_ids: set[str]) 
     return message
 
 
-def _user(blocks: list[ContentBlockParam], i: int, tool_use_ids: set[str]) -> list[dict[str, Any]]:
-    """The turn's tool results as tool messages, then its text as a user message."""
-    results, texts = [], []
+def _user(blocks: list[ContentBlockParam], i: int, tool_use_ids: set[str], image_parts: list[str]) -> list[dict[str, Any]]:
+    """The turn's tool results as tool messages, then its text and images as a user message
+    (`image_parts` gets their labels in that order too)."""
+    results, parts = [], []
+    result_images: list[str] = []
+    turn_images: list[str] = []
     for j, block in enumerate(blocks):
         at = f"messages[{i}].content[{j}]"
         match block:
             case TextBlockParam():
-                texts.append(_part(block.text))
+                parts.append(_part(block.text))
+            case ImageBlockParam():
+                parts.append(_image_part(block, at))
+                turn_images.append(at)
             case ToolResultBlockParam():
                 if block.tool_use_id not in tool_use_ids:
                     message = f"{at}: tool_result answers tool_use_id {block.tool_use_id!r}, which no earlier tool_use block has"
                     raise ApiError(400, message, param=f"{at}.tool_use_id")
-                results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _result_text(block, at)})
+                content = _result_content(block, at, result_images)
+                results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": content})
             case _:
                 raise _unsupported(block, at, "a user message")
-    return results + ([{"role": "user", "content": texts}] if texts or not results else [])
+    image_parts += result_images + turn_images
+    return results + ([{"role": "user", "content": parts}] if parts or not results else [])
 
 
-def _result_text(block: ToolResultBlockParam, at: str) -> str:
+def _result_content(block: ToolResultBlockParam, at: str, image_parts: list[str]) -> str | list[dict[str, Any]]:
+    """A tool_result's text; with images, its text and image parts in order."""
     if block.content is None or isinstance(block.content, str):
         return block.content or ""
-    texts = []
+    parts = []
     for k, part in enumerate(block.content):
-        if not isinstance(part, TextBlockParam):
+        if isinstance(part, TextBlockParam):
+            parts.append(_part(part.text))
+        elif isinstance(part, ImageBlockParam):
+            parts.append(_image_part(part, f"{at}.content[{k}]"))
+            image_parts.append(f"{at}.content[{k}]")
+        else:
             raise _unsupported(part, f"{at}.content[{k}]", "a tool_result")
-        texts.append(part.text)
-    return "\n".join(texts)
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
+
+
+def _image_part(block: ImageBlockParam, at: str) -> dict[str, Any]:
+    """The chat route's image_url part for an image block: a base64 source as a data: URL."""
+    source = block.source if isinstance(block.source, dict) else {}
+    kind = source.get("type")
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if media_type not in MEDIA_TYPES:
+            message = f"{at}: image media_type {media_type!r} is not supported: {', '.join(MEDIA_TYPES)}"
+            raise ApiError(400, message, param=f"{at}.source.media_type")
+        if not isinstance(data, str) or not data:
+            raise ApiError(400, f"{at}: a base64 image source needs its data", param=f"{at}.source.data")
+        return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url:
+            raise ApiError(400, f"{at}: a url image source needs its url", param=f"{at}.source.url")
+        return {"type": "image_url", "image_url": {"url": url}}
+    if kind == "file":
+        message = f"{at}: file image sources are not supported (this server has no Files API): send base64 or url"
+        raise ApiError(400, message, param=f"{at}.source.type", code="unsupported_image_source")
+    raise ApiError(400, f"{at}: an image block needs a source of type base64 or url, not {kind!r}", param=f"{at}.source.type")
 
 
 def _text(system: str | list[TextBlockParam]) -> str | list[dict[str, str]]:

@@ -21,11 +21,15 @@ Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Me
 
 
 class ItemContentPart(Body, kw_only=True):
-    """input_text (a user's), output_text (an earlier answer's) or refusal; others are a 400."""
+    """input_text (a user's), input_image, output_text (an earlier answer's) or refusal; others are a 400."""
 
     type: str
     text: str | None = None
     refusal: str | None = None
+    # input_image: a data: URL or an http(s) URL; file_id (OpenAI's Files API) is refused
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None  # "auto", "low", "high": accepted; the model's processor decides
 
 
 class InputItem(Body, kw_only=True):

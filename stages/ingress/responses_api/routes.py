@@ -5,7 +5,8 @@ A request becomes a chat request (items.py) that protocol.parse_chat validates, 
 GenerateRoutes.run, the chat route's one seam: the same template, tool and reasoning parsers,
 admission (a rejection is an error answer before any byte) and aborts (a client gone, a cancel).
 The chat answer becomes output items (items.py), a stream's chunk choices become events
-(events.py). With `store` (the default) the response is kept (store.py) for GET,
+(events.py). A request's images are resolved before anything is stored, so an image's 400 answers
+even a background request. With `store` (the default) the response is kept (store.py) for GET,
 `previous_response_id` and cancel; `background` runs it in a task, answers at once with status
 "queued", and GET polls it; cancel aborts its engine request (status "cancelled"). Only background
 responses can be cancelled, as on OpenAI (a 400 otherwise); cancelling a finished one returns it
@@ -55,14 +56,18 @@ class ResponsesRoutes:
             raise ApiError(400, "background responses are stored: store must be true", param="store")
         if body.background and body.stream:
             raise ApiError(400, "background responses cannot be streamed here; poll GET /v1/responses/{id}", param="stream")
-        conversation = self._previous(body.previous_response_id) + input_items(body)
+        previous = self._previous(body.previous_response_id)
+        conversation = previous + input_items(body)
         if not conversation:
             raise ApiError(400, "input is empty and there is no previous response to go on from", param="input")
+        chat, image_parts = chat_request(body, conversation, len(previous))
         try:
-            gen = parse_chat(_encode(chat_request(body, conversation)), self.config.model.vocab_size)
+            gen = parse_chat(_encode(chat), self.config.model.vocab_size)
         except ApiError as e:
             e.param = responses_param(e.param)
             raise
+        gen.label_images(image_parts)
+        await self.generate.images.load(gen)  # here, not in a background task: an image's 400 answers it
         entry = StoredResponse(new_response(new_id("resp"), body, self.config.model.served_name, "in_progress"), conversation)
         if body.background:
             entry.response["status"] = "queued"
