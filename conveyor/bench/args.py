@@ -89,8 +89,19 @@ def add_serve(p: argparse.ArgumentParser) -> None:
         "--multi-turn-concurrency",
         type=_count(1),
         default=16,
-        help="conversations active at once, each sending its next turn when its last one finished: the working set "
-        "is about this x the mean prompt (the run's header says how that compares with the server's KV pool)",
+        help="clients: turns in flight at most, each the next turn of the active conversation that has waited longest",
+    )
+    turns.add_argument(
+        "--multi-turn-active",
+        type=_count(1),
+        help="conversations interleaved, the KV working set: about this x the mean prompt (the run's header says how "
+        "that compares with the server's KV pool); default: --multi-turn-concurrency, each client a closed loop",
+    )
+    turns.add_argument(
+        "--multi-turn-think-time",
+        type=_seconds,
+        default=0.0,
+        help="seconds from a turn's end until its conversation's next turn may go (default 0)",
     )
     turns.add_argument(
         "--multi-turn-replies",
@@ -203,6 +214,16 @@ def _count(minimum: int):
         return value
 
     return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError("must be a finite number of seconds, at least 0")
+    return value
 
 
 def _json_object(text: str) -> dict:

@@ -12,17 +12,23 @@ conversation stops before the first turn whose prompt and output would pass `max
 tokens; one left with fewer than two turns is not used. Conversations are taken in an order
 shuffled by the seed, `num_prompts` of them (all there are, if fewer).
 
-Load (`replay`): `concurrency` conversations are active at once, each a closed loop that sends its
-next turn only when its previous turn finished; one that ends hands its place to the next. The KV
-working set, the prompts the active conversations' next turns extend, is then about concurrency x
-mean prompt tokens: for a working set of W times a pool of P tokens (the server's
-conveyor_kv_cache_capacity_tokens), concurrency ~ W x P / mean prompt. `describe` prints both.
+Load (`replay`): `active` conversations are interleaved (the KV working set) and `concurrency`
+clients serve them (the requests in flight, at most). A free client sends the next turn of the
+active conversation that has waited longest, so a conversation never has two turns in flight and
+its turns go in order; between two of them the other active conversations run, and push its KV
+out of a pool smaller than the working set. A turn's conversation is ready again when it finished
+(plus `think_time` seconds); one that ends hands its place to the next. Without `active` each
+client keeps one conversation, a closed loop (active = concurrency). The working set is about
+active x mean prompt tokens (the context a next turn extends): for W times a pool of P tokens
+(the server's conveyor_kv_cache_capacity_tokens), active ~ W x P / mean prompt, while the
+concurrency sets the queueing. `describe` prints both.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import math
 import random
@@ -42,10 +48,16 @@ Message = tuple[str, str]  # (role, content)
 
 @dataclasses.dataclass(frozen=True)
 class MultiTurnConfig:
-    concurrency: int = 16  # conversations active at once
+    concurrency: int = 16  # clients: turns in flight at most
+    active: int | None = None  # conversations interleaved, the working set (None: concurrency, each a closed loop)
+    think_time: float = 0.0  # seconds between a turn's end and its conversation's next turn
     max_output: int = 256  # cap on a turn's max_tokens
     max_context: int = 2000  # prompt + max_tokens a turn may reach: under a 2048-token model, with a margin
     replies: str = "generated"  # the assistant's turns: one of REPLIES (replay)
+
+    @property
+    def num_active(self) -> int:
+        return self.concurrency if self.active is None else self.active
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,63 +150,118 @@ def payload(turn: Turn, model: str, *, chat: bool, ignore_eos: bool, return_toke
     return body
 
 
+class _Chat:
+    """An active conversation: its turns and the replies its earlier turns got."""
+
+    def __init__(self, conversation: Conversation) -> None:
+        self.conversation = conversation
+        self.said: list[Message] = []  # the assistant's turns so far: the server's, or the recorded ones
+
+    @property
+    def done(self) -> bool:
+        return len(self.said) == len(self.conversation)
+
+    def next_turn(self, replies: str) -> Turn:
+        """The next turn, whose assistant messages (the odd ones) are this run's replies when
+        `replies` is "generated"."""
+        turn = self.conversation[len(self.said)]
+        if replies == "generated" and self.said:
+            messages = tuple(self.said[i // 2] if i % 2 else m for i, m in enumerate(turn.messages))
+            turn = dataclasses.replace(turn, messages=messages)
+        return turn
+
+    def took(self, result: client.RequestResult) -> None:
+        """The next turn finished: its reply is the text the server gave, or the recorded one."""
+        k = len(self.said)  # its recorded reply is the next turn's message 2k + 1
+        following = self.conversation[k + 1].messages if k + 1 < len(self.conversation) else ()
+        recorded = following[2 * k + 1] if len(following) > 2 * k + 1 else ("assistant", "")
+        self.said.append(("assistant", result.text) if result.success and result.text else recorded)
+
+
 async def replay(
     conversations: list[Conversation],
     send: Callable[[Turn], Awaitable[client.RequestResult]],
     *,
     concurrency: int,
+    active: int | None = None,
+    think_time: float = 0.0,
     progress=None,
     replies: str = "generated",
 ) -> tuple[list[client.RequestResult], float]:
     """Every turn's result, in the order they finished, and the run's duration (first send to last
-    finish): `concurrency` conversations at once, each turn sent when its conversation's previous
-    one finished. `replies`: "generated", each assistant turn is the text the server streamed for
-    it, as a chat client sends it back (a failed turn's is the recorded reply); "recorded", the
-    ShareGPT replies, the same prompts whatever the server says (to compare servers)."""
+    finish): `active` conversations interleaved (None: `concurrency`), `concurrency` clients each
+    sending the next turn of the conversation that has waited longest, a conversation ready again
+    `think_time` seconds after its turn finished. `replies`: "generated", each assistant turn is
+    the text the server streamed for it, as a chat client sends it back (a failed turn's is the
+    recorded reply); "recorded", the ShareGPT replies, the same prompts whatever the server says
+    (to compare servers)."""
     if replies not in REPLIES:
         raise ValueError(f"replies: one of {REPLIES}, not {replies!r}")
-    if concurrency < 1:
-        raise ValueError("multi-turn needs at least one active conversation")
-    pending = iter(conversations)  # shared: a slot whose conversation ended takes the next one
+    num_active = concurrency if active is None else active
+    if concurrency < 1 or num_active < 1:
+        raise ValueError("multi-turn needs at least one client and one active conversation")
+    if think_time < 0:
+        raise ValueError("the think time cannot be negative")
+    loop = asyncio.get_running_loop()
+    pending = iter(conversations)  # a conversation that ends hands its place to the next
+    ready: asyncio.Queue[_Chat | None] = asyncio.Queue()  # first in, first out: the longest wait first
+    for conversation in itertools.islice(pending, num_active):
+        ready.put_nowait(_Chat(conversation))
+    num_clients = min(concurrency, num_active)  # a client more than the conversations would never send
+    num_open = ready.qsize()  # conversations not done: ready, in flight or thinking
     results: list[client.RequestResult] = []
 
-    async def slot() -> None:
-        for conversation in pending:
-            said: list[Message] = []  # the assistant's turns so far, as this run's server gave them
-            for turn in conversation:
-                if replies == "generated" and said:  # messages alternate: odd ones are the assistant's
-                    messages = tuple(said[i // 2] if i % 2 else m for i, m in enumerate(turn.messages))
-                    turn = dataclasses.replace(turn, messages=messages)
-                result = await send(turn)
-                results.append(result)
-                if progress is not None:
-                    progress.update(1)
-                k = len(said)  # this turn's index: its recorded reply is the next turn's message 2k + 1
-                following = conversation[k + 1].messages if k + 1 < len(conversation) else ()
-                recorded = following[2 * k + 1] if len(following) > 2 * k + 1 else ("assistant", "")
-                said.append(("assistant", result.text) if result.success and result.text else recorded)
+    def close() -> None:
+        nonlocal num_open
+        if (following := next(pending, None)) is not None:
+            ready.put_nowait(_Chat(following))
+            return
+        num_open -= 1
+        if num_open == 0:  # the last turn finished: every client stops
+            for _ in range(num_clients):
+                ready.put_nowait(None)
 
+    async def serve() -> None:
+        while (chat := await ready.get()) is not None:
+            result = await send(chat.next_turn(replies))
+            results.append(result)
+            if progress is not None:
+                progress.update(1)
+            chat.took(result)
+            if chat.done:
+                close()
+            elif think_time > 0:
+                loop.call_later(think_time, ready.put_nowait, chat)
+            else:
+                ready.put_nowait(chat)
+
+    if num_open == 0:
+        return results, 0.0
     start = time.perf_counter()
-    await asyncio.gather(*(slot() for _ in range(concurrency)))
+    async with asyncio.TaskGroup() as clients:  # a client that raises cancels the others
+        for _ in range(num_clients):
+            clients.create_task(serve())
     return results, time.perf_counter() - start
 
 
-def describe(conversations: list[Conversation], concurrency: int, pool_tokens: float | None) -> str:
+def describe(conversations: list[Conversation], config: MultiTurnConfig, pool_tokens: float | None) -> str:
     """The workload in two lines, with the working set it keeps against the server's KV pool."""
     turns = [t for c in conversations for t in c]
     prompt = sum(t.prompt_len for t in turns) / len(turns)
     output = sum(t.output_len for t in turns) / len(turns)
-    active = min(concurrency, len(conversations))
+    active = min(config.num_active, len(conversations))
+    clients = min(config.concurrency, active)
     working_set = active * prompt
+    think = f", {config.think_time:g} s between turns" if config.think_time else ""
     text = (
         f"dataset multi-turn: {len(conversations)} conversations, {len(turns)} turns ({len(turns) / len(conversations):.1f} each), "
         f"mean prompt ~{prompt:.0f} / max output {output:.0f} tokens\n"
-        f"{active} conversations at once: working set ~{working_set:.0f} tokens"
+        f"{active} conversations interleaved by {clients} clients{think}: working set ~{working_set:.0f} tokens"
     )
     if pool_tokens:
         suggest = math.ceil(TARGET_WORKING_SET * pool_tokens / prompt)
         text += (
             f" = {working_set / pool_tokens:.1f}x the server's KV pool of {pool_tokens:.0f} tokens "
-            f"({TARGET_WORKING_SET:g}x: --multi-turn-concurrency {suggest})"
+            f"({TARGET_WORKING_SET:g}x: --multi-turn-active {suggest})"
         )
     return text

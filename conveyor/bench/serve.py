@@ -5,7 +5,7 @@ HTTP and measure what its clients see.
         --dataset-path sharegpt.json --request-rate 8 --num-prompts 500
     conveyor bench serve --dataset fastgen-2600-60 --sweep-clients 1,2,4,8,16,32 \\
         --result-json out.json --plot-dir plots/
-    conveyor bench serve --dataset multi-turn --dataset-path sharegpt.json --multi-turn-concurrency 24
+    conveyor bench serve --dataset multi-turn --dataset-path sharegpt.json --multi-turn-active 60 --multi-turn-concurrency 8
 
 `run` is one run: one load point (open loop, load.py) or one per client count (closed loop), every
 request streamed on one event loop and measured by results.py; the table goes to stdout, the
@@ -13,8 +13,8 @@ figures and the JSON where asked. Invariants: a server that cannot answer one sh
 stops the run before any point; each point draws its own prompts (and, with --num-system-prompts,
 its own shared system prompts: system_prompts.py), so no point finds another's in a prefix cache;
 a point's prefix cache hit rate comes from the servers' /metrics around it (server_metrics.py).
-The multi-turn dataset is one point of its own: conversations replayed turn by turn, several at
-once (multi_turn.py), on the chat endpoint unless --endpoint says otherwise.
+The multi-turn dataset is one point of its own: conversations replayed turn by turn, many
+interleaved by a few clients (multi_turn.py), on the chat endpoint unless --endpoint says otherwise.
 """
 
 from __future__ import annotations
@@ -88,6 +88,8 @@ class ServeBenchConfig:
             metrics_urls=args.metrics_url or (),
             multi_turn=MultiTurnConfig(
                 concurrency=args.multi_turn_concurrency,
+                active=args.multi_turn_active,
+                think_time=args.multi_turn_think_time,
                 max_output=args.multi_turn_max_output,
                 max_context=args.multi_turn_max_context,
                 replies=args.multi_turn_replies,
@@ -174,7 +176,7 @@ async def _multi_turn_point(
     """The multi-turn dataset's one point (multi_turn.py): its header, the test request, its turns."""
     if config.sweep_clients or config.max_concurrency or not math.isinf(config.request_rate) or config.dataset.num_system_prompts:
         raise BenchError(
-            "multi-turn sets its load with --multi-turn-concurrency: "
+            "multi-turn sets its load with --multi-turn-active and --multi-turn-concurrency: "
             "it takes no --sweep-clients, --request-rate, --max-concurrency or --num-system-prompts"
         )
     turns = config.multi_turn
@@ -183,7 +185,7 @@ async def _multi_turn_point(
         raise BenchError("no conversation has two turns within --multi-turn-max-context")
     pool = await server_metrics.kv_pool_tokens(session, config.metrics_sources)
     print(f"{config.base_url}{config.endpoint}, model {model}, prompt tokens counted by {counter.name}", flush=True)
-    print(multi_turn.describe(conversations, turns.concurrency, pool), flush=True)
+    print(multi_turn.describe(conversations, turns, pool), flush=True)
     await _test_request(send)
     url = config.base_url + config.endpoint
 
@@ -192,18 +194,25 @@ async def _multi_turn_point(
         body.update(config.extra_body or {})
         return await client.send(session, url, turn.request(), body)
 
-    label = f"{turns.concurrency} conversations"
+    num_clients = min(turns.concurrency, turns.num_active, len(conversations))
+    label = f"{min(turns.num_active, len(conversations))} conversations, {num_clients} clients"
     before = await server_metrics.scrape_all(session, config.metrics_sources)
     with tqdm(total=sum(len(c) for c in conversations), desc=label, disable=not config.progress, unit="req") as bar:
         results, duration = await multi_turn.replay(
-            conversations, send_turn, concurrency=turns.concurrency, progress=bar, replies=turns.replies
+            conversations,
+            send_turn,
+            concurrency=turns.concurrency,
+            active=turns.active,
+            think_time=turns.think_time,
+            progress=bar,
+            replies=turns.replies,
         )
     after = await server_metrics.scrape_all(session, config.metrics_sources)
     return compute(
         results,
         duration,
         label=label,
-        num_clients=turns.concurrency,
+        num_clients=num_clients,
         prefix_cache_hit_rate=server_metrics.hit_rate(before, after),
         kv_host_hit_rate=server_metrics.host_hit_rate(before, after),
     )

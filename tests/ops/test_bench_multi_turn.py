@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import time
+from collections.abc import Callable
 
 import pytest
 from aiohttp import web
@@ -74,34 +76,108 @@ def test_exchanges_stop_at_the_first_out_of_turn_or_empty_message():
     assert all(len(pairs) >= 2 for pairs in found) and len(found) == 433  # 434 have two human turns; one goes out of turn
 
 
-def test_replay_keeps_n_conversations_each_a_closed_loop():
-    conversations = [tuple(Turn((("user", f"{c}.{k}"),), 10, 1) for k in range(1 + c % 3)) for c in range(7)]
+def _conversations(num: int) -> list[tuple[Turn, ...]]:
+    """Conversation c has 2 + c % 3 turns, each named "c.k" by its user message."""
+    return [tuple(Turn((("user", f"{c}.{k}"),), 10, 1) for k in range(2 + c % 3)) for c in range(num)]
+
+
+def _recorder(delay: Callable[[str], float]):
+    """A send that logs ("send" | "done", name) events and the turns in flight at each send."""
     events: list[tuple[str, str]] = []
-    active: set[str] = set()
-    most = 0
+    in_flight: list[str] = []
+    most = [0]
 
     async def send(turn: Turn) -> RequestResult:
-        nonlocal most
         name = turn.messages[-1][1]
-        active.add(name.split(".")[0])
-        most = max(most, len(active))
+        assert name.split(".")[0] not in {n.split(".")[0] for n in in_flight}, f"{name}: its conversation has a turn in flight"
+        in_flight.append(name)
+        most[0] = max(most[0], len(in_flight))
         events.append(("send", name))
-        await asyncio.sleep(0.001 * (1 + int(name.split(".")[0]) % 4))
+        await asyncio.sleep(delay(name))
+        in_flight.remove(name)
         events.append(("done", name))
-        conversation, k = name.split(".")
-        if int(k) == int(conversation) % 3:  # its last turn
-            active.discard(conversation)
         return RequestResult(10, 1, 0.0)
 
-    results, duration = asyncio.run(replay(conversations, send, concurrency=3))
-    assert len(results) == sum(len(c) for c in conversations) and duration > 0
-    assert most == 3
-    assert [name for kind, name in events[:3]] == ["0.0", "1.0", "2.0"]  # three conversations open at once
+    return send, events, most
+
+
+def _assert_each_turn_once_in_order(conversations, events) -> None:
+    sent = [name for kind, name in events if kind == "send"]
+    assert sorted(sent) == sorted(t.messages[-1][1] for c in conversations for t in c)  # every turn, once
     for c, turns in enumerate(conversations):
         for k in range(1, len(turns)):
             assert events.index(("send", f"{c}.{k}")) > events.index(("done", f"{c}.{k - 1}"))
+
+
+def test_replay_without_active_keeps_each_client_a_closed_loop():
+    conversations = _conversations(7)
+    send, events, most = _recorder(lambda name: 0.001 * (1 + int(name.split(".")[0]) % 4))
+    results, duration = asyncio.run(replay(conversations, send, concurrency=3))
+    assert len(results) == sum(len(c) for c in conversations) and duration > 0
+    assert most[0] == 3
+    assert [name for kind, name in events[:3]] == ["0.0", "1.0", "2.0"]  # three conversations open at once
+    opened = [name for kind, name in events if kind == "send" and name.endswith(".0")]
+    assert opened == [f"{c}.0" for c in range(7)]  # one that ends hands its place to the next
+    _assert_each_turn_once_in_order(conversations, events)
     with pytest.raises(ValueError):
         asyncio.run(replay(conversations, send, concurrency=0))
+    with pytest.raises(ValueError):
+        asyncio.run(replay(conversations, send, concurrency=2, active=0))
+
+
+def test_replay_interleaves_active_conversations_round_robin():
+    """12 active conversations of 4 turns, 3 clients, turns that take one loop pass each: every
+    conversation's turn k goes before any turn k + 1, in the same order (the longest waiting
+    first), so between two turns of one conversation the 11 others run."""
+    conversations = [tuple(Turn((("user", f"{c}.{k}"),), 10, 1) for k in range(4)) for c in range(12)]
+    send, events, most = _recorder(lambda name: 0)
+    results, _ = asyncio.run(replay(conversations, send, concurrency=3, active=12))
+    assert len(results) == 48 and most[0] == 3
+    assert [name for kind, name in events if kind == "send"] == [f"{c}.{k}" for k in range(4) for c in range(12)]
+
+
+def test_replay_hands_an_ended_conversations_place_to_the_next():
+    """Conversations of 2 to 4 turns, 8 active of 20, 3 clients, unequal turn times: never two
+    turns of one conversation in flight, at most 3 in flight, each conversation's turns in order,
+    every turn once; the first 8 conversations open before any goes on, the others in order."""
+    conversations = _conversations(20)
+    send, events, most = _recorder(lambda name: 0.001 * (1 + int(name.split(".")[0]) % 4))
+    results, _ = asyncio.run(replay(conversations, send, concurrency=3, active=8))
+    assert len(results) == sum(len(c) for c in conversations)
+    assert most[0] == 3
+    sent = [name for kind, name in events if kind == "send"]
+    assert sent[:8] == [f"{c}.0" for c in range(8)]
+    assert [name for name in sent if name.endswith(".0")] == [f"{c}.0" for c in range(20)]
+    _assert_each_turn_once_in_order(conversations, events)
+
+
+def test_replay_with_more_clients_than_conversations_and_think_time():
+    conversations = _conversations(3)  # 2, 3 and 4 turns
+    send, events, most = _recorder(lambda name: 0.001)
+    results, duration = asyncio.run(replay(conversations, send, concurrency=8, active=2, think_time=0.03))
+    assert len(results) == sum(len(c) for c in conversations)
+    assert most[0] == 2  # the clients beyond the active conversations never send
+    _assert_each_turn_once_in_order(conversations, events)
+    assert duration >= 4 * 0.03  # conversation 2 opens after conversation 0's wait, then waits 3 times
+    with pytest.raises(ValueError):
+        asyncio.run(replay(conversations, send, concurrency=1, think_time=-1))
+
+
+def test_replay_waits_out_the_think_time_between_turns():
+    conversations = _conversations(4)
+    times: dict[str, float] = {}
+
+    async def send(turn: Turn) -> RequestResult:
+        name = turn.messages[-1][1]
+        times["send " + name] = time.perf_counter()
+        await asyncio.sleep(0.001)
+        times["done " + name] = time.perf_counter()
+        return RequestResult(10, 1, 0.0)
+
+    asyncio.run(replay(conversations, send, concurrency=4, active=4, think_time=0.05))
+    for c, turns in enumerate(conversations):
+        for k in range(1, len(turns)):
+            assert times[f"send {c}.{k}"] - times[f"done {c}.{k - 1}"] >= 0.05 * 0.9  # the loop's timer granularity
 
 
 class TieredFake(FakeServer):
@@ -150,7 +226,7 @@ def test_serve_replays_conversations_on_the_chat_endpoint(tiered, tmp_path, caps
     assert point["kv_host_hit_rate"] == pytest.approx(follow_ups / (sum(tiered.cache_counts["queries"]) - lookups_before))
     stdout = capsys.readouterr().out
     assert "/v1/chat/completions" in stdout and "5 conversations" in stdout
-    assert "x the server's KV pool of 512 tokens" in stdout and "--multi-turn-concurrency" in stdout
+    assert "x the server's KV pool of 512 tokens" in stdout and "--multi-turn-active" in stdout
     assert "| hits from the KV host tier (server)" in stdout
 
 
@@ -161,11 +237,22 @@ def test_serve_sends_transcripts_to_a_completion_endpoint(tiered):
     assert len(prompts) > 10 and len(followed) == len(prompts) - 5  # every turn but the first extends one
 
 
+def test_serve_interleaves_active_conversations_by_fewer_clients(tiered, tmp_path, capsys):
+    out = tmp_path / "multi.json"
+    flags = ("--multi-turn-active", "4", "--multi-turn-concurrency", "2", "--multi-turn-think-time", "0.01")
+    assert _run(tiered, *flags, "--result-json", str(out)) == 0
+    first = [body["messages"][0]["content"] for body in tiered.bodies[1:]]
+    assert len(set(first[:4])) == 4  # four conversations open before any goes on
+    assert json.loads(out.read_text())["points"][0]["num_clients"] == 2
+    assert "4 conversations interleaved by 2 clients, 0.01 s between turns" in capsys.readouterr().out
+
+
 def test_serve_refuses_open_loop_flags_with_multi_turn(tiered, capsys):
     assert _run(tiered, "--sweep-clients", "1,2") == 1
-    assert "--multi-turn-concurrency" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli.main(["bench", "serve", "--multi-turn-concurrency", "0"])
+    assert "--multi-turn-active" in capsys.readouterr().err
+    for bad in (["--multi-turn-concurrency", "0"], ["--multi-turn-active", "0"], ["--multi-turn-think-time", "-1"]):
+        with pytest.raises(SystemExit):
+            cli.main(["bench", "serve", *bad])
 
 
 @pytest.mark.parametrize("replies", ["generated", "recorded"])
