@@ -175,7 +175,8 @@ class KvTiers:
         for seq_id, at in list(self._loaded_at.items()):
             if at < self._round - 1:  # not run in the round after its load (another sequence went first):
                 del self._loaded_at[seq_id]  # its held blocks go back, lest they keep that one out, and it computes again
-                blocks.free(self._swapping_in.pop(seq_id))
+                if (table := self._swapping_in.pop(seq_id, None)) is not None:  # else it ran
+                    blocks.free(table)
         if self._loaded:
             for block, name in self._loaded:
                 blocks.register(block, name)  # unless an identical block was named meanwhile
@@ -264,8 +265,7 @@ class KvTiers:
         recomputed, so that held blocks never keep the head out of the pool; nor is one whose
         blocks find no room while nothing runs (`idle`) that could free it."""
         table = self._swapping_in.pop(seq.seq_id, None)
-        if table is not None:
-            del self._loaded_at[seq.seq_id]
+        if table is not None:  # its round of grace stays counted (_loaded_at), should hold_again take them back
             seq.block_ids, seq.num_computed_tokens = table, seq.num_swapped_tokens
             return False
         slots = self._swapped.get(seq.seq_id)
@@ -286,8 +286,8 @@ class KvTiers:
     def hold_again(self, seq: Sequence) -> None:
         """A sequence `resume` gave its table back to that could not run this step after all:
         the tier holds its blocks again until it does."""
-        self._swapping_in[seq.seq_id] = seq.block_ids
-        self._loaded_at[seq.seq_id] = self._round  # one more round at most
+        self._swapping_in[seq.seq_id] = seq.block_ids  # until the round after its load, no longer:
+        self._loaded_at.setdefault(seq.seq_id, self._round)  # a later round's hold would keep the head out for good
         seq.block_ids, seq.num_computed_tokens = [], 0
 
     def forget(self, seq: Sequence) -> None:
@@ -297,6 +297,6 @@ class KvTiers:
             self.disk.forget(seq.seq_id)
         if (slots := self._swapped.pop(seq.seq_id, None)) is not None:
             self.host.release(slots)
+        self._loaded_at.pop(seq.seq_id, None)
         if (table := self._swapping_in.pop(seq.seq_id, None)) is not None:
-            del self._loaded_at[seq.seq_id]
             self.blocks.free(table)

@@ -12,7 +12,7 @@ tier and a disk tier behind it (`disk`: one write in five dropped, so some reads
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from conveyor.stages.scheduler.sequence import SeqStatus
@@ -49,6 +49,29 @@ requests_strategy = st.lists(
     host_slots=st.sampled_from([0, 3, 64]),
     swap=st.booleans(),
     disk=st.sampled_from([0, 1, 3]),  # a disk tier whose reads are answered that many ticks later (0: none)
+)
+# Found at ~1,700 examples: a swapped-out sequence loaded back but kept out by the head of the
+# queue was held again every round, so the head never found room and the two took turns for ever.
+@example(
+    reqs=[
+        (2, 28, 11, 3, 5, True, 1),
+        (2, 1, 3, 2, 0, False, 2),
+        (0, 34, 12, 1, 2, False, 2),
+        (2, 15, 4, 3, 0, False, 2),
+        (2, 22, 9, 1, 6, True, 2),
+        (0, 25, 4, 3, 1, True, 1),
+    ],
+    block_size=1,
+    num_blocks=67,
+    budget=49,
+    max_seqs=4,
+    policy="prefill_first",
+    caching=False,
+    lookahead=True,
+    eos=True,
+    host_slots=64,
+    swap=True,
+    disk=0,
 )
 def test_random_streams_keep_every_invariant(
     reqs, block_size, num_blocks, budget, max_seqs, policy, caching, lookahead, eos, host_slots, swap, disk
