@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from typing import cast
+from typing import Any, cast
 
 import msgspec
 from tokenizers import Tokenizer
@@ -20,14 +21,17 @@ from tokenizers import Tokenizer
 from conveyor.config.lora_adapter import read_adapter_info
 from conveyor.config.pooling import check_dimensions
 from conveyor.engine_config import build_engine_config
+from conveyor.llm_images import chat_messages, prompt_images
 from conveyor.stages.detokenizer.detokenizer import Detokenizer
 from conveyor.stages.scheduler.adapters import adapters_for
 from conveyor.stages.scheduler.engine_core import EngineCore
 from conveyor.stages.scheduler.plan import token_batches
 from conveyor.stages.tokenizer.encoder import PromptEncoder
 from conveyor.stages.tokenizer.preparation import Rejected, prepare
-from conveyor.wire.messages import ChatMessage, Pooling, SamplingParams, TextDelta, TextLogprob, TokenizeRequest
+from conveyor.wire.messages import Pooling, SamplingParams, TextDelta, TextLogprob, TokenizeRequest
 
+# Text, token ids, or vLLM's dict with "prompt" or "prompt_token_ids" and "multi_modal_data".
+Prompt = str | Seq[int] | Mapping[str, Any]
 READ_WAIT_S = 0.05  # with nothing to run but reads from the KV disk tier: how long to wait before planning again
 
 
@@ -102,21 +106,30 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Seq[str] | Seq[int] | Seq[Seq[int]],
+        prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text, or a list of token ids); outputs in prompt order.
-        `lora_request`: one adapter for every prompt, or one (or None: the base) per prompt."""
-        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
-        batch = cast(Seq[str | Seq[int]], [prompts] if single else prompts)  # the check mypy cannot follow
-        requests = [
-            TokenizeRequest(f"gen-{next(self._ids)}", 0, SamplingParams(), time.time(), prompt=p)
-            if isinstance(p, str)
-            else TokenizeRequest(f"gen-{next(self._ids)}", 0, SamplingParams(), time.time(), prompt_token_ids=list(p))
-            for p in batch
-        ]
-        return self._run(requests, batch, sampling_params, lora_request)
+        """Generate for each prompt (text, a list of token ids, or vLLM's dict: {"prompt" or
+        "prompt_token_ids", "multi_modal_data": {"image": ...}}, llm_images.py); outputs in
+        prompt order. `lora_request`: one adapter for every prompt, or one (or None: the base) per prompt."""
+        single = isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int))
+        batch = cast(Seq[Prompt], [prompts] if single else prompts)  # the check mypy cannot follow
+        requests = [self._prompt_request(p, i) for i, p in enumerate(batch)]
+        texts = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, Mapping) else None for p in batch]
+        return self._run(requests, texts, sampling_params, lora_request)
+
+    def _prompt_request(self, prompt: Prompt, at: int) -> TokenizeRequest:
+        request = TokenizeRequest(f"gen-{next(self._ids)}", 0, SamplingParams(), time.time())
+        if isinstance(prompt, str):
+            return msgspec.structs.replace(request, prompt=prompt)
+        if not isinstance(prompt, Mapping):
+            return msgspec.structs.replace(request, prompt_token_ids=list(prompt))
+        text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        if (text is None) == (ids is None):
+            raise ValueError(f"prompts[{at}]: give one of prompt and prompt_token_ids")
+        ids = None if ids is None else list(ids)
+        return msgspec.structs.replace(request, prompt=text, prompt_token_ids=ids, images=prompt_images(prompt, at))
 
     def embed(self, prompts: str | Seq[str] | Seq[int] | Seq[Seq[int]], dimensions: int | None = None) -> list[RequestOutput]:
         """Each prompt's vector (`RequestOutput.embedding`), from an embedding checkpoint's pooling
@@ -133,7 +146,8 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the checkpoint's chat template to each conversation, then generate."""
+        """Apply the checkpoint's chat template to each conversation, then generate. A message's
+        content is text, or a list of text and image parts (llm_images.py)."""
         single = messages and isinstance(messages[0], dict)
         conversations = cast(Seq[Seq[dict]], [messages] if single else messages)  # the check mypy cannot follow
         requests = [
@@ -142,10 +156,11 @@ class LLM:
                 0,
                 SamplingParams(),
                 time.time(),
-                messages=[ChatMessage(m["role"], m["content"]) for m in conv],
+                messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                images=images,
             )
-            for conv in conversations
+            for messages, images in map(chat_messages, conversations)
         ]
         return self._run(requests, [None] * len(requests), sampling_params)
 

@@ -32,17 +32,25 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from conveyor.config import EngineConfig
+from conveyor.stages.tokenizer.images import ImageProcessor, for_checkpoint
 from conveyor.stages.tokenizer.length_limit import PromptTooLong, encode_within
-from conveyor.wire.messages import ChatMessage, ToolCall
+from conveyor.wire.messages import ChatMessage, ContentPart, ToolCall
 
 
 class PromptEncoder:
     def __init__(
-        self, checkpoint_dir: str | Path, *, chat_template: str | None = None, special_tokens_in_content: bool = False
+        self,
+        checkpoint_dir: str | Path,
+        *,
+        chat_template: str | None = None,
+        special_tokens_in_content: bool = False,
+        images: ImageProcessor | None = None,
     ) -> None:
         """`chat_template`, when given, replaces the checkpoint's (as `--chat-template` does).
-        `special_tokens_in_content`: special-token text in a message's content is the token."""
+        `special_tokens_in_content`: special-token text in a message's content is the token.
+        `images`: a vision model's image preprocessing (images/processor.py), None for text alone."""
         root = self.path = Path(checkpoint_dir)
+        self.images = images
         self.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
         self.special_tokens_in_content = special_tokens_in_content
         added = self.tokenizer.get_added_tokens_decoder()  # id -> AddedToken
@@ -74,6 +82,7 @@ class PromptEncoder:
             config.model.path,
             chat_template=server.chat_template,
             special_tokens_in_content=server.special_tokens_in_content,
+            images=for_checkpoint(config.model.path, max_pixels=config.media.max_image_pixels),
         )
 
     @property
@@ -223,7 +232,7 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     `tool_call_id` and `name`. Keys a message lacks are left out, as templates test `is defined`."""
     dicts = []
     for m in messages:
-        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        d: dict[str, Any] = {"role": m.role, "content": m.content if m.parts is None else _template_parts(m.parts)}
         if m.tool_calls:
             d["tool_calls"] = [_template_call(call) for call in m.tool_calls]
         if m.tool_call_id is not None:
@@ -232,6 +241,12 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             d["name"] = m.name
         dicts.append(d)
     return dicts
+
+
+def _template_parts(parts: Sequence[ContentPart]) -> list[dict[str, Any]]:
+    """A message's content with images as vision templates read it (transformers' shape): a list
+    of {"type": "text", "text"} and {"type": "image"}, each image part rendering the family's marker."""
+    return [{"type": "image"} if part.text is None else {"type": "text", "text": part.text} for part in parts]
 
 
 def _template_call(call: ToolCall) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """Tokenizer preparation: one TokenizeRequest becomes a ScheduleRequest, or is Rejected.
 
-Applies the chat template or encodes the prompt (encoder.py), checks the token ids against the
-vocabulary and the prompt plus max_tokens against the context length (length_limit.py stops the
-encoding early), fills in max_tokens when the request left it open, and compiles an output
-constraint to refuse one that cannot be (structured_check.py). Used by the tokenizer
+Applies the chat template or encodes the prompt (encoder.py), preprocesses the request's images
+and expands each one's marker token into its placeholder tokens (images/), checks the token ids
+against the vocabulary and the prompt plus max_tokens against the context length (length_limit.py
+stops the encoding early), fills in max_tokens when the request left it open, and compiles an
+output constraint to refuse one that cannot be (structured_check.py). Used by the tokenizer
 stage's loop (main.py) and by the Python API (conveyor/llm.py).
 """
 
@@ -15,15 +16,13 @@ import msgspec
 
 from conveyor.config import EngineConfig
 from conveyor.stages.tokenizer.encoder import PromptEncoder, template_messages
+from conveyor.stages.tokenizer.images import expand_placeholders, to_wire
 from conveyor.stages.tokenizer.length_limit import PromptTooLong
+from conveyor.stages.tokenizer.rejected import Rejected
+from conveyor.wire.images import ImageInput
 from conveyor.wire.messages import SamplingParams, ScheduleRequest, TokenizeRequest
 
-
-class Rejected(Exception):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param = param
-        self.code = code
+__all__ = ["Rejected", "prepare"]
 
 
 def prepare(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest) -> ScheduleRequest:
@@ -39,6 +38,7 @@ def prepare(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest) 
         ) from None
     if not ids:
         raise Rejected("the prompt is empty", param="prompt")
+    ids, images = _with_images(encoder, req, ids)
 
     params = req.params
     _check_drawable(params, config)
@@ -62,7 +62,22 @@ def prepare(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest) 
         from conveyor.stages.tokenizer.structured_check import check_structured  # it imports Rejected from here
 
         check_structured(params, config.model)
-    return ScheduleRequest(req.request_id, req.ingress, list(ids), params, req.arrival_time, priority=req.priority)
+    return ScheduleRequest(req.request_id, req.ingress, list(ids), params, req.arrival_time, priority=req.priority, images=images)
+
+
+def _with_images(encoder: PromptEncoder, req: TokenizeRequest, ids: list[int]) -> tuple[list[int], list[ImageInput]]:
+    """The ids with each image's marker expanded into its placeholder tokens, and the images
+    preprocessed. For a vision model's text-only prompt too: an image token with no image (sent
+    as prompt_token_ids) is refused here, not met by the worker."""
+    processor = encoder.images
+    if processor is None:
+        if req.images:
+            raise Rejected(f"{req.images[0].part}: this model does not accept images", param=req.images[0].part)
+        return ids, []
+    processed = [processor.process(image) for image in req.images]
+    param = "messages" if req.messages is not None else "prompt"
+    ids, offsets = expand_placeholders(ids, processor.image_token_id, [p.num_tokens for p in processed], param=param)
+    return ids, [to_wire(p, offset) for p, offset in zip(processed, offsets, strict=True)]
 
 
 def _check_drawable(params: SamplingParams, config: EngineConfig) -> None:

@@ -25,7 +25,7 @@ import warnings
 
 from PIL import Image, ImageOps
 
-from conveyor.stages.tokenizer import preparation
+from conveyor.stages.tokenizer.rejected import Rejected
 from conveyor.wire.images import ImageData
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
@@ -94,5 +94,5 @@ def _unreadable(data: bytes) -> str:
     return f"cannot decode the image: it is not a valid {_NAMES} file"
 
 
-def _refuse(image: ImageData, message: str) -> preparation.Rejected:
-    return preparation.Rejected(f"{image.part}: {message}", param=image.part)
+def _refuse(image: ImageData, message: str) -> Rejected:
+    return Rejected(f"{image.part}: {message}", param=image.part)

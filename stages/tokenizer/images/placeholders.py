@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from conveyor.stages.tokenizer import preparation
+from conveyor.stages.tokenizer.rejected import Rejected
 
 
 def expand_placeholders(
@@ -23,7 +23,7 @@ def expand_placeholders(
     """(ids with the i-th image token repeated counts[i] times, each run's first index in them)."""
     markers = [i for i, token in enumerate(token_ids) if token == image_token_id]
     if len(markers) != len(counts):
-        raise preparation.Rejected(
+        raise Rejected(
             f"the prompt holds {len(markers)} image placeholder token(s) (id {image_token_id}) for "
             f"{len(counts)} image(s); each image must appear once, as an image part of a message",
             param=param,

@@ -29,11 +29,11 @@ from typing import Any, Protocol
 import numpy as np
 from PIL import Image
 
-from conveyor.stages.tokenizer import preparation
 from conveyor.stages.tokenizer.images.clip import ClipImages
 from conveyor.stages.tokenizer.images.decode import decode_image
 from conveyor.stages.tokenizer.images.qwen2_vl import Qwen2VLImages
 from conveyor.stages.tokenizer.images.scaling import Prepared
+from conveyor.stages.tokenizer.rejected import Rejected
 from conveyor.wire.images import ImageData, ImageInput
 
 # Below Pillow's decompression-bomb warning (89.5M pixels), so our limit always speaks first;
@@ -80,7 +80,7 @@ class ImageProcessor:
         """Raises Rejected (param = image.part) for an image that cannot or may not be used."""
         rgb = decode_image(image, max_pixels=self.max_pixels)
         if max(rgb.size) > MAX_ASPECT_RATIO * min(rgb.size):
-            raise preparation.Rejected(
+            raise Rejected(
                 f"{image.part}: the image is {rgb.width}x{rgb.height}; its longer side may be at most "
                 f"{MAX_ASPECT_RATIO} times its shorter side",
                 param=image.part,
