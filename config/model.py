@@ -27,6 +27,7 @@ from conveyor.config.moe import MoeConfig
 from conveyor.config.pooling import PoolingConfig, read_pooling
 from conveyor.config.quant import QuantConfig, read_quantization
 from conveyor.config.rope_fields import check_rope_scaling, context_limit, read_rope_scaling, rope_parameters
+from conveyor.config.vision import VisionConfig
 
 # MLP activations the ops implement (hidden_act / hidden_activation in config.json).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -81,6 +82,8 @@ class ModelConfig:
     quantization: QuantConfig | None = None
     # An embedding checkpoint's pooling (config/pooling.py); None: a generative model.
     pooling: PoolingConfig | None = None
+    # A vision-language model's vision tower and projector (config/vision.py); None: text alone.
+    vision: VisionConfig | None = None
 
     @property
     def rope_type(self) -> str:
@@ -121,7 +124,13 @@ class ModelConfig:
                 f"unsupported architecture {archs or hf.get('model_type')!r} in {root}; supported: {', '.join(adapters)}"
             )
         try:
-            cfg = adapters[arch](hf, _generic(hf, gen, arch, root, dtype, served_name))
+            # A vision-language model nests its language model's fields in text_config: the
+            # generic reading takes those, and the adapter sees the whole file.
+            text = hf
+            if isinstance(hf.get("text_config"), dict):  # the text model's own fields win over the wrapper's (dtype, ids)
+                outer = {k: v for k, v in hf.items() if k not in ("text_config", "vision_config")}
+                text = {**outer, **hf["text_config"], "architectures": archs}
+            cfg = adapters[arch](hf, _generic(text, gen, arch, root, dtype, served_name))
             limit = context_limit(cfg.max_position_embeddings, dict(cfg.rope_scaling))
             cfg = dataclasses.replace(
                 cfg,

@@ -79,6 +79,10 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
                 check_tensor_parallel(speculative.draft, parallel)
             except ConfigError as e:
                 raise ConfigError(f"--speculative-config: the draft model: {e}") from None
+    if model_config.vision is not None and (device == "emulated" or speculative is not None):
+        # The emulated device models no vision tower's time; a drafter would read placeholder ids, not images.
+        what = "--device emulated" if device == "emulated" else "--speculative-config"
+        raise ConfigError(f"{what} with a vision-language model ({model_config.architecture}) is not supported yet")
     lora = LoraConfig(**fields[LoraConfig])
     check_lora(lora, model_config)
     if lora.enable_lora and parallel.data_parallel_size > 1:
@@ -106,7 +110,7 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
         server=ServerConfig(**server),
         speculative=speculative,
         lora=lora,
-        media=MediaConfig(**fields[MediaConfig]),
+        media=MediaConfig(**fields[MediaConfig], model_accepts_images=model_config.vision is not None),
     )
 
 

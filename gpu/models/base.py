@@ -3,7 +3,7 @@
 The loader and the runner know a model only through it: built as `cls(config, rope_device,
 backend)` (on the meta device when loading), filled by `load_weights(tensors)` from the
 checkpoint's (name, tensor) stream, adjusted once by `after_load()`, then run as
-`forward(input_ids, positions, meta, kv_caches)` -> hidden [T, H] and `compute_logits(hidden)` (or,
+`forward(input_ids, positions, meta, kv_caches[, input_embeds])` -> hidden [T, H] and `compute_logits(hidden)` (or,
 for greedy draws that want nothing else, `compute_greedy(hidden)`: the ids alone, where it can).
 
 Invariants: there is one forward for every family, mixture-of-experts included; a family names
@@ -73,9 +73,12 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
+        input_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions [T] int64; kv_caches one per layer, [2, N, ...] in the attention backend's layout -> [T, H]."""
-        x, residual = self.embed(input_ids), None
+        """input_ids, positions [T] int64; kv_caches one per layer, [2, N, ...] in the attention
+        backend's layout -> [T, H]. `input_embeds` [T, H]: the first layer's input where the caller
+        made it (images' rows replaced: gpu/step/features/vision.py); None: embed(input_ids)."""
+        x, residual = (self.embed(input_ids) if input_embeds is None else input_embeds), None
         kept: dict[int, torch.Tensor] = {}
         for i, (layer, rope, kv_cache) in enumerate(zip(self.model.layers, self.layer_ropes, kv_caches, strict=True)):
             if i in self.aux_layers:

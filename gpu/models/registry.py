@@ -21,6 +21,7 @@ from conveyor.gpu.backends.base import Backend
 from conveyor.gpu.models.base import CausalLM
 from conveyor.gpu.models.gemma import GemmaForCausalLM, gemma2_config, gemma3_config
 from conveyor.gpu.models.llama import LlamaForCausalLM, llama_config, qwen2_config, qwen3_config
+from conveyor.gpu.models.llava import LlavaForConditionalGeneration, llava_config
 from conveyor.gpu.models.mixtral import MixtralForCausalLM, mixtral_config
 from conveyor.gpu.models.phi3 import Phi3ForCausalLM, phi3_config
 from conveyor.gpu.models.qwen3_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, qwen2_moe_config, qwen3_moe_config
@@ -44,6 +45,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MixtralForCausalLM": Architecture(MixtralForCausalLM, mixtral_config),
     "Qwen2MoeForCausalLM": Architecture(Qwen2MoeForCausalLM, qwen2_moe_config),
     "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, qwen3_moe_config),
+    "LlavaForConditionalGeneration": Architecture(LlavaForConditionalGeneration, llava_config),
 }
 ADAPTERS: dict[str, ConfigAdapter] = {name: arch.adapter for name, arch in ARCHITECTURES.items()}
 GGUF_ARCHITECTURES: dict[str, str] = {arch.gguf: name for name, arch in ARCHITECTURES.items() if arch.gguf}

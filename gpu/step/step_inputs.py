@@ -36,6 +36,9 @@ class PassInputs:
     num_rows: int
     all_decode: bool  # every row computes one token (a CUDA graph may run it)
     seq_lens: list[int]  # [B] host copy: each row's context after the pass
+    # [T, H]: the first layer's input where a feature supplies it (images: gpu/step/features/vision.py);
+    # None: the model embeds input_ids.
+    input_embeds: torch.Tensor | None = None
 
 
 @dataclasses.dataclass

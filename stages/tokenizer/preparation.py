@@ -28,6 +28,8 @@ __all__ = ["Rejected", "prepare"]
 def prepare(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest) -> ScheduleRequest:
     """Encode the request and check it fits; raises Rejected with an OpenAI-style reason."""
     max_len = config.model.max_model_len
+    if req.images and encoder.images is None:  # before the template, which may not take image parts
+        raise Rejected(f"{req.images[0].part}: this model does not accept images", param=req.images[0].part)
     try:
         ids = _encode(encoder, config, req, limit=max_len - 1)  # one token left to generate
     except PromptTooLong as e:  # refused before all of it was encoded
@@ -70,9 +72,7 @@ def _with_images(encoder: PromptEncoder, req: TokenizeRequest, ids: list[int]) -
     preprocessed. For a vision model's text-only prompt too: an image token with no image (sent
     as prompt_token_ids) is refused here, not met by the worker."""
     processor = encoder.images
-    if processor is None:
-        if req.images:
-            raise Rejected(f"{req.images[0].part}: this model does not accept images", param=req.images[0].part)
+    if processor is None:  # a text model (prepare refused its images)
         return ids, []
     processed = [processor.process(image) for image in req.images]
     param = "messages" if req.messages is not None else "prompt"

@@ -1,5 +1,5 @@
 """The features of the worker's step, each a StepFeature (base.py) in its own file: lora.py,
-speculation.py, prompt_logprobs.py, pooling.py, grammars.py, kv_offload.py. `features_for` builds those a
+speculation.py, prompt_logprobs.py, pooling.py, grammars.py, kv_offload.py, vision.py. `features_for` builds those a
 config enables, in the order the core calls their hooks: LoRA names its rows' slots before the
 forward; a drafter's pass follows the target's before other features read its hidden states.
 Where two features meet, the meeting is in the core's files, one each: the pass sampler (drafts x
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from conveyor.config.engine import EngineConfig
 from conveyor.gpu.backends import Backend
 from conveyor.gpu.lora.slots import LoraSlots
+from conveyor.gpu.models.multimodal import VisionModel
 from conveyor.gpu.parallel.group import TensorParallel
 from conveyor.gpu.step.features.base import StepFeature
 from conveyor.gpu.step.features.grammars import GrammarStep
@@ -22,6 +23,7 @@ from conveyor.gpu.step.features.lora import LoraStep
 from conveyor.gpu.step.features.pooling import PoolingStep
 from conveyor.gpu.step.features.prompt_logprobs import PromptLogprobsStep
 from conveyor.gpu.step.features.speculation import SpeculationStep
+from conveyor.gpu.step.features.vision import VisionStep
 from conveyor.gpu.step.persistent_batch import PersistentBatch
 from conveyor.gpu.step.platform import Platform
 
@@ -45,6 +47,9 @@ def features_for(
     if config.model.pooling is not None:
         features.append(PoolingStep(config.model.pooling))
     features.append(GrammarStep(config.model, tp, platform.device))
+    if config.model.vision is not None:
+        assert isinstance(model, VisionModel), f"{config.model.architecture} has a vision config but no encode_images"
+        features.append(VisionStep(model, platform.device))
     if config.cache.kv_offloading_size:
         features.append(KvOffloadStep(config, backend.attn, tp, platform))
     return features

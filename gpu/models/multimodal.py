@@ -1,0 +1,22 @@
+"""VisionModel: what a vision-language family adds to CausalLM, as the step sees it (issue 51).
+
+The worker's image feature (gpu/step/features/vision.py) knows a model with images only through
+this: `embed(input_ids)` (the text embeddings, [T, H]) and `encode_images(pixels, grids)`, each
+image's pixels (wire/images.py ImageInput.shape, float32, on the device) to its embeddings
+[length, H] after the projector, one per placeholder token, in the language model's dtype. The
+feature writes those over the placeholder rows of `embed`'s output and passes the result to
+`forward(..., input_embeds=...)`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class VisionModel(Protocol):
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def encode_images(self, pixels: list[torch.Tensor], grids: list[list[int]]) -> list[torch.Tensor]: ...
