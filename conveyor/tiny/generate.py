@@ -10,6 +10,8 @@ than the tokenizer's is padded as real checkpoints pad theirs: random weights em
 tokenizer has no text for, which decode to nothing but count as tokens. Llama-3-8B in bfloat16
 is 16 GB on disk, twice that in host memory and minutes to write (docs/benchmarks.md).
 
+`--shape llava-tiny` writes a tiny LLaVA-1.5 (conveyor/tiny/vision.py) with its image processor.
+
 `--no-weights` writes everything but the weights, at once: what `conveyor serve --device
 emulated` reads (it models the device and loads none).
 """
@@ -26,6 +28,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from conveyor.tiny.checkpoint import DEFAULT_SHAPE, make_checkpoint, make_config
+from conveyor.tiny.vision import make_llava
 
 SHAPES: dict[str, dict[str, Any]] = {
     "tiny": DEFAULT_SHAPE,
@@ -43,6 +46,9 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
 }
 DTYPES = ("float32", "bfloat16", "float16")
+# Vision-language checkpoints (conveyor/tiny/vision.py): tiny, in real HF layout with processors
+# transformers loads offline, for tests and benchmarks of images.
+VISION_SHAPES = {"llava-tiny": make_llava}
 
 
 TOKENIZER_FILES = (
@@ -57,7 +63,11 @@ TOKENIZER_FILES = (
 def generate(
     out_dir: str | Path, shape: str, dtype: str = "bfloat16", seed: int = 0, weights: bool = True, tokenizer_from: str | None = None
 ) -> Path:
-    """Write the checkpoint of `shape` (a SHAPES key) in `dtype` into out_dir and return it."""
+    """Write the checkpoint of `shape` (a SHAPES key, or VISION_SHAPES') in `dtype` into out_dir and return it."""
+    if shape in VISION_SHAPES:
+        if not weights or tokenizer_from is not None:
+            raise ValueError(f"--shape {shape} writes its own weights and tokenizer (no --no-weights, no --tokenizer-from)")
+        return VISION_SHAPES[shape](out_dir, seed=seed, dtype=dtype)
     source = None if tokenizer_from is None else _tokenizer_source(Path(tokenizer_from), SHAPES[shape]["vocab_size"])
     if weights:
         root = make_checkpoint(out_dir, "LlamaForCausalLM", seed=seed, dtype=dtype, **SHAPES[shape])
@@ -100,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m conveyor.tiny.generate", description=" ".join((__doc__ or "").split("\n\n")[0].split())
     )
     p.add_argument("out_dir", help="the checkpoint directory (created if missing)")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="the model's shape (default: %(default)s)")
+    p.add_argument(
+        "--shape", choices=sorted([*SHAPES, *VISION_SHAPES]), default="llama3-8b", help="the model's shape (default: %(default)s)"
+    )
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="the weights' dtype (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="weights are a function of the seed (default: %(default)s)")
     p.add_argument("--no-weights", dest="weights", action="store_false", help="config and tokenizer only (for --device emulated)")

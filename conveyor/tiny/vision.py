@@ -64,10 +64,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_llava(path: str | Path, *, seed: int = 0) -> Path:
+def make_llava(path: str | Path, *, seed: int = 0, dtype: str = "float32") -> Path:
     """Write the checkpoint into `path` (created if missing) and return it."""
     root = Path(path)
-    make_checkpoint(root, seed=seed, **TEXT_SHAPE)  # the text model's files, rewritten below
+    make_checkpoint(root, seed=seed, dtype=dtype, **TEXT_SHAPE)  # the text model's files, rewritten below
     tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
     tokenizer.add_special_tokens([AddedToken(IMAGE_TOKEN, special=True, normalized=False)])
     image_token = tokenizer.token_to_id(IMAGE_TOKEN)
@@ -99,6 +99,7 @@ def make_llava(path: str | Path, *, seed: int = 0) -> Path:
     _write_json(root / "config.json", config)
     tensors = {_save_name(k): v for k, v in _weights(text, seed, torch.float32).items()}
     tensors |= _vision_weights(seed + 1, TEXT_SHAPE["hidden_size"])
+    tensors = {k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}
     save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
     _write_json(
         root / "preprocessor_config.json",

@@ -87,3 +87,17 @@ def test_a_tokenizer_larger_than_the_shapes_vocabulary_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         main([str(tmp_path / "ckpt"), "--shape", "tiny", "--tokenizer-from", str(source)])
     assert not (tmp_path / "ckpt").exists()  # refused before any weights are written
+
+
+def test_llava_tiny_is_a_vision_checkpoint_transformers_loads_offline(tmp_path):
+    assert main(["--shape", "llava-tiny", "--dtype", "bfloat16", str(tmp_path)]) == 0
+    model, info = transformers.LlavaForConditionalGeneration.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.dtype == torch.bfloat16
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert tokenizer.convert_tokens_to_ids("<image>") == model.config.image_token_index
+    assert transformers.CLIPImageProcessorPil.from_pretrained(tmp_path).crop_size["height"] == model.config.vision_config.image_size
+    config = read_model_config(tmp_path)
+    assert config.vision is not None and config.vision.image_token_id == model.config.image_token_index
+    with pytest.raises(SystemExit):
+        main(["--shape", "llava-tiny", "--no-weights", str(tmp_path / "none")])
