@@ -163,3 +163,70 @@ def test_the_module_layout_loads_the_same(tmp_path, path, llm):
     parts = (picture(45, 45, 10), "hi")
     want = llm.chat(message(*parts), GREEDY)[0].outputs[0].token_ids
     assert LLM(str(renamed), **POOL).chat(message(*parts), GREEDY)[0].outputs[0].token_ids == want
+
+
+def test_generate_takes_vllms_prompt_dict(hf, processor, llm):
+    image = picture(52, 61, 11)
+    ids, want = reference(hf, processor, (image, "what is it?"))
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}], add_generation_prompt=True
+    )
+    text = text.removeprefix("<|begin_of_text|>")  # a plain prompt gets its BOS from the tokenizer, as in vLLM
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, GREEDY)[0]
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == want
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt": text, "multi_modal_data": {"audio": b"x"}}, GREEDY)
+    with pytest.raises(ValueError, match="not URLs"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}], GREEDY)
+    with pytest.raises(ValueError, match=r"messages\[0\]\.content\[0\]"):
+        llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": b"not an image"}]}], GREEDY)
+
+
+def test_preempted_image_prompts_are_computed_again_from_their_pixels(path, hf, processor):
+    """A pool too small for every request at once: sequences are preempted and recomputed, their
+    images re-sent with them (NewSeq.images) and re-embedded."""
+    cases = [(picture(40 + 7 * i, 60, 20 + i), f"picture {i}?") for i in range(4)]
+    want = [reference(hf, processor, parts, max_tokens=24)[1] for parts in cases]
+    llm = LLM(str(path), device="cpu", num_kv_blocks=26, block_size=4, max_num_batched_tokens=64)
+    outs = llm.chat([message(*parts) for parts in cases], SamplingParams(temperature=0.0, max_tokens=24))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.core.scheduler.num_preemptions > 0
+
+
+def _tp_rank(rank: int, store: str, path: str, out: str) -> None:
+    import functools
+    import json
+    import os
+    from unittest import mock
+
+    from conveyor.gpu.parallel.group import TensorParallel
+    from conveyor.gpu.step import runner as runner_module
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        tp = TensorParallel(rank, 2, torch.distributed.group.WORLD)
+        with mock.patch.object(runner_module, "ModelRunner", functools.partial(runner_module.ModelRunner, tp=tp)):
+            llm = LLM(path, tensor_parallel_size=2, max_num_batched_tokens=8, **POOL)
+            outs = llm.chat([message(*parts) for parts in TP_CASES], GREEDY)
+        Path(out).write_text(json.dumps([o.outputs[0].token_ids for o in outs]))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+TP_CASES = [(picture(44, 70, 30), "what is it?"), ("two:", picture(60, 30, 31), picture(30, 60, 32))]
+
+
+def test_two_tensor_parallel_ranks_answer_as_one(tmp_path, path, llm):
+    """Each rank runs the replicated tower and its shard of the language model; prompt chunks of
+    8 cut through the images."""
+    import json
+
+    from tests.gpu.test_tensor_parallel import run_forked
+
+    want = [o.outputs[0].token_ids for o in llm.chat([message(*parts) for parts in TP_CASES], GREEDY)]
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    run_forked(_tp_rank, [(r, str(tmp_path / "store"), str(path), str(outs[r])) for r in range(2)], 180)
+    assert [json.loads(o.read_text()) for o in outs] == [want, want]
