@@ -7,7 +7,7 @@ takes: TokenizeRequest.images (the encoded files) and ChatMessage.parts (their o
   {"type": "image_url", "image_url": {"url"}} (a data: URL; the offline API fetches nothing),
   {"type": "image_pil", "image_pil": img} or {"type": "image", "image": img}.
 
-An image is a PIL image (sent on losslessly, as PNG), the bytes of an image file, or a data: URL.
+An image is a PIL image (sent on losslessly, as an uncompressed PNG), the bytes of an image file, or a data: URL.
 Everything else is a ValueError naming the part.
 """
 
@@ -39,7 +39,7 @@ def image_data(image: Any, part: str) -> ImageData:
             raise ValueError(e.message) from None
     if hasattr(image, "save") and hasattr(image, "size"):  # a PIL image
         out = io.BytesIO()
-        image.save(out, format="PNG")
+        image.save(out, format="PNG", compress_level=0)  # lossless, unpacked in this process: no time on deflate
         return ImageData(out.getvalue(), part)
     raise ValueError(f"{part}: an image is a PIL image, an image file's bytes or a data: URL, not {type(image).__name__}")
 

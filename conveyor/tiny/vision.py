@@ -9,7 +9,7 @@ tokenizer with `<image>` added as a special token, whose chat template renders a
 (LlavaForConditionalGeneration, CLIPImageProcessor, the tokenizer), so tests compare the worker
 against it.
 
-The tower sees IMAGE_SIZE-pixel squares in PATCH_SIZE patches: (56 / 14)^2 = 16 placeholder tokens
+By default the tower sees IMAGE_SIZE-pixel squares in PATCH_SIZE patches: (56 / 14)^2 = 16 placeholder tokens
 an image, enough to cut a prompt chunk through one. Weights are drawn like the text model's
 (conveyor/tiny/checkpoint.py: unit-RMS sublayers, not HF's 0.02), so an image moves the answer.
 """
@@ -64,8 +64,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_llava(path: str | Path, *, seed: int = 0, dtype: str = "float32") -> Path:
-    """Write the checkpoint into `path` (created if missing) and return it."""
+def make_llava(path: str | Path, *, seed: int = 0, dtype: str = "float32", image_size: int = IMAGE_SIZE) -> Path:
+    """Write the checkpoint into `path` (created if missing) and return it. `image_size`: the
+    square the tower sees (336: LLaVA-1.5's, 576 placeholder tokens an image)."""
     root = Path(path)
     make_checkpoint(root, seed=seed, dtype=dtype, **TEXT_SHAPE)  # the text model's files, rewritten below
     tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
@@ -80,7 +81,7 @@ def make_llava(path: str | Path, *, seed: int = 0, dtype: str = "float32") -> Pa
         "vision_config": {
             "model_type": "clip_vision_model",
             **VISION_SHAPE,
-            "image_size": IMAGE_SIZE,
+            "image_size": image_size,
             "patch_size": PATCH_SIZE,
             "num_channels": 3,
             "hidden_act": "quick_gelu",
@@ -92,13 +93,13 @@ def make_llava(path: str | Path, *, seed: int = 0, dtype: str = "float32") -> Pa
         "vision_feature_layer": -2,
         "vision_feature_select_strategy": "default",
         "multimodal_projector_bias": True,
-        "image_seq_length": (IMAGE_SIZE // PATCH_SIZE) ** 2,
+        "image_seq_length": (image_size // PATCH_SIZE) ** 2,
         "tie_word_embeddings": False,
         "dtype": text["dtype"],
     }
     _write_json(root / "config.json", config)
     tensors = {_save_name(k): v for k, v in _weights(text, seed, torch.float32).items()}
-    tensors |= _vision_weights(seed + 1, TEXT_SHAPE["hidden_size"])
+    tensors |= _vision_weights(seed + 1, TEXT_SHAPE["hidden_size"], image_size)
     tensors = {k: v.to(getattr(torch, dtype)) for k, v in tensors.items()}
     save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
     _write_json(
@@ -106,10 +107,10 @@ def make_llava(path: str | Path, *, seed: int = 0, dtype: str = "float32") -> Pa
         {
             "image_processor_type": "CLIPImageProcessor",
             "do_resize": True,
-            "size": {"shortest_edge": IMAGE_SIZE},
+            "size": {"shortest_edge": image_size},
             "resample": 3,
             "do_center_crop": True,
-            "crop_size": {"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+            "crop_size": {"height": image_size, "width": image_size},
             "do_rescale": True,
             "rescale_factor": 1 / 255,
             "do_normalize": True,
@@ -130,7 +131,7 @@ def _save_name(name: str) -> str:
     return f"language_model.{name}"
 
 
-def _vision_weights(seed: int, text_hidden: int) -> dict[str, torch.Tensor]:
+def _vision_weights(seed: int, text_hidden: int, image_size: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     d, inter = VISION_SHAPE["hidden_size"], VISION_SHAPE["intermediate_size"]
     tensors: dict[str, torch.Tensor] = {}
@@ -147,7 +148,7 @@ def _vision_weights(seed: int, text_hidden: int) -> dict[str, torch.Tensor]:
         tensors[f"{name}.bias"] = normal(size, std=0.1)
 
     t = "vision_tower.vision_model"  # as the Hub's llava-hf checkpoints name it
-    num_positions = (IMAGE_SIZE // PATCH_SIZE) ** 2 + 1
+    num_positions = (image_size // PATCH_SIZE) ** 2 + 1
     tensors[f"{t}.embeddings.class_embedding"] = normal(d, std=1.0)
     tensors[f"{t}.embeddings.patch_embedding.weight"] = normal(d, 3, PATCH_SIZE, PATCH_SIZE, std=1 / math.sqrt(3 * PATCH_SIZE**2))
     tensors[f"{t}.embeddings.position_embedding.weight"] = normal(num_positions, d, std=0.5)
