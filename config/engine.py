@@ -159,11 +159,16 @@ class StagesConfig:
     num_detokenizers: int = option(1, "detokenizer processes", flag="detokenizer-workers", minimum=1)
 
 
+VISION_BODY_BYTES = 32 * 1024 * 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
     host: str = option("127.0.0.1", "address the HTTP server listens on (the only network listener)")
     port: int = option(8000, "TCP port of the HTTP server")
     run_dir: str = ""  # private 0700 directory holding the ipc sockets; set by the launcher
+    # A request body's cap; a vision model's is VISION_BODY_BYTES (build_engine_config): base64
+    # images ride in the body, a phone photo alone is several MiB.
     max_body_bytes: int = 4 * 1024 * 1024
     log_level: str = "info"
     # When set, every route but /health and /metrics requires it. The CLI also reads it from

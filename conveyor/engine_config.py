@@ -15,6 +15,7 @@ import dataclasses
 from pathlib import Path
 
 from conveyor.config.engine import (
+    VISION_BODY_BYTES,
     CacheConfig,
     EngineConfig,
     ParallelConfig,
@@ -99,6 +100,8 @@ def build_engine_config(model: str | None = None, **options) -> EngineConfig:
 
         open_kv_dir(cache.kv_disk_dir)  # a missing or read-only directory: one line at start-up, before any stage starts
     server = fields[ServerConfig]
+    if model_config.vision is not None:
+        server["max_body_bytes"] = VISION_BODY_BYTES
     if "chat_template" in server:
         server["chat_template"] = _read_template(server["chat_template"])
     return EngineConfig(

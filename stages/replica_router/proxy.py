@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from conveyor.config import ServerConfig
+from conveyor.config.engine import VISION_BODY_BYTES
 from conveyor.stages.ingress.errors import ApiError
 from conveyor.stages.replica_router import discovery, health
 from conveyor.stages.replica_router.config import RouterConfig
@@ -33,8 +34,8 @@ from conveyor.stages.replica_router.replicas import Replicas
 
 log = logging.getLogger(__name__)
 
-# Bodies as large as a replica accepts (its default): a larger one gets the router's 413.
-MAX_BODY_BYTES = ServerConfig.max_body_bytes
+# Bodies as large as a replica accepts (a vision model's cap, the largest): a larger one gets the router's 413.
+MAX_BODY_BYTES = max(ServerConfig.max_body_bytes, VISION_BODY_BYTES)
 REPLICA_HEADER = "X-Conveyor-Replica"  # the index of the replica that answered, for debugging
 # Headers that describe one connection, not the message (RFC 9110 7.6.1), and the ones aiohttp
 # sets itself from what it sends.

@@ -101,3 +101,16 @@ def test_accepts_images_is_false_unless_the_model_config_says_so(tmp_path):
     assert accepts_images(vision)
     back: EngineConfig = config_from_json(config_to_json(vision))  # every stage reads it back from the run directory
     assert back.media == vision.media and accepts_images(back)
+
+
+def test_a_vision_model_takes_bodies_large_enough_for_a_photo(tmp_path):
+    """Base64 images ride in the body: a vision model's cap is 32 MiB, a text model's stays 4 MiB."""
+    from conveyor.config.engine import VISION_BODY_BYTES
+    from conveyor.engine_config import build_engine_config
+    from conveyor.tiny.checkpoint import ensure_default_model
+    from conveyor.tiny.vision import make_llava
+
+    vision = build_engine_config(str(make_llava(tmp_path / "llava")), device="cpu")
+    text = build_engine_config(str(ensure_default_model()), device="cpu")
+    assert vision.server.max_body_bytes == VISION_BODY_BYTES > text.server.max_body_bytes == 4 * 1024 * 1024
+    assert accepts_images(vision) and not accepts_images(text)
