@@ -14,12 +14,12 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
-    tower: str  # the tower's family: "clip" (LLaVA-1.5)
+    tower: str  # the tower's family: "clip" (LLaVA-1.5), "qwen2_vl", "qwen2_5_vl"
     hidden_size: int
     intermediate_size: int
     num_layers: int
     num_heads: int
-    image_size: int  # the square the tower takes, in pixels
+    image_size: int  # the square the tower takes, in pixels; 0: any size (Qwen2-VL: a grid per image)
     patch_size: int
     layer_norm_eps: float
     hidden_act: str  # the tower's MLP: quick_gelu (CLIP), gelu
@@ -31,6 +31,16 @@ class VisionConfig:
     projector_act: str = "gelu"
     projector_bias: bool = True
     num_channels: int = 3
+    # Qwen2-VL / Qwen2.5-VL (gpu/models/vision/qwen2_vl.py): the patch merger's output width (the
+    # language model's hidden size), its side in patches, the frames one patch spans, and
+    # Qwen2.5-VL's window attention (the window's side in pixels, 0: none; the layers that attend
+    # over the whole image instead).
+    out_hidden_size: int = 0
+    spatial_merge_size: int = 1
+    temporal_patch_size: int = 1
+    window_size: int = 0
+    full_attention_layers: tuple[int, ...] = ()
+    rope_theta: float = 10000.0
 
     @property
     def num_patches(self) -> int:
