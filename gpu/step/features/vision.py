@@ -11,7 +11,8 @@ cache lacks are encoded together, before the pass.
 Invariants: a pass's token rows are its rows' new tokens in order, row i's being its sequence's
 tokens [num_computed, num_computed + num_new[i]) (gpu/step/pass_work.py); the tower is replicated
 on every tensor-parallel rank, so each computes the same embeddings and no collective is added.
-A pass through no image token costs a dict lookup per row.
+A pass through no image token costs a dict lookup per row; a sequence's pixels are dropped once a
+pass computes past its last image (a preempted one is sent again in full, images included).
 """
 
 from __future__ import annotations
@@ -72,11 +73,14 @@ class VisionStep(StepFeature):
         pieces: list[tuple[int, ImageInput, int, int]] = []
         at = 0
         for seq, n in zip(work.rows, work.num_new):
-            start = seq.num_computed
-            for image in self.images.get(seq.seq_id, ()):
-                lo, hi = max(start, image.offset), min(start + n, image.offset + image.length)
-                if lo < hi:
-                    pieces.append((at + lo - start, image, lo - image.offset, hi - image.offset))
+            start, images = seq.num_computed, self.images.get(seq.seq_id)
+            if images is not None:
+                for image in images:
+                    lo, hi = max(start, image.offset), min(start + n, image.offset + image.length)
+                    if lo < hi:
+                        pieces.append((at + lo - start, image, lo - image.offset, hi - image.offset))
+                if start + n >= max(image.offset + image.length for image in images):
+                    del self.images[seq.seq_id]  # past its last image: its pixels go (a recomputation resends them)
             at += n
         if not pieces:
             return
