@@ -145,7 +145,7 @@ worker_emulated_host_cpu = _per_engine(
 kv_load_seconds = _per_engine(
     Histogram,
     "conveyor_kv_load_seconds",
-    "KV host tier: a plan's loads back to the device, from when they could start",
+    "KV host tier: one batch of a plan's loads to the device (for its own pass, or the next plan's), from when it could start",
     buckets=_STEP_SECONDS,
     per_device=True,
 )

@@ -5,6 +5,12 @@ names, and the next token is a hash of the context *read back through the block 
 block shared without copy-on-write, a wrong prefix-cache hit, a lost or repeated token, or a
 bad fork all change the outputs, which tests compare with `expected_tokens`.
 
+Its KV host tier copies as the worker does (gpu/step/features/kv_offload.py): a plan's saves,
+then its loads, before its passes. A load into a block some row of the plan names is waited for
+by the plan's first pass (a host hit that starts in the plan that loads it); any other load may
+land while the plan's passes run, so no row, pass or block copy of that plan may touch its
+blocks (`_landing`: an assertion, not a race left to chance).
+
 With a disk tier (`disk`) it writes each named save through to a dict, reads the plan's
 `kv_fetches` from it into host slots, and answers them when `take_fetched` is called (the
 worker's loop looking for finished reads) for the `read_delay`-th time since they came, unless
@@ -66,6 +72,7 @@ class FakeRunner:
         self._read_ages: list[int] = []  # per read: take_fetched calls since it came
         self.num_reads = 0
         self.seqs: dict[int, dict] = {}
+        self._landing: set[int] = set()  # blocks this plan loads for the next: its passes never touch them
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run a single-pass plan."""
@@ -173,7 +180,7 @@ class FakeRunner:
             drafts.append((truth[len(seq["tokens"]) + right] + 1) % VOCAB)
         written = seq["tokens"] + drafts
         for p in range(start, start + 1 + len(drafts)):
-            self.kv[seq["blocks"][p // bs]][p % bs] = written[p]
+            self._touch(seq["blocks"][p // bs])[p % bs] = written[p]
         run = []
         for j in range(len(drafts) + 1):
             token = next_token(self._context(seq, start + 1 + j))  # read back through the table, drafts included
@@ -203,9 +210,13 @@ class FakeRunner:
             self.host[slot] = list(self.kv[block])
             if self.disk is not None and name != NO_NAME and not self.lost(name):
                 self.disk[name] = list(self.kv[block])
+        named = {b for row in plan.scheduled for b in [*row.new_block_ids, *(b for _, b in row.replaced_blocks)]}
+        self._landing = set()
         for slot, block in plan.kv_loads:
             assert slot not in reading, "a load from a slot being read from disk"
             self.kv[block] = list(self.host[slot])
+            if block not in named:
+                self._landing.add(block)
         for name, slot in plan.kv_fetches:
             assert all(slot != s for _, s in self.reads), "a slot read into twice"
             assert all(slot != s for s, _ in plan.kv_loads), "a read into a slot a load reads"
@@ -214,6 +225,7 @@ class FakeRunner:
             self.reads.append((name, slot))
             self._read_ages.append(0)
         for src, dst in plan.copy_blocks:
+            assert src not in self._landing and dst not in self._landing, "a block copy touches a block still being loaded"
             self.kv[dst] = list(self.kv[src])
 
     def take_fetched(self, rank: int = 0) -> KvFetched | None:
@@ -251,7 +263,7 @@ class FakeRunner:
         assert num_tokens >= 1 and end <= len(seq["tokens"]), "computing unknown tokens"
         assert len(seq["blocks"]) * bs >= end, "block table too short"
         for p in range(start, end):
-            self.kv[seq["blocks"][p // bs]][p % bs] = seq["tokens"][p]
+            self._touch(seq["blocks"][p // bs])[p % bs] = seq["tokens"][p]
         seq["computed"] = end
         return end
 
@@ -260,10 +272,15 @@ class FakeRunner:
         bs = self.block_size
         context = []
         for p in range(end):
-            token = self.kv[seq["blocks"][p // bs]][p % bs]
+            token = self._touch(seq["blocks"][p // bs])[p % bs]
             assert token is not None, "reading a KV slot no pass wrote"
             context.append(token)
         return context
+
+    def _touch(self, block: int) -> list[int | None]:
+        """A block's KV, for a pass to read or write: never one a load for the next plan fills."""
+        assert block not in self._landing, f"a pass touches block {block}, which a load for the next plan fills"
+        return self.kv[block]
 
     def _stops(self, seq: dict, token: int) -> bool:
         """The worker's stop check, the rule both processes share: EOS or a stop token id, once

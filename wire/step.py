@@ -88,7 +88,8 @@ class StepPlan(Struct, tag=10):
     lora_loads: list[LoraLoad] = []
     # The KV host tier (stages/scheduler/kv_tiers.py), applied before the plan's passes, saves
     # first: (device block, host slot) copies to host memory, then (host slot, device block)
-    # copies back, which no row of this plan reads.
+    # copies back; a row of this plan reads only those its new_block_ids name (its pass waits
+    # for them), the others are for the next plan's.
     kv_saves: list[tuple[int, int, int]] = []  # (device block, host slot, the block's name: its key on disk; NO_NAME)
     kv_loads: list[tuple[int, int]] = []
     # The KV disk tier (--kv-disk-dir): (block name, host slot) files to read into host slots, off

@@ -8,11 +8,21 @@ torch, no zmq.
   a block named while plan M is built is computed by plan M's passes, and the worker applies a
   plan's copies before its passes: so the saves of plan M + 1 read KV that is written. The
   device pool's eviction then costs nothing, and what the device evicts the host still holds.
-- Loads, one step ahead: a waiting sequence whose prefix runs on past its device hits into the
-  host tier has those blocks loaded into fresh device blocks by this plan and waits a step; the
-  blocks are held and unnamed meanwhile (no row of this plan reads them), then named and freed
-  into the prefix cache at the next step, where its admission finds them as device hits. So a
-  load overlaps the pass of the plan that carries it, and only its own request waits for it.
+- Loads, in the plan that admits the sequence: a waiting sequence whose prefix runs on past its
+  device hits into the host tier has those blocks loaded into fresh device blocks, named at once
+  in the prefix cache, and starts in the same plan after them. The worker's first pass of that
+  plan waits for the copies its rows read, so the sequence waits for its own copy (~40 us a
+  block of Llama-3-8B over PCIe 5.0), not for a step (~6.6 ms), and so does the rest of that
+  pass: a plan loads at most `max_load_now` blocks this way (LOAD_NOW_BLOCKS, under half a step
+  at that shape). Measured on the emulated H100 (docs/benchmarks/kv-tiers.md), waiting a step
+  for each hit cost about what the tier saved in prefill.
+- Loads one step ahead, where the load would not be hidden or would gain nothing: past that
+  bound, or when the sequence would not start in this plan anyway (a prompt that must run whole
+  and does not fit what is left of the budget). The blocks are held and unnamed meanwhile (no
+  row of this plan reads them; the worker's next plan waits for them), then named and freed
+  into the prefix cache at the next step, where its admission finds them as device hits; it is
+  set aside meanwhile, and the sequences behind it are admitted. Swap resume (below) always
+  loads one step ahead.
 - The host tier's slots are evicted least recently used first (a save or a hit uses a slot).
   With --kv-disk-dir the worker writes each saved block through to disk and, at start-up, reads
   the most recently used ones back into its slots: those come in as `warm`.
@@ -21,18 +31,19 @@ torch, no zmq.
   out of the books (the plan's `kv_fetches`; the worker reads on a thread of its own and every
   rank answers with KvFetched). It waits, set aside so that the sequences behind it are
   admitted, until every rank has answered for its blocks (or kv_disk.FETCH_WAIT_S passed); what
-  was read is then a host hit, loaded one step ahead as above. Nothing counts before every rank
-  has checked its bytes: a read that failed is a miss, and the rest of the prefix is computed.
+  was read is then a host hit, loaded as above. Nothing counts before every rank has checked its
+  bytes: a read that failed is a miss, and the rest of the prefix is computed.
 
 Invariant: within a plan the worker applies saves, then loads, then starts its disk reads, then
 runs passes; a plan's saves are decided before its loads and reads, so a slot a load reads or a
-save writes is never a read's destination in one plan, nor (for a save's) a swap's.
+save writes is never a read's destination in one plan, nor (for a save's) a swap's. A set-aside
+sequence keeps its place in the waiting queue: it is the first considered at the next step.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from conveyor.stages.scheduler.kv_disk import DiskBooks
@@ -41,6 +52,14 @@ from conveyor.wire.step import NO_NAME
 if TYPE_CHECKING:
     from conveyor.stages.scheduler.block_manager import BlockManager
     from conveyor.stages.scheduler.sequence import Sequence
+
+# The most blocks a plan loads for sequences that start in it; its first pass waits for them. 64
+# of Llama-3-8B's 2 MiB blocks take 2.6 ms over PCIe 5.0 (ASSUMED ~51 GB/s, as the emulated
+# device charges), under half of its ~6.6 ms step: the sequence gains the rest of a step, and
+# each other row of that pass loses at most that once. A bigger load goes one step ahead, where
+# it overlaps a pass. A block count stands in for time: the scheduler knows neither the link
+# nor the step, and a bigger model's blocks grow more slowly than its step.
+LOAD_NOW_BLOCKS = 64
 
 
 class HostSlots:
@@ -116,7 +135,7 @@ class HostSlots:
 class KvTiers:
     """The books over `blocks`: `num_host_slots` of host tier, `warm` in them at start-up, and
     `num_disk_blocks` of disk tier (0: none) holding `on_disk` at start-up, read by `num_ranks`
-    ranks."""
+    ranks; up to `max_load_now` blocks a plan loaded for sequences that start in it."""
 
     def __init__(
         self,
@@ -126,14 +145,17 @@ class KvTiers:
         num_disk_blocks: int = 0,
         on_disk: Iterable[int] = (),
         num_ranks: int = 1,
+        max_load_now: int = LOAD_NOW_BLOCKS,
     ) -> None:
         self.blocks = blocks
+        self.max_load_now = max_load_now
         self.host = HostSlots(num_host_slots, warm)
         self.disk = DiskBooks(self.host, num_disk_blocks, on_disk, num_ranks) if num_disk_blocks else None
         blocks.newly_named = []  # the block manager now lists each block it names (take_named)
         self.saves: list[tuple[int, int, int]] = []  # this plan's (device block, host slot, name)
         self.loads: list[tuple[int, int]] = []  # this plan's (host slot, device block)
         self._loaded: list[tuple[int, int]] = []  # (device block, name) loaded by the plan before, to name now
+        self._num_loaded_now = 0  # blocks this plan loads for sequences that start in it
         self._prefetch_step: dict[int, int] = {}  # seq_id -> the step that loaded its blocks
         # Swap preemption (--preemption-mode swap): a preempted sequence's blocks in slots out of the
         # LRU, then loaded back into held device blocks the step before it runs again.
@@ -167,7 +189,7 @@ class KvTiers:
         """Before plan `step` is built: the blocks the plan before loaded join the prefix cache
         (free, so the waiting sequence that asked for them finds them as hits), and this plan's
         saves are the blocks named since the plan before was built."""
-        self.saves, self.loads, self._reading = [], [], set()
+        self.saves, self.loads, self._reading, self._num_loaded_now = [], [], set(), 0
         if self.disk is not None:
             self.disk.begin_step()
         self._round += 1
@@ -196,36 +218,46 @@ class KvTiers:
         self.num_saved += len(self.saves)
         self._prefetch_step = {seq_id: s for seq_id, s in self._prefetch_step.items() if s >= step - 1}
 
-    def prefetch(self, seq: Sequence, hits: list[int], step: int) -> bool:
-        """Load the blocks of `seq`'s prefix past its device `hits` that the host tier holds, if
-        any, into fresh device blocks (leaving a block for the rest of its prompt); True when it
-        waits for them (admitted at the next step). A sequence whose load was lost meanwhile
-        (the pool evicted the loaded blocks) is not loaded twice in a row: it computes them."""
+    def prefetch(self, seq: Sequence, hits: list[int], step: int, starts: Callable[[int], bool]) -> list[int] | None:
+        """The prefix to start `seq` with in this plan: its device `hits`, then the blocks past
+        them that the host tier holds, if any, loaded into fresh device blocks (leaving a block
+        for the rest of its prompt). Those are named in the prefix cache at once and free, to be
+        shared as hits, when they fit this plan's `max_load_now` and `starts(prefix blocks)`
+        says the sequence starts in this plan with them. None when it waits instead: for blocks
+        loaded for the next plan (held until then; admitted as device hits), or read from disk.
+        A sequence whose load was lost meanwhile (the pool evicted the loaded blocks) is not
+        loaded twice in a row: it computes them."""
         blocks = self.blocks
         limit = blocks.prefix_blocks(seq)
         if len(hits) >= limit or self._prefetch_step.get(seq.seq_id, -2) >= step - 1:
-            return False
+            return hits
         names = seq.full_block_hashes(blocks.block_size, limit)[len(hits) :]
         if self.disk is not None and self.disk.fetch(seq.seq_id, names, self._reading | {s for _, s, _ in self.saves}):
-            return True  # reads from disk: it waits, set aside (`reading`)
+            return None  # reads from disk: it waits, set aside (`reading`)
         slots = self.host.lookup(names)
         # Room for all of it and a block more, or nothing: loading into a pool the running
         # sequences have filled starves their decodes (measured: a partial load there cut the
         # multi-turn race's tokens/s tenfold through preemptions).
         if not slots or not blocks.can_allocate(len(slots) + 1 + blocks.num_revived(hits)):
-            return False
+            return hits
         names = names[: len(slots)]
         blocks.share(hits)  # held while the fresh blocks are taken, so that none of them is evicted
         fresh = blocks.allocate(len(slots))
         blocks.free(hits)
         self.loads += zip(slots, fresh)
         self._reading.update(slots)
-        self._loaded += zip(fresh, names)
         self._prefetch_step[seq.seq_id] = step
         num_read = self.disk.loaded(names) if self.disk is not None else 0
         self.num_host_hits += len(slots) - num_read
         self.num_loaded += len(slots)
-        return True
+        if self._num_loaded_now + len(fresh) <= self.max_load_now and starts(len(hits) + len(fresh)):
+            self._num_loaded_now += len(fresh)
+            for block, name in zip(fresh, names):
+                blocks.register(block, name)  # unless an identical block was named meanwhile
+            blocks.free(fresh)  # the caller shares them with `hits`: nothing is allocated in between
+            return hits + fresh
+        self._loaded += zip(fresh, names)
+        return None
 
     def reading(self, seq: Sequence) -> bool:
         """Whether a waiting sequence waits for blocks of its prefix on their way from disk (it
@@ -282,6 +314,11 @@ class KvTiers:
             self._swapping_in[seq.seq_id] = fresh
             self._loaded_at[seq.seq_id] = self._round
         return True
+
+    def loading_back(self, seq: Sequence) -> bool:
+        """Whether a swapped-out sequence's blocks are held for it, loaded back: by this plan (then
+        `resume` said True: it runs at the next, set aside meanwhile) or by the one before."""
+        return seq.seq_id in self._swapping_in
 
     def hold_again(self, seq: Sequence) -> None:
         """A sequence `resume` gave its table back to that could not run this step after all:

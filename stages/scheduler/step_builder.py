@@ -2,7 +2,9 @@
 
 `run_running` gives running sequences their rows (decodes first, one token each, then prompts
 under way, in admission order); `admit` starts waiting sequences in the budget, the seats and the
-pool left, each reusing its cached prefix; `reserve` finds blocks for a running sequence's next
+pool left, each reusing its cached prefix (and what the KV tiers load for it, kv_tiers.py), in
+queue order but past one set aside (its adapter has no slot, or its KV comes at the next step);
+`reserve` finds blocks for a running sequence's next
 tokens, shrinking a prompt chunk to what fits and, when not one token fits, preempting the least
 important running sequence that has no row yet; `commit` counts the rows' tokens as computed and
 their draws as pending, and makes the ScheduledStep. The Scheduler owns the sequences and how they
@@ -12,6 +14,7 @@ Pure Python.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from conveyor.stages.scheduler.forks import fork_siblings
@@ -106,25 +109,30 @@ class StepBuilder:
             if adapter is not None and adapters is not None and seq.lora_slot < 0 and not self._place(seq, adapter):
                 set_aside.append(sched.waiting.pop())
                 continue
-            swapped = sched.tiers.resume(seq, idle=not sched.running and not self.rows) if sched.tiers is not None else None
+            tiers = sched.tiers
+            swapped = tiers.resume(seq, idle=not sched.running and not self.rows) if tiers is not None else None
             if swapped is not None:  # preempted by swapping (kv_tiers.py)
-                if swapped or not self._resume(seq):
-                    break  # its blocks come back in this plan (it runs at the next), or have no room yet
-                continue
-            hits = blocks.match_prefix(seq)
-            if sched.tiers is not None and sched.tiers.prefetch(seq, hits, sched.num_steps + 1):
-                if sched.tiers.reading(seq):  # read from disk by this plan: it waits for them
+                if swapped and tiers is not None and tiers.loading_back(seq):  # it runs at the next plan
                     set_aside.append(sched.waiting.pop())
                     continue
-                break  # its blocks beyond the device come back in this plan: admitted at the next
+                if swapped or not self._resume(seq):
+                    break  # its blocks have no room yet
+                continue
+            hits = blocks.match_prefix(seq)
+            if tiers is not None:  # its prefix may go on in the host tier, or on disk
+                prefix = tiers.prefetch(seq, hits, sched.num_steps + 1, functools.partial(self._starts, seq, chunk=chunk))
+                if prefix is None:  # its blocks come from disk, or back for the next plan: the ones behind it go first
+                    set_aside.append(sched.waiting.pop())
+                    continue
+                hits = prefix  # with any blocks this plan loads for it: their copy comes before the pass
             num_uncached = seq.num_tokens - len(hits) * blocks.block_size
             num = min(num_uncached, self.budget)
-            if not chunk and num < num_uncached and (self.rows or self.budget < config.max_num_batched_tokens):
+            if not self._starts(seq, len(hits), chunk=chunk):
                 break
             num = min(num, blocks.num_admittable(hits))
             if num < 1:
-                if not sched.running and not self.rows:  # the whole pool is free and still too small
-                    sched.finish(seq, FinishReason.LENGTH)
+                if not sched.running and not self.rows and not (tiers is not None and tiers.held_blocks()):
+                    sched.finish(seq, FinishReason.LENGTH)  # the whole pool is free and still too small
                     continue
                 break
             sched.waiting.pop()
@@ -135,6 +143,12 @@ class StepBuilder:
             sched.running.append(seq)
             self.rows.append(Row(seq, num, [], []))
             self.budget -= num
+
+    def _starts(self, seq: Sequence, num_prefix_blocks: int, *, chunk: bool) -> bool:
+        """Whether the budget left lets a waiting sequence start after a prefix of that many
+        blocks: without `chunk`, a prompt that does not fit whole starts only in a step of its own."""
+        num_uncached = seq.num_tokens - num_prefix_blocks * self.sched.blocks.block_size
+        return chunk or num_uncached <= self.budget or (not self.rows and self.budget == self.sched.config.max_num_batched_tokens)
 
     def _resume(self, seq: Sequence) -> bool:
         """Run a swapped-out sequence again from its restored table: its next chunk, as a running

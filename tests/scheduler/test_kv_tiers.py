@@ -53,6 +53,98 @@ def test_an_evicted_prefix_comes_back_from_the_host_tier(depth):
     assert seq.num_cached_tokens == 10 * BLOCK
 
 
+def _evicted_from_the_device(depth: int = 1, num_blocks: int = 16, **options) -> tuple[Driver, list[int], list[int]]:
+    """A prefix of ten blocks served once, then unrelated prompts that evict it from the device
+    pool of `num_blocks` (the host tier keeps it): (driver, the prompt, its outputs)."""
+    sched, runner = make(num_blocks=num_blocks, block_size=BLOCK, budget=64, num_host_slots=128, **options)
+    driver = Driver(sched, runner, depth=depth)
+    prompt = prompt_of(1, 10 * BLOCK) + [7]
+    first = _serve(driver, 0, prompt)
+    for i in range(1, 1 + -(-num_blocks // 12) + 1):
+        _serve(driver, i, prompt_of(100 + i, 12 * BLOCK))
+    assert sched.blocks.match_prefix(_seq(driver, 0)) == []  # off the device
+    return driver, prompt, first
+
+
+def _loads_and_starts(driver: Driver, rid: str):
+    """(the plans that load blocks, the plan where request `rid` starts)."""
+    loading = [step for step in driver.steps if step.kv_loads]
+    (start,) = [step for step in driver.steps if any(s.request_id == rid for s in step.new_seqs)]
+    return loading, start
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
+def test_a_host_hit_starts_in_the_plan_that_loads_it(depth):
+    """The plan carries the loads and the sequence's row; the row starts after the loaded blocks,
+    which are its table's first (the worker's pass waits for their copy). The tokens are right."""
+    driver, prompt, first = _evicted_from_the_device(depth)
+    num_steps = len(driver.steps)
+    assert _serve(driver, 10, prompt) == first
+    (loading,), start = _loads_and_starts(driver, "r10")
+    assert start is loading and driver.steps.index(start) == num_steps  # the request's first plan
+    (row,) = [r for r in start.rows if r.seq.request_id == "r10"]
+    (computed,) = start.new_seqs_computed
+    assert computed == 10 * BLOCK and row.num_tokens == 1  # only the last prompt token is computed
+    assert row.new_block_ids[:10] == [block for _, block in start.kv_loads]
+    tiers = driver.sched.tiers
+    assert tiers is not None and tiers.num_host_hits == 10 and not tiers.holding
+    assert _seq(driver, 10).num_cached_tokens == 10 * BLOCK
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
+def test_a_load_past_the_bound_goes_one_step_ahead(depth):
+    """A load of more blocks than a plan may load for its own rows: loaded by one plan, held
+    unnamed (no row reads them), and the sequence starts at the next with them as device hits."""
+    driver, prompt, first = _evicted_from_the_device(depth)
+    tiers = driver.sched.tiers
+    assert tiers is not None
+    tiers.max_load_now = 9
+    assert _serve(driver, 10, prompt) == first
+    (loading,), start = _loads_and_starts(driver, "r10")
+    assert driver.steps.index(start) == driver.steps.index(loading) + 1
+    loaded = {block for _, block in loading.kv_loads}
+    assert not any(loaded & {*r.new_block_ids} for r in loading.rows)
+    (row,) = [r for r in start.rows if r.seq.request_id == "r10"]
+    assert set(row.new_block_ids[:10]) == loaded and start.new_seqs_computed == [10 * BLOCK]
+    assert start.kv_loads == [] and tiers.num_host_hits == 10
+
+
+def test_a_prompt_that_cannot_start_whole_in_this_plan_is_loaded_one_step_ahead():
+    """prefill_first runs a prompt whole: with the budget left too small for the rest of it,
+    the load goes one step ahead, and the request behind it starts meanwhile."""
+    driver, prompt, first = _evicted_from_the_device(num_blocks=48, policy="prefill_first")
+    long_prompt = prompt[:-1] + prompt_of(50, 20)  # the ten loaded blocks, then 20 tokens to compute
+    expected = reference(long_prompt, request(0, [], max_tokens=3, ignore_eos=True).params, 0, 512, False)
+    ahead = prompt_of(400, 50)  # arrives first and takes 50 of the 64 tokens
+    behind = prompt_of(500, 9)
+    for i, p in ((10, ahead), (11, long_prompt), (12, behind)):
+        driver.core.add_request(request(i, p, max_tokens=3, ignore_eos=True))
+    driver.run()
+    (loading,), start = _loads_and_starts(driver, "r11")
+    assert {s.request_id for s in loading.new_seqs} == {"r10", "r12"}  # the one behind did not wait
+    assert driver.steps.index(start) == driver.steps.index(loading) + 1 and start.new_seqs_computed == [10 * BLOCK]
+    assert _seq(driver, 11).output_token_ids == expected
+
+
+def test_the_queue_goes_on_past_a_sequence_waiting_for_its_load():
+    """A head whose load goes one step ahead is set aside, not a wall: the request behind it
+    starts in the plan that loads for the head, and the head starts at the next (its place in
+    the queue kept)."""
+    driver, prompt, first = _evicted_from_the_device()
+    tiers = driver.sched.tiers
+    assert tiers is not None
+    tiers.max_load_now = 0  # every load one step ahead
+    other = prompt_of(600, 6)
+    driver.core.add_request(request(10, prompt, max_tokens=3, ignore_eos=True))
+    driver.core.add_request(request(11, other, max_tokens=3, ignore_eos=True))
+    driver.run()
+    (loading,), start = _loads_and_starts(driver, "r10")
+    assert [s.request_id for s in loading.new_seqs] == ["r11"]
+    assert driver.steps.index(start) == driver.steps.index(loading) + 1
+    assert _seq(driver, 10).output_token_ids == first
+    assert _seq(driver, 11).output_token_ids == reference(other, request(11, [], max_tokens=3, ignore_eos=True).params, 0, 512, False)
+
+
 def test_a_block_is_saved_by_the_plan_after_the_one_that_computes_it():
     sched, runner = make(num_blocks=32, block_size=BLOCK, budget=64, num_host_slots=32)
     driver = Driver(sched, runner)

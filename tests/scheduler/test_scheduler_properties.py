@@ -7,7 +7,9 @@ tight pools, every policy) against the scheduler's invariants, checked after eve
   up to its max_tokens or its first EOS;
 and all of it with asynchronous scheduling too (`lookahead`: step n+1 is planned and executed
 before step n's ids reach the scheduler, as the scheduler stage runs it), and with the KV host
-tier and a disk tier behind it (`disk`: one write in five dropped, so some reads miss).
+tier and a disk tier behind it (`disk`: one write in five dropped, so some reads miss), its
+hits loaded in the plan that starts them or one step ahead (`load_now`: blocks a plan may load
+for its own rows).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ requests_strategy = st.lists(
     host_slots=st.sampled_from([0, 3, 64]),
     swap=st.booleans(),
     disk=st.sampled_from([0, 1, 3]),  # a disk tier whose reads are answered that many ticks later (0: none)
+    load_now=st.sampled_from([0, 3, 64]),
 )
 # Found at ~1,700 examples: a swapped-out sequence loaded back but kept out by the head of the
 # queue was held again every round, so the head never found room and the two took turns for ever.
@@ -72,9 +75,10 @@ requests_strategy = st.lists(
     host_slots=64,
     swap=True,
     disk=0,
+    load_now=0,
 )
 def test_random_streams_keep_every_invariant(
-    reqs, block_size, num_blocks, budget, max_seqs, policy, caching, lookahead, eos, host_slots, swap, disk
+    reqs, block_size, num_blocks, budget, max_seqs, policy, caching, lookahead, eos, host_slots, swap, disk, load_now
 ):
     mode = "swap" if swap else "recompute"
     config = dict(policy=policy, enable_prefix_caching=caching, preemption_mode=mode)
@@ -82,6 +86,8 @@ def test_random_streams_keep_every_invariant(
     lost = lambda name: name % 5 == 0  # noqa: E731 - dropped writes: their reads miss
     sched, runner = make(1, num_blocks, block_size, budget, max_seqs, 256, host_slots, num_disk_blocks, lost, **config)
     runner.read_delay = disk
+    if sched.tiers is not None:
+        sched.tiers.max_load_now = load_now
     driver = Driver(sched, runner, depth=2 if lookahead else 1)
     prefixes = [[(p * 31 + j) % 500 for j in range(k)] for p, k in enumerate((0, 9, 20))]
     prompts = {f"r{i}": prefixes[pre] + [(i * 13 + j) % 500 + 1 for j in range(own)] for i, (pre, own, *_) in enumerate(reqs)}

@@ -9,10 +9,11 @@ scheduler decides what moves (stages/scheduler/kv_tiers.py); this moves the byte
 
 Ordering, on CUDA where the copies run on a side stream behind the passes queued before them: a
 plan's saves read blocks its passes may rewrite (a freed block handed out again), so its first
-pass waits for them; its loads fill blocks no row of it reads (the scheduler holds them for the
-next plan), so the next plan's first pass waits for them, and the copy overlaps this plan's
-passes. A save's bytes go to disk at the next plan, once it is done. On a CPU every copy is done
-when the call returns.
+pass waits for them. Its loads come in two batches, after the saves: those into blocks some row
+of the plan names (a host hit that starts in the plan that loads it) first, and its first pass
+waits for them; then the rest, into blocks the scheduler holds for the next plan, whose first
+pass waits for them, so that copy overlaps this plan's passes. A save's bytes go to disk at the
+next plan, once it is done. On a CPU every copy is done when the call returns.
 
 The platform moves the bytes (`host_tier`): on the emulated device nothing moves, and each batch
 of copies is time on its host link at the device's bandwidth (gpu/emulated/host_link.py), which
@@ -109,12 +110,18 @@ class KvOffloadStep(StepFeature):
                 self._to_disk.append((transfer, list(zip(slots, names))))
             self.num_saved += len(blocks)
         if plan.kv_loads:
-            slots, blocks = zip(*plan.kv_loads)
-            load = self.host.load(slots, blocks)
-            self._next_plan.append(load)
-            self._timed.append(load)
-            self._loads.append(load)
-            self.num_loaded += len(blocks)
+            # The blocks the rows add to their tables: a sequence starting after blocks loaded for it names them all.
+            read = {b for row in plan.scheduled for b in row.new_block_ids}
+            now = [(slot, block) for slot, block in plan.kv_loads if block in read]
+            later = [(slot, block) for slot, block in plan.kv_loads if block not in read]
+            for pairs, waits in ((now, self._before_pass), (later, self._next_plan)):
+                if pairs:
+                    slots, blocks = zip(*pairs)
+                    load = self.host.load(slots, blocks)
+                    waits.append(load)
+                    self._timed.append(load)
+                    self._loads.append(load)
+                    self.num_loaded += len(blocks)
         if plan.kv_fetches:
             self._fetch(plan.kv_fetches)
 
