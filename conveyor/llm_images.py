@@ -17,7 +17,7 @@ import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from conveyor.wire.images import ContentPart, ImageData
+from conveyor.wire.images import ContentPart, ImageData, message_content
 from conveyor.wire.messages import ChatMessage
 
 NO_LIMIT = 1 << 62  # the offline API's caller sized its own images
@@ -79,6 +79,6 @@ def chat_messages(conversation: Sequence[Mapping[str, Any]]) -> tuple[list[ChatM
                 raise ValueError(f"{at}: a content part is text, image_url, image_pil or image, not {kind!r}")
             parts.append(ContentPart(image=len(images)))
             images.append(image_data(image, at))
-        text = "\n".join(p.text for p in parts if p.text is not None)
-        messages.append(ChatMessage(message["role"], text, parts=parts if any(p.text is None for p in parts) else None))
+        text, with_images = message_content(parts)
+        messages.append(ChatMessage(message["role"], text, parts=with_images))
     return messages, images

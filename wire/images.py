@@ -47,3 +47,10 @@ class ImageInput(Struct):
     pixels: bytes  # float32, C order, `shape`
     shape: list[int]  # LLaVA: [3, H, W]; Qwen2-VL: [patches, C * temporal_patch * patch * patch]
     grid: list[int] = []  # Qwen2-VL: (t, h, w) in patches; empty where the family has no grid
+
+
+def message_content(parts: list[ContentPart]) -> tuple[str, list[ContentPart] | None]:
+    """A chat message's (content, parts) from its parts in order: the text parts joined with "\n",
+    and the parts themselves only where one is an image (text alone travels as the text)."""
+    text = "\n".join(part.text for part in parts if part.text is not None)
+    return text, parts if any(part.text is None for part in parts) else None

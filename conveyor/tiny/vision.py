@@ -16,6 +16,7 @@ an image, enough to cut a prompt chunk through one. Weights are drawn like the t
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,4 @@ def _vision_weights(seed: int, text_hidden: int, image_size: int) -> dict[str, t
 
 
 def _read(path: Path) -> dict[str, Any]:
-    import json
-
     return json.loads(path.read_text(encoding="utf-8"))

@@ -15,6 +15,7 @@ from conveyor.stages.ingress.bodies import ChatMessageBody, ContentPart, ToolCal
 from conveyor.stages.ingress.errors import ApiError
 from conveyor.stages.ingress.media.urls import ImageUrl
 from conveyor.wire.images import ContentPart as MessagePart
+from conveyor.wire.images import message_content
 from conveyor.wire.messages import ChatMessage, ToolCall
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -52,13 +53,12 @@ def _content(message: ChatMessageBody, i: int, images: list[ImageUrl]) -> tuple[
     order; each image_url part is added to `images` and its MessagePart names its index there."""
     if message.content is None or isinstance(message.content, str):
         return message.content or "", None
-    texts, parts = [], []
+    parts = []
     for j, part in enumerate(message.content):
         at = f"messages[{i}].content[{j}]"
         if part.type == "text":
             if part.text is None:
                 raise ApiError(400, f"{at}: a text part needs its text", param=at)
-            texts.append(part.text)
             parts.append(MessagePart(text=part.text))
         elif part.type == "image_url":
             parts.append(MessagePart(image=len(images)))
@@ -66,8 +66,7 @@ def _content(message: ChatMessageBody, i: int, images: list[ImageUrl]) -> tuple[
         else:
             refusal = f"{at}: content part type {part.type!r} is not supported: send text or image_url parts"
             raise ApiError(400, refusal, param=at)
-    has_images = any(part.text is None for part in parts)
-    return "\n".join(texts), parts if has_images else None
+    return message_content(parts)
 
 
 def _image_url(part: ContentPart, at: str) -> str:

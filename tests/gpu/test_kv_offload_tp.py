@@ -12,22 +12,16 @@ one).
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 from pathlib import Path
-from unittest import mock
 
 import pytest
-import torch
 
 from conveyor import LLM
-from conveyor.gpu.parallel.group import TensorParallel
-from conveyor.gpu.step import runner as runner_module
 from conveyor.gpu.step.features.kv_offload import KvOffloadStep
 from conveyor.wire.messages import SamplingParams
 from tests.gpu.test_kv_offload import POOL, _run
-from tests.gpu.test_tensor_parallel import run_forked
+from tests.gpu.test_tensor_parallel import gloo_rank, rank_runners, run_forked
 
 CASES = [  # (params, --max-num-batched-tokens): greedy whole, seeded and forked chunked
     (SamplingParams(temperature=0.0, max_tokens=6), None),
@@ -40,22 +34,15 @@ def _options(chunk: int | None) -> dict:
 
 
 def _rank_main(rank: int, store: str, path: str, out: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    try:
-        tp = TensorParallel(rank, 2, torch.distributed.group.WORLD)
-        results = []
-        with mock.patch.object(runner_module, "ModelRunner", functools.partial(runner_module.ModelRunner, tp=tp)):
-            for params, chunk in CASES:
-                llm = LLM(path, tensor_parallel_size=2, kv_offloading_size=0.01, **_options(chunk))
-                outputs = _run(llm, params)
-                tiers, offload = llm.core.scheduler.tiers, llm.runner.feature(KvOffloadStep)
-                assert tiers is not None and offload is not None and offload.host is not None
-                results.append({"outputs": outputs, "hits": tiers.num_host_hits, "loaded": offload.num_loaded})
-        Path(out).write_text(json.dumps(results))
-    finally:
-        torch.distributed.destroy_process_group()
+    results = []
+    with gloo_rank(rank, 2, store) as tp, rank_runners(tp):
+        for params, chunk in CASES:
+            llm = LLM(path, tensor_parallel_size=2, kv_offloading_size=0.01, **_options(chunk))
+            outputs = _run(llm, params)
+            tiers, offload = llm.core.scheduler.tiers, llm.runner.feature(KvOffloadStep)
+            assert tiers is not None and offload is not None and offload.host is not None
+            results.append({"outputs": outputs, "hits": tiers.num_host_hits, "loaded": offload.num_loaded})
+    Path(out).write_text(json.dumps(results))
 
 
 @pytest.fixture(scope="module")

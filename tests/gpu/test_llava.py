@@ -6,6 +6,7 @@ prefix caches hitting on a repeated image."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from conveyor import LLM
 from conveyor.gpu.step.features.vision import VisionStep
 from conveyor.tiny.vision import make_llava
 from conveyor.wire.messages import SamplingParams
+from tests.gpu.test_tensor_parallel import gloo_rank, rank_runners, run_forked
 
 transformers = pytest.importorskip("transformers")
 
@@ -195,25 +197,10 @@ def test_preempted_image_prompts_are_computed_again_from_their_pixels(path, hf, 
 
 
 def _tp_rank(rank: int, store: str, path: str, out: str) -> None:
-    import functools
-    import json
-    import os
-    from unittest import mock
-
-    from conveyor.gpu.parallel.group import TensorParallel
-    from conveyor.gpu.step import runner as runner_module
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    try:
-        tp = TensorParallel(rank, 2, torch.distributed.group.WORLD)
-        with mock.patch.object(runner_module, "ModelRunner", functools.partial(runner_module.ModelRunner, tp=tp)):
-            llm = LLM(path, tensor_parallel_size=2, max_num_batched_tokens=8, **POOL)
-            outs = llm.chat([message(*parts) for parts in TP_CASES], GREEDY)
-        Path(out).write_text(json.dumps([o.outputs[0].token_ids for o in outs]))
-    finally:
-        torch.distributed.destroy_process_group()
+    with gloo_rank(rank, 2, store) as tp, rank_runners(tp):
+        llm = LLM(path, tensor_parallel_size=2, max_num_batched_tokens=8, **POOL)
+        outs = llm.chat([message(*parts) for parts in TP_CASES], GREEDY)
+    Path(out).write_text(json.dumps([o.outputs[0].token_ids for o in outs]))
 
 
 TP_CASES = [(picture(44, 70, 30), "what is it?"), ("two:", picture(60, 30, 31), picture(30, 60, 32))]
@@ -222,10 +209,6 @@ TP_CASES = [(picture(44, 70, 30), "what is it?"), ("two:", picture(60, 30, 31), 
 def test_two_tensor_parallel_ranks_answer_as_one(tmp_path, path, llm):
     """Each rank runs the replicated tower and its shard of the language model; prompt chunks of
     8 cut through the images."""
-    import json
-
-    from tests.gpu.test_tensor_parallel import run_forked
-
     want = [o.outputs[0].token_ids for o in llm.chat([message(*parts) for parts in TP_CASES], GREEDY)]
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     run_forked(_tp_rank, [(r, str(tmp_path / "store"), str(path), str(outs[r])) for r in range(2)], 180)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +33,7 @@ from conveyor.gpu.models.registry import build_model, read_model_config
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 from conveyor.gpu.parallel.shard import shard_model_config
 from conveyor.tiny.vision import make_llava
-from tests.gpu.test_tensor_parallel import run_forked
+from tests.gpu.test_tensor_parallel import gloo_rank, run_forked
 
 transformers = pytest.importorskip("transformers")
 
@@ -286,13 +285,8 @@ def run_tensor_parallel(tp: TensorParallel, path: str) -> dict[str, torch.Tensor
 
 
 def _rank_main(rank: int, size: int, store: str, path: str, out: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
-    try:
-        torch.save(run_tensor_parallel(TensorParallel(rank, size, torch.distributed.group.WORLD), path), out)
-    finally:
-        torch.distributed.destroy_process_group()
+    with gloo_rank(rank, size, store) as tp:
+        torch.save(run_tensor_parallel(tp, path), out)
 
 
 def test_two_ranks_replicate_the_tower_and_equal_the_whole_model(path, tmp_path):

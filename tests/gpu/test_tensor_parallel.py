@@ -14,13 +14,16 @@ engine's ranks never meet through the store its dead predecessor left.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -106,17 +109,35 @@ def run_checkpoints(tp: TensorParallel, checkpoints: dict[str, str]) -> dict[str
 
 
 def _rank_main(rank: int, size: int, store: str, checkpoints: dict[str, str], out: str) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
-    try:
-        results = run_checkpoints(TensorParallel(rank, size, torch.distributed.group.WORLD), checkpoints)
+    with gloo_rank(rank, size, store) as tp:
+        results = run_checkpoints(tp, checkpoints)
         if rank == 0:
             torch.save(results, out)
         else:  # the ranks that do not sample compute no logits
             assert all(results[name].shape[-1] == 0 for name in checkpoints)  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, size: int, store: str) -> Iterator[TensorParallel]:
+    """This (forked) process as rank `rank` of a gloo group of `size` meeting at the file `store`,
+    on one thread, the group torn down on the way out."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=size)
+    try:
+        yield TensorParallel(rank, size, torch.distributed.group.WORLD)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def rank_runners(tp: TensorParallel) -> contextlib.AbstractContextManager:
+    """Within it, an LLM runs this rank's ModelRunner (the offline API has no ranks of its own);
+    each rank's scheduler sees the same requests and so sends its runner the same plans."""
+    from unittest import mock
+
+    from conveyor.gpu.step import runner as runner_module
+
+    return mock.patch.object(runner_module, "ModelRunner", functools.partial(runner_module.ModelRunner, tp=tp))
 
 
 def run_forked(target, rank_args: list[tuple], timeout: float) -> None:
