@@ -10,12 +10,15 @@ The text of a body:
   /v1/completions        `prompt`: a string, or the first of a list of strings, or token ids
                          (hashed as ids; text and ids of one prompt then look unrelated)
   /v1/chat/completions   each message's role and text in order, so a shared system prompt is a
-                         shared opening; a content given as parts contributes its text parts
+                         shared opening; a content given as parts contributes its text parts and,
+                         in its place, a digest of each image part's URL (a data: URL's bytes), so
+                         another picture parts ways there
 Anything else, and any body that is not a JSON object, routes by load alone (no hashes).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Hashable, Sequence
 
@@ -60,8 +63,21 @@ def _chat_text(messages: object) -> str:
         if not isinstance(m, dict):
             continue
         content = m.get("content")
-        if isinstance(content, list):  # parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        if isinstance(content, list):
+            content = "".join(_part_text(p) for p in content)
         # The role's name and a separator, so that moving text between turns changes the key.
         pieces.append(f"<{m.get('role')}>{content if isinstance(content, str) else ''}\n")
     return "".join(pieces)
+
+
+def _part_text(part: object) -> str:
+    """A content part's share of the key: its text, or a mark naming its image's URL."""
+    if not isinstance(part, dict):
+        return ""
+    if isinstance(part.get("text"), str):
+        return part["text"]
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, dict) else image
+    if isinstance(url, str):
+        return f"\x00image:{hashlib.blake2b(url.encode(), digest_size=8).hexdigest()}\x00"
+    return ""

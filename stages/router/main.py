@@ -8,7 +8,9 @@ owning ingress for a request no engine is ready to take, or one sent to an engin
 before receiving it.
 
 One router sees every request, so its map of which engine holds which prompt blocks is one map;
-a map per tokenizer process would see only that process's share of the traffic.
+a map per tokenizer process would see only that process's share of the traffic. An image's
+placeholder ids are all alike, so `routing_items` puts the image's hash in their place: a prompt
+with another picture shares its blocks only up to the image, as in the scheduler's prefix cache.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from conveyor.stages.router import policy
 from conveyor.stages.router.policy import REASONS, RoutingPolicy, prefix_hashes
 from conveyor.stages.router.requests import RoutedRequests
 from conveyor.stages.runtime import report_ready
+from conveyor.wire.images import ImageInput
 from conveyor.wire.messages import AbortRequest, EngineLoad, EngineStatus, RequestRejected, RouterInbound, ScheduleRequest
 from conveyor.wire.topology import INGRESS, ROUTER, SCHEDULER, receiver, senders
 
@@ -79,7 +82,7 @@ class RouterStage:
     def route(self, request: ScheduleRequest) -> None:
         if self.books.was_aborted(request.request_id):
             return
-        route = self.policy.route(prefix_hashes(request.prompt_token_ids, self.block_size))
+        route = self.policy.route(prefix_hashes(routing_items(request.prompt_token_ids, request.images), self.block_size))
         if route is None:
             metrics.routed_unavailable.inc()
             self.reject(request.request_id, request.ingress)
@@ -123,3 +126,14 @@ def run(config: EngineConfig, index: int) -> None:
         stage.loop()
     finally:
         ctx.destroy(linger=0)
+
+
+def routing_items(token_ids: list[int], images: list[ImageInput]) -> list[int] | list[int | tuple[int, int]]:
+    """The prompt as the router hashes it: its ids, each image's placeholder ids replaced by
+    (the image's hash, the index into it)."""
+    if not images:
+        return token_ids
+    items: list[int | tuple[int, int]] = list(token_ids)
+    for image in images:
+        items[image.offset : image.offset + image.length] = [(image.hash, j) for j in range(image.length)]
+    return items

@@ -343,6 +343,20 @@ def test_routing_keys():
     assert len(prompt_hashes("/v1/completions", b'{"prompt": "abcdefghij"}', 4)) == 2  # a partial chunk is not hashed
 
 
+def test_an_image_part_keys_the_chat_where_it_stands():
+    """Two pictures after one long text part share the text's chunks and part ways at the image;
+    the same picture again keys the same."""
+
+    def chat(url: str) -> bytes:
+        parts = [{"type": "text", "text": "Describe this. " * 8}, {"type": "image_url", "image_url": {"url": url}}]
+        return json.dumps({"messages": [{"role": "user", "content": parts}]}).encode()
+
+    cat, dog = (prompt_hashes("/v1/chat/completions", chat(f"data:image/png;base64,{x}"), 16) for x in ("Y2F0", "ZG9n"))
+    shared = len("<user>" + "Describe this. " * 8) // 16
+    assert cat[:shared] == dog[:shared] and cat[shared:] != dog[shared:] and len(cat) > shared
+    assert prompt_hashes("/v1/chat/completions", chat("data:image/png;base64,Y2F0"), 16) == cat
+
+
 def test_flags(capsys):
     assert parse_backends("http://a:8000/, https://b") == ("http://a:8000", "https://b")
     for bad in ("", "a:8000", "ftp://a", "http://a,http://a"):

@@ -12,8 +12,10 @@ import pytest
 import zmq
 
 from conveyor.config import EngineConfig, ModelConfig, ParallelConfig, ServerConfig
-from conveyor.stages.router.main import RouterStage
+from conveyor.stages.router.main import RouterStage, routing_items
+from conveyor.stages.router.policy import prefix_hashes
 from conveyor.wire.addresses import make_run_dir
+from conveyor.wire.images import ImageInput
 from conveyor.wire.messages import (
     AbortRequest,
     EngineLoad,
@@ -122,3 +124,24 @@ def test_an_engines_host_tier_widens_its_prefix_map(wired):
     stage.handle(request("c"))
     assert stage.policy.num_mapped_blocks(0) == 5  # 1 + 2 + 2: nothing evicted past the pool
     assert [m.request_id for m in drain(schedulers[0])] == ["a", "b", "c"]
+
+
+def test_an_images_pixels_name_its_blocks_for_affinity(wired):
+    """Two prompts alike but for the picture behind their placeholder ids: the router's map keys
+    the blocks by the image's hash, so the second matches only the blocks before the image, and
+    the first's again matches in full."""
+
+    def image(digest: int) -> ImageInput:
+        return ImageInput(hash=digest, offset=16, length=32, pixels=b"", shape=[0])
+
+    ids = [7] * 16 + [99] * 32 + [8] * 16  # text, 32 placeholders, text: 4 blocks of 16
+    cat, dog = (prefix_hashes(routing_items(ids, [image(d)]), 16) for d in (1, 2))
+    assert cat[0] == dog[0] and all(a != b for a, b in zip(cat[1:], dog[1:]))
+    assert prefix_hashes(routing_items(ids, []), 16) == prefix_hashes(ids, 16) != cat
+
+    stage, schedulers, _ = wired
+    stage.handle(EngineStatus(ready=True, engine=0))
+    stage.handle(EngineLoad(engine=0, num_waiting=0, num_running=0, num_kv_blocks_used=0, num_kv_blocks=64, num_received=0))
+    for digest in (1, 2, 1):
+        stage.handle(ScheduleRequest(f"r{digest}", 0, ids, SamplingParams(max_tokens=4), arrival_time=0.0, images=[image(digest)]))
+    assert stage.policy.num_mapped_blocks(0) == 4 + 3  # the second prompt's blocks past the image are its own
