@@ -113,6 +113,13 @@ def add_serve(p: argparse.ArgumentParser) -> None:
         "--multi-turn-max-output", type=_count(1), default=256, help="cap on a turn's max_tokens (the recorded reply's length)"
     )
     turns.add_argument(
+        "--multi-turn-context-len",
+        type=_count(0),
+        default=0,
+        help="tokens of a system message of its own that opens each conversation (random words: an agent's or RAG "
+        "chat's document, repeated every turn; 0: none)",
+    )
+    turns.add_argument(
         "--multi-turn-max-context",
         type=_count(2),
         default=2000,

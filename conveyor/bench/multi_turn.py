@@ -12,6 +12,12 @@ conversation stops before the first turn whose prompt and output would pass `max
 tokens; one left with fewer than two turns is not used. Conversations are taken in an order
 shuffled by the seed, `num_prompts` of them (all there are, if fewer).
 
+With `context_len` L > 0 every conversation opens with a system message of its own, L tokens of
+random words (system_prompts.py's maker, from a seed stream of its own): the document, code base
+or tool list an agent's or a RAG chat's turns all repeat. Prefill then weighs more in a turn's
+time than ShareGPT's short exchanges let it, which is where a KV tier saves most; no two
+conversations share it, so only the conversation's own KV hits.
+
 Load (`replay`): `active` conversations are interleaved (the KV working set) and `concurrency`
 clients serve them (the requests in flight, at most). A free client sends the next turn of the
 active conversation that has waited longest, so a conversation never has two turns in flight and
@@ -38,10 +44,12 @@ from collections.abc import Awaitable, Callable
 from conveyor.bench import client
 from conveyor.bench.dataset import BenchRequest, DatasetConfig
 from conveyor.bench.prompts import TokenCounter, special_tokens
+from conveyor.bench.system_prompts import make_system_prompts
 
 TOKENS_PER_MESSAGE = 8  # a chat template's role header and end marker, roughly (ChatML, Llama 3: ~5)
 TARGET_WORKING_SET = 5.0  # x the KV pool: issue 50's "working set about 5x the device pool"
 REPLIES = ("generated", "recorded")  # what a turn's assistant messages hold (replay)
+CONTEXT_STREAM = 3  # the seed stream of the conversations' openings (system_prompts.py uses 1 and 2)
 
 Message = tuple[str, str]  # (role, content)
 
@@ -54,6 +62,7 @@ class MultiTurnConfig:
     max_output: int = 256  # cap on a turn's max_tokens
     max_context: int = 2000  # prompt + max_tokens a turn may reach: under a 2048-token model, with a margin
     replies: str = "generated"  # the assistant's turns: one of REPLIES (replay)
+    context_len: int = 0  # tokens of each conversation's own opening system message (0: none)
 
     @property
     def num_active(self) -> int:
@@ -65,6 +74,7 @@ class Turn:
     messages: tuple[Message, ...]  # the chat so far: user, assistant, ..., ending with the user's
     prompt_len: int  # tokens, estimated: the messages' counts + TOKENS_PER_MESSAGE each (+ a BOS)
     output_len: int  # max_tokens: the recorded reply's tokens, capped
+    system: str = ""  # the conversation's opening (MultiTurnConfig.context_len), before `messages`
 
     def request(self) -> BenchRequest:
         """The turn as the client's request: its last message, with the turn's lengths."""
@@ -74,7 +84,7 @@ class Turn:
     def transcript(self) -> str:
         """The messages as one completion prompt, joined by blank lines, so turn k+1's
         transcript extends turn k's as its chat does."""
-        return "\n\n".join(content for _, content in self.messages)
+        return "\n\n".join([self.system] * bool(self.system) + [content for _, content in self.messages])
 
 
 Conversation = tuple[Turn, ...]
@@ -103,7 +113,7 @@ def make_turns(pairs: list[tuple[str, str]], counts: list[tuple[int, int]], over
     """One conversation's turns, from its (user, reply) pairs and their token counts (each count
     with the counter's `overhead` special tokens, which a message inside a chat does not carry)."""
     messages: list[Message] = []
-    context = overhead  # the chat's own BOS
+    context = overhead + (config.context_len + TOKENS_PER_MESSAGE if config.context_len else 0)  # the BOS, the opening
     turns = []
     for (user, reply), (num_user, num_reply) in zip(pairs, counts, strict=True):
         prompt_len = context + num_user - overhead + TOKENS_PER_MESSAGE
@@ -136,6 +146,9 @@ async def make_conversations(dataset: DatasetConfig, config: MultiTurnConfig, co
             turns = make_turns(found[i], [(next(counts), next(counts)) for _ in found[i]], overhead, config)
             if len(turns) >= 2 and len(kept) < dataset.num_prompts:
                 kept.append(turns)
+    if config.context_len and kept:
+        openings = await make_system_prompts(len(kept), config.context_len, dataset.seed, counter, stream=CONTEXT_STREAM)
+        kept = [tuple(dataclasses.replace(t, system=text) for t in turns) for turns, text in zip(kept, openings, strict=True)]
     return kept
 
 
@@ -144,7 +157,8 @@ def payload(turn: Turn, model: str, *, chat: bool, ignore_eos: bool, return_toke
     completion endpoint."""
     body = client.payload(turn.request(), model, chat=chat, ignore_eos=ignore_eos, return_token_ids=return_token_ids)
     if chat:
-        body["messages"] = [{"role": role, "content": content} for role, content in turn.messages]
+        opening = [{"role": "system", "content": turn.system}] if turn.system else []
+        body["messages"] = opening + [{"role": role, "content": content} for role, content in turn.messages]
     else:
         body["prompt"] = turn.transcript
     return body
@@ -253,9 +267,10 @@ def describe(conversations: list[Conversation], config: MultiTurnConfig, pool_to
     clients = min(config.concurrency, active)
     working_set = active * prompt
     think = f", {config.think_time:g} s between turns" if config.think_time else ""
+    opening = f", each opening with ~{config.context_len} tokens of its own" if config.context_len else ""
     text = (
         f"dataset multi-turn: {len(conversations)} conversations, {len(turns)} turns ({len(turns) / len(conversations):.1f} each), "
-        f"mean prompt ~{prompt:.0f} / max output {output:.0f} tokens\n"
+        f"mean prompt ~{prompt:.0f} / max output {output:.0f} tokens{opening}\n"
         f"{active} conversations interleaved by {clients} clients{think}: working set ~{working_set:.0f} tokens"
     )
     if pool_tokens:

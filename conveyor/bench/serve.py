@@ -93,6 +93,7 @@ class ServeBenchConfig:
                 max_output=args.multi_turn_max_output,
                 max_context=args.multi_turn_max_context,
                 replies=args.multi_turn_replies,
+                context_len=args.multi_turn_context_len,
             ),
         )
 

@@ -28,12 +28,13 @@ if TYPE_CHECKING:  # dataset.py imports this module
 PROMPTS_STREAM, PICKS_STREAM = 1, 2  # second words of the seed sequences
 
 
-async def make_system_prompts(num: int, length: int, seed: int, counter: TokenCounter) -> list[str]:
-    """`num` random-word texts of about `length` tokens each, special tokens not counted."""
+async def make_system_prompts(num: int, length: int, seed: int, counter: TokenCounter, stream: int = PROMPTS_STREAM) -> list[str]:
+    """`num` random-word texts of about `length` tokens each, special tokens not counted, drawn
+    from the seed's `stream`."""
     if num < 1 or length < 1:
         raise ValueError("system prompts need a count and a length of at least 1")
     overhead = await special_tokens(counter)
-    made = await PromptMaker(counter, np.random.default_rng([seed, PROMPTS_STREAM])).make([length + overhead] * num)
+    made = await PromptMaker(counter, np.random.default_rng([seed, stream])).make([length + overhead] * num)
     return [text for text, _ in made]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from conveyor.bench.multi_turn import (
     exchanges,
     make_conversations,
     make_turns,
+    payload,
     read_exchanges,
     replay,
 )
@@ -49,6 +51,29 @@ def test_each_turn_extends_the_last_by_its_recorded_reply(tiny_counter):
     assert asyncio.run(make_conversations(dataset, config, tiny_counter)) == conversations
     other = asyncio.run(make_conversations(DatasetConfig("multi-turn", 12, path=SHAREGPT, seed=4), config, tiny_counter))
     assert [c[0].messages for c in other] != [c[0].messages for c in conversations]
+
+
+def test_each_conversation_opens_with_a_context_of_its_own(tiny_counter):
+    """--multi-turn-context-len: every turn of a conversation repeats one opening of about that many
+    tokens (counted in its prompt length), no two conversations share theirs, and the turns after
+    it are those without one."""
+    config = MultiTurnConfig(max_output=64, max_context=1500)
+    dataset = DatasetConfig("multi-turn", 6, path=SHAREGPT, seed=3)
+    plain = asyncio.run(make_conversations(dataset, config, tiny_counter))
+    opened = asyncio.run(make_conversations(dataset, dataclasses.replace(config, context_len=300), tiny_counter))
+    openings = [turns[0].system for turns in opened]
+    assert len(set(openings)) == len(opened) == 6 and all(openings)
+    for turns in opened:
+        assert {t.system for t in turns} == {turns[0].system}
+        assert all(t.transcript.startswith(t.system + "\n\n") for t in turns)
+        body = payload(turns[1], "m", chat=True, ignore_eos=False, return_token_ids=False)
+        assert body["messages"][0] == {"role": "system", "content": turns[0].system} and len(body["messages"]) == 4
+    for counted in asyncio.run(tiny_counter.count(openings)):
+        assert abs(counted - 1 - 300) <= 2  # its BOS aside, about the length asked for
+    for a, b in zip(plain, opened):  # the same turns where both fit, 300 + a message's overhead longer
+        for x, y in zip(a, b):
+            assert x.messages == y.messages and y.prompt_len == x.prompt_len + 300 + TOKENS_PER_MESSAGE
+        assert len(b) <= len(a) and all(t.prompt_len + t.output_len <= 1500 for t in b)
 
 
 def test_turn_lengths_and_where_a_conversation_stops():
