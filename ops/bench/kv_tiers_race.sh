@@ -14,7 +14,8 @@
 # most, default 28), ACTIVE (conversations interleaved, the working set: default CONCURRENCY,
 # each client a closed loop; ~60 is ~5x a 256-block pool of 16 tokens at ShareGPT's mean
 # context), THINK_TIME (seconds between a conversation's turns, default 0), NUM_PROMPTS
-# (conversations, 96), MAX_OUTPUT (32), PORT (8061), SHAREGPT.
+# (conversations, 96), MAX_OUTPUT (32), CONTEXT_LEN (tokens of each conversation's own opening,
+# default 0), MAX_CONTEXT (a turn's prompt + output at most, default 2000), PORT (8061), SHAREGPT.
 set -euo pipefail
 out=$1; model=$2; shift 2
 [[ ${1:-} == -- ]] && shift
@@ -30,7 +31,7 @@ run() {  # run NAME ROUND SERVE_EXTRA...
   for _ in $(seq 180); do curl -sf "$url/health" >/dev/null && break; sleep 1; done
   python -m conveyor bench serve --base-url "$url" --dataset multi-turn --dataset-path "$sharegpt" \
     --num-prompts "${NUM_PROMPTS:-96}" --multi-turn-concurrency "$concurrency" --multi-turn-active "${ACTIVE:-$concurrency}" \
-    --multi-turn-think-time "${THINK_TIME:-0}" \
+    --multi-turn-think-time "${THINK_TIME:-0}" --multi-turn-context-len "${CONTEXT_LEN:-0}" --multi-turn-max-context "${MAX_CONTEXT:-2000}" \
     --multi-turn-max-output "${MAX_OUTPUT:-32}" --disable-tqdm --result-json "$out/$name-$round.json" > "$out/$name-$round.log" 2>&1
   curl -sf "$url/metrics" > "$out/$name-$round.metrics" || true  # the KV tier's counters, for the why
   kill -TERM $daemon; wait $daemon 2>/dev/null || true
