@@ -6,6 +6,10 @@
 #   llamacpp  packed conveyor, then llama.cpp's server on the same GGUF (64 slots), at STREAMS
 #             (default "1 4 16 64") concurrent streams, 16 or 4 x STREAMS random 128/128 prompts
 #   cstreams  the same, conveyor alone
+#   abba      conveyor and llama.cpp at each of STREAMS in ABBA order (conveyor, llama.cpp,
+#             llama.cpp, conveyor; results NAME-r1 and NAME-r2), with LLAMACPP_ISA (a variant of
+#             ops/bench/llamacpp_isa.sh; default: the shared script's native build) and conveyor's
+#             kernels at CONVEYOR_CPU_ISA (default native), so a pair of one ISA races
 #   vllm      200 random 128/128 and 200 ShareGPT prompts: conveyor packed, conveyor float32, vLLM CPU (float32)
 # Results: vLLM's --save-result JSON files and logs under OUT. SHARED (default ../shared) holds
 # peers/ and workloads/.
@@ -40,6 +44,25 @@ streams() { # WITH_LLAMACPP
     bench 8200 llamacpp-c$n any $(rnd $prompts) --max-concurrency $n; kill -TERM $LPID; wait $LPID; sleep 3
   done
 }
+llamacpp_up() { # NAME
+  if [ -n "${LLAMACPP_ISA:-}" ]; then
+    bash "$ROOT/ops/bench/llamacpp_isa.sh" serve "$LLAMACPP_ISA" "$GGUF" 8200 64 > "$OUT/$1-serve.log" 2>&1 &
+  else
+    bash "$SHARED/peers/llamacpp.sh" serve "$GGUF" 8200 64 > "$OUT/$1-serve.log" 2>&1 &
+  fi
+  LPID=$!; wait_health 8200
+}
+llamacpp_down() { kill -TERM $LPID; wait $LPID; sleep 3; }
+abba() {
+  for n in ${STREAMS:-1 4 16}; do
+    prompts=$((n < 4 ? 16 : n * 4))
+    conveyor_up packed-c$n-r1 "$PACKED"; bench 8000 cpacked-c$n-r1 smol $(rnd $prompts) --max-concurrency $n; conveyor_down
+    for r in r1 r2; do
+      llamacpp_up llamacpp-c$n-$r; bench 8200 llamacpp-c$n-$r any $(rnd $prompts) --max-concurrency $n; llamacpp_down
+    done
+    conveyor_up packed-c$n-r2 "$PACKED"; bench 8000 cpacked-c$n-r2 smol $(rnd $prompts) --max-concurrency $n; conveyor_down
+  done
+}
 for part in "$@"; do
   case $part in
     single)
@@ -49,6 +72,7 @@ for part in "$@"; do
       done ;;
     llamacpp) streams yes ;;
     cstreams) streams no ;;
+    abba) abba ;;
     vllm)
       for form in packed f32; do
         model=$([ $form = f32 ] && echo "$F32" || echo "$PACKED")
@@ -56,6 +80,6 @@ for part in "$@"; do
       done
       bash "$SHARED/peers/vllm-cpu.sh" serve "$F32" 8100 > "$OUT/vllm-serve.log" 2>&1 & VPID=$!; wait_health 8100
       bench 8100 vllm-random "$F32" $(rnd 200); bench 8100 vllm-sharegpt "$F32" "${SHARE[@]}"; kill -TERM $VPID; wait $VPID; sleep 3 ;;
-    *) echo "unknown part: $part (single, llamacpp, cstreams, vllm)" >&2; exit 2 ;;
+    *) echo "unknown part: $part (single, llamacpp, cstreams, abba, vllm)" >&2; exit 2 ;;
   esac
 done
