@@ -49,6 +49,12 @@ class CacheConfig:
         None, "directory keeping the host tier's KV blocks across restarts (needs --kv-offloading-size)", none="no disk tier"
     )
     kv_disk_size: float = option(64.0, "GiB of --kv-disk-dir's files; least recently used go past it", minimum=0)
+    # A look stats the 256 shard directories and lists those that changed (gpu/kv/disk_news.py):
+    # 0.6-0.7 ms for 100k files unchanged, measured on ext4. Another daemon's block joins the index
+    # within about twice the period.
+    kv_disk_scan_s: float = option(
+        1.0, "seconds between looks for blocks other daemons sharing --kv-disk-dir wrote (0: never)", minimum=0
+    )
 
     def __post_init__(self) -> None:
         if self.kv_disk_dir is not None and not self.kv_offloading_size:

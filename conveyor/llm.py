@@ -236,6 +236,8 @@ class LLM:
         id and sample index."""
         samples: dict[str, dict[int, CompletionOutput]] = {}
         while self.core.has_work():
+            if self.offload is not None and (news := self.offload.take_disk_news()) is not None:
+                self.core.kv_disk_changed(news)  # blocks another engine wrote into a shared --kv-disk-dir
             num_steps = self.core.scheduler.num_steps
             for updates in self.core.run_step(self.runner.execute):
                 self._detokenize(updates, samples)

@@ -146,6 +146,17 @@ class KvFetched(Struct, tag=8):
     missed: list[tuple[int, int]] = []
 
 
+class KvDiskChanged(Struct, tag=9):
+    """From every worker rank with a disk tier, unasked, as its looks find them (--kv-disk-scan-s):
+    block names of this rank's shard that came into --kv-disk-dir (another daemon sharing it wrote
+    them) and names that went (evicted by any daemon), each in the order found. A name counts as on
+    disk once every rank has reported it (as WorkerReady.kv_disk); gone from one rank, it is gone."""
+
+    rank: int
+    came: list[int] = []
+    went: list[int] = []
+
+
 class AdapterCommand(Struct, tag=7):
     """From an ingress (/v1/load_lora_adapter, /v1/unload_lora_adapter): serve the LoRA adapter at
     `path` as `name`, or (path None) stop serving it. Answered under request_id with RequestAccepted
@@ -158,7 +169,9 @@ class AdapterCommand(Struct, tag=7):
 
 
 # StepResult: step.py
-SchedulerInbound = ScheduleRequest | AbortRequest | FinishSeqs | WorkerReady | StepResult | StageFailed | AdapterCommand | KvFetched
+SchedulerInbound = (
+    ScheduleRequest | AbortRequest | FinishSeqs | WorkerReady | StepResult | StageFailed | AdapterCommand | KvFetched | KvDiskChanged
+)
 
 
 # --- received by a worker (StepPlan: step.py) ----------------------------------------------

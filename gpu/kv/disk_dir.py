@@ -1,5 +1,6 @@
 """The KV disk tier's directory (torch-free): checked at start-up, scanned for the blocks it holds,
-and written atomically. Layout and file format: disk_format.py; the store over it: disk_tier.py.
+watched for the blocks other daemons add and remove (ShardWatch), and written atomically. Layout
+and file format: disk_format.py; the store over it: disk_tier.py.
 
 Only names of our own shape are ever counted or deleted: validity keys (16 hex digits), shards
 (2), block files (16 hex digits ".kv") and our temporary files; anything else a user keeps under
@@ -19,6 +20,10 @@ from conveyor.config.errors import ConfigError
 from conveyor.gpu.kv.disk_format import hash_of_name
 
 STALE_TEMP_S = 3600.0  # a temporary file this old is a dead writer's: removed by a scan
+# A shard whose mtime is this close to the clock when it was listed is listed again at the next
+# look: a change in the same timestamp tick leaves its mtime as it was (ext4's tick is the
+# kernel's, a few ms; FAT's is 2 s; a network mount's clock may be off by some).
+RACY_NS = 2_000_000_000
 
 
 def open_kv_dir(path: str | os.PathLike[str], flag: str = "--kv-disk-dir") -> Path:
@@ -74,6 +79,41 @@ def scan_blocks(root: Path) -> list[Found]:
                     continue
     found.sort()
     return found
+
+
+class ShardWatch:
+    """The block names under one validity key's directory, and which came and went between two
+    looks. Adding, renaming or removing a file changes its directory's mtime (POSIX) while a hit
+    (utime on the file) does not, so a look stats each shard directory (at most 256) and lists
+    only those whose mtime moved since their last listing, or was racy then (RACY_NS); a `full`
+    look lists every shard. A shard's mtime is taken before it is listed, so a change during the
+    listing shows at the next look."""
+
+    def __init__(self, key_dir: Path) -> None:
+        self.key_dir = key_dir
+        self._shards: dict[str, tuple[int | None, set[int]]] = {}  # name -> (mtime_ns when listed, None: racy; its blocks)
+
+    def look(self, full: bool = False) -> tuple[list[int], list[int]]:
+        """(block hashes added, block hashes gone) since the last look; the first finds them all."""
+        added: list[int] = []
+        gone: list[int] = []
+        shards = {entry.name: entry for entry in _dirs(self.key_dir, 2)}
+        for name in self._shards.keys() - shards.keys():  # a shard removed whole
+            gone += self._shards.pop(name)[1]
+        for name, entry in shards.items():
+            try:
+                mtime = entry.stat(follow_symlinks=False).st_mtime_ns
+            except OSError:  # removed meanwhile: the next look says so
+                continue
+            seen, before = self._shards.get(name, (None, set()))
+            if seen == mtime and not full:
+                continue
+            now = time.time_ns()
+            blocks = {h for e in _entries(Path(entry.path)) if (h := hash_of_name(e.name)) is not None}
+            added += blocks - before
+            gone += before - blocks
+            self._shards[name] = (mtime if now - mtime > RACY_NS else None, blocks)
+        return added, gone
 
 
 def write_atomically(path: Path, *parts: bytes | memoryview) -> None:

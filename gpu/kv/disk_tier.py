@@ -14,6 +14,10 @@ bytes (a host-tier slot's, host_tier.py) and reads them back into a slot.
   directory, other keys' and other daemons' files included. A failed write (a full disk, a quota,
   the directory gone read-only) stops writes for `retry_after_s`, logged once; reads go on.
 - `hashes` lists what is on disk, oldest first, for the scheduler's index after a restart.
+- Every `discover_s` (0: never) the writer thread looks for the blocks other daemons sharing the
+  directory wrote or removed since (`discover`: a stat per shard directory, a listing of those
+  that changed), counts them against the cap, and keeps them as news for the scheduler's index
+  (disk_news.py, `take_news`). Every `rescan_s` it lists every shard, and after a write stats every file.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pathlib import Path
 from conveyor.config.errors import ConfigError
 from conveyor.gpu.kv.disk_dir import open_kv_dir, scan_blocks, write_atomically
 from conveyor.gpu.kv.disk_format import HEADER, BadFile, KVValidity, check_header, encode_header, file_name
+from conveyor.gpu.kv.disk_news import DiskNews
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +83,7 @@ class DiskTier:
         max_pending: int = 64,
         retry_after_s: float = 60.0,
         rescan_s: float = 300.0,
+        discover_s: float = 0.0,
     ) -> None:
         self.root = open_kv_dir(root)
         self.validity = validity
@@ -88,6 +94,7 @@ class DiskTier:
         self.capacity_bytes = capacity_bytes
         self.retry_after_s = retry_after_s
         self.rescan_s = rescan_s
+        self.discover_s = discover_s
         self.stats = DiskTierStats()
         self._keys: dict[str | None, str] = {}  # adapter -> validity key
         self._adapters: dict[str, str | None] = {}  # and back
@@ -102,8 +109,11 @@ class DiskTier:
             self._make_key_dir(self._key(None))
         except OSError as e:
             raise ConfigError(f"--kv-disk-dir {self.root}: cannot write in it ({e})") from e
+        # The base model's blocks, those the scheduler's index names. Its first look comes before
+        # the scan: a file written between the two is news as well (the index adds it twice).
+        self._news = DiskNews(self.root / self._key(None), capacity_bytes // self.file_bytes)
         self._files = self._scan()
-        self._scanned_at = time.monotonic()
+        self._scanned_at = self._looked_at = self._listed_at = time.monotonic()
         self.stats.used_bytes = sum(f.size for f in self._files.values())
         self._evict()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
@@ -199,6 +209,29 @@ class DiskTier:
         self.stats.bytes_read += self.payload_bytes
         return True
 
+    def take_news(self) -> tuple[list[int], list[int]]:
+        """The base model's block names other daemons wrote and those any daemon removed, since
+        the last call (disk_news.py): (came, went)."""
+        return self._news.take()
+
+    def discover(self, full: bool = False) -> None:
+        """Look for the blocks other daemons wrote into the directory or removed from it (every
+        shard listed if `full`): counted against the cap, and news for `take_news`."""
+        key = self._key(None)
+        self._looked_at = time.monotonic()
+        if full:
+            self._listed_at = self._looked_at
+        found, went = self._news.look(full)
+        with self._lock:
+            for name in went:
+                if (old := self._files.pop((key, name), None)) is not None:
+                    self.stats.used_bytes -= old.size
+            for used_at, name, size in found:
+                if (key, name) not in self._files:
+                    self._remember((key, name), size, used_at)
+        if found:
+            self._evict()
+
     def flush(self) -> None:
         """Wait until every queued write is on disk or dropped."""
         self._queue.join()
@@ -213,7 +246,14 @@ class DiskTier:
     # -- the writer thread
 
     def _write_loop(self) -> None:
-        while (item := self._queue.get()) is not None:
+        while True:
+            try:
+                item = self._queue.get(timeout=self._look_in())
+            except queue.Empty:  # idle: time to look for other daemons' files
+                self._look()
+                continue
+            if item is None:
+                break
             try:
                 with self._lock:
                     data = self._pending.get(item)
@@ -230,7 +270,19 @@ class DiskTier:
                 self._queue.task_done()
             if time.monotonic() - self._scanned_at > self.rescan_s:
                 self._rescan()
+            if self._look_in() == 0:
+                self._look()
         self._queue.task_done()
+
+    def _look_in(self) -> float | None:
+        """Seconds until the next look for other daemons' files (None: never)."""
+        return max(0.0, self._looked_at + self.discover_s - time.monotonic()) if self.discover_s > 0 else None
+
+    def _look(self) -> None:
+        try:
+            self.discover(full=time.monotonic() - self._listed_at > self.rescan_s)
+        except Exception:  # a bug: no news this time, the writer goes on
+            self._log_once("look", "KV disk tier: looking for other daemons' blocks failed", exc_info=True)
 
     def _write(self, item: Item, data: bytes) -> None:
         path = self._path(item)
@@ -248,6 +300,8 @@ class DiskTier:
             self._remember(item, self.file_bytes, time.time())
         self.stats.writes += 1
         self.stats.bytes_written += self.file_bytes
+        if item[0] == self._key(None):
+            self._news.wrote(item[1])
         self._evict()
 
     def _evict(self) -> None:

@@ -25,7 +25,7 @@ from conveyor.stages.scheduler.plan import step_plan
 from conveyor.stages.scheduler.scheduled_step import ScheduledStep, SeqUpdate
 from conveyor.stages.scheduler.scheduler import Scheduler
 from conveyor.stages.scheduler.sequence import Sequence
-from conveyor.wire.messages import KvFetched, ScheduleRequest
+from conveyor.wire.messages import KvDiskChanged, KvFetched, ScheduleRequest
 from conveyor.wire.step import StepPlan, StepResult
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,14 @@ class EngineCore:
         tiers = self.scheduler.tiers
         if tiers is not None and tiers.disk is not None:
             tiers.disk.fetched(msg)
+
+    def kv_disk_changed(self, msg: KvDiskChanged) -> None:
+        """A worker rank's news of blocks other daemons wrote into (or removed from) the shared disk
+        directory (kv_disk.py)."""
+        self.stalled = False
+        tiers = self.scheduler.tiers
+        if tiers is not None and tiers.disk is not None:
+            tiers.disk.changed(msg)
 
     def apply(self, result: StepResult) -> tuple[ScheduledStep | None, list[SeqUpdate]]:
         """One pass's result: (its step, or None when it matches no step in flight; the updates

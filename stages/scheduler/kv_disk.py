@@ -5,9 +5,12 @@ with KvFetched. Pure Python: no torch, no zmq.
 
 - The index starts as the names every rank found on its disk at start-up (WorkerReady.kv_disk)
   and grows by each named save, which the worker writes through to disk; past the disk's size
-  it forgets the least recently used name, as the worker's disk tier deletes that file. It may
-  still name a file that is gone (a dropped write, another daemon's eviction, a corrupt file): a
-  read of it fails, the name leaves the index, and its blocks are computed again.
+  it forgets the least recently used name, as the worker's disk tier deletes that file. Another
+  daemon sharing the directory writes and evicts too: each rank's looks report what came and
+  went (KvDiskChanged); a name that came joins once every rank has reported it (each holds its
+  own shard: DiskArrivals), and a name gone from any rank leaves. The index may still name a file
+  that is gone (a dropped write, an eviction not seen yet, a corrupt file): a read of it fails,
+  the name leaves the index, and its blocks are computed again.
 - A read goes into a host slot taken out of the host tier's books, and the slot stays out until
   every rank has answered (a rank still reading writes into it). Only then do the bytes count:
   read by every rank, the slot joins the host tier under the name (a hit like any saved block);
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from conveyor.stages.scheduler.kv_tiers import HostSlots
-    from conveyor.wire.messages import KvFetched
+    from conveyor.wire.messages import KvDiskChanged, KvFetched
 
 # The longest a waiting sequence waits for its blocks to come from disk; then it computes them.
 # A bound for a read that hangs (a dead network mount), far past a healthy one: ASSUMED, not measured.
@@ -42,6 +45,7 @@ class DiskBooks:
         self.host = host
         self.index = DiskIndex(capacity, names)
         self.reads = DiskReads(num_ranks)
+        self.arrivals = DiskArrivals(num_ranks, capacity)
         self.clock = clock
         self.fetches: list[tuple[int, int]] = []  # this plan's (name, host slot) reads
         self._waits: dict[int, Wait] = {}  # by seq_id: sequences that waited for reads, until they end
@@ -113,6 +117,15 @@ class DiskBooks:
                     self.index.discard(name)
                     self.num_misses += 1
 
+    def changed(self, msg: KvDiskChanged) -> None:
+        """A rank's news of its disk directory: names another daemon wrote (on disk once every
+        rank has reported them), and names gone (from any rank: the block is gone)."""
+        for name in msg.went:
+            self.arrivals.discard(msg.rank, name)
+            self.index.discard(name)
+        for name in self.arrivals.add(msg.rank, msg.came):
+            self.index.add(name)
+
     def loaded(self, names: list[int]) -> int:
         """The host tier loads `names` (for a waiting sequence): how many of them were read from disk
         (disk hits)."""
@@ -169,6 +182,44 @@ class DiskIndex:
     def _trim(self) -> None:
         while len(self._names) > self.capacity:
             self._names.popitem(last=False)
+
+
+class DiskArrivals:
+    """Names some ranks reported on their disk and others not yet (a name is on disk once all
+    `num_ranks` have it), at most `capacity` of them (the disk's blocks): past it the oldest are
+    forgotten, as a rank whose shard of a block was never written (a dropped write) never reports it."""
+
+    def __init__(self, num_ranks: int, capacity: int) -> None:
+        self.num_ranks = num_ranks
+        self.capacity = capacity
+        self._ranks: OrderedDict[int, set[int]] = OrderedDict()  # name -> the ranks that reported it
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    def add(self, rank: int, names: list[int]) -> list[int]:
+        """Rank `rank` has these blocks on disk: those every rank has now reported, in order. The
+        bound applies once all are counted, so that a rank behind the others completes names
+        before its own older ones could push them out."""
+        if self.num_ranks == 1:
+            return names
+        done = []
+        for name in names:
+            ranks = self._ranks.setdefault(name, set())
+            ranks.add(rank)
+            if len(ranks) == self.num_ranks:
+                del self._ranks[name]
+                done.append(name)
+        while len(self._ranks) > self.capacity:
+            self._ranks.popitem(last=False)
+        return done
+
+    def discard(self, rank: int, name: int) -> None:
+        """Rank `rank`'s shard of the block is gone (until it reports it again)."""
+        if (ranks := self._ranks.get(name)) is not None:
+            ranks.discard(rank)
+            if not ranks:
+                del self._ranks[name]
 
 
 class DiskReads:

@@ -3,7 +3,8 @@
 Takes (one socket, SchedulerInbound): ScheduleRequest from tokenizers (with data parallelism,
 from the router), AbortRequest from ingress (the router), FinishSeqs (a stop string matched) from
 detokenizers, WorkerReady and StepResult from worker rank 0, KvFetched (answers to reads from
-the KV disk tier) from every worker rank, StageFailed from the launcher (a detokenizer's requests
+the KV disk tier) and KvDiskChanged (blocks other daemons wrote into a shared disk directory, or
+removed) from every worker rank, StageFailed from the launcher (a detokenizer's requests
 fail with a 503, a dead ingress's are aborted).
 Sends: InitializeCache and StepPlan to its engine's worker ranks; EngineStarted, then one
 TokenBatch per detokenizer per step; RequestAccepted (naming its engine), or RequestRejected (429)
@@ -43,6 +44,7 @@ from conveyor.wire.messages import (
     FinishReason,
     FinishSeqs,
     InitializeCache,
+    KvDiskChanged,
     KvFetched,
     RequestAccepted,
     RequestRejected,
@@ -89,10 +91,13 @@ class SchedulerStage:
     def start(self) -> None:
         """Wait for every worker rank's capacity, then size the pool they all can hold."""
         reports: dict[int, WorkerReady] = {}
+        news: list[KvDiskChanged] = []  # a rank ready before the others may find other daemons' blocks meanwhile
         while len(reports) < len(self.workers):
             msg = self.inbox.recv()
             if isinstance(msg, WorkerReady):
                 reports[msg.rank] = msg
+            elif isinstance(msg, KvDiskChanged):
+                news.append(msg)
         num_blocks = min(report.num_kv_blocks for report in reports.values())
         num_host_slots = min(report.num_host_slots for report in reports.values())
         self.kv_block_bytes = reports[0].kv_block_bytes
@@ -122,6 +127,11 @@ class SchedulerStage:
             kv_disk=[name for name in reports[0].kv_disk if name in on_disk],
             num_ranks=len(reports),
         )
+        for report in reports.values():  # a block some ranks had at start-up is on disk once the rest report it
+            if some := [name for name in report.kv_disk if name not in on_disk]:
+                self.core.kv_disk_changed(KvDiskChanged(report.rank, some))
+        for msg in news:
+            self.core.kv_disk_changed(msg)
         kv_dtype, num_tokens = cfg.cache.kv_dtype(cfg.model.dtype), num_blocks * cfg.cache.block_size
         metrics.kv_blocks_capacity.set(num_blocks)
         metrics.kv_host_blocks_capacity.set(num_host_slots)
@@ -165,6 +175,8 @@ class SchedulerStage:
                 self.core.finish_seqs(msg.seq_ids)
             case KvFetched():
                 self.core.kv_fetched(msg)
+            case KvDiskChanged():
+                self.core.kv_disk_changed(msg)
             case StepResult():
                 step, updates = self.core.apply(msg)
                 if step is None:

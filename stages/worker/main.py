@@ -7,7 +7,8 @@ Takes (WorkerInbound): InitializeCache once, then StepPlan per step, from the sc
 Sends: WorkerReady (its KV capacity) and, from rank 0, one StepResult per forward pass of a plan
 with rows (a multi-step plan has several), each as soon as its ids reach the host; from every
 rank, KvFetched as its reads from the KV disk tier finish (looked for every READ_POLL_MS while
-some are in flight, whether or not a plan runs).
+some are in flight, whether or not a plan runs), and KvDiskChanged as the disk tier finds blocks
+other daemons sharing its directory wrote or removed (looked for every --kv-disk-scan-s at least).
 
 The loop is receive, launch, send, and never lets the device wait for a result to be sent: it
 waits for whichever comes first, the next plan (launched at once, behind the passes in flight)
@@ -50,13 +51,19 @@ def record_step(result: StepResult) -> None:
 def wait_ms(runner: ModelRunner, offload: KvOffloadStep | None = None) -> int | None:
     """How long to wait for a message: forever with nothing in flight, else until the oldest pass
     lands (rounded down: the rest is waited for by collecting it), or POLL_MS where unknown; at
-    most READ_POLL_MS while reads from disk are in flight."""
+    most READ_POLL_MS while reads from disk are in flight, and at most the disk tier's period of
+    looking for other daemons' blocks, so that its news goes out while no plan comes."""
     reading = offload is not None and offload.reading
+    news_ms = offload.disk_news_ms if offload is not None else None
     if not runner.has_pending():
-        return READ_POLL_MS if reading else None
-    left = runner.landing_in()
-    wait = POLL_MS if left is None else int(left * 1000)
-    return min(wait, READ_POLL_MS) if reading else wait
+        wait = READ_POLL_MS if reading else None
+    else:
+        left = runner.landing_in()
+        wait = POLL_MS if left is None else int(left * 1000)
+        wait = min(wait, READ_POLL_MS) if reading else wait
+    if news_ms is not None:
+        wait = news_ms if wait is None else min(wait, news_ms)
+    return wait
 
 
 def run(config: EngineConfig, index: int) -> None:
@@ -109,5 +116,7 @@ def run(config: EngineConfig, index: int) -> None:
                     send(runner.collect_due())
             if offload is not None and (fetched := offload.take_fetched()) is not None:
                 scheduler.send(fetched)
+            if offload is not None and (news := offload.take_disk_news()) is not None:
+                scheduler.send(news)
     finally:
         ctx.destroy(linger=0)

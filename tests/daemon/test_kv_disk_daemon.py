@@ -1,7 +1,8 @@
 """The KV disk tier through the whole daemon: a restarted daemon whose host tier is smaller than
 what its disk holds serves a repeated prompt with its prefix read from disk on the hit (the
 worker's reads answered by KvFetched while the engine has nothing else to run), with the tokens
-the first daemon computed."""
+the first daemon computed; and of two daemons sharing one directory, one serves a prompt the
+other computed after both started (its worker's looks reported by KvDiskChanged while idle)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,25 @@ def test_a_restarted_daemon_reads_its_prefix_from_disk_on_a_hit(tmp_path):
         assert again.metric("conveyor_kv_host_hits_total") == 0  # none of it was in the host tier
     finally:
         again.stop()
+
+
+def test_a_daemon_reads_what_another_wrote_into_the_shared_directory_after_it_started(tmp_path):
+    options = ("--block-size", "4", "--num-kv-blocks", "256", "--kv-disk-dir", str(tmp_path / "kv"), "--kv-offloading-size", "0.01")
+    first = Daemon(*options)
+    try:
+        second = Daemon(*options, "--kv-disk-scan-s", "0.1")  # on the directory before the first computes anything
+    except Exception:
+        first.stop()
+        raise
+    try:
+        expected, usage = complete(first, PROMPT)
+        complete(first, OTHERS[0])  # its next plan writes the prompt's last saved blocks through
+        time.sleep(1.5)  # the first's writer thread; then the second's looks (every 0.1 s), sent while it idles
+        tokens, again = complete(second, PROMPT)
+        assert tokens == expected
+        num_blocks = (usage["prompt_tokens"] - 1) // 4  # those a prefix hit may cover
+        assert again["prompt_tokens_details"]["cached_tokens"] == 4 * num_blocks
+        assert second.metric("conveyor_kv_disk_hits_total") == num_blocks
+    finally:
+        second.stop()
+        first.stop()

@@ -1,8 +1,10 @@
 """The KV disk tier (gpu/kv/disk_tier.py): blocks written as files come back byte for byte, after a
 restart too; a changed model reads nothing; a corrupt, truncated or misplaced file is a miss logged
 once; a full disk stops writes while reads go on; a bad directory is refused at start-up; the size
-cap evicts the least recently used; two processes writing one directory leave only valid files; reads
-on a hit (disk_reads.py) run on their own thread, after the copies in flight, each answered once."""
+cap evicts the least recently used; two processes writing one directory leave only valid files, and
+each finds the blocks the other wrote or removed after it started (disk_news.py), listing only the
+shards whose mtime moved; reads on a hit (disk_reads.py) run on their own thread, after the copies in
+flight, each answered once."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import pytest
 
 from conveyor.config.errors import ConfigError
 from conveyor.gpu.kv import disk_tier as disk_tier_module
-from conveyor.gpu.kv.disk_dir import STALE_TEMP_S
+from conveyor.gpu.kv.disk_dir import RACY_NS, STALE_TEMP_S, ShardWatch
 from conveyor.gpu.kv.disk_format import HEADER, KVValidity, file_name
 from conveyor.gpu.kv.disk_reads import DiskReads
 from conveyor.gpu.kv.disk_tier import DiskTier
@@ -296,6 +298,91 @@ def test_two_processes_writing_one_directory_leave_valid_files(tmp_path):
     assert all(reader.get(h) == block(h) for h in everything) and reader.stats.bad_files == 0
     assert not list(tmp_path.rglob("*.tmp"))
     reader.close()
+
+
+def test_blocks_another_daemon_writes_or_removes_after_start_up_are_news_after_a_look(tmp_path):
+    ours = written(tmp_path, [1])
+    theirs = tier(tmp_path)  # a second daemon on the same directory, started after ours wrote 1
+    assert theirs.hashes() == [1]
+    assert theirs.put(2, block(2)) and theirs.put(3, block(3)) and ours.put(4, block(4))
+    theirs.flush()
+    ours.flush()
+    ours.discover()
+    assert ours.take_news() == ([2, 3], [])  # its own write (4) is not news: the scheduler named it
+    assert ours.take_news() == ([], [])  # each piece of news once
+    assert ours.contains(3) and ours.stats.used_bytes == 4 * FILE  # and counted against the cap
+    assert ours.get(3) == block(3)
+    path_of(tmp_path, 2).unlink()  # evicted by the other daemon
+    assert theirs.put(5, block(5))
+    theirs.flush()
+    path_of(tmp_path, 5).unlink()  # came and went between two looks: nothing to say
+    ours.discover()
+    assert ours.take_news() == ([], [2]) and not ours.contains(2) and ours.stats.used_bytes == 3 * FILE
+    theirs.discover()
+    assert theirs.take_news() == ([4], [])  # its own 2 and 5 went before it looked: nothing to say
+    ours.close()
+    theirs.close()
+
+
+def test_another_ranks_shards_are_not_news(tmp_path):
+    ours = tier(tmp_path)
+    rank1 = written(tmp_path, [1], dataclasses.replace(VALIDITY, tp_rank=1, tp_size=2))
+    ours.discover()
+    assert ours.take_news() == ([], [])
+    ours.close()
+    rank1.close()
+
+
+def test_the_writer_thread_looks_every_discover_s(tmp_path):
+    ours = tier(tmp_path, discover_s=0.05)
+    theirs = written(tmp_path, [7, 8])
+    deadline = time.monotonic() + 10
+    came: list[int] = []
+    while len(came) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        came += ours.take_news()[0]
+    assert sorted(came) == [7, 8]
+    ours.close()
+    theirs.close()
+
+
+def _age(shard: Path, seconds: float) -> None:
+    """Set a shard directory's mtime `seconds` into the past (past the racy window)."""
+    t = time.time() - seconds
+    os.utime(shard, (t, t))
+
+
+def test_a_look_lists_only_the_shards_whose_mtime_moved(tmp_path):
+    written(tmp_path, [1, 2**56]).close()  # two shards: 00 and 01 (a name's first two hex digits)
+    key_dir = tmp_path / VALIDITY.key()
+    shards = sorted(p for p in key_dir.iterdir() if p.is_dir())
+    for shard in shards:
+        _age(shard, 10)
+    watch = ShardWatch(key_dir)
+    assert sorted(watch.look()[0]) == [1, 2**56] and len(shards) == 2
+    hidden = path_of(tmp_path, 3)  # a file whose shard keeps its mtime: a look trusts the mtime
+    mtime = hidden.parent.stat().st_mtime_ns
+    hidden.write_bytes(path_of(tmp_path, 1).read_bytes())
+    os.utime(hidden.parent, ns=(mtime, mtime))
+    assert watch.look() == ([], [])
+    assert watch.look(full=True) == ([3], [])  # a full look lists every shard
+    path_of(tmp_path, 1).unlink()  # the shard's mtime moves: listed again
+    assert watch.look() == ([], [1])
+
+
+def test_a_shard_changed_within_the_racy_window_is_listed_again(tmp_path):
+    written(tmp_path, [1]).close()
+    key_dir = tmp_path / VALIDITY.key()
+    watch = ShardWatch(key_dir)
+    assert watch.look() == ([1], [])
+    shard = path_of(tmp_path, 1).parent
+    mtime = shard.stat().st_mtime_ns
+    assert time.time_ns() - mtime < RACY_NS  # just written: racy
+    second = path_of(tmp_path, 2)  # the same shard
+    assert second.parent == shard
+    second.write_bytes(b"x")
+    os.utime(shard, ns=(mtime, mtime))  # as if written in the same timestamp tick
+    assert watch.look() == ([2], [])
 
 
 class _CopyInFlight:

@@ -227,3 +227,25 @@ def test_a_corrupt_block_read_on_a_hit_is_a_miss(path, tmp_path, caplog):
     assert tiers.disk.num_misses == 10 and tiers.disk.num_hits == 0
     assert sum("checksum" in r.getMessage() for r in caplog.records) == 1  # logged once
     assert offload.disk is not None and offload.disk.stats.bad_files == 10  # each found bad, and deleted
+
+
+def test_a_prefix_another_engine_wrote_after_start_up_is_read_on_a_hit(path, tmp_path):
+    """Two engines on one disk directory (data-parallel replicas): B starts first, on an empty
+    directory; A then serves a prompt and writes its blocks. Once B's disk tier has looked (every
+    --kv-disk-scan-s; here asked for), B serves the prompt with its prefix read from A's files:
+    A's tokens, and every prefix block a disk hit."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    root = tmp_path / "kv"
+    b = LLM(path, kv_offloading_size=0.01, kv_disk_dir=str(root), kv_disk_scan_s=0, **POOL)
+    tiers = b.core.scheduler.tiers
+    assert tiers is not None and tiers.disk is not None and len(tiers.disk.index) == 0
+    a = _disk_llm(path, root)
+    (computed,) = a.generate(_prompts(0), greedy)
+    _written(a)
+    offload = b.runner.feature(KvOffloadStep)
+    assert offload is not None and offload.disk is not None
+    offload.disk.discover()
+    (served,) = b.generate(_prompts(0), greedy)
+    assert served.outputs[0].token_ids == computed.outputs[0].token_ids
+    assert served.num_cached_tokens == 10 * BLOCK
+    assert tiers.disk.num_hits == 10 and tiers.disk.num_misses == 0 and tiers.num_host_hits == 0

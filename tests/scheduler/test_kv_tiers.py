@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.stages.scheduler.kv_disk import FETCH_WAIT_S, DiskIndex
+from conveyor.stages.scheduler.kv_disk import FETCH_WAIT_S, DiskBooks, DiskIndex
 from conveyor.stages.scheduler.kv_tiers import HostSlots
 from conveyor.stages.scheduler.sequence import SeqStatus
-from conveyor.wire.messages import KvFetched
+from conveyor.wire.messages import KvDiskChanged, KvFetched
 from tests.scheduler.engine_driver import Driver, make, prompt_of, reference, request
 
 BLOCK = 4
@@ -363,6 +363,47 @@ def test_a_restarted_scheduler_reads_what_the_disk_held():
     restarted = Driver(sched, runner)
     assert _serve(restarted, 0, prompt) == first
     assert _seq(restarted, 0).num_cached_tokens == 10 * BLOCK and tiers.disk.num_hits == 10
+
+
+def test_names_another_daemon_wrote_join_the_index_once_every_rank_reported_them():
+    books = DiskBooks(HostSlots(4), capacity=4, names=[1, 2], num_ranks=2)
+    books.changed(KvDiskChanged(0, came=[5, 6, 7]))
+    assert not any(n in books.index for n in (5, 6, 7))  # rank 1's shards may not be written yet
+    books.changed(KvDiskChanged(1, came=[6, 5]))
+    assert 5 in books.index and 6 in books.index and 7 not in books.index
+    books.changed(KvDiskChanged(1, came=[8], went=[1]))  # rank 1's shard of 1 was evicted: the block is gone
+    assert 1 not in books.index and 2 in books.index
+    books.changed(KvDiskChanged(0, went=[7]))  # gone from rank 0 before rank 1 reported it
+    books.changed(KvDiskChanged(1, came=[7]))
+    assert 7 not in books.index
+    books.changed(KvDiskChanged(0, came=[7, 8, 9]))
+    books.changed(KvDiskChanged(1, came=[9]))
+    # 7 once rank 0 has it again; bounded by the disk's size, the least recently used out: 2, then 6.
+    assert [n in books.index for n in (2, 6, 5, 7, 8, 9)] == [False, False, True, True, True, True]
+
+
+def test_the_names_waiting_for_other_ranks_are_bounded():
+    books = DiskBooks(HostSlots(1), capacity=3, names=[], num_ranks=2)
+    books.changed(KvDiskChanged(0, came=[1, 2, 3, 4]))  # rank 1 never wrote its shard of 1
+    assert len(books.arrivals) == 3
+    books.changed(KvDiskChanged(1, came=[1, 2, 3, 4]))
+    assert 1 not in books.index and all(n in books.index for n in (2, 3, 4))
+    assert len(books.arrivals) == 1  # 1, now from rank 1 alone
+
+
+def test_a_prefix_another_engine_wrote_after_start_up_is_read_on_a_hit():
+    """Two engines on one disk directory (the fake worker's `disk`): B starts with nothing on it,
+    A then serves a prompt; once B's worker reports A's blocks (KvDiskChanged), B serves the same
+    prompt with its prefix read from disk, with A's tokens."""
+    driver, prompt, first, names = _evicted_from_both_tiers()  # engine A
+    sched, runner = make(num_blocks=16, block_size=BLOCK, budget=64, num_host_slots=12, num_disk_blocks=1000)
+    runner.disk = driver.runner.disk  # engine B, started before A wrote: its index is empty
+    b = Driver(sched, runner)
+    tiers = sched.tiers
+    assert tiers is not None and tiers.disk is not None and len(tiers.disk.index) == 0
+    b.core.kv_disk_changed(KvDiskChanged(0, came=names))
+    assert _serve(b, 0, prompt) == first
+    assert _seq(b, 0).num_cached_tokens == 10 * BLOCK and tiers.disk.num_hits == 10 and tiers.disk.num_misses == 0
 
 
 def test_sequences_short_of_host_slots_never_take_turns_evicting_each_others_reads():

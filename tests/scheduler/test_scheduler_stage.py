@@ -1,7 +1,8 @@
 """The scheduler stage's pacing of plans, on real sockets with the worker's end held by the test:
 with asynchronous scheduling two steps may be in flight, except while the first step after an
 idle spell computes, so that a burst arriving meanwhile fills the next step; a multi-step window
-stays in flight to its last pass, and each pass streams on its own."""
+stays in flight to its last pass, and each pass streams on its own. With two ranks, a block on
+disk counts once both have reported it, at start-up or after."""
 
 from __future__ import annotations
 
@@ -12,13 +13,14 @@ from typing import NamedTuple
 import pytest
 import zmq
 
-from conveyor.config import SchedulerConfig
+from conveyor.config import ParallelConfig, SchedulerConfig
 from conveyor.stages.scheduler.main import SchedulerStage
 from conveyor.wire.addresses import make_run_dir
 from conveyor.wire.channel import Receiver
 from conveyor.wire.messages import (
     EngineStarted,
     InitializeCache,
+    KvDiskChanged,
     SamplingParams,
     ScheduleRequest,
     TokenBatch,
@@ -199,3 +201,34 @@ def test_the_stage_names_the_kv_dtype_and_tokens_in_its_log_and_metrics(tmp_path
         r.close()
     ctx.destroy(linger=0)
     shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def test_a_block_on_disk_counts_once_every_rank_reported_it(tmp_path):
+    """Rank 0 finds 1 and 2 at start-up and, by a look while rank 1 still loads, 3; rank 1 finds
+    2: only 2 is on disk (each rank keeps its own shard) until rank 1 reports the others."""
+    run_dir = make_run_dir()
+    config = dataclasses.replace(make_config(tmp_path, run_dir), parallel=ParallelConfig(tensor_parallel_size=2))
+    ctx = zmq.Context()
+    bound = [receiver(ctx, config, WORKER, 0), receiver(ctx, config, WORKER, 1)]
+    bound += [receiver(ctx, config, DETOKENIZER), receiver(ctx, config, INGRESS)]
+    try:
+        stage = SchedulerStage(config, ctx)
+        to_stage = sender(ctx, config, SCHEDULER)
+        ready = dict(num_kv_blocks=64, num_host_slots=8, kv_block_bytes=1024, num_disk_blocks=100)
+        to_stage.send(WorkerReady(rank=0, kv_disk=[1, 2], **ready))
+        to_stage.send(KvDiskChanged(0, came=[3]))
+        to_stage.send(WorkerReady(rank=1, kv_disk=[2], **ready))
+        stage.start()
+        tiers = stage.scheduler.tiers
+        assert tiers is not None and tiers.disk is not None
+        index = tiers.disk.index
+        assert [n in index for n in (1, 2, 3)] == [False, True, False]
+        stage.handle(KvDiskChanged(1, came=[3, 1]))
+        assert [n in index for n in (1, 2, 3)] == [True, True, True]
+        stage.handle(KvDiskChanged(1, went=[2]))  # rank 1's shard evicted: the block is gone
+        assert 2 not in index
+    finally:
+        for r in bound:
+            r.close()
+        ctx.destroy(linger=0)
+        shutil.rmtree(run_dir, ignore_errors=True)

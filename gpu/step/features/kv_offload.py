@@ -4,8 +4,10 @@ blocks) applied before its passes, saves first, by gpu/kv/host_tier.py; each sav
 through to disk (gpu/kv/disk_tier.py), and at start-up the most recently used blocks on disk read
 back into the host slots, before the worker reports ready. On a hit beyond the host tier the
 plan's reads (`kv_fetches`) fill host slots from disk on a thread of their own
-(gpu/kv/disk_reads.py), and `take_fetched` gives their answers for the scheduler (KvFetched). The
-scheduler decides what moves (stages/scheduler/kv_tiers.py); this moves the bytes.
+(gpu/kv/disk_reads.py), and `take_fetched` gives their answers for the scheduler (KvFetched);
+`take_disk_news` gives the blocks other daemons sharing the directory wrote or removed, as the disk
+tier's looks find them (KvDiskChanged). The scheduler decides what moves
+(stages/scheduler/kv_tiers.py); this moves the bytes.
 
 Ordering, on CUDA where the copies run on a side stream behind the passes queued before them: a
 plan's saves read blocks its passes may rewrite (a freed block handed out again), so its first
@@ -33,7 +35,7 @@ from conveyor.gpu.kv.disk_reads import DiskReads
 from conveyor.gpu.kv.disk_tier import GIB, DiskTier
 from conveyor.gpu.kv.host_tier import KVCopies, Transfer, num_host_slots
 from conveyor.gpu.step.features.base import StepFeature
-from conveyor.wire.messages import KvFetched
+from conveyor.wire.messages import KvDiskChanged, KvFetched
 from conveyor.wire.step import NO_NAME
 
 if TYPE_CHECKING:
@@ -75,7 +77,13 @@ class KvOffloadStep(StepFeature):
                 model_identity(config.model), str(attn.kv_dtype), cache.block_size, type(attn).__name__, tp.rank, tp.size
             )
             capacity = int(cache.kv_disk_size * GIB)
-            self.disk = DiskTier(cache.kv_disk_dir, validity=validity, payload_bytes=self.block_bytes, capacity_bytes=capacity)
+            self.disk = DiskTier(
+                cache.kv_disk_dir,
+                validity=validity,
+                payload_bytes=self.block_bytes,
+                capacity_bytes=capacity,
+                discover_s=cache.kv_disk_scan_s,
+            )
             self.num_disk_blocks = capacity // (HEADER.size + self.block_bytes)
             self._warm_up()
             self.reads = DiskReads(self.disk)
@@ -155,6 +163,20 @@ class KvOffloadStep(StepFeature):
         """Block until a read is answered (or `timeout_s` passed, or none is in flight)."""
         if self.reads is not None and not self._refused:
             self.reads.wait(timeout_s)
+
+    def take_disk_news(self) -> KvDiskChanged | None:
+        """The blocks other daemons wrote into the disk directory and those any removed, found
+        since the last call; None: none."""
+        if self.disk is None:
+            return None
+        came, went = self.disk.take_news()
+        return KvDiskChanged(self.rank, came, went) if came or went else None
+
+    @property
+    def disk_news_ms(self) -> int | None:
+        """How often the disk tier looks for other daemons' blocks (None: never), and so how often
+        a worker with nothing else to do should take its news."""
+        return max(1, int(self.disk.discover_s * 1000)) if self.disk is not None and self.disk.discover_s > 0 else None
 
     def disk_names(self) -> list[int]:
         """The block names on disk for this rank, least recently used first (WorkerReady.kv_disk)."""
