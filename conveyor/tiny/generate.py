@@ -10,7 +10,8 @@ than the tokenizer's is padded as real checkpoints pad theirs: random weights em
 tokenizer has no text for, which decode to nothing but count as tokens. Llama-3-8B in bfloat16
 is 16 GB on disk, twice that in host memory and minutes to write (docs/benchmarks.md).
 
-`--shape llava-tiny` writes a tiny LLaVA-1.5 (conveyor/tiny/vision.py) with its image processor.
+`--shape llava-tiny` writes a tiny LLaVA-1.5 (conveyor/tiny/vision.py) with its image processor;
+`qwen2-vl-tiny` and `qwen2.5-vl-tiny` a tiny Qwen2-VL / Qwen2.5-VL (conveyor/tiny/qwen2_vl.py).
 
 `--no-weights` writes everything but the weights, at once: what `conveyor serve --device
 emulated` reads (it models the device and loads none).
@@ -19,15 +20,18 @@ emulated` reads (it models the device and loads none).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
 
 from conveyor.tiny.checkpoint import DEFAULT_SHAPE, make_checkpoint, make_config
+from conveyor.tiny.qwen2_vl import make_qwen2_vl
 from conveyor.tiny.vision import make_llava
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -48,7 +52,11 @@ SHAPES: dict[str, dict[str, Any]] = {
 DTYPES = ("float32", "bfloat16", "float16")
 # Vision-language checkpoints (conveyor/tiny/vision.py): tiny, in real HF layout with processors
 # transformers loads offline, for tests and benchmarks of images.
-VISION_SHAPES = {"llava-tiny": make_llava}
+VISION_SHAPES: dict[str, Callable[..., Path]] = {
+    "llava-tiny": make_llava,
+    "qwen2-vl-tiny": make_qwen2_vl,
+    "qwen2.5-vl-tiny": functools.partial(make_qwen2_vl, version="2.5"),
+}
 
 
 TOKENIZER_FILES = (

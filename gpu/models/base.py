@@ -3,13 +3,15 @@
 The loader and the runner know a model only through it: built as `cls(config, rope_device,
 backend)` (on the meta device when loading), filled by `load_weights(tensors)` from the
 checkpoint's (name, tensor) stream, adjusted once by `after_load()`, then run as
-`forward(input_ids, positions, meta, kv_caches[, input_embeds])` -> hidden [T, H] and `compute_logits(hidden)` (or,
+`forward(input_ids, positions, meta, kv_caches[, input_embeds, rope_positions])` -> hidden [T, H] and `compute_logits(hidden)` (or,
 for greedy draws that want nothing else, `compute_greedy(hidden)`: the ids alone, where it can).
 
 Invariants: there is one forward for every family, mixture-of-experts included; a family names
 its `layer_class` (built as (config, backend, layer_index), called as (x, residual, positions,
-rope, meta, kv_cache) -> (x, residual)) and overrides only the hooks `embed`, `compute_logits`
-(with `compute_greedy`), `load_weights`, `after_load`. The skeleton and the parameter names are the checkpoint's
+rope, meta, kv_cache) -> (x, residual)) and overrides only the hooks `embed`, `pass_rotary`, `compute_logits`
+(with `compute_greedy`), `load_weights`, `after_load`. `positions` reach the layers only as the rotary's
+(a KV slot and a token's causal extent are the attention metadata's), so a wrapper may move them (M-RoPE's
+delta inside a decode graph: gpu/step/features/vision.py). The skeleton and the parameter names are the checkpoint's
 (`model.embed_tokens`, `model.layers`, `model.norm`, `lm_head`, the embedding's weight where
 tied), so the default `load_weights` is a name lookup; every parameter is required, and an
 error is one ConfigError line naming the weight.
@@ -74,13 +76,16 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor],
         input_embeds: torch.Tensor | None = None,
+        rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [T] int64; kv_caches one per layer, [2, N, ...] in the attention
         backend's layout -> [T, H]. `input_embeds` [T, H]: the first layer's input where the caller
-        made it (images' rows replaced: gpu/step/features/vision.py); None: embed(input_ids)."""
+        made it (images' rows replaced: gpu/step/features/vision.py); None: embed(input_ids).
+        `rope_positions` [3, T] int64: M-RoPE's positions (pass_rotary), where the pass has any."""
         x, residual = (self.embed(input_ids) if input_embeds is None else input_embeds), None
+        positions, ropes = self.pass_rotary(positions, rope_positions)
         kept: dict[int, torch.Tensor] = {}
-        for i, (layer, rope, kv_cache) in enumerate(zip(self.model.layers, self.layer_ropes, kv_caches, strict=True)):
+        for i, (layer, rope, kv_cache) in enumerate(zip(self.model.layers, ropes, kv_caches, strict=True)):
             if i in self.aux_layers:
                 kept[i] = x.clone() if residual is None else x + residual  # the ops may add into residual in place
             x, residual = layer(x, residual, positions, rope, meta, kv_cache)
@@ -91,6 +96,14 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> the first layer's input [T, H]."""
         return self.model.embed_tokens(input_ids)
+
+    def pass_rotary(self, positions: torch.Tensor, rope_positions: torch.Tensor | None) -> tuple[torch.Tensor, list[RotaryEmbedding]]:
+        """The positions the layers rotate by and each layer's table: `positions` through the
+        model's tables. A family with multi-dimensional positions (gpu/models/qwen2_vl.py) builds
+        a table for the pass from `rope_positions`; the others have none."""
+        if rope_positions is not None:
+            raise ValueError(f"{type(self).__name__} has no multi-dimensional rotary positions")
+        return positions, self.layer_ropes
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] float32 (the matmul runs in the model dtype, as HF; upcast

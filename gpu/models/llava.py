@@ -56,6 +56,8 @@ class LlavaProjector(nn.Module):
 
 
 class LlavaForConditionalGeneration(LlamaForCausalLM):
+    mrope = None  # one rotary position per token (gpu/models/multimodal.py)
+
     def __init__(self, config: ModelConfig, rope_device: torch.device | str = "cpu", backend: Backend | None = None) -> None:
         super().__init__(config, rope_device, backend)
         assert config.vision is not None  # llava_config sets it

@@ -24,6 +24,7 @@ from conveyor.gpu.models.llama import LlamaForCausalLM, llama_config, qwen2_conf
 from conveyor.gpu.models.llava import LlavaForConditionalGeneration, llava_config
 from conveyor.gpu.models.mixtral import MixtralForCausalLM, mixtral_config
 from conveyor.gpu.models.phi3 import Phi3ForCausalLM, phi3_config
+from conveyor.gpu.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration, qwen2_vl_config
 from conveyor.gpu.models.qwen3_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, qwen2_moe_config, qwen3_moe_config
 
 
@@ -46,6 +47,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen2MoeForCausalLM": Architecture(Qwen2MoeForCausalLM, qwen2_moe_config),
     "Qwen3MoeForCausalLM": Architecture(Qwen3MoeForCausalLM, qwen3_moe_config),
     "LlavaForConditionalGeneration": Architecture(LlavaForConditionalGeneration, llava_config),
+    "Qwen2VLForConditionalGeneration": Architecture(Qwen2VLForConditionalGeneration, qwen2_vl_config),
+    "Qwen2_5_VLForConditionalGeneration": Architecture(Qwen2_5_VLForConditionalGeneration, qwen2_vl_config),
 }
 ADAPTERS: dict[str, ConfigAdapter] = {name: arch.adapter for name, arch in ARCHITECTURES.items()}
 GGUF_ARCHITECTURES: dict[str, str] = {arch.gguf: name for name, arch in ARCHITECTURES.items() if arch.gguf}

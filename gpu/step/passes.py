@@ -20,6 +20,7 @@ from conveyor.wire.step import Fork, StepPlan, StepResult, TopLogprobs
 from conveyor.wire.stop_rules import stops_on
 
 if TYPE_CHECKING:  # xgrammar loads with the first constrained sequence
+    from conveyor.gpu.models.mrope import RopeLayout
     from conveyor.gpu.step.platform import ResultCopy
     from conveyor.gpu.structured import Matcher
 
@@ -41,6 +42,9 @@ class WorkerSeq:
     verifying: bool = False
     acceptance: Acceptance = dataclasses.field(default_factory=Acceptance)  # how its drafts fared: how many to verify
     lora_slot: int = -1  # its adapter's slot on this worker (gpu/lora/slots.py); -1: the base weights
+    # Its images' M-RoPE layout (gpu/models/mrope.py; Qwen2-VL), set by the vision feature; a fork
+    # shares its parent's (immutable). None: its tokens rotate by their index.
+    rope_layout: RopeLayout | None = None
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0:

@@ -287,8 +287,9 @@ class ModelRunner:
             assert self.graphs is not None
             seq_lens = (inputs.positions + 1).to(torch.int32)  # [B]: each row's context, its new token included
             return self.graphs.run(inputs.input_ids, inputs.positions, inputs.block_tables, seq_lens)
-        if inputs.input_embeds is not None:  # a pass through images' placeholder tokens
-            return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, input_embeds=inputs.input_embeds)
+        extras = {"input_embeds": inputs.input_embeds, "rope_positions": inputs.rope_positions}
+        if any(v is not None for v in extras.values()):  # a pass through images' rows, or M-RoPE
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches, **extras)
         return self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_caches)
 
     def _graphed(self, num_rows: int, all_decode: bool) -> bool:

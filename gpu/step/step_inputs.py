@@ -39,6 +39,9 @@ class PassInputs:
     # [T, H]: the first layer's input where a feature supplies it (images: gpu/step/features/vision.py);
     # None: the model embeds input_ids.
     input_embeds: torch.Tensor | None = None
+    # [3, T] int64: M-RoPE's positions where a feature supplies them (Qwen2-VL's image sequences:
+    # gpu/models/mrope.py); None: the model rotates by `positions`.
+    rope_positions: torch.Tensor | None = None
 
 
 @dataclasses.dataclass
@@ -143,3 +146,11 @@ def next_pass_inputs(
     meta = attn.build_metadata([1] * num_rows, seq_lens, tables, positions, block_size, sliding_window) if with_metadata else None
     logit_index = torch.arange(num_rows, device=device)
     return PassInputs(ids, positions, meta, logit_index, slots, tables, num_rows, True, seq_lens)
+
+
+def with_metadata(inputs: PassInputs, attn: AttentionBackend, block_size: int, sliding_window: int | None) -> None:
+    """Give a pass left to a decode graph (meta None: every row computes one token) its metadata,
+    so it runs eagerly: for a feature that finds the pass needs what a graph does not take (an
+    image placeholder's embedding in a one-token prompt chunk)."""
+    num_ones = [1] * inputs.num_rows
+    inputs.meta = attn.build_metadata(num_ones, inputs.seq_lens, inputs.block_tables, inputs.positions, block_size, sliding_window)

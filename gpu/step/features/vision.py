@@ -12,18 +12,33 @@ Invariants: a pass's token rows are its rows' new tokens in order, row i's being
 tokens [num_computed, num_computed + num_new[i]) (gpu/step/pass_work.py); the tower is replicated
 on every tensor-parallel rank, so each computes the same embeddings and no collective is added.
 A pass through no image token costs a dict lookup per row; a sequence's pixels are dropped once a
-pass computes past its last image (a preempted one is sent again in full, images included).
+pass computes past its last image (a preempted one is sent again in full, images included). A pass
+left to a decode graph that computes a placeholder (a one-token prompt chunk) runs eagerly.
+
+M-RoPE (Qwen2-VL, the model's `mrope`): a sequence with images keeps its `RopeLayout` on its
+WorkerSeq (gpu/models/mrope.py; a fork shares its parent's). An eager pass with any such row gets
+`rope_positions` [3, T] for all its rows, built on the host from each row's tokens
+[num_computed, num_computed + num_new) and copied once; a graphed pass (no placeholder in it: its
+three positions are equal) moves each row's position by its sequence's shift through a per-row
+buffer that `decode_model`'s wrapper adds inside the graph (padding rows 0). Text-only passes
+change nothing.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
+import numpy as np
 import torch
 
+from conveyor.gpu.backends.base import AttentionMetadata
 from conveyor.gpu.models.multimodal import VisionModel
+from conveyor.gpu.sampling.transfer import to_device
+from conveyor.gpu.step.cuda_graphs import DecodeModel
 from conveyor.gpu.step.features.base import StepFeature
 from conveyor.gpu.step.passes import PassWork, WorkerSeq
+from conveyor.gpu.step.step_inputs import PassInputs
 from conveyor.wire.images import ImageInput
 from conveyor.wire.step import NewSeq
 
@@ -56,19 +71,76 @@ class EncoderCache:
 
 
 class VisionStep(StepFeature):
-    def __init__(self, model: VisionModel, device: torch.device) -> None:
-        self.model, self.device = model, device
+    """`run_eagerly(inputs)` gives a pass left to a decode graph its attention metadata
+    (step_inputs.py `with_metadata`); `max_rows`: the most rows a graphed pass has."""
+
+    def __init__(self, model: VisionModel, device: torch.device, run_eagerly: Callable[[PassInputs], None], max_rows: int) -> None:
+        self.model, self.device, self.run_eagerly = model, device, run_eagerly
         self.images: dict[int, list[ImageInput]] = {}  # seq_id -> its prompt's images
         self.cache = EncoderCache()
+        self.mrope = model.mrope
+        # [max_rows] int64: each graphed row's M-RoPE shift, 0 on padding rows; `_shift_set`: it
+        # holds a nonzero shift, so the next graphed pass writes it even with no image row (to 0s).
+        self.graph_shift = torch.zeros(max_rows, dtype=torch.int64, device=device) if self.mrope is not None else None
+        self._shift_set = False
 
     def register(self, seq: WorkerSeq, new: NewSeq | None) -> None:
         if new is not None and new.images:  # a fork copies a finished prompt: no image left to compute
             self.images[seq.seq_id] = new.images
+            if self.mrope is not None:
+                seq.rope_layout = self.mrope.layout(new.images)
 
     def drop(self, seq_id: int) -> None:
         self.images.pop(seq_id, None)
 
+    def decode_model(self, model: DecodeModel) -> DecodeModel:
+        """With M-RoPE: each row's position moved by its shift inside the graph (positions reach
+        only the rotary: gpu/models/base.py; the slot mapping reads the graph's own buffer)."""
+        shift = self.graph_shift
+        if shift is None:
+            return model
+
+        def shifted(
+            ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[torch.Tensor]
+        ) -> torch.Tensor:
+            return model(ids, positions + shift[: positions.shape[0]], meta, kv_caches)
+
+        return shifted
+
     def begin_pass(self, work: PassWork) -> None:
+        self._embed_images(work)
+        if work.inputs.input_embeds is not None and work.inputs.meta is None:
+            self.run_eagerly(work.inputs)  # a graph reads token ids, not embeddings
+        if self.mrope is not None:
+            self._rope_positions(work)
+
+    def _rope_positions(self, work: PassWork) -> None:
+        """rope_positions for an eager pass with an image sequence's row, or the graph's shifts."""
+        rows = list(zip(work.rows, work.num_new))
+        if work.inputs.meta is None:  # graphed: one token a row, none a placeholder
+            shifts = np.zeros(len(rows), dtype=np.int64)
+            for i, (seq, _) in enumerate(rows):
+                if seq.rope_layout is not None:
+                    shifts[i] = seq.rope_layout.positions(seq.num_computed, 1)[0, 0] - seq.num_computed
+            if shifts.any() or self._shift_set:
+                assert self.graph_shift is not None
+                padded = np.zeros(self.graph_shift.shape[0], dtype=np.int64)
+                padded[: len(rows)] = shifts
+                self.graph_shift.copy_(to_device(padded, torch.int64, self.device), non_blocking=True)
+                self._shift_set = bool(shifts.any())
+            return
+        if all(seq.rope_layout is None for seq, _ in rows):
+            return
+        positions = np.empty((3, sum(work.num_new)), dtype=np.int64)
+        at = 0
+        for seq, n in rows:
+            start = seq.num_computed
+            layout = seq.rope_layout
+            positions[:, at : at + n] = np.arange(start, start + n) if layout is None else layout.positions(start, n)
+            at += n
+        work.inputs.rope_positions = to_device(positions, torch.int64, self.device)
+
+    def _embed_images(self, work: PassWork) -> None:
         # (row in the pass, image, its first and last + 1 placeholder the pass computes)
         pieces: list[tuple[int, ImageInput, int, int]] = []
         at = 0
