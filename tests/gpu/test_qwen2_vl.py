@@ -204,3 +204,19 @@ def test_two_tensor_parallel_ranks_answer_as_one(tmp_path, path, llm, version):
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     run_forked(_tp_rank, [(r, str(tmp_path / "store"), str(path), str(outs[r])) for r in range(2)], 180)
     assert [json.loads(o.read_text()) for o in outs] == [want, want]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_capture_the_delta_and_answer_as_transformers(path, reference, version):
+    """On a GPU, float32, CUDA graphs captured as the worker captures them: image requests and a
+    text one decode through replays whose rows move by their sequence's M-RoPE delta, and a
+    repeated image hits the encoder cache; the answers are transformers' (its fp32 on the CPU)."""
+    if version != "2":
+        pytest.skip("the language model is the same for both versions")
+    cases = [(picture(56, 84, 21), "what?"), ("just text",), ("and", picture(84, 56, 22)), (picture(56, 84, 21), "again?")]
+    want = [reference(parts, max_tokens=6)[1] for parts in cases]
+    llm = LLM(str(path), **dict(POOL, device="cuda", dtype="float32"))
+    assert llm.runner.graphs is not None  # captured, not eager
+    outs = llm.chat([message(*parts) for parts in cases], SamplingParams(temperature=0.0, max_tokens=6))
+    assert [o.outputs[0].token_ids for o in outs] == want
