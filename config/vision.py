@@ -14,7 +14,7 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class VisionConfig:
-    tower: str  # the tower's family: "clip" (LLaVA-1.5), "qwen2_vl", "qwen2_5_vl"
+    tower: str  # the tower's family: "clip" (LLaVA-1.5), "qwen2_vl", "qwen2_5_vl", "siglip" (Gemma 3)
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -41,6 +41,9 @@ class VisionConfig:
     window_size: int = 0
     full_attention_layers: tuple[int, ...] = ()
     rope_theta: float = 10000.0
+    # Gemma 3 (gpu/models/gemma3_vl.py): the tokens an image's patches are average-pooled to (a
+    # square; mm_tokens_per_image), 0: one per patch.
+    pooled_tokens: int = 0
 
     @property
     def num_patches(self) -> int:
@@ -48,4 +51,6 @@ class VisionConfig:
 
     @property
     def tokens_per_image(self) -> int:
+        if self.pooled_tokens:
+            return self.pooled_tokens
         return self.num_patches + (1 if self.feature_select == "full" else 0)

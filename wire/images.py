@@ -47,6 +47,9 @@ class ImageInput(Struct):
     pixels: bytes  # float32, C order, `shape`
     shape: list[int]  # LLaVA: [3, H, W]; Qwen2-VL: [patches, C * temporal_patch * patch * patch]
     grid: list[int] = []  # Qwen2-VL: (t, h, w) in patches; empty where the family has no grid
+    # Its placeholders attend to each other, not only to earlier ones (Gemma 3): the scheduler never
+    # ends a prompt chunk inside it, and the worker gives a pass through it its rows' extents.
+    bidirectional: bool = False
 
 
 def message_content(parts: list[ContentPart]) -> tuple[str, list[ContentPart] | None]:

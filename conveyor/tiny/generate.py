@@ -11,7 +11,8 @@ tokenizer has no text for, which decode to nothing but count as tokens. Llama-3-
 is 16 GB on disk, twice that in host memory and minutes to write (docs/benchmarks.md).
 
 `--shape llava-tiny` writes a tiny LLaVA-1.5 (conveyor/tiny/vision.py) with its image processor;
-`qwen2-vl-tiny` and `qwen2.5-vl-tiny` a tiny Qwen2-VL / Qwen2.5-VL (conveyor/tiny/qwen2_vl.py).
+`qwen2-vl-tiny` and `qwen2.5-vl-tiny` a tiny Qwen2-VL / Qwen2.5-VL (conveyor/tiny/qwen2_vl.py);
+`gemma3-vl-tiny` a tiny Gemma 3 with images (conveyor/tiny/gemma3_vl.py).
 
 `--no-weights` writes everything but the weights, at once: what `conveyor serve --device
 emulated` reads (it models the device and loads none).
@@ -31,6 +32,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from conveyor.tiny.checkpoint import DEFAULT_SHAPE, make_checkpoint, make_config
+from conveyor.tiny.gemma3_vl import make_gemma3_vl
 from conveyor.tiny.qwen2_vl import make_qwen2_vl
 from conveyor.tiny.vision import make_llava
 
@@ -56,6 +58,7 @@ VISION_SHAPES: dict[str, Callable[..., Path]] = {
     "llava-tiny": make_llava,
     "qwen2-vl-tiny": make_qwen2_vl,
     "qwen2.5-vl-tiny": functools.partial(make_qwen2_vl, version="2.5"),
+    "gemma3-vl-tiny": make_gemma3_vl,
 }
 
 

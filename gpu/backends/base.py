@@ -23,9 +23,10 @@ import dataclasses
 import torch
 
 from conveyor.config.model import ModelConfig
+from conveyor.gpu.backends.extents import attend_extents
 from conveyor.gpu.backends.ops import Ops
 from conveyor.gpu.kv.kv_cache import copy_blocks
-from conveyor.gpu.kv.kv_fp8 import UNIT_SCALES, KVScales, is_fp8
+from conveyor.gpu.kv.kv_fp8 import UNIT_SCALES, KVScales, as_bytes, dequantize_kv, is_fp8
 from conveyor.gpu.parallel.group import SINGLE, TensorParallel
 
 
@@ -52,6 +53,11 @@ class AttentionMetadata:
     # The same step's metadata for the other windows its layers use, filled by
     # AttentionBackend.for_window on first use; a CUDA graph's static metadata keeps its own.
     by_window: dict[int | None, AttentionMetadata] = dataclasses.field(default_factory=dict)
+    # [T] int32: how many of its sequence's tokens each row attends to (keys at positions below
+    # it; a window still bounds them from below), where some row sees past itself: Gemma 3's image
+    # tokens see their whole image (gpu/step/features/vision.py sets it). None: causal, position + 1
+    # (every pass of every other family). A pass with extents runs gpu/backends/extents.py.
+    extents: torch.Tensor | None = None
 
     @classmethod
     def build_common(
@@ -247,9 +253,26 @@ class AttentionBackend(abc.ABC):
         scale: float,
         kv_scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor:
-        """What a layer calls: write this step's k/v, then attend. q [T, Hq, D] -> [T, Hq, D]."""
+        """What a layer calls: write this step's k/v, then attend. q [T, Hq, D] -> [T, Hq, D].
+        A pass with `meta.extents` attends through the generic masked path (no backend's kernel
+        takes extents yet), reading the cache back with `read_kv`."""
         self.write_kv(kv_cache, k, v, meta, kv_scales)
+        if meta.extents is not None:
+            return attend_extents(self, q, kv_cache, meta, scale, kv_scales)
         return self.attend(q, k, v, kv_cache, meta, scale, kv_scales)
+
+    def read_kv(
+        self, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype, kv_scales: KVScales = UNIT_SCALES
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's first `seq_len` keys and values, each [seq_len, Hkv, D] in `dtype`, read
+        through its blocks `block_ids` [>= ceil(seq_len / block_size)] (an fp8 cache as code *
+        scale). Here for gpu/kv/kv_cache.py's layout [2, num_blocks, block_size, Hkv, D] (the
+        torch and triton backends'); a backend with its own layout overrides it."""
+        blocks = as_bytes(kv_cache)[:, block_ids].view(kv_cache.dtype)  # [2, nb, bs, Hkv, D]
+        kv = blocks.flatten(1, 2)[:, :seq_len]
+        if is_fp8(kv.dtype):
+            return dequantize_kv(kv[0], kv_scales.k, dtype), dequantize_kv(kv[1], kv_scales.v, dtype)
+        return kv[0].to(dtype), kv[1].to(dtype)
 
 
 class BackendUnavailable(RuntimeError):

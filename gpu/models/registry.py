@@ -20,6 +20,7 @@ from conveyor.config.model import ConfigAdapter, ModelConfig
 from conveyor.gpu.backends.base import Backend
 from conveyor.gpu.models.base import CausalLM
 from conveyor.gpu.models.gemma import GemmaForCausalLM, gemma2_config, gemma3_config
+from conveyor.gpu.models.gemma3_vl import Gemma3ForConditionalGeneration, gemma3_vl_config
 from conveyor.gpu.models.llama import LlamaForCausalLM, llama_config, qwen2_config, qwen3_config
 from conveyor.gpu.models.llava import LlavaForConditionalGeneration, llava_config
 from conveyor.gpu.models.mixtral import MixtralForCausalLM, mixtral_config
@@ -49,6 +50,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "LlavaForConditionalGeneration": Architecture(LlavaForConditionalGeneration, llava_config),
     "Qwen2VLForConditionalGeneration": Architecture(Qwen2VLForConditionalGeneration, qwen2_vl_config),
     "Qwen2_5_VLForConditionalGeneration": Architecture(Qwen2_5_VLForConditionalGeneration, qwen2_vl_config),
+    "Gemma3ForConditionalGeneration": Architecture(Gemma3ForConditionalGeneration, gemma3_vl_config),
 }
 ADAPTERS: dict[str, ConfigAdapter] = {name: arch.adapter for name, arch in ARCHITECTURES.items()}
 GGUF_ARCHITECTURES: dict[str, str] = {arch.gguf: name for name, arch in ARCHITECTURES.items() if arch.gguf}

@@ -147,6 +147,16 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    def num_chunk_tokens(self, start: int, num: int) -> int:
+        """How many of `num` tokens from `start` a prompt chunk may compute: it never ends inside
+        an image whose placeholders attend to each other (ImageInput.bidirectional, Gemma 3), whose
+        first rows would miss its later ones; 0 when it starts inside one that does not fit."""
+        end = start + num
+        for image in self.images:  # in prompt order, not overlapping: at most one holds `end`
+            if image.bidirectional and image.offset < end < image.offset + image.length:
+                return max(0, image.offset - start)
+        return num
+
     def take_draw(self, token: int, logprob: float, eos_token_ids: frozenset[int], max_model_len: int) -> FinishReason | None:
         """A pending draw's id arrived: it joins the known ids; why the sequence ends on it (the
         shared rule, wire/stop_rules.py, counting the known ids only: later draws are pending)."""

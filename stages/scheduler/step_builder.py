@@ -130,6 +130,8 @@ class StepBuilder:
             if not self._starts(seq, len(hits), chunk=chunk):
                 break
             num = min(num, blocks.num_admittable(hits))
+            if seq.images:
+                num = seq.num_chunk_tokens(seq.num_tokens - num_uncached, num)
             if num < 1:
                 if not sched.running and not self.rows and not (tiers is not None and tiers.held_blocks()):
                     sched.finish(seq, FinishReason.LENGTH)  # the whole pool is free and still too small
@@ -154,6 +156,8 @@ class StepBuilder:
         """Run a swapped-out sequence again from its restored table: its next chunk, as a running
         sequence's (it holds its blocks alone). False: no token fits this step."""
         num = min(seq.num_tokens - seq.num_computed_tokens, self.budget, self.sched.blocks.num_appendable(seq))
+        if seq.images:
+            num = seq.num_chunk_tokens(seq.num_computed_tokens, num)
         if num < 1:
             assert self.sched.tiers is not None
             self.sched.tiers.hold_again(seq)
@@ -198,6 +202,8 @@ class StepBuilder:
                     sched.preempt(seq)
                 return None
             sched.preempt(victim)
+        if seq.images and (fit := seq.num_chunk_tokens(seq.num_computed_tokens, fit)) < 1:
+            return None  # the image it would cut waits for a step with room for all of it
         copy = blocks.append(seq, fit)
         if copy is None:
             return Row(seq, fit, [], [])

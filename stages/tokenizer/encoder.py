@@ -59,6 +59,10 @@ class PromptEncoder:
         texts = sorted(self._special_ids, key=len, reverse=True)
         self._special_text = re.compile("|".join(map(re.escape, texts))) if texts else None
         self._literal: Tokenizer | None = None  # the same tokenizer, special tokens as plain text
+        # (the template's image marker, the text that replaces it) where a family frames its images
+        # in the prompt text (Gemma 3: images/gemma3.py), applied to a prompt with images before encoding.
+        token_texts = {i: t.content for i, t in added.items()}
+        self._image_frame = None if images is None else images.family.frame(token_texts, images.image_token_id)
         config = _read_json(root / "tokenizer_config.json")
         # The strings templates see as bos_token, eos_token, ...
         names = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -90,10 +94,11 @@ class PromptEncoder:
         """Every id the tokenizer can produce, special tokens included."""
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode_prompt(self, text: str, limit: int | None = None) -> list[int]:
+    def encode_prompt(self, text: str, limit: int | None = None, *, frame_images: bool = False) -> list[int]:
         """A plain prompt, with the special tokens the post-processor adds (BOS for Llama 3).
-        PromptTooLong, before all of it is encoded, if it surely has more than `limit` ids."""
-        return encode_within(self.tokenizer, text, add_special_tokens=True, limit=limit)
+        PromptTooLong, before all of it is encoded, if it surely has more than `limit` ids.
+        `frame_images`: the request has images, whose markers the family may frame (`_framed`)."""
+        return encode_within(self.tokenizer, self._framed(text, frame_images), add_special_tokens=True, limit=limit)
 
     def encode_chat(
         self,
@@ -101,14 +106,23 @@ class PromptEncoder:
         add_generation_prompt: bool = True,
         limit: int | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        frame_images: bool = False,
     ) -> list[int]:
         """Render the chat template, then encode without adding special tokens again: the
         template already wrote them (transformers' apply_chat_template(tokenize=True)).
-        PromptTooLong as for encode_prompt."""
+        PromptTooLong and `frame_images` as for encode_prompt."""
         if not self.special_tokens_in_content and self._holds_special_text([messages, tools]):
-            return self._encode_chat_literally(messages, add_generation_prompt, limit, tools)
-        text = self.render_chat(messages, add_generation_prompt, tools)
+            return self._encode_chat_literally(messages, add_generation_prompt, limit, tools, frame_images)
+        text = self._framed(self.render_chat(messages, add_generation_prompt, tools), frame_images)
         return encode_within(self.tokenizer, text, add_special_tokens=False, limit=limit)
+
+    def _framed(self, text: str, frame_images: bool) -> str:
+        """`text` with each image marker replaced by the family's framing, as its processor does
+        to the rendered prompt (Gemma 3's newlines and end token) when the request has images."""
+        if not frame_images or self._image_frame is None:
+            return text
+        return text.replace(*self._image_frame)
 
     def render_chat(
         self,
@@ -150,6 +164,7 @@ class PromptEncoder:
         add_generation_prompt: bool,
         limit: int | None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        frame_images: bool = False,
     ) -> list[int]:
         """encode_chat with the special-token text of messages and tools kept as plain text.
 
@@ -183,6 +198,7 @@ class PromptEncoder:
             return value
 
         text = self.render_chat(hide_in(messages), add_generation_prompt, None if tools is None else hide_in(tools))
+        text = self._framed(text, frame_images)  # the template's markers only: the client's are hidden
         placeholder = re.compile(f"\ue000{nonce}:([0-9]+)\ue001")
         ids: list[int] = []
         start = 0

@@ -40,7 +40,7 @@ def prepare(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest) 
         ) from None
     if not ids:
         raise Rejected("the prompt is empty", param="prompt")
-    ids, images = _with_images(encoder, req, ids)
+    ids, images = _with_images(encoder, config, req, ids)
 
     params = req.params
     _check_drawable(params, config)
@@ -67,17 +67,30 @@ def prepare(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest) 
     return ScheduleRequest(req.request_id, req.ingress, list(ids), params, req.arrival_time, priority=req.priority, images=images)
 
 
-def _with_images(encoder: PromptEncoder, req: TokenizeRequest, ids: list[int]) -> tuple[list[int], list[ImageInput]]:
+def _with_images(
+    encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest, ids: list[int]
+) -> tuple[list[int], list[ImageInput]]:
     """The ids with each image's marker expanded into its placeholder tokens, and the images
     preprocessed. For a vision model's text-only prompt too: an image token with no image (sent
-    as prompt_token_ids) is refused here, not met by the worker."""
+    as prompt_token_ids) is refused here, not met by the worker. An image whose placeholders
+    attend to each other (Gemma 3) is computed in one pass: one longer than the step's token
+    budget is refused."""
     processor = encoder.images
     if processor is None:  # a text model (prepare refused its images)
         return ids, []
     processed = [processor.process(image) for image in req.images]
     param = "messages" if req.messages is not None else "prompt"
+    bidirectional = processor.family.bidirectional
+    budget = config.scheduler.max_num_batched_tokens
+    for image, p in zip(req.images, processed, strict=True):
+        if bidirectional and p.num_tokens > budget:
+            raise Rejected(
+                f"{image.part}: the image takes {p.num_tokens} tokens, which this model computes in one pass; "
+                f"the server's --max-num-batched-tokens is {budget}",
+                param=image.part,
+            )
     ids, offsets = expand_placeholders(ids, processor.image_token_id, [p.num_tokens for p in processed], param=param)
-    return ids, [to_wire(p, offset) for p, offset in zip(processed, offsets, strict=True)]
+    return ids, [to_wire(p, offset, bidirectional=bidirectional) for p, offset in zip(processed, offsets, strict=True)]
 
 
 def _check_drawable(params: SamplingParams, config: EngineConfig) -> None:
@@ -108,7 +121,7 @@ def _encode(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest, 
         try:
             tools = None if req.tools is None else json.loads(req.tools)
             messages = template_messages(req.messages)
-            return encoder.encode_chat(messages, req.add_generation_prompt, limit, tools)
+            return encoder.encode_chat(messages, req.add_generation_prompt, limit, tools, frame_images=bool(req.images))
         except ValueError as e:
             raise Rejected(f"cannot apply the chat template: {e}", param="messages") from None
     if req.prompt_token_ids is not None:
@@ -118,5 +131,5 @@ def _encode(encoder: PromptEncoder, config: EngineConfig, req: TokenizeRequest, 
             raise Rejected(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
         return req.prompt_token_ids
     if req.prompt is not None:
-        return encoder.encode_prompt(req.prompt, limit=limit)
+        return encoder.encode_prompt(req.prompt, limit=limit, frame_images=bool(req.images))
     raise Rejected("the request has no prompt", param="prompt")

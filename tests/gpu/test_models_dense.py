@@ -252,7 +252,7 @@ def test_engine_config_with_new_fields_round_trips_through_json():
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"architectures": ["Gemma3ForConditionalGeneration"]}, "unsupported architecture"),
+        ({"architectures": ["PaliGemmaForConditionalGeneration"]}, "unsupported architecture"),
         ({"hidden_act": "relu"}, "unsupported hidden_act 'relu'"),
         ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.5}, "unsupported partial_rotary_factor 0.5"),
         ({"sliding_window": 8, "layer_types": ["chunked_attention"] * 4}, "unsupported layer_types"),

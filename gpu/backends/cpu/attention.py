@@ -22,7 +22,7 @@ import torch
 
 from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata
 from conveyor.gpu.backends.cpu.kernels.paged_attention import CacheView, PagedAttentionKernel, StepTables
-from conveyor.gpu.kv.kv_fp8 import UNIT_SCALES, KVScales, quantize_kv
+from conveyor.gpu.kv.kv_fp8 import UNIT_SCALES, KVScales, as_bytes, dequantize_kv, quantize_kv
 
 
 class CpuAttention(AttentionBackend):
@@ -56,3 +56,14 @@ class CpuAttention(AttentionBackend):
             tables = self._tables = self.kernel.step_tables(meta.block_tables, meta.query_start_loc, meta.seq_lens)
         scales = (kv_scales.k, kv_scales.v) if self.kv_fp8 else (1.0, 1.0)
         return self.kernel.attend(q, self._view(kv_cache), tables, meta.sliding_window, scale, self.softcap, *scales)
+
+    def read_kv(self, kv_cache, block_ids, seq_len: int, dtype: torch.dtype, kv_scales: KVScales = UNIT_SCALES):
+        """[seq_len, Hkv, D] keys and values from this layout (the base class's generic extents
+        path, gpu/backends/extents.py): keys [D, block_size] and values [block_size, D] per (block, head)."""
+        num_blocks, heads, d = block_ids.shape[0], self.num_kv_heads, self.head_dim
+        blocks = as_bytes(kv_cache)[:, block_ids].view(kv_cache.dtype)  # [2, nb, Hkv, bs * D]
+        keys = blocks[0].view(num_blocks, heads, d, -1).permute(0, 3, 1, 2).reshape(-1, heads, d)[:seq_len]
+        values = blocks[1].view(num_blocks, heads, -1, d).permute(0, 2, 1, 3).reshape(-1, heads, d)[:seq_len]
+        if self.kv_fp8:
+            return dequantize_kv(keys, kv_scales.k, dtype), dequantize_kv(values, kv_scales.v, dtype)
+        return keys.to(dtype), values.to(dtype)

@@ -15,6 +15,11 @@ A pass through no image token costs a dict lookup per row; a sequence's pixels a
 pass computes past its last image (a preempted one is sent again in full, images included). A pass
 left to a decode graph that computes a placeholder (a one-token prompt chunk) runs eagerly.
 
+Bidirectional images (ImageInput.bidirectional, Gemma 3): a pass through one gets its rows'
+extents (AttentionMetadata.extents [T]: position + 1, an image row its image's end), which the
+attention backends honour (gpu/backends/extents.py); the scheduler guarantees the pass holds the
+image's last row (a pass ending inside one is an error here, never a silent causal row).
+
 M-RoPE (Qwen2-VL, the model's `mrope`): a sequence with images keeps its `RopeLayout` on its
 WorkerSeq (gpu/models/mrope.py; a fork shares its parent's). An eager pass with any such row gets
 `rope_positions` [3, T] for all its rows, built on the host from each row's tokens
@@ -108,9 +113,12 @@ class VisionStep(StepFeature):
         return shifted
 
     def begin_pass(self, work: PassWork) -> None:
-        self._embed_images(work)
+        extents = self._embed_images(work)
         if work.inputs.input_embeds is not None and work.inputs.meta is None:
             self.run_eagerly(work.inputs)  # a graph reads token ids, not embeddings
+        if extents is not None:
+            assert work.inputs.meta is not None
+            work.inputs.meta.extents = to_device(extents, torch.int32, self.device)
         if self.mrope is not None:
             self._rope_positions(work)
 
@@ -140,7 +148,9 @@ class VisionStep(StepFeature):
             at += n
         work.inputs.rope_positions = to_device(positions, torch.int64, self.device)
 
-    def _embed_images(self, work: PassWork) -> None:
+    def _embed_images(self, work: PassWork) -> np.ndarray | None:
+        """Sets the pass's input_embeds where it computes a placeholder; returns its rows'
+        extents [T] (AttentionMetadata.extents) where one of those images is bidirectional."""
         # (row in the pass, image, its first and last + 1 placeholder the pass computes)
         pieces: list[tuple[int, ImageInput, int, int]] = []
         at = 0
@@ -155,12 +165,25 @@ class VisionStep(StepFeature):
                     del self.images[seq.seq_id]  # past its last image: its pixels go (a recomputation resends them)
             at += n
         if not pieces:
-            return
+            return None
         embeds = self._embeddings([image for _, image, _, _ in pieces])
         x = self.model.embed(work.inputs.input_ids)  # [T, H]
         for row, image, lo, hi in pieces:
             x[row : row + hi - lo] = embeds[image.hash][lo:hi].to(x.dtype)
         work.inputs.input_embeds = x
+        if not any(image.bidirectional for _, image, _, _ in pieces):
+            return None
+        # Each row sees its sequence's tokens up to itself, an image row up to its image's end
+        # (the scheduler never ends a chunk inside such an image, so those keys are in this pass).
+        extents = np.concatenate(
+            [np.arange(seq.num_computed + 1, seq.num_computed + n + 1) for seq, n in zip(work.rows, work.num_new)]
+        )
+        for row, image, lo, hi in pieces:
+            if image.bidirectional:
+                if hi != image.length:
+                    raise ValueError(f"image {image.hash:#x}: a pass ends inside an image whose placeholders attend to each other")
+                extents[row : row + hi - lo] = image.offset + image.length
+        return extents
 
     def _embeddings(self, images: list[ImageInput]) -> dict[int, torch.Tensor]:
         """Each image's embeddings by hash: from the cache, the missing ones encoded together."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from math import ceil
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from PIL import Image
@@ -36,6 +36,8 @@ class ClipImages:
     scale: PixelScale
     patch_size: int
     extra_tokens: int  # 1 with vision_feature_select_strategy "full" (the CLS token), else 0
+
+    bidirectional: ClassVar[bool] = False  # its placeholders attend causally (wire/images.py)
 
     @classmethod
     def from_configs(cls, pre: Mapping[str, Any], config: Mapping[str, Any]) -> ClipImages:
@@ -79,6 +81,10 @@ class ClipImages:
         pixels = self.scale(array)
         num_tokens = (pixels.shape[1] // self.patch_size) * (pixels.shape[2] // self.patch_size) + self.extra_tokens
         return Prepared(pixels, (), num_tokens, array)
+
+    def frame(self, token_text: Mapping[int, str], image_token_id: int) -> tuple[str, str] | None:
+        """None: the template's image marker is the placeholder token itself (processor.py Family)."""
+        return None
 
     def resized_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) after the resize: transformers' get_resize_output_image_size."""

@@ -22,15 +22,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 from PIL import Image
 
 from conveyor.stages.tokenizer.images.clip import ClipImages
 from conveyor.stages.tokenizer.images.decode import decode_image
+from conveyor.stages.tokenizer.images.gemma3 import Gemma3Images
 from conveyor.stages.tokenizer.images.qwen2_vl import Qwen2VLImages
 from conveyor.stages.tokenizer.images.scaling import Prepared
 from conveyor.stages.tokenizer.rejected import Rejected
@@ -43,17 +45,27 @@ MAX_ASPECT_RATIO = 200
 
 
 class Family(Protocol):
+    bidirectional: ClassVar[bool]  # its images' placeholders attend to each other (wire/images.py)
+
     def preprocess(self, rgb: Image.Image) -> Prepared: ...
+
+    def frame(self, token_text: Mapping[int, str], image_token_id: int) -> tuple[str, str] | None:
+        """(the chat template's image marker text, the text that replaces it before the prompt is
+        tokenized, holding one image token), given the special tokens' texts by id; None where
+        the marker is the image token itself (encoder.py)."""
+        ...
 
 
 # architectures[0] or model_type -> the family's preprocessing
-FAMILIES: dict[str, type[ClipImages] | type[Qwen2VLImages]] = {
+FAMILIES: dict[str, type[ClipImages] | type[Qwen2VLImages] | type[Gemma3Images]] = {
     "LlavaForConditionalGeneration": ClipImages,
     "llava": ClipImages,
     "Qwen2VLForConditionalGeneration": Qwen2VLImages,
     "qwen2_vl": Qwen2VLImages,
     "Qwen2_5_VLForConditionalGeneration": Qwen2VLImages,
     "qwen2_5_vl": Qwen2VLImages,
+    "Gemma3ForConditionalGeneration": Gemma3Images,
+    "gemma3": Gemma3Images,
 }
 
 
@@ -119,8 +131,9 @@ def image_hash(settings: bytes, shape: tuple[int, ...], grid: tuple[int, ...], s
     return int.from_bytes(digest.digest(), "little", signed=True)
 
 
-def to_wire(processed: ProcessedImage, offset: int) -> ImageInput:
-    """The ImageInput for an image whose placeholder tokens start at `offset` in the prompt."""
+def to_wire(processed: ProcessedImage, offset: int, *, bidirectional: bool = False) -> ImageInput:
+    """The ImageInput for an image whose placeholder tokens start at `offset` in the prompt
+    (`bidirectional`: its family's, ImageProcessor.family.bidirectional)."""
     return ImageInput(
         hash=processed.hash,
         offset=offset,
@@ -128,6 +141,7 @@ def to_wire(processed: ProcessedImage, offset: int) -> ImageInput:
         pixels=np.ascontiguousarray(processed.pixels, dtype="<f4").tobytes(),
         shape=list(processed.shape),
         grid=list(processed.grid),
+        bidirectional=bidirectional,
     )
 
 

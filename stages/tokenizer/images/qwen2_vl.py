@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from PIL import Image
@@ -35,6 +35,8 @@ class Qwen2VLImages:
     temporal_patch_size: int
     resample: int  # a PIL.Image.Resampling value
     scale: PixelScale
+
+    bidirectional: ClassVar[bool] = False  # its placeholders attend causally (wire/images.py)
 
     @classmethod
     def from_configs(cls, pre: Mapping[str, Any], config: Mapping[str, Any]) -> Qwen2VLImages:
@@ -81,6 +83,10 @@ class Qwen2VLImages:
         pixels[:, :, 1:] = pixels[:, :, :1]  # one image is T equal frames
         num_tokens = grid_h * grid_w // (m * m)
         return Prepared(pixels.reshape(grid_h * grid_w, 3 * t * p * p), (1, grid_h, grid_w), num_tokens, array)
+
+    def frame(self, token_text: Mapping[int, str], image_token_id: int) -> tuple[str, str] | None:
+        """None: the template's image marker is the placeholder token itself (processor.py Family)."""
+        return None
 
     def resized_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) after smart_resize: multiples of patch * merge, area in [min, max] pixels."""
