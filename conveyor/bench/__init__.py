@@ -4,6 +4,7 @@ args.py               the flags of the three commands (no heavy imports)
 serve.py              `bench serve`: an HTTP load generator for any OpenAI-compatible server
   prompts.py          prompt text of a wanted token length (server /tokenize, tokenizer.json, or words)
   dataset.py          ShareGPT and synthetic workloads as text (lengths from conveyor.sim.workloads)
+  images.py           generated pictures as data: URLs for a share of the requests (--image-fraction)
   client.py           one streamed request, timed chunk by chunk
   load.py             open loop (Poisson, max concurrency) and closed loop (N clients)
   results.py          throughput, TTFT, TPOT, ITL, E2E, effective throughput (conveyor.sim.run_metrics)

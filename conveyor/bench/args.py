@@ -1,4 +1,4 @@
-"""The flags of `conveyor bench serve | offline | step | forward | sampling | cpu`, kept apart from the benchmarks so that
+"""The flags of `conveyor bench serve | offline | step | forward | sampling | cpu | roofline`, kept apart from the benchmarks so that
 building the parser imports neither aiohttp nor torch."""
 
 from __future__ import annotations
@@ -83,6 +83,23 @@ def add_serve(p: argparse.ArgumentParser) -> None:
         type=_count(1),
         default=256,
         help="tokens of each system prompt (random words; the prompt length counts them too)",
+    )
+    pictures = p.add_argument_group("images (any dataset but multi-turn; the chat endpoint)")
+    pictures.add_argument(
+        "--image-fraction",
+        type=_fraction,
+        default=0.0,
+        help="share of the requests that carry generated JPEGs as data: URLs, picked by --seed (0: none)",
+    )
+    pictures.add_argument("--images-per-request", type=_count(1), default=1, help="pictures in each request that has any")
+    pictures.add_argument(
+        "--image-size", type=_size, default=(640, 480), metavar="WxH", help="each picture's pixels (default 640x480)"
+    )
+    pictures.add_argument(
+        "--image-repeat-fraction",
+        type=_fraction,
+        default=0.0,
+        help="share of the image requests that resend an earlier one's pictures, to hit an encoder or prefix cache (default 0)",
     )
     turns = p.add_argument_group("multi-turn (--dataset multi-turn)")
     turns.add_argument(
@@ -179,6 +196,35 @@ def add_forward(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="steps per variant and shape in a round")
 
 
+def add_roofline(p: argparse.ArgumentParser) -> None:
+    add_arguments(p, option_settings("model", "quantization"))
+    p.add_argument(
+        "--isa",
+        type=_isa_variants,
+        metavar="VARIANT[,VARIANT...]",
+        help="the C++ kernels' ISA variants, each in its own process, or all this CPU runs (default: CONVEYOR_CPU_ISA's)",
+    )
+    p.add_argument("--rows", type=_count(1), default=1, help="sequences decoding together (1: one stream)")
+    p.add_argument(
+        "--threads",
+        type=_count(1),
+        help="torch's (and the C++ kernels') threads for the steps (default: as the cpu backend finds them)",
+    )
+    p.add_argument("--context", type=_count(1), default=128, help="prompt tokens of each row before the timed steps")
+    p.add_argument("--steps", type=_count(1), default=30, help="decode steps per round, timed with and again without the op timers")
+    p.add_argument("--warmup", type=_count(0), default=5, help="untimed decode steps per round")
+    p.add_argument("--rounds", type=_count(1), default=5, help="interleaved rounds over the variants")
+    p.add_argument("--repeats", type=_count(1), default=10, help="timed passes of each bandwidth kernel per round")
+    p.add_argument("--array-mib", type=_count(1), help="MiB of each bandwidth array (default: 4x the L3, else 256)")
+    p.add_argument(
+        "--temperature",
+        type=_non_negative,
+        default=0.0,
+        help="0: greedy draws (the argmax head); above: logits and the sampler's draw",
+    )
+    p.add_argument("--json", help="also write the figures here")
+
+
 def add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 256], help="logits rows S (one draw each)")
     p.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256], help="vocabulary sizes V")
@@ -191,6 +237,12 @@ def add_cpu(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the daemon whose /metrics count the tokens")
     p.add_argument("--json", help="also write the figures here")
     p.add_argument("client", nargs=argparse.REMAINDER, help="-- then the client command line")
+
+
+def _isa_variants(text: str) -> tuple[str, ...]:
+    from conveyor.bench.roofline import parse_isa  # reads the CPU's features: only when --isa is given
+
+    return parse_isa(text)
 
 
 def _int_list(text: str) -> list[int]:
@@ -230,6 +282,35 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
     if not value >= 0 or math.isinf(value):
         raise argparse.ArgumentTypeError("must be a finite number of seconds, at least 0")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction, got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError("must be a fraction in [0, 1]")
+    return value
+
+
+def _size(text: str) -> tuple[int, int]:
+    from conveyor.bench.images import parse_size  # numpy only: the parser still imports no aiohttp or torch
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError("must be finite and at least 0")
     return value
 
 

@@ -35,6 +35,7 @@ class RequestResult:
     chunk_tokens: list[int] = dataclasses.field(default_factory=list)  # tokens in each (>= 1)
     error: str | None = None
     text: str = ""  # the output text, as streamed (a multi-turn conversation sends it back)
+    num_images: int = 0  # pictures the request carried: results split text from image requests by it
 
     @property
     def success(self) -> bool:
@@ -71,7 +72,8 @@ class RequestResult:
 
 def payload(request: BenchRequest, model: str, *, chat: bool, ignore_eos: bool, return_token_ids: bool) -> dict:
     """The JSON body: greedy, max_tokens = the wanted output length, streamed with usage. A shared
-    system prompt is a system message in a chat, and opens the prompt of a completion."""
+    system prompt is a system message in a chat, and opens the prompt of a completion. A request's
+    images go first in its user message, as image_url parts, then its prompt as a text part."""
     body: dict = {
         "model": model,
         "max_tokens": request.output_len,
@@ -81,7 +83,9 @@ def payload(request: BenchRequest, model: str, *, chat: bool, ignore_eos: bool, 
     }
     if chat:
         system = [{"role": "system", "content": request.system_prompt}] if request.system_prompt else []
-        body["messages"] = [*system, {"role": "user", "content": request.prompt}]
+        body["messages"] = [*system, {"role": "user", "content": _content(request)}]
+    elif request.images:
+        raise ValueError("a request with images needs the chat endpoint (--endpoint /v1/chat/completions)")
     else:
         body["prompt"] = request.text  # the system prompt, if any, then the prompt
     if ignore_eos:
@@ -91,9 +95,17 @@ def payload(request: BenchRequest, model: str, *, chat: bool, ignore_eos: bool, 
     return body
 
 
+def _content(request: BenchRequest) -> str | list[dict]:
+    """The user message's content: the prompt, or the images and then the prompt as parts."""
+    if not request.images:
+        return request.prompt
+    images = [{"type": "image_url", "image_url": {"url": url}} for url in request.images]
+    return [*images, {"type": "text", "text": request.prompt}]
+
+
 async def send(session: aiohttp.ClientSession, url: str, request: BenchRequest, body: dict) -> RequestResult:
     """POST `body` to `url` and time its stream; never raises for a failed request."""
-    result = RequestResult(prompt_len=request.prompt_len, output_len=0, start=time.perf_counter())
+    result = RequestResult(prompt_len=request.prompt_len, output_len=0, start=time.perf_counter(), num_images=len(request.images))
     usage: dict | None = None
     try:
         async with session.post(url, json=body) as resp:

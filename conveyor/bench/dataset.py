@@ -12,7 +12,9 @@ Datasets (`DatasetConfig.name`):
 Lengths are drawn exactly as the simulator draws them for the same seed; synthetic prompts are
 written to those lengths by a PromptMaker. With `num_system_prompts` K > 0, every request of any
 dataset also opens with one of K shared system prompts (system_prompts.py), which its prompt
-length then counts. Asynchronous because counting may ask the server.
+length then counts. With `image_fraction` F > 0, that share of the requests also carries generated
+pictures as data: URLs (images.py), which only the chat endpoint takes. Asynchronous because
+counting may ask the server.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import dataclasses
 
 import numpy as np
 
+from conveyor.bench.images import add_images
 from conveyor.bench.prompts import PromptMaker, TokenCounter
 from conveyor.bench.system_prompts import add_system_prompts
 from conveyor.sim.sharegpt import Picker, sharegpt_pairs
@@ -36,6 +39,7 @@ class BenchRequest:
     prompt_len: int  # tokens, as the counter counted the prompt (special tokens included)
     output_len: int  # max_tokens asked for
     system_prompt: str = ""  # shared by other requests (system_prompts.py); "" for none
+    images: tuple[str, ...] = ()  # data: URLs sent before the prompt in the user message (images.py)
 
     @property
     def text(self) -> str:
@@ -55,6 +59,10 @@ class DatasetConfig:
     seed: int = 0
     num_system_prompts: int = 0  # K shared system prompts, one opening each request (0: none)
     system_prompt_len: int = 256  # tokens of each
+    image_fraction: float = 0.0  # share of the requests that carry images (images.py)
+    images_per_request: int = 1
+    image_size: tuple[int, int] = (640, 480)  # width, height in pixels
+    image_repeat_fraction: float = 0.0  # share of the image requests that resend an earlier one's pictures
 
     @property
     def synthetic(self) -> bool:
@@ -79,6 +87,8 @@ async def make_dataset(config: DatasetConfig, counter: TokenCounter) -> list[Ben
     requests = await _requests(config, counter, np.random.default_rng(config.seed))
     if config.num_system_prompts:
         requests = await add_system_prompts(requests, config, counter)
+    if config.image_fraction:
+        requests = add_images(requests, config)
     return requests
 
 

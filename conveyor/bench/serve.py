@@ -6,6 +6,7 @@ HTTP and measure what its clients see.
     conveyor bench serve --dataset fastgen-2600-60 --sweep-clients 1,2,4,8,16,32 \\
         --result-json out.json --plot-dir plots/
     conveyor bench serve --dataset multi-turn --dataset-path sharegpt.json --multi-turn-active 60 --multi-turn-concurrency 8
+    conveyor bench serve --dataset random --input-len 64 --output-len 16 --image-fraction 0.5 --image-size 640x480
 
 `run` is one run: one load point (open loop, load.py) or one per client count (closed loop), every
 request streamed on one event loop and measured by results.py; the table goes to stdout, the
@@ -15,6 +16,9 @@ its own shared system prompts: system_prompts.py), so no point finds another's i
 a point's prefix cache hit rate comes from the servers' /metrics around it (server_metrics.py).
 The multi-turn dataset is one point of its own: conversations replayed turn by turn, many
 interleaved by a few clients (multi_turn.py), on the chat endpoint unless --endpoint says otherwise.
+With --image-fraction, that share of the requests carries generated pictures (images.py), on the
+chat endpoint; each point is then followed by its text and its image requests apart (labels
+"...: text", "...: images"), over the same duration, so their req/s add up to the point's.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import sys
 import aiohttp
 from tqdm import tqdm
 
-from conveyor.bench import client, load, multi_turn, server_metrics
+from conveyor.bench import client, images, load, multi_turn, server_metrics
 from conveyor.bench.dataset import MULTI_TURN, BenchRequest, DatasetConfig, make_dataset
 from conveyor.bench.multi_turn import MultiTurnConfig
 from conveyor.bench.prompts import TokenCounter, choose_counter
@@ -72,7 +76,7 @@ class ServeBenchConfig:
         num = args.num_prompts or (DEFAULT_PROMPTS_PER_POINT if sweep else DEFAULT_PROMPTS)
         return cls(
             base_url=args.base_url.rstrip("/"),
-            endpoint=args.endpoint or (CHAT if args.dataset == MULTI_TURN else COMPLETIONS),
+            endpoint=args.endpoint or (CHAT if args.dataset == MULTI_TURN or args.image_fraction else COMPLETIONS),
             model=args.model,
             api_key=args.api_key,
             tokenizer=args.tokenizer,
@@ -116,6 +120,8 @@ class BenchError(Exception):
 
 
 async def run(config: ServeBenchConfig) -> ServeReport:
+    if config.dataset.image_fraction and not config.chat:
+        raise BenchError("requests with images need the chat endpoint: --endpoint /v1/chat/completions")
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     timeout = aiohttp.ClientTimeout(total=config.request_timeout)
     connector = aiohttp.TCPConnector(limit=0)  # as many connections as requests in flight
@@ -168,18 +174,31 @@ async def run(config: ServeBenchConfig) -> ServeReport:
                     kv_host_hit_rate=server_metrics.host_hit_rate(before, after),
                 )
             )
+            if config.dataset.image_fraction:
+                points += _by_images(results, duration, label=label, num_clients=clients, request_rate=rate)
         return ServeReport(model, counter.name, points)
+
+
+def _by_images(results: list[client.RequestResult], duration: float, **point) -> list[ServeMetrics]:
+    """The point's text requests and its image requests apart, each over the whole run's duration
+    (so the two req/s add up to the point's); a kind the point did not send has no column."""
+    label = point.pop("label")
+    kinds = (("text", [r for r in results if not r.num_images]), ("images", [r for r in results if r.num_images]))
+    return [compute(part, duration, label=f"{label}: {kind}", **point) for kind, part in kinds if part]
 
 
 async def _multi_turn_point(
     config: ServeBenchConfig, session: aiohttp.ClientSession, model: str, counter: TokenCounter, ignore_eos: bool, send: load.Send
 ) -> ServeMetrics:
     """The multi-turn dataset's one point (multi_turn.py): its header, the test request, its turns."""
-    if config.sweep_clients or config.max_concurrency or not math.isinf(config.request_rate) or config.dataset.num_system_prompts:
+    dataset = config.dataset
+    if config.sweep_clients or config.max_concurrency or not math.isinf(config.request_rate) or dataset.num_system_prompts:
         raise BenchError(
             "multi-turn sets its load with --multi-turn-active and --multi-turn-concurrency: "
             "it takes no --sweep-clients, --request-rate, --max-concurrency or --num-system-prompts"
         )
+    if dataset.image_fraction:
+        raise BenchError("multi-turn replays ShareGPT's text: it takes no --image-fraction")
     turns = config.multi_turn
     conversations = await multi_turn.make_conversations(config.dataset, turns, counter)
     if not conversations:
@@ -248,10 +267,13 @@ def _points(config: ServeBenchConfig) -> list[tuple[str, int | None]]:
 def _header(config: ServeBenchConfig, model: str, counter: TokenCounter, requests: list[BenchRequest]) -> str:
     prompt = sum(r.prompt_len for r in requests) / len(requests)
     output = sum(r.output_len for r in requests) / len(requests)
+    any_images = any(r.images for r in requests)
     return (
         f"{config.base_url}{config.endpoint}, model {model}\n"
         f"dataset {config.dataset.name}: {len(requests)} requests per point, mean prompt {prompt:.0f} / "
-        f"max output {output:.0f} tokens (prompt tokens counted by {counter.name})" + _shared_line(config.dataset)
+        f"max output {output:.0f} tokens (prompt tokens counted by {counter.name}{', text only' if any_images else ''})"
+        + _shared_line(config.dataset)
+        + (images.describe(requests, config.dataset) if any_images else "")
     )
 
 
@@ -272,6 +294,10 @@ def _dataset(args: argparse.Namespace, num_prompts: int) -> DatasetConfig:
         seed=args.seed,
         num_system_prompts=args.num_system_prompts,
         system_prompt_len=args.system_prompt_len,
+        image_fraction=args.image_fraction,
+        images_per_request=args.images_per_request,
+        image_size=args.image_size,
+        image_repeat_fraction=args.image_repeat_fraction,
     )
 
 

@@ -93,8 +93,8 @@ class FakeServer:
         body = await request.json()
         self.bodies.append(body)
         chat = "messages" in body
-        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
-        self.look_up(" ".join(m["content"] for m in body["messages"]) if chat else prompt, len(self.bodies) % 2)
+        prompt = _text(body["messages"][-1]["content"]) if chat else body["prompt"]
+        self.look_up(" ".join(_text(m["content"]) for m in body["messages"]) if chat else prompt, len(self.bodies) % 2)
         if "FAIL" in prompt:
             return web.json_response({"error": {"message": "boom"}}, status=500)
         self.in_flight += 1
@@ -113,6 +113,11 @@ class FakeServer:
             return resp
         finally:
             self.in_flight -= 1
+
+
+def _text(content: str | list[dict]) -> str:
+    """A chat message's text: the string, or its text parts (image parts count no words)."""
+    return content if isinstance(content, str) else " ".join(part["text"] for part in content if part["type"] == "text")
 
 
 def _sse(event: dict) -> bytes:
