@@ -1,6 +1,6 @@
 """The `conveyor` command: `conveyor serve` starts the daemon (every stage, supervised);
 `conveyor router --backends URL,...` routes one endpoint's requests to several daemons
-(stages/replica_router); `conveyor bench serve | offline | step | forward | sampling | cpu` runs the
+(stages/replica_router); `conveyor bench serve | offline | step | forward | sampling | cpu | roofline` runs the
 benchmarks (conveyor/bench).
 
 Bad options and bad checkpoints get one line on stderr and a non-zero exit, never a traceback.
@@ -48,6 +48,9 @@ def bench_parser(sub: argparse._SubParsersAction) -> None:
     bench_args.add_step(which.add_parser("step", help="CPU cost of one scheduler (or, --worker, worker) step over N running decodes"))
     bench_args.add_forward(
         which.add_parser("forward", help="one worker step on the CPU, with and without the C++ kernels, interleaved")
+    )
+    bench_args.add_roofline(
+        which.add_parser("roofline", help="a decode step's ops on the cpu backend beside their memory-bandwidth roofline, per ISA")
     )
     bench_args.add_sampling(which.add_parser("sampling", help="the sampler's draw against noise-tensor draws, interleaved"))
     bench_args.add_cpu(
@@ -109,6 +112,10 @@ def bench(args: argparse.Namespace) -> int:
         from conveyor.bench import sampling
 
         return sampling.main(args)
+    if args.bench == "roofline":
+        from conveyor.bench import roofline
+
+        return roofline.main(args)
     if args.bench == "cpu":
         from conveyor.bench import stage_cpu
 
