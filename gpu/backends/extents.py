@@ -18,22 +18,59 @@ extent per row later.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from conveyor.gpu.kv.kv_fp8 import UNIT_SCALES, KVScales
 
-if TYPE_CHECKING:
-    from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata
+
+class KvReader(Protocol):
+    """What this path needs of an AttentionBackend (gpu/backends/base.py, which calls it: a
+    protocol, so that the two modules do not import each other)."""
+
+    @property
+    def num_kv_heads(self) -> int: ...
+
+    @property
+    def softcap(self) -> float | None: ...
+
+    def read_kv(
+        self, kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int, dtype: torch.dtype, kv_scales: KVScales
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class ExtentsMeta(Protocol):
+    """What this path reads of an AttentionMetadata."""
+
+    @property
+    def extents(self) -> torch.Tensor | None: ...
+
+    @property
+    def sliding_window(self) -> int | None: ...
+
+    @property
+    def host_query_lens(self) -> list[int]: ...
+
+    @property
+    def host_seq_lens(self) -> list[int]: ...
+
+    @property
+    def block_tables(self) -> torch.Tensor: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def positions(self) -> torch.Tensor: ...
 
 
 def attend_extents(
-    backend: AttentionBackend,
+    backend: KvReader,
     q: torch.Tensor,
     kv_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: ExtentsMeta,
     scale: float,
     kv_scales: KVScales = UNIT_SCALES,
 ) -> torch.Tensor:
