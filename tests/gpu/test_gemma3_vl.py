@@ -11,6 +11,7 @@ tests/gpu/test_gemma3_vl_model.py holds the model-level checks (every position's
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ from conveyor.stages.tokenizer.images import for_checkpoint
 from conveyor.tiny.gemma3_vl import IMAGE_TOKENS, make_gemma3_vl
 from conveyor.wire.images import ImageData
 from conveyor.wire.messages import SamplingParams
+from tests.gpu.test_tensor_parallel import gloo_rank, rank_runners, run_forked
 
 transformers = pytest.importorskip("transformers")
 
@@ -212,3 +214,23 @@ def test_a_raw_prompt_frames_its_marker(path, processor, hf):
     got = llm.generate({"prompt": text, "multi_modal_data": {"image": image}}, SamplingParams(temperature=0.0, max_tokens=6))[0]
     assert got.prompt_token_ids == inputs["input_ids"][0].tolist()
     assert got.outputs[0].token_ids == out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def _tp_rank(rank: int, store: str, path: str, out: str) -> None:
+    with gloo_rank(rank, 2, store) as tp, rank_runners(tp):
+        llm = LLM(path, tensor_parallel_size=2, max_num_batched_tokens=20, **POOL)
+        outs = llm.chat([message(*parts) for parts in TP_CASES], GREEDY)
+    Path(out).write_text(json.dumps([o.outputs[0].token_ids for o in outs]))
+
+
+TP_CASES = [(picture(44, 70, 30), "what is it?"), ("two:", picture(60, 30, 31), picture(30, 60, 32))]
+
+
+def test_two_tensor_parallel_ranks_answer_as_one(tmp_path, path, llm):
+    """Each rank runs the replicated tower and its heads of the language model; the generic
+    extents path attends over each rank's shard of the cache, and chunks of 20 stop before the
+    images they would cut."""
+    want = [o.outputs[0].token_ids for o in llm.chat([message(*parts) for parts in TP_CASES], GREEDY)]
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    run_forked(_tp_rank, [(r, str(tmp_path / "store"), str(path), str(outs[r])) for r in range(2)], 180)
+    assert [json.loads(o.read_text()) for o in outs] == [want, want]
