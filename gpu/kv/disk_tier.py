@@ -11,7 +11,7 @@ bytes (a host-tier slot's, host_tier.py) and reads them back into a slot.
 - `get` / `read_into` read synchronously and check the header, length and CRC: a bad file is a
   miss, deleted, and logged once per run. A file another daemon evicted meanwhile is a miss too.
 - The size cap evicts least recently used files (mtime, touched on each hit) over the whole
-  directory, other keys' and other daemons' files included. A failed write (a full disk, a quota,
+  directory, other keys' and other daemons' files included (disk_files.py keeps that ledger). A failed write (a full disk, a quota,
   the directory gone read-only) stops writes for `retry_after_s`, logged once; reads go on.
 - `hashes` lists what is on disk, oldest first, for the scheduler's index after a restart.
 - Every `discover_s` (0: never) the writer thread looks for the blocks other daemons sharing the
@@ -22,9 +22,7 @@ bytes (a host-tier slot's, host_tier.py) and reads them back into a slot.
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
 import errno
 import json
 import logging
@@ -36,36 +34,14 @@ import zlib
 from pathlib import Path
 
 from conveyor.config.errors import ConfigError
-from conveyor.gpu.kv.disk_dir import open_kv_dir, scan_blocks, write_atomically
-from conveyor.gpu.kv.disk_format import HEADER, BadFile, KVValidity, check_header, encode_header, file_name
+from conveyor.gpu.kv.disk_dir import open_kv_dir, write_atomically
+from conveyor.gpu.kv.disk_files import DiskFiles, DiskTierStats, Item
+from conveyor.gpu.kv.disk_format import HEADER, BadFile, KVValidity, check_header, encode_header
 from conveyor.gpu.kv.disk_news import DiskNews
 
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
-Item = tuple[str, int]  # (validity key, block hash)
-
-
-@dataclasses.dataclass
-class DiskTierStats:
-    """Counters since start-up (for /metrics); used_bytes is what the directory holds now."""
-
-    hits: int = 0
-    misses: int = 0
-    bad_files: int = 0
-    writes: int = 0
-    dropped_writes: int = 0  # queue full, or writes stopped after a failure
-    failed_writes: int = 0
-    evictions: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    used_bytes: int = 0
-
-
-@dataclasses.dataclass
-class _File:
-    size: int
-    used_at: float  # mtime: the last write or hit, by any daemon
 
 
 class DiskTier:
@@ -101,7 +77,8 @@ class DiskTier:
         self._made: set[str] = set()  # keys whose directory exists
         self._closed = False
         self._logged: set[str] = set()
-        self._lock = threading.Lock()  # guards _files, _pending and stats.used_bytes
+        self._files = DiskFiles(self.root, capacity_bytes, self.stats)
+        self._lock = self._files.lock  # guards the ledger and _pending
         self._pending: dict[Item, bytes] = {}  # queued, not yet on disk: readable from here
         self._queue: queue.Queue[Item | None] = queue.Queue(maxsize=max_pending)
         self._writes_stopped_until = 0.0  # time.monotonic()
@@ -112,10 +89,9 @@ class DiskTier:
         # The base model's blocks, those the scheduler's index names. Its first look comes before
         # the scan: a file written between the two is news as well (the index adds it twice).
         self._news = DiskNews(self.root / self._key(None), capacity_bytes // self.file_bytes)
-        self._files = self._scan()
+        self._files.rescan()
         self._scanned_at = self._looked_at = self._listed_at = time.monotonic()
-        self.stats.used_bytes = sum(f.size for f in self._files.values())
-        self._evict()
+        self._files.evict()
         self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
         self._writer.start()
 
@@ -129,9 +105,7 @@ class DiskTier:
 
     def hashes(self, adapter: str | None = None) -> list[int]:
         """The blocks on disk under this validity key, least recently used first."""
-        key = self._key(adapter)
-        with self._lock:
-            return [h for k, h in self._files if k == key]
+        return self._files.hashes(self._key(adapter))
 
     @property
     def writing(self) -> bool:
@@ -180,7 +154,7 @@ class DiskTier:
             view[:] = pending
             self.stats.hits += 1
             return True
-        path = self._path(item)
+        path = self._files.path(item)
         try:
             with open(path, "rb", buffering=0) as f:
                 crc = check_header(f.read(HEADER.size), block_hash, item[0], self.payload_bytes)
@@ -204,7 +178,7 @@ class DiskTier:
         with contextlib.suppress(OSError):
             os.utime(path)  # the LRU clock, seen by every daemon sharing the directory
         with self._lock:
-            self._remember(item, self.file_bytes, time.time())
+            self._files.remember(item, self.file_bytes, time.time())
         self.stats.hits += 1
         self.stats.bytes_read += self.payload_bytes
         return True
@@ -224,13 +198,12 @@ class DiskTier:
         found, went = self._news.look(full)
         with self._lock:
             for name in went:
-                if (old := self._files.pop((key, name), None)) is not None:
-                    self.stats.used_bytes -= old.size
+                self._files.forget((key, name))
             for used_at, name, size in found:
                 if (key, name) not in self._files:
-                    self._remember((key, name), size, used_at)
+                    self._files.remember((key, name), size, used_at)
         if found:
-            self._evict()
+            self._files.evict()
 
     def flush(self) -> None:
         """Wait until every queued write is on disk or dropped."""
@@ -269,7 +242,9 @@ class DiskTier:
                     self._pending.pop(item, None)
                 self._queue.task_done()
             if time.monotonic() - self._scanned_at > self.rescan_s:
-                self._rescan()
+                self._files.rescan()
+                self._scanned_at = time.monotonic()
+                self._files.evict()
             if self._look_in() == 0:
                 self._look()
         self._queue.task_done()
@@ -285,7 +260,7 @@ class DiskTier:
             self._log_once("look", "KV disk tier: looking for other daemons' blocks failed", exc_info=True)
 
     def _write(self, item: Item, data: bytes) -> None:
-        path = self._path(item)
+        path = self._files.path(item)
         try:
             self._make_key_dir(item[0])
             path.parent.mkdir(exist_ok=True)
@@ -297,41 +272,12 @@ class DiskTier:
             self._log_once("write", "KV disk tier: a write failed (%s): writes stop for %.0f s, reads go on", why, self.retry_after_s)
             return
         with self._lock:
-            self._remember(item, self.file_bytes, time.time())
+            self._files.remember(item, self.file_bytes, time.time())
         self.stats.writes += 1
         self.stats.bytes_written += self.file_bytes
         if item[0] == self._key(None):
             self._news.wrote(item[1])
-        self._evict()
-
-    def _evict(self) -> None:
-        """Delete least recently used files until the directory fits the cap. A file another
-        daemon read since we last looked goes back to the recent end instead."""
-        with self._lock:
-            checks = len(self._files)
-            while self.stats.used_bytes > self.capacity_bytes and self._files and checks > 0:
-                checks -= 1
-                item, entry = self._files.popitem(last=False)
-                self.stats.used_bytes -= entry.size
-                path = self._path(item)
-                try:
-                    mtime = path.stat().st_mtime
-                    if mtime > entry.used_at + 1.0:
-                        self._remember(item, entry.size, mtime)
-                        continue
-                    path.unlink()
-                    self.stats.evictions += 1
-                except OSError:  # gone already (another daemon evicted it)
-                    pass
-
-    def _rescan(self) -> None:
-        """See other daemons' files: the cap counts the whole directory."""
-        files = self._scan()
-        with self._lock:
-            self._files = files
-            self.stats.used_bytes = sum(f.size for f in files.values())
-        self._scanned_at = time.monotonic()
-        self._evict()
+        self._files.evict()
 
     # -- the directory
 
@@ -355,24 +301,9 @@ class DiskTier:
             write_atomically(described, text.encode())
         self._made.add(key)
 
-    def _path(self, item: Item) -> Path:
-        name = file_name(item[1])
-        return self.root / item[0] / name[:2] / name
-
-    def _scan(self) -> collections.OrderedDict[Item, _File]:
-        return collections.OrderedDict(((f.key, f.block_hash), _File(f.size, f.used_at)) for f in scan_blocks(self.root))
-
-    def _remember(self, item: Item, size: int, used_at: float) -> None:
-        """(Under the lock.) The item is on disk, most recently used."""
-        old = self._files.pop(item, None)
-        self.stats.used_bytes += size - (old.size if old else 0)
-        self._files[item] = _File(size, used_at)
-
     def _miss(self, item: Item) -> bool:
         with self._lock:
-            old = self._files.pop(item, None)
-            if old is not None:
-                self.stats.used_bytes -= old.size
+            self._files.forget(item)
         self.stats.misses += 1
         return False
 

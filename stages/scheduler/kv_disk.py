@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from conveyor.stages.scheduler.kv_tiers import HostSlots
+    from conveyor.stages.scheduler.kv_host import HostSlots
     from conveyor.wire.messages import KvDiskChanged, KvFetched
 
 # The longest a waiting sequence waits for its blocks to come from disk; then it computes them.
@@ -95,6 +95,14 @@ class DiskBooks:
         wait.names = waited
         self._waits[seq_id] = wait
         return True
+
+    def can_read(self, seq_id: int, name: int) -> bool:
+        """Whether `fetch` would read the block for the sequence, given a free host slot: on disk,
+        not on its way, not read for it before, and its wait not over."""
+        wait = self._waits.get(seq_id)
+        if wait is not None and (self.clock() >= wait.until or name in wait.read):
+            return False
+        return name in self.index and name not in self.reads
 
     def reading(self, seq_id: int) -> bool:
         """Whether the sequence waits for reads still in flight (and not past its wait)."""

@@ -32,7 +32,9 @@ torch, no zmq.
   rank answers with KvFetched). It waits, set aside so that the sequences behind it are
   admitted, until every rank has answered for its blocks (or kv_disk.FETCH_WAIT_S passed); what
   was read is then a host hit, loaded as above. Nothing counts before every rank has checked its
-  bytes: a read that failed is a miss, and the rest of the prefix is computed.
+  bytes: a read that failed is a miss, and the rest of the prefix is computed. A hit longer than
+  the host tier is read a part at a time, each part loaded into device blocks held for the
+  sequence before the next is read (kv_holds.py); a hold yields to anyone short of room.
 
 Invariant: within a plan the worker applies saves, then loads, then starts its disk reads, then
 runs passes; a plan's saves are decided before its loads and reads, so a slot a load reads or a
@@ -42,11 +44,12 @@ sequence keeps its place in the waiting queue: it is the first considered at the
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from conveyor.stages.scheduler.kv_disk import DiskBooks
+from conveyor.stages.scheduler.kv_holds import PrefixHolds
+from conveyor.stages.scheduler.kv_host import HostSlots
 from conveyor.wire.step import NO_NAME
 
 if TYPE_CHECKING:
@@ -60,76 +63,6 @@ if TYPE_CHECKING:
 # it overlaps a pass. A block count stands in for time: the scheduler knows neither the link
 # nor the step, and a bigger model's blocks grow more slowly than its step.
 LOAD_NOW_BLOCKS = 64
-
-
-class HostSlots:
-    """Block names -> host slots, least recently used first; `warm`: (name, slot) pairs the slots
-    hold already (read back from disk at start-up), least recently used first."""
-
-    def __init__(self, num_slots: int, warm: Iterable[tuple[int, int]] = ()) -> None:
-        self.num_slots = num_slots
-        self._slot_of: OrderedDict[int, int] = OrderedDict(warm)
-        taken = set(self._slot_of.values())
-        self._free = [s for s in range(num_slots - 1, -1, -1) if s not in taken]  # popped from the end: slot 0 first
-
-    def __len__(self) -> int:
-        return len(self._slot_of)
-
-    def __contains__(self, name: int) -> bool:
-        return name in self._slot_of
-
-    def slot(self, name: int) -> int | None:
-        """The slot holding `name` (not a use)."""
-        return self._slot_of.get(name)
-
-    def store(self, name: int) -> int | None:
-        """The slot to copy a block named `name` into, evicting the least recently used name when
-        every slot is taken; None when the tier holds that name already (it counts as a use), or
-        when swapped-out sequences hold every slot."""
-        if name in self._slot_of:
-            self._slot_of.move_to_end(name)
-            return None
-        if not self._free and not self._slot_of:
-            return None
-        slot = self._free.pop() if self._free else self._slot_of.popitem(last=False)[1]
-        self._slot_of[name] = slot
-        return slot
-
-    def reserve(self, num: int, avoid: set[int], *, fewer: bool = False) -> list[int] | None:
-        """`num` slots taken out of the tier (a swapped-out sequence's, or a disk read's, until
-        `release` or `adopt`): free ones first, then the least recently used names' but those in
-        `avoid`; None, and nothing taken, when there are not enough, unless `fewer`: then as many
-        as there are."""
-        evictable = [name for name, slot in self._slot_of.items() if slot not in avoid][: max(0, num - len(self._free))]
-        if len(self._free) + len(evictable) < num:
-            if not fewer:
-                return None
-            num = len(self._free) + len(evictable)
-        for name in evictable:
-            self._free.append(self._slot_of.pop(name))
-        return [self._free.pop() for _ in range(num)]
-
-    def release(self, slots: list[int]) -> None:
-        self._free += slots
-
-    def adopt(self, name: int, slot: int) -> None:
-        """A reserved slot now holds the block `name` (read from disk): it joins the tier, the
-        most recently used; or goes back free if the tier came to hold `name` meanwhile."""
-        if name in self._slot_of:
-            self._free.append(slot)
-        else:
-            self._slot_of[name] = slot
-
-    def lookup(self, names: list[int]) -> list[int]:
-        """The slots holding the longest run of `names` from its start (each a use)."""
-        slots = []
-        for name in names:
-            slot = self._slot_of.get(name)
-            if slot is None:
-                break
-            self._slot_of.move_to_end(name)
-            slots.append(slot)
-        return slots
 
 
 class KvTiers:
@@ -151,6 +84,7 @@ class KvTiers:
         self.max_load_now = max_load_now
         self.host = HostSlots(num_host_slots, warm)
         self.disk = DiskBooks(self.host, num_disk_blocks, on_disk, num_ranks) if num_disk_blocks else None
+        self.holds = PrefixHolds(blocks)  # prefixes read from disk past the host tier's size, on the device meanwhile
         blocks.newly_named = []  # the block manager now lists each block it names (take_named)
         self.saves: list[tuple[int, int, int]] = []  # this plan's (device block, host slot, name)
         self.loads: list[tuple[int, int]] = []  # this plan's (host slot, device block)
@@ -177,13 +111,20 @@ class KvTiers:
 
     @property
     def holding(self) -> bool:
-        """Whether loaded blocks wait for the next step to join the prefix cache."""
-        return bool(self._loaded)
+        """Whether loaded blocks wait for the next step to join the prefix cache (free, or held)."""
+        return bool(self._loaded) or self.holds.landing
 
     def held_blocks(self) -> list[int]:
-        """The device blocks the tier holds (one reference each): loaded, not yet named, or loaded
-        back for a swapped-out sequence that has not run again yet."""
-        return [block for block, _ in self._loaded] + [b for table in self._swapping_in.values() for b in table]
+        """The device blocks the tier holds (one reference each): loaded, not yet named, loaded
+        back for a swapped-out sequence that has not run again yet, or held for a waiting
+        sequence's prefix (kv_holds.py)."""
+        swapping_in = [b for table in self._swapping_in.values() for b in table]
+        return [block for block, _ in self._loaded] + swapping_in + self.holds.held_blocks()
+
+    def release_holds(self) -> bool:
+        """Some sequence found no room in the pool: the prefixes held for waiting sequences go
+        free (kv_holds.py); whether any was held."""
+        return self.holds.release_all()
 
     def begin_step(self, step: int) -> None:
         """Before plan `step` is built: the blocks the plan before loaded join the prefix cache
@@ -199,6 +140,7 @@ class KvTiers:
                 del self._loaded_at[seq_id]  # its held blocks go back, lest they keep that one out, and it computes again
                 if (table := self._swapping_in.pop(seq_id, None)) is not None:  # else it ran
                     blocks.free(table)
+        self.holds.begin_step()
         if self._loaded:
             for block, name in self._loaded:
                 blocks.register(block, name)  # unless an identical block was named meanwhile
@@ -226,7 +168,15 @@ class KvTiers:
         says the sequence starts in this plan with them. None when it waits instead: for blocks
         loaded for the next plan (held until then; admitted as device hits), or read from disk.
         A sequence whose load was lost meanwhile (the pool evicted the loaded blocks) is not
-        loaded twice in a row: it computes them."""
+        loaded twice in a row: it computes them. A hit on disk longer than the host tier's
+        slots is read a part at a time, each part loaded into blocks held for the sequence
+        (kv_holds.py) before the next is read into the slots that frees."""
+        prefix = self._prefetch(seq, hits, step, starts)
+        if prefix is not None:  # it starts with them, if it can: the caller shares them, nothing allocated in between
+            self.holds.forget(seq.seq_id)
+        return prefix
+
+    def _prefetch(self, seq: Sequence, hits: list[int], step: int, starts: Callable[[int], bool]) -> list[int] | None:
         blocks = self.blocks
         limit = blocks.prefix_blocks(seq)
         if len(hits) >= limit or self._prefetch_step.get(seq.seq_id, -2) >= step - 1:
@@ -240,16 +190,24 @@ class KvTiers:
         # multi-turn race's tokens/s tenfold through preemptions).
         if not slots or not blocks.can_allocate(len(slots) + 1 + blocks.num_revived(hits)):
             return hits
+        # The host tier holds the prefix this far, and the disk more that it had no slot to read
+        # into (DiskBooks.fetch): what it holds goes to blocks held for the sequence, freeing
+        # those slots for the next part.
+        more = len(slots) < len(names) and self.disk is not None and self.disk.can_read(seq.seq_id, names[len(slots)])
+        more = more and self.holds.may_hold(seq.seq_id, len(hits))
         names = names[: len(slots)]
         blocks.share(hits)  # held while the fresh blocks are taken, so that none of them is evicted
         fresh = blocks.allocate(len(slots))
-        blocks.free(hits)
         self.loads += zip(slots, fresh)
         self._reading.update(slots)
-        self._prefetch_step[seq.seq_id] = step
         num_read = self.disk.loaded(names) if self.disk is not None else 0
         self.num_host_hits += len(slots) - num_read
         self.num_loaded += len(slots)
+        if more:
+            self.holds.hold(seq.seq_id, hits, fresh, names)  # the reference just taken on `hits` is the hold's
+            return None
+        blocks.free(hits)
+        self._prefetch_step[seq.seq_id] = step
         if self._num_loaded_now + len(fresh) <= self.max_load_now and starts(len(hits) + len(fresh)):
             self._num_loaded_now += len(fresh)
             for block, name in zip(fresh, names):
@@ -303,10 +261,11 @@ class KvTiers:
         slots = self._swapped.get(seq.seq_id)
         if slots is None:
             return None
-        if idle and not self.blocks.can_allocate(len(slots) + 1):  # nothing runs to free room: compute it again
+        room = self.blocks.can_allocate(len(slots) + 1) or (self.release_holds() and self.blocks.can_allocate(len(slots) + 1))
+        if idle and not room:  # nothing runs to free room: compute it again
             self.host.release(self._swapped.pop(seq.seq_id))
             return None
-        if self.blocks.can_allocate(len(slots) + 1):
+        if room:
             fresh = self.blocks.allocate(len(slots))
             self.loads += zip(slots, fresh)
             self._reading.update(slots)
@@ -332,6 +291,7 @@ class KvTiers:
         blocks go back (reads in flight go on: their slots are freed or kept when answered)."""
         if self.disk is not None:
             self.disk.forget(seq.seq_id)
+        self.holds.forget(seq.seq_id)
         if (slots := self._swapped.pop(seq.seq_id, None)) is not None:
             self.host.release(slots)
         self._loaded_at.pop(seq.seq_id, None)

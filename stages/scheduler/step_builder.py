@@ -130,6 +130,8 @@ class StepBuilder:
             if not self._starts(seq, len(hits), chunk=chunk):
                 break
             num = min(num, blocks.num_admittable(hits))
+            if num < 1 and tiers is not None and tiers.release_holds():  # prefixes held for waiting sequences yield
+                num = min(num_uncached, self.budget, blocks.num_admittable(hits))
             if seq.images:
                 num = seq.num_chunk_tokens(seq.num_tokens - num_uncached, num)
             if num < 1:
@@ -187,6 +189,8 @@ class StepBuilder:
         sched = self.sched
         blocks = sched.blocks
         while (fit := min(num, blocks.num_appendable(seq))) < 1:
+            if sched.tiers is not None and sched.tiers.release_holds():  # prefixes held for waiting sequences yield first
+                continue
             victim = max(
                 (s for s in sched.running if s.status is SeqStatus.RUNNING and s.seq_id not in self.scheduled),
                 key=lambda s: s.sort_key,

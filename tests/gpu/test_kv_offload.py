@@ -249,3 +249,22 @@ def test_a_prefix_another_engine_wrote_after_start_up_is_read_on_a_hit(path, tmp
     assert served.outputs[0].token_ids == computed.outputs[0].token_ids
     assert served.num_cached_tokens == 10 * BLOCK
     assert tiers.disk.num_hits == 10 and tiers.disk.num_misses == 0 and tiers.num_host_hits == 0
+
+
+def test_a_prefix_on_disk_longer_than_the_host_tier_is_read_in_full(path, tmp_path):
+    """A restart whose host tier (4 blocks) is smaller than the prompt's prefix on disk (10): the
+    prefix is read 4 blocks at a time, each part loaded into device blocks held for the request
+    before the next is read, and the request starts with all ten as hits. Greedy tokens as
+    without any tier."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    _, _, block_bytes = _on_disk_only(path, tmp_path / "kv", greedy)
+    restarted, offload = _restarted(path, tmp_path / "kv", 4, block_bytes)
+    tiers = restarted.core.scheduler.tiers
+    assert tiers is not None and tiers.disk is not None and offload.disk is not None
+    reads = offload.disk.stats.hits
+    (again,) = restarted.generate(_prompts(0), greedy)
+    (plain,) = LLM(path, **POOL).generate(_prompts(0), greedy)
+    assert again.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert again.num_cached_tokens == 10 * BLOCK
+    assert tiers.disk.num_hits == 10 and tiers.disk.num_misses == 0 and offload.disk.stats.hits - reads == 10
+    assert tiers.held_blocks() == []

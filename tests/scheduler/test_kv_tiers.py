@@ -439,3 +439,77 @@ def test_more_blocks_named_in_a_step_than_host_slots_save_each_slot_once():
     names = _seq(driver, 0).full_block_hashes(BLOCK, 10)
     tiers = sched.tiers
     assert tiers is not None and [name in tiers.host for name in names] == [False] * 7 + [True] * 3
+
+
+# --- a disk hit longer than the host tier (kv_holds.py) -----------------------------------------
+
+
+def _restarted_over(disk: dict, names: list[int], num_host_slots: int, num_blocks: int = 32) -> Driver:
+    """A scheduler started with `names` on the fake worker's `disk` and an empty host tier of
+    `num_host_slots`."""
+    sched, runner = make(num_blocks=num_blocks, block_size=BLOCK, budget=64, num_host_slots=num_host_slots, num_disk_blocks=1000)
+    tiers = sched.tiers
+    assert tiers is not None and tiers.disk is not None
+    tiers.disk.index = DiskIndex(1000, names)
+    runner.disk = disk
+    return Driver(sched, runner)
+
+
+def _on_disk(num_blocks: int) -> tuple[list[int], list[int], dict, list[int]]:
+    """A prefix of `num_blocks` blocks served once by an engine whose host tier holds all of it,
+    written through to disk: (the prompt, its outputs, the disk, the prefix's block names)."""
+    sched, runner = make(num_blocks=64, block_size=BLOCK, budget=16, num_host_slots=64, num_disk_blocks=1000)
+    first = Driver(sched, runner)
+    prompt = prompt_of(3, num_blocks * BLOCK) + [7]
+    outputs = _serve(first, 0, prompt)
+    names = _seq(first, 0).full_block_hashes(BLOCK, num_blocks)
+    assert runner.disk is not None and all(name in runner.disk for name in names)
+    return prompt, outputs, runner.disk, names
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["sync", "async"])
+def test_a_disk_hit_three_times_the_host_tier_is_read_in_full(depth):
+    """A restart with a host tier of 4 slots finds a prefix of 12 blocks on disk: it reads 4,
+    loads them into device blocks held for the sequence, reads the next 4 into the slots that
+    frees, and so on; the sequence starts once all 12 are on the device, none computed again."""
+    prompt, first, disk, names = _on_disk(12)
+    driver = _restarted_over(disk, names, num_host_slots=4)
+    driver.runner.read_delay = 2
+    tiers = driver.sched.tiers
+    assert tiers is not None and tiers.disk is not None
+    assert _serve(driver, 0, prompt) == first
+    fetched = [name for step in driver.steps for name, _ in step.kv_fetches]
+    assert fetched == names  # each block read once, in prompt order
+    assert max(len(step.kv_fetches) for step in driver.steps) == 4
+    assert _seq(driver, 0).num_cached_tokens == 12 * BLOCK
+    assert tiers.disk.num_hits == 12 and tiers.disk.num_misses == 0
+    assert [len(step.kv_loads) for step in driver.steps if step.kv_loads] == [4, 4, 4]  # each part loaded once
+    (start,) = [step for step in driver.steps if step.new_seqs]
+    assert start.new_seqs_computed == [12 * BLOCK]
+    assert tiers.held_blocks() == [] and driver.sched.blocks.num_used == 0
+
+
+def test_a_held_prefix_yields_to_a_running_sequence():
+    """A sequence holding device blocks while the next part of its prefix is read (here, never
+    answered: a hung disk) does not keep a running sequence from its next tokens: the hold goes
+    free instead of a preemption, and both requests finish with the fake model's tokens."""
+    prompt, first, disk, names = _on_disk(12)
+    driver = _restarted_over(disk, names, num_host_slots=4, num_blocks=16)
+    sched, core, runner = driver.sched, driver.core, driver.runner
+    tiers = sched.tiers
+    assert tiers is not None
+    core.add_request(request(0, prompt, max_tokens=3, ignore_eos=True))
+    while len(tiers.held_blocks()) < 8 or not runner.reads:  # two parts on the device, the third being read
+        driver.tick()
+    runner.hold_reads = True
+    other = prompt_of(700, 4 * BLOCK + 1)  # 5 blocks, then 6 more for its outputs: 11, where 8 are free
+    core.add_request(request(1, other, max_tokens=6 * BLOCK, ignore_eos=True))
+    for _ in range(60):
+        driver.tick()
+    params = request(1, [], max_tokens=6 * BLOCK, ignore_eos=True).params
+    assert _seq(driver, 1).output_token_ids == reference(other, params, 0, 512, False)
+    assert sched.num_preemptions == 0 and tiers.held_blocks() == []  # the hold yielded
+    assert _seq(driver, 0).status is SeqStatus.WAITING
+    runner.hold_reads = False
+    driver.run()
+    assert _seq(driver, 0).output_token_ids == first and sched.blocks.num_used == 0

@@ -9,7 +9,8 @@ and all of it with asynchronous scheduling too (`lookahead`: step n+1 is planned
 before step n's ids reach the scheduler, as the scheduler stage runs it), and with the KV host
 tier and a disk tier behind it (`disk`: one write in five dropped, so some reads miss), its
 hits loaded in the plan that starts them or one step ahead (`load_now`: blocks a plan may load
-for its own rows).
+for its own rows), and the disk holding the shared prefixes from the start (`warm`: a restarted
+daemon; a prefix longer than the host tier is read a part at a time, held on the device meanwhile).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from conveyor.stages.scheduler.block_manager import ROOT_HASH, chain_hash
 from conveyor.stages.scheduler.sequence import SeqStatus
 from conveyor.wire.messages import FinishReason, SamplingParams, ScheduleRequest
 from tests.fake_worker import next_token
@@ -52,6 +54,7 @@ requests_strategy = st.lists(
     swap=st.booleans(),
     disk=st.sampled_from([0, 1, 3]),  # a disk tier whose reads are answered that many ticks later (0: none)
     load_now=st.sampled_from([0, 3, 64]),
+    warm=st.booleans(),
 )
 # Found at ~1,700 examples: a swapped-out sequence loaded back but kept out by the head of the
 # queue was held again every round, so the head never found room and the two took turns for ever.
@@ -76,9 +79,10 @@ requests_strategy = st.lists(
     swap=True,
     disk=0,
     load_now=0,
+    warm=False,
 )
 def test_random_streams_keep_every_invariant(
-    reqs, block_size, num_blocks, budget, max_seqs, policy, caching, lookahead, eos, host_slots, swap, disk, load_now
+    reqs, block_size, num_blocks, budget, max_seqs, policy, caching, lookahead, eos, host_slots, swap, disk, load_now, warm
 ):
     mode = "swap" if swap else "recompute"
     config = dict(policy=policy, enable_prefix_caching=caching, preemption_mode=mode)
@@ -90,6 +94,8 @@ def test_random_streams_keep_every_invariant(
         sched.tiers.max_load_now = load_now
     driver = Driver(sched, runner, depth=2 if lookahead else 1)
     prefixes = [[(p * 31 + j) % 500 for j in range(k)] for p, k in enumerate((0, 9, 20))]
+    if warm and num_disk_blocks:
+        put_on_disk(sched, runner, prefixes, block_size, lost)
     prompts = {f"r{i}": prefixes[pre] + [(i * 13 + j) % 500 + 1 for j in range(own)] for i, (pre, own, *_) in enumerate(reqs)}
     for tick in range(5000):
         for i, (_, _, max_tokens, n, arrival, abort, priority) in enumerate(reqs):
@@ -132,3 +138,18 @@ def expected_outputs(prompt: list[int], max_tokens: int, index: int, eos_ids: tu
         if tokens[-1] in eos_ids:
             break
     return tokens[len(prompt) :]
+
+
+def put_on_disk(sched, runner, prefixes: list[list[int]], block_size: int, lost) -> None:
+    """The full blocks of each prefix on the fake worker's disk and in the scheduler's index, as a
+    restarted daemon finds them; a name `lost` selects is in the index but not on disk (a read
+    that misses)."""
+    assert sched.tiers is not None and sched.tiers.disk is not None and runner.disk is not None
+    for prefix in prefixes:
+        name = ROOT_HASH
+        for i in range(len(prefix) // block_size):
+            tokens = prefix[i * block_size : (i + 1) * block_size]
+            name = chain_hash(name, tokens)
+            sched.tiers.disk.index.add(name)
+            if not lost(name):
+                runner.disk[name] = list(tokens)
