@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from conveyor.config.model import ModelConfig
 from conveyor.config.vision import VisionConfig
 from conveyor.gpu.backends.base import Backend
 from conveyor.gpu.models.gemma import GemmaForCausalLM, gemma3_config
+from conveyor.gpu.models.multimodal import renamed
 from conveyor.gpu.models.vision.siglip import SiglipVisionTower
 
 # Checkpoint prefix -> this module's, first match wins (the longer of two that nest comes first).
@@ -109,16 +110,7 @@ class Gemma3ForConditionalGeneration(GemmaForCausalLM):
         return list(embeds.to(dtype).unbind(0))
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_renamed(tensors))
-
-
-def _renamed(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in tensors:
-        for old, new in _PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        yield name, tensor
+        super().load_weights(renamed(tensors, _PREFIXES))
 
 
 def gemma3_vl_config(hf: dict[str, Any], cfg: ModelConfig) -> ModelConfig:

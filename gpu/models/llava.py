@@ -18,7 +18,7 @@ replicated on every tensor-parallel rank: they run once per image.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from conveyor.config.model import ModelConfig
 from conveyor.config.vision import VisionConfig
 from conveyor.gpu.backends.base import Backend
 from conveyor.gpu.models.llama import LlamaForCausalLM
+from conveyor.gpu.models.multimodal import renamed
 from conveyor.gpu.models.vision.clip import ClipVisionTower, activation
 
 # Checkpoint prefix -> this module's, longest first.
@@ -79,16 +80,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         return out
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_renamed(tensors))
-
-
-def _renamed(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in tensors:
-        for old, new in _PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        yield name, tensor
+        super().load_weights(renamed(tensors, _PREFIXES))
 
 
 def llava_config(hf: dict[str, Any], cfg: ModelConfig) -> ModelConfig:

@@ -12,6 +12,7 @@ forward as `rope_positions`), None where the language model rotates by one posit
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -28,3 +29,14 @@ class VisionModel(Protocol):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
     def encode_images(self, pixels: list[torch.Tensor], grids: list[list[int]]) -> list[torch.Tensor]: ...
+
+
+def renamed(tensors: Iterable[tuple[str, torch.Tensor]], prefixes: tuple[tuple[str, str], ...]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's (name, tensor) pairs with the first of `prefixes`' (old, new) that a name
+    starts with put in the model's terms: a family's one table for every layout it reads."""
+    for name, tensor in tensors:
+        for old, new in prefixes:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        yield name, tensor

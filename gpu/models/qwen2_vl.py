@@ -18,7 +18,7 @@ tensor-parallel rank (it runs once per image).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from conveyor.config.rope_fields import rope_items, rope_parameters
 from conveyor.gpu.backends.base import Backend
 from conveyor.gpu.models.llama import LlamaForCausalLM, qwen2_config
 from conveyor.gpu.models.mrope import MRope
+from conveyor.gpu.models.multimodal import renamed
 from conveyor.gpu.models.rope import RotaryEmbedding
 from conveyor.gpu.models.vision.qwen2_vl import Qwen2VisionTower, qwen2_vl_vision_config
 
@@ -62,20 +63,11 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         return [e.to(dtype) for e in self.visual.encode(torch.cat(pixels), grids)]
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_renamed(tensors))
+        super().load_weights(renamed(tensors, _PREFIXES))
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     """The same model: Qwen2.5-VL's tower (RMSNorm, SwiGLU, window attention) is its config's."""
-
-
-def _renamed(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in tensors:
-        for old, new in _PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        yield name, tensor
 
 
 def qwen2_vl_config(hf: dict[str, Any], cfg: ModelConfig) -> ModelConfig:
