@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer
 
 from conveyor.tiny.checkpoint import _weights, _write_json, make_checkpoint
+from conveyor.tiny.vision import CLIP_MEAN, CLIP_STD
 
 SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 PATCH_SIZE, MERGE_SIZE, TEMPORAL_PATCH = 14, 2, 2
@@ -52,8 +53,6 @@ TOWERS: dict[str, dict[str, Any]] = {
     | {"window_size": 56, "fullatt_block_indexes": [1], "tokens_per_second": 2},
 }
 ARCHITECTURES = {"2": ("Qwen2VLForConditionalGeneration", "qwen2_vl"), "2.5": ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl")}
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 # Qwen2-VL's conversation format (ChatML, a default system turn, the vision markers).
 CHAT_TEMPLATE = (
