@@ -10,6 +10,7 @@ docstring says so; `prepare` runs once, after loading and before any CUDA graph 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Protocol, cast
 
 import torch
@@ -33,6 +34,16 @@ class LinearLayer(Protocol):
     def bias(self) -> torch.Tensor | None: ...  # [out]
     @property
     def prepared(self) -> object | None: ...  # the ops' own form of the weight, set by ops.prepare; None: plain
+
+
+class NotRecordable(RuntimeError):
+    """A forward did work that Ops.record cannot replay (or the ops record nothing)."""
+
+
+class Replay(Protocol):
+    """A recorded forward (Ops.record)."""
+
+    def replay(self) -> None: ...
 
 
 class Ops(abc.ABC):
@@ -80,11 +91,31 @@ class Ops(abc.ABC):
         reference, on any device; backends override it with kernels that read it packed."""
         return torch.nn.functional.linear(x, weight.dequantize(dtype=x.dtype), bias)
 
+    def embedding(self, ids: torch.Tensor, table: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+        """ids [T] int64, each a row of the table (this rank's: gpu/models/layers.py
+        VocabParallelEmbedding) -> those rows [T, H]. table: the float [V, H], rows in its own
+        dtype, or a QuantizedWeight [V, H] (a GGUF table kept packed), rows decoded to `dtype` (the
+        activations'). The default is torch's, on any device: F.embedding (which raises on an id
+        outside the table), or the rows dequantized (which index the codes as torch does)."""
+        if isinstance(table, QuantizedWeight):
+            return table.dequantize(rows=ids, dtype=dtype)
+        return torch.nn.functional.embedding(ids, table)
+
     def argmax_product(self, x: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
         """x [T, in] -> (ids [T] int64, valid [T] bool): each row's argmax of the layer's product, id
         for id the full product's (the first of equals; valid False, id 0, where not finite), where
         the ops find it for less (ParallelLMHead.argmax); None, the default: take the product."""
         return None
+
+    records: bool = False  # whether `record` can record at all (the cpu ops, their replay library built)
+
+    def record(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Replay]:
+        """forward() run once with its kernel calls recorded -> (its output, a Replay that makes
+        the same calls again on what their tensors then hold, writing that same output), the
+        CPU's counterpart of a CUDA graph (gpu/backends/cpu/kernels/program.py). Raises
+        NotRecordable where these ops cannot, or forward did work a replay would skip; the
+        default records nothing (CUDA captures graphs instead: gpu/step/cuda_graphs.py)."""
+        raise NotRecordable(f"the {self.name} ops record no kernel calls")
 
     def linears(self, x: torch.Tensor, layers: tuple[nn.Module, ...]) -> list[torch.Tensor]:
         """x [T, in] through column-parallel layers that all read it (q/k/v, gate/up) -> each

@@ -37,7 +37,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: ModelConfig, backend: Backend, layer_class: type[nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, backend.tp)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, backend.ops, backend.tp)
         self.layers = nn.ModuleList(layer_class(config, backend, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
 

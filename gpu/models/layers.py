@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from conveyor.gpu.backends.ops import Ops
@@ -104,11 +103,13 @@ class RowParallelLinear(Linear):
 
 class VocabParallelEmbedding(nn.Embedding):
     """ids [T] -> [T, H]; this rank holds rows [rank * n, (rank + 1) * n) of the padded vocabulary.
-    Ids outside it look up zeros, and an all-reduce sums the ranks' rows."""
+    Ids outside it look up zeros, and an all-reduce sums the ranks' rows. The lookup of this
+    rank's rows is the ops' (`ops.embedding`), from the float table or the packed one."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, ops: Ops, tp: TensorParallel = SINGLE) -> None:
         split = Split(0, ((vocab_size, 1),), pad=True)
         super().__init__(split.local_size(tp.size), hidden_size)
+        self.ops = ops
         self.splits = {"weight": split}
         self.tp, self.first = tp, tp.rank * split.local_size(tp.size)
         self.quantized: QuantizedWeight | None = None  # a GGUF table, kept packed (gpu/quant/load.py)
@@ -124,9 +125,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] of this rank's rows -> [T, H]; a quantized table's rows are dequantized."""
-        if self.quantized is not None:
-            return self.quantized.dequantize(rows=ids, dtype=self.dtype)
-        return F.embedding(ids, self.weight)
+        return self.ops.embedding(ids, self.weight if self.quantized is None else self.quantized, self.dtype)
 
 
 class ParallelLMHead(Linear):

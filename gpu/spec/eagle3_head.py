@@ -88,7 +88,7 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps, ops)
         self.lm_head = Linear(h, layout.draft_vocab_size, False, ops)
         self.register_buffer("d2t", torch.zeros(layout.draft_vocab_size, dtype=torch.int64))
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h) if embeds else None
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h, ops) if embeds else None
         self.rope = RotaryEmbedding.from_config(config, rope_device)
 
     def forward(

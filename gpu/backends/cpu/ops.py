@@ -22,12 +22,20 @@ CPU tensors, torch's (TorchOps) for anything else.
   `weight` a transposed view of it so torch's GEMM serves what the kernel does not take, and
   keeps oneDNN's blocked copy (packed_linear.py) for steps of many rows in multiples of 64. A
   weight tied to the embedding keeps its layout: the embedding's row lookups need it.
+- embedding: the table's rows by one C call, a float32 table's gathered (fused_ops.cpp), a
+  quantized one's decoded from its codes (quant_linear.cpp, the weight `prepared` as for its
+  product; not act-order), where the activations are float32; torch's otherwise. An id outside
+  the table gives zeros there, where torch raises (ids come from the model's own vocabulary).
+- record: a forward's kernel calls as a program replayed from one C call (kernels/program.py),
+  for the decode graphs of gpu/step/cuda_graphs.py; a stacked group's outputs of several rows are
+  split by a kernel (`CpuFusedOps.columns`), not torch, so that such steps record too.
 Which rows go where is decided per call by the row count, as measured in those files.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,16 +43,22 @@ from torch import nn
 
 from conveyor.gpu.backends.column_groups import ColumnGroup, stack
 from conveyor.gpu.backends.cpu.kernels import packed_linear as packed
+from conveyor.gpu.backends.cpu.kernels import program
 from conveyor.gpu.backends.cpu.kernels.fused_ops import CpuFusedOps, supports
 from conveyor.gpu.backends.cpu.kernels.lora import CpuLora
 from conveyor.gpu.backends.cpu.kernels.quant_argmax import ArgmaxTable, QuantArgmax
 from conveyor.gpu.backends.cpu.kernels.quant_linear import MAX_ROWS as QUANT_MAX_ROWS
 from conveyor.gpu.backends.cpu.kernels.quant_linear import CpuQuantLinear, QuantArgs
 from conveyor.gpu.backends.cpu.kernels.small_linear import CpuSmallLinear
-from conveyor.gpu.backends.ops import LinearLayer
+from conveyor.gpu.backends.ops import LinearLayer, NotRecordable, Replay
 from conveyor.gpu.backends.prepared_layers import is_lm_head, is_ops_linear
 from conveyor.gpu.backends.torch.ops import TorchOps
 from conveyor.gpu.quant.weight import QuantizedWeight
+
+
+def _lookup_ids(ids: torch.Tensor) -> bool:
+    """Whether the embedding kernels take these ids: [T] int64, contiguous, on the CPU."""
+    return ids.dtype == torch.int64 and ids.dim() == 1 and ids.is_contiguous() and ids.device.type == "cpu"
 
 
 @dataclasses.dataclass
@@ -84,6 +98,7 @@ class CpuOps(TorchOps):
         self.lora = lora
         self.argmax = argmax
         self._groups: dict[tuple[int, ...], ColumnGroup | None] = {}  # by the layers' ids; None: not fusable
+        self._arena = program.Arena()  # what recorded forwards allocate (`record`): its programs never run at once
 
     def prepare(self, model: nn.Module) -> None:
         small, quant = self.small_linear, self.quant
@@ -114,6 +129,17 @@ class CpuOps(TorchOps):
             if x.shape[0] <= small.max_rows:
                 return small(x, layer.weight.t(), layer.bias)
         return F.linear(x, layer.weight, layer.bias)
+
+    @property
+    def records(self) -> bool:  # type: ignore[override]
+        return program.available()
+
+    def record(self, forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Replay]:
+        if not program.available():
+            raise NotRecordable("the kernel programs' replay library could not be built")
+        with program.record(self._arena) as found:
+            out = forward()
+        return out, found[0].keeping(out)
 
     def argmax_product(self, x: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
         table, weight = getattr(layer, "prepared", None), getattr(layer, "quantized", None)
@@ -152,7 +178,19 @@ class CpuOps(TorchOps):
             return super().linears(x, layers)
         y = self.quant(x, weight, group.bias)  # [T, sum N_i]
         b = group.bounds
-        return [y[:, b[i] : b[i + 1]].contiguous() for i in range(len(layers))]  # one row: views, no copy
+        if y.shape[0] == 1 or self.fused is None:  # one row: views, no copy
+            return [y[:, b[i] : b[i + 1]].contiguous() for i in range(len(layers))]
+        return [self.fused.columns(y, b[i], b[i + 1]) for i in range(len(layers))]  # a kernel's copies: recordable
+
+    def embedding(self, ids: torch.Tensor, table: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+        if _lookup_ids(ids):
+            if isinstance(table, QuantizedWeight):
+                prepared = table.prepared
+                if self.quant is not None and dtype == torch.float32 and isinstance(prepared, QuantArgs) and prepared.perm is None:
+                    return self.quant.rows(ids, table)
+            elif self.fused is not None and supports(table) and table.dim() == 2:
+                return self.fused.embedding(ids, table)
+        return super().embedding(ids, table, dtype)
 
     @staticmethod
     def _kernel_takes(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> bool:

@@ -1,5 +1,6 @@
 // The decoder's elementwise work on the CPU, one pass each: RMSNorm (with the residual add
-// folded in), rotary embedding of q and k in place, and SiLU(gate) * up.
+// folded in), rotary embedding of q and k in place, SiLU(gate) * up, the column copy that
+// splits a stacked product's rows into its outputs, and the embedding's row gather.
 //
 // In torch each of these is five to fifteen small ops: an RMSNorm is a cast, a square, a mean,
 // an add, an rsqrt and two multiplies, every one a dispatch of several microseconds and, at a
@@ -17,6 +18,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+
+#include "packed_call.h"
 
 namespace {
 
@@ -83,4 +87,36 @@ void conveyor_silu_mul_f32(float* gate, const float* up, int64_t n) {
   }
 }
 
+// dst [rows, cols] = the columns of src [rows, ld_src] from its row starts: one output of a
+// stacked product (q of q/k/v), made contiguous for the kernels that read it.
+void conveyor_copy_columns_f32(const float* src, int64_t ld_src, float* dst, int64_t rows, int64_t cols) {
+#pragma omp parallel for if (rows * cols > kSerialElements)
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * cols, src + r * ld_src, cols * sizeof(float));
+}
+
 }  // extern "C"
+
+// Their packed forms, for recorded programs (packed_call.h).
+CONVEYOR_PACKED(conveyor_rms_norm_f32)
+CONVEYOR_PACKED(conveyor_rotary_f32)
+CONVEYOR_PACKED(conveyor_silu_mul_f32)
+CONVEYOR_PACKED(conveyor_copy_columns_f32)
+
+extern "C" {
+
+// out [T, H] = rows ids[t] of table [V, H] (an embedding lookup; fused_ops.py `embedding`). An
+// id outside [0, V) gives a row of zeros, never a read outside the table.
+void conveyor_embedding_f32(const float* table, const int64_t* ids, float* out, int64_t T, int64_t H, int64_t V) {
+#pragma omp parallel for if (T * H > kSerialElements)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t id = ids[t];
+    if (id >= 0 && id < V)
+      std::memcpy(out + t * H, table + id * H, H * sizeof(float));
+    else
+      std::memset(out + t * H, 0, H * sizeof(float));
+  }
+}
+
+}  // extern "C"
+
+CONVEYOR_PACKED(conveyor_embedding_f32)

@@ -13,6 +13,7 @@ import functools
 import torch
 
 from conveyor.gpu.backends.cpu.kernels.build import load_library
+from conveyor.gpu.backends.cpu.kernels.program import Kernel
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -23,14 +24,11 @@ def supports(t: torch.Tensor) -> bool:
 
 class CpuFusedOps:
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._rms_norm = lib.conveyor_rms_norm_f32
-        self._rms_norm.argtypes = [_ptr] * 4 + [_i64] * 2 + [_f32]
-        self._rotary = lib.conveyor_rotary_f32
-        self._rotary.argtypes = [_ptr] * 4 + [_i64] * 4
-        self._silu_mul = lib.conveyor_silu_mul_f32
-        self._silu_mul.argtypes = [_ptr] * 2 + [_i64]
-        for fn in (self._rms_norm, self._rotary, self._silu_mul):
-            fn.restype = None
+        self._rms_norm = Kernel(lib, "conveyor_rms_norm_f32", [_ptr] * 4 + [_i64] * 2 + [_f32])
+        self._rotary = Kernel(lib, "conveyor_rotary_f32", [_ptr] * 4 + [_i64] * 4)
+        self._silu_mul = Kernel(lib, "conveyor_silu_mul_f32", [_ptr] * 2 + [_i64])
+        self._copy_columns = Kernel(lib, "conveyor_copy_columns_f32", [_ptr, _i64, _ptr, _i64, _i64])
+        self._embedding = Kernel(lib, "conveyor_embedding_f32", [_ptr, _ptr, _ptr, _i64, _i64, _i64])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H], weight [H] -> [T, H]. With residual [T, H]: residual += x in place, and the
@@ -66,6 +64,26 @@ class CpuFusedOps:
             raise ValueError(f"silu_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
         self._silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel())
         return gate
+
+    def columns(self, y: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """y [T, N] float32, contiguous -> its columns [start, end) as a new contiguous [T, end - start]."""
+        rows, width = y.shape
+        if not 0 <= start <= end <= width:
+            raise ValueError(f"columns [{start}, {end}) of a [{rows}, {width}] product")
+        out = torch.empty(rows, end - start, dtype=y.dtype)
+        self._copy_columns(y.data_ptr() + 4 * start, width, out.data_ptr(), rows, end - start)
+        return out
+
+    def embedding(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        """ids [T] int64, contiguous; table [V, H] (supports) -> rows ids[t] of table, [T, H]. An id
+        outside [0, V) gives a row of zeros (torch's F.embedding raises): the kernel never reads
+        past the table, and checking here would be a torch op per call, which a recording refuses."""
+        if ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous() or table.dim() != 2:
+            raise ValueError(f"embedding: ids {ids.dtype} {tuple(ids.shape)}, table {tuple(table.shape)}")
+        (tokens,), (rows, hidden) = ids.shape, table.shape
+        out = torch.empty(tokens, hidden, dtype=table.dtype)
+        self._embedding(table.data_ptr(), ids.data_ptr(), out.data_ptr(), tokens, hidden, rows)
+        return out
 
 
 @functools.cache

@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "packed_call.h"
+
 namespace {
 
 constexpr int64_t kSerialMacs = 1 << 16;  // below this, one thread: waking a second costs more
@@ -139,3 +141,6 @@ void conveyor_lora_add_f32(const float* x, int64_t stride_x, const float* a, int
 }
 
 }  // extern "C"
+
+// Its packed form, for recorded programs (packed_call.h).
+CONVEYOR_PACKED(conveyor_lora_add_f32)

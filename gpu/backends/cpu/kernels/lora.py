@@ -16,6 +16,7 @@ import functools
 import torch
 
 from conveyor.gpu.backends.cpu.kernels.build import load_library
+from conveyor.gpu.backends.cpu.kernels.program import Kernel
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -30,9 +31,8 @@ def _b_ok(b: torch.Tensor) -> bool:
 
 class CpuLora:
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._add = lib.conveyor_lora_add_f32
-        self._add.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]
-        self._add.restype = None
+        args = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64]
+        self._add = Kernel(lib, "conveyor_lora_add_f32", args)
 
     @staticmethod
     def supports(slots: torch.Tensor, *matrices: torch.Tensor, b: torch.Tensor) -> bool:

@@ -48,6 +48,7 @@
 #include <cstring>
 #include <vector>
 
+#include "packed_call.h"
 #include "paged_attention_decode.h"
 #include "paged_attention_prefill.h"
 
@@ -200,3 +201,9 @@ void conveyor_write_kv_u8(const uint8_t* k, const uint8_t* v, uint8_t* k_cache, 
 }
 
 }  // extern "C"
+
+// Their packed forms, for recorded programs (packed_call.h).
+CONVEYOR_PACKED(conveyor_paged_attention_f32)
+CONVEYOR_PACKED(conveyor_paged_attention_fp8)
+CONVEYOR_PACKED(conveyor_write_kv_f32)
+CONVEYOR_PACKED(conveyor_write_kv_u8)

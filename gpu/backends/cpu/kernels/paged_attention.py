@@ -24,6 +24,7 @@ import functools
 import torch
 
 from conveyor.gpu.backends.cpu.kernels.build import load_library
+from conveyor.gpu.backends.cpu.kernels.program import Kernel
 from conveyor.gpu.kv.kv_fp8 import FP8
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -61,14 +62,18 @@ class PagedAttentionKernel:
     (see the .cpp): a cache they serve is read and written by them alone, block copies aside."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._attend = {torch.float32: lib.conveyor_paged_attention_f32, FP8: lib.conveyor_paged_attention_fp8}
-        for fn, scales in ((self._attend[torch.float32], 2), (self._attend[FP8], 3)):
-            fn.restype = ctypes.c_int
-            fn.argtypes = [_ptr] * 7 + [_i64] * 7 + [_f32] * scales  # scale, softcap (, v_scale)
-        self._write = {torch.float32: lib.conveyor_write_kv_f32, FP8: lib.conveyor_write_kv_u8}
-        for fn in self._write.values():
-            fn.restype = None
-            fn.argtypes = [_ptr] * 5 + [_i64] * 4
+        # The status (0, or -1 for a shape the kernel cannot take) is read on the first, eager call;
+        # a replay repeats a call that returned 0.
+        attend_args = [_ptr] * 7 + [_i64] * 7 + [_f32] * 2  # ..., scale, softcap (, v_scale for fp8)
+        self._attend = {
+            torch.float32: Kernel(lib, "conveyor_paged_attention_f32", attend_args, ctypes.c_int),
+            FP8: Kernel(lib, "conveyor_paged_attention_fp8", [*attend_args, _f32], ctypes.c_int),
+        }
+        write_args = [_ptr] * 5 + [_i64] * 4
+        self._write = {
+            torch.float32: Kernel(lib, "conveyor_write_kv_f32", write_args),
+            FP8: Kernel(lib, "conveyor_write_kv_u8", write_args),
+        }
 
     def cache_view(self, kv_cache: torch.Tensor, head_dim: int) -> CacheView:
         """kv_cache [2, N, Hkv, bs * D] float32 or e4m3 codes, contiguous -> its CacheView."""

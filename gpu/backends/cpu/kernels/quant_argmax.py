@@ -35,6 +35,7 @@ import functools
 import torch
 
 from conveyor.gpu.backends.cpu.kernels.build import load_library
+from conveyor.gpu.backends.cpu.kernels.program import Kernel
 from conveyor.gpu.backends.cpu.kernels.quant_linear import INT8_MAX_ROWS, PATHS, CpuQuantLinear, QuantArgs, cpu_quant_linear
 from conveyor.gpu.quant.weight import QuantizedWeight
 
@@ -62,12 +63,10 @@ class QuantArgmax:
 
     def __init__(self, kernel: CpuQuantLinear, lib: ctypes.CDLL) -> None:
         self.kernel = kernel
-        self._candidates = lib.conveyor_argmax_candidates
-        self._candidates.restype = _i64
-        self._candidates.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr]
-        self._pick = lib.conveyor_argmax_pick
-        self._pick.restype = None
-        self._pick.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
+        # The candidates' count steers the host, so a recording refuses both (program.py).
+        candidates_args = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr]
+        self._candidates = Kernel(lib, "conveyor_argmax_candidates", candidates_args, _i64, replayable=False)
+        self._pick = Kernel(lib, "conveyor_argmax_pick", [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr], replayable=False)
 
     def supports(self, weight: QuantizedWeight) -> bool:
         prepared = weight.prepared

@@ -13,7 +13,8 @@
 //   GEMM M x N x K: at 512 rows and more it costs a few percent, and no hand-written kernel
 //   here matched torch's GEMM (a register-blocked tile kernel ran 1.5x slower on this machine).
 // Sums are reassociated (-ffast-math): results differ from F.linear on the dequantized weight
-// in the last bits, as two BLAS builds would.
+// in the last bits, as two BLAS builds would. Beside the product: rows of W picked by index (a
+// quantized embedding table's lookup, conveyor_quant_rows_f32), decoded as `dequantize` does.
 //
 // C ABI for ctypes; the OpenMP pool is torch's (see build.py).
 
@@ -26,6 +27,7 @@
 #include <immintrin.h>
 #endif
 
+#include "packed_call.h"
 #include "quant_decode.h"
 #include "quant_int8.h"
 
@@ -302,3 +304,47 @@ int64_t conveyor_quant_linear_has_int8() {
 }
 
 }  // extern "C"
+
+// Their packed forms, for recorded programs (packed_call.h).
+CONVEYOR_PACKED(conveyor_quant_linear_f32)
+CONVEYOR_PACKED(conveyor_quant_dequantize_f32)
+
+namespace {
+
+// out[t] = row ids[t] of W, each decoded by `dequantize`'s own loop (the same values as
+// conveyor_quant_dequantize_f32 gives that row); an id outside [0, N) gives zeros.
+template <class D, class S>
+void gather_rows(const Weight<S>& w, const int64_t* ids, int64_t T, int64_t N, float* out) {
+#pragma omp parallel for schedule(static) if (T * w.K > kSerialMacs)
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t n = ids[t];
+    if (n >= 0 && n < N)
+      dequantize<D>(w, n, 1, out + t * w.K);  // one row: serial (or nested, one thread) inside this loop
+    else
+      std::memset(out + t * w.K, 0, w.K * sizeof(float));
+  }
+}
+
+template <class S>
+void quant_rows(float* out, const int64_t* ids, int64_t T, const WeightArgs* args) {
+  const Weight<S> w = weight_of<S>(args);
+  switch (args->kind) {
+    case kU4: return gather_rows<U4>(w, ids, T, args->N, out);
+    case kU8: return gather_rows<U8>(w, ids, T, args->N, out);
+    default: return gather_rows<E4M3>(w, ids, T, args->N, out);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// out [T, K] float32 = rows ids[t] of W ([T] int64): a quantized embedding table's lookup.
+void conveyor_quant_rows_f32(float* out, const int64_t* ids, int64_t T, const WeightArgs* args) {
+  if (args->half_scales) return quant_rows<uint16_t>(out, ids, T, args);
+  return quant_rows<float>(out, ids, T, args);
+}
+
+}  // extern "C"
+
+CONVEYOR_PACKED(conveyor_quant_rows_f32)

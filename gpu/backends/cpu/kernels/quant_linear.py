@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.gpu.backends.cpu.kernels.build import load_library
+from conveyor.gpu.backends.cpu.kernels.program import Kernel
 from conveyor.gpu.quant.weight import QuantizedWeight
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -85,12 +86,9 @@ class CpuQuantLinear:
     scratch serves every call (a worker runs one step at a time)."""
 
     def __init__(self, lib: ctypes.CDLL, planes: int = INT8_PLANES) -> None:
-        self._fn = lib.conveyor_quant_linear_f32
-        self._fn.restype = None
-        self._fn.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr]
-        self._dequantize = lib.conveyor_quant_dequantize_f32
-        self._dequantize.restype = None
-        self._dequantize.argtypes = [_ptr, _i64, _i64, _ptr]
+        self._fn = Kernel(lib, "conveyor_quant_linear_f32", [_ptr, _ptr, _i64, _i64, _ptr, _ptr])
+        self._dequantize = Kernel(lib, "conveyor_quant_dequantize_f32", [_ptr, _i64, _i64, _ptr])
+        self._rows = Kernel(lib, "conveyor_quant_rows_f32", [_ptr, _ptr, _i64, _ptr])
         self.has_int8 = bool(lib.conveyor_quant_linear_has_int8())
         self.int8_path = PATHS["int8"] + planes - 1
         self._scratch = torch.empty(0)
@@ -161,6 +159,20 @@ class CpuQuantLinear:
             self._dequantize(w.data_ptr(), n0, rows, prepared.address)
             y[:, n0 : n0 + rows] = F.linear(x, w, None if bias is None else bias[n0 : n0 + rows])
         return y
+
+    def rows(self, ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+        """ids [T] int64, contiguous; weight (supports, no act-order perm) [N, K] -> its rows ids[t]
+        as float32 [T, K], each what dequantize(rows=ids) gives (exactly without mins; with them
+        but for the last bit: code * scale + min is rounded once, a fused multiply-add, where torch
+        rounds twice): a quantized embedding table's lookup.
+        An id outside [0, N) gives a row of zeros, never a read past the codes (unchecked here:
+        that would be a torch op per call, which a recording refuses)."""
+        prepared = weight.prepared if isinstance(weight.prepared, QuantArgs) else self.prepare(weight)
+        if prepared.perm is not None or ids.dtype != torch.int64 or ids.dim() != 1 or not ids.is_contiguous():
+            raise ValueError(f"quant rows: ids {ids.dtype} {tuple(ids.shape)} of a weight with perm {prepared.perm is not None}")
+        out = torch.empty(ids.shape[0], prepared.shape[1], dtype=torch.float32)
+        self._rows(out.data_ptr(), ids.data_ptr(), ids.shape[0], prepared.address)
+        return out
 
 
 @functools.cache

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "packed_call.h"
 #include "vector_math.h"  // vectors as wide as the target's registers (a 64-byte vector on AVX2
                           // spilled every accumulator: why this kernel once lost to sgemm there)
 
@@ -91,3 +92,6 @@ void conveyor_small_linear_f32(const float* x, const float* wt, const float* bia
 }
 
 }  // extern "C"
+
+// Their packed forms, for recorded programs (packed_call.h).
+CONVEYOR_PACKED(conveyor_small_linear_f32)

@@ -13,6 +13,7 @@ import functools
 import torch
 
 from conveyor.gpu.backends.cpu.kernels.build import load_library
+from conveyor.gpu.backends.cpu.kernels.program import Kernel
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -39,9 +40,7 @@ class CpuSmallLinear:
     weights serve the steps they suit (measured to pay only with AVX-512)."""
 
     def __init__(self, lib: ctypes.CDLL, max_rows: int = MAX_ROWS, packs: bool = True) -> None:
-        self._fn = lib.conveyor_small_linear_f32
-        self._fn.restype = None
-        self._fn.argtypes = [_ptr] * 4 + [_i64] * 3
+        self._fn = Kernel(lib, "conveyor_small_linear_f32", [_ptr] * 4 + [_i64] * 3)
         self.max_rows = max_rows
         self.packs = packs
 
