@@ -147,7 +147,7 @@ class ParallelConfig:
     )
     # CUDA graphs (gpu/step/cuda_graphs.py): decode-only steps replay a graph captured per padded
     # batch size (1, 2, 4, 8, then steps of 8 up to the cap or --max-num-seqs). CUDA only.
-    enforce_eager: bool = option(False, "never capture CUDA graphs: every step runs eagerly")
+    enforce_eager: bool = option(False, "never capture CUDA graphs (nor record CPU kernel programs): every step runs eagerly")
     max_cuda_graph_batch_size: int = option(256, "largest decode batch replayed from a CUDA graph", minimum=1)
 
     @property

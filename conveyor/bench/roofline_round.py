@@ -10,7 +10,10 @@ A round measures the bandwidth (stream.py) and the decode steps back to back, so
 same machine: the bandwidth of each kernel at 1 thread and at the steps' threads (the backend's,
 or `threads`); then fresh
 prompts of `context` tokens for `rows` rows (one prefill step each, untimed), `warmup` decode
-steps, `steps` steps with no timers, and `steps` more with the op meter installed (op_meter.py).
+steps, `steps` steps with no timers as the daemon runs them (from the recorded kernel programs
+where the backend records them: gpu/step/cuda_graphs.py), `steps` more run eagerly, and `steps`
+more eagerly with the op meter installed (op_meter.py: it times the ops' Python faces, which a
+replay never calls).
 Each round's rows are finished at its end, so every round decodes the same contexts.
 """
 
@@ -54,7 +57,7 @@ class Rig:
         self.settings = s = settings
         if s.threads is not None:
             torch.set_num_threads(s.threads)
-        tokens = s.context + s.warmup + 2 * s.steps + 1
+        tokens = s.context + s.warmup + 3 * s.steps + 1
         block_size = 16
         self.blocks_per_row = -(-tokens // block_size)
         num_blocks = self.blocks_per_row * s.rows
@@ -103,20 +106,25 @@ class Rig:
         for _ in range(s.warmup):
             self.decode(ids)
         plain = [self.decode(ids) for _ in range(s.steps)]
-        meter = op_meter.install(self.runner)
+        graphs, self.runner.graphs = self.runner.graphs, None  # the eager path, whatever the backend records
         try:
-            metered = []
-            for _ in range(s.steps):
-                metered.append(self.decode(ids))
-                meter.settle()
+            eager = [self.decode(ids) for _ in range(s.steps)]
+            meter = op_meter.install(self.runner)
+            try:
+                metered = []
+                for _ in range(s.steps):
+                    metered.append(self.decode(ids))
+                    meter.settle()
+            finally:
+                meter.remove()
         finally:
-            meter.remove()
+            self.runner.graphs = graphs
         self._execute([], [], finished=ids)
         ops = {
             label: {"seconds": meter.seconds[label], "calls": meter.calls[label], **dataclasses.asdict(meter.traffic[label])}
             for label in meter.seconds
         }
-        return {"bandwidth": bandwidth, "plain_seconds": plain, "metered_seconds": metered, "ops": ops}
+        return {"bandwidth": bandwidth, "plain_seconds": plain, "eager_seconds": eager, "metered_seconds": metered, "ops": ops}
 
 
 def serve_rounds(settings: Settings) -> None:

@@ -117,9 +117,10 @@ class AttentionBackend(abc.ABC):
        `for_window` is `meta` itself for a layer whose window is the step's; a model whose layers
        differ (Gemma 2/3, Qwen2 with max_window_layers) gets each other window's metadata built
        once per step, on its first layer's call, and kept on `meta` (`by_window`).
-    A decode step replayed from a CUDA graph (gpu/step/cuda_graphs.py) skips 2's build_metadata: its
-    metadata is built once per graph by `build_graph_metadata` over static buffers, and only
-    where `supports_cuda_graphs` (the triton backend)."""
+    A decode step replayed from a decode graph (gpu/step/cuda_graphs.py: a CUDA graph, or the cpu
+    ops' recorded kernel program) skips 2's build_metadata: its metadata is built once per graph
+    by `build_graph_metadata` over static buffers, and only where `supports_decode_graphs` (the
+    triton and cpu backends)."""
 
     def __init__(self, model: ModelConfig, device: torch.device, kv_dtype: str | None = None) -> None:
         self.model_config = model
@@ -155,10 +156,11 @@ class AttentionBackend(abc.ABC):
         whole blocks along dim 1."""
         copy_blocks(kv_caches, pairs)
 
-    # True where every kernel of the decode path reads only device tensors and shapes (no host
-    # list, no sync), so a decode step can be captured in a CUDA graph over static buffers
-    # (gpu/step/cuda_graphs.py). The torch and cpu backends plan their work from host lists: False.
-    supports_cuda_graphs: bool = False
+    # True where every kernel of the decode path reads only tensors and shapes (no host list, no
+    # sync), so a decode step can be captured in a CUDA graph, or recorded as a CPU kernel program,
+    # over static buffers (gpu/step/cuda_graphs.py). The torch backend plans its work from host
+    # lists: False.
+    supports_decode_graphs: bool = False
 
     def build_graph_metadata(
         self,
@@ -174,7 +176,7 @@ class AttentionBackend(abc.ABC):
         views of static buffers (slot_mapping [B] int64, seq_lens [B] int32, block_tables
         [B, max_blocks] int32, positions [B] int64), refilled before each replay. Host fields
         hold no step's data: max_seq_len is what the table can hold, host_seq_lens repeat it.
-        Only for a backend with supports_cuda_graphs; override to add fields, as build_metadata."""
+        Only for a backend with supports_decode_graphs; override to add fields, as build_metadata."""
         num_rows, max_blocks = block_tables.shape
         max_seq_len = max_blocks * block_size
         return AttentionMetadata(

@@ -65,7 +65,7 @@ class GraphMetadata(AttentionMetadata):
 
 
 class EmulatedAttention(AttentionBackend):
-    supports_cuda_graphs = True
+    supports_decode_graphs = True
     kv_layout = "none held (sized as [2, num_blocks, block_size, Hkv, D])"
 
     def build_graph_metadata(self, **kw) -> AttentionMetadata:

@@ -49,6 +49,7 @@ CONTEXT_BYTES = 512 * MIB
 
 class EmulatedPlatform:
     runs_graphs = True
+    records_programs = False
 
     def __init__(self, config: EngineConfig, num_ranks: int) -> None:
         assert config.parallel.emulate is not None

@@ -1,23 +1,28 @@
-"""CUDA graphs of decode steps: one graph per bucket of rows, replayed over static buffers.
+"""Decode graphs: one per bucket of rows, replayed over static buffers. On CUDA a captured CUDA
+graph; on the CPU the cpu ops' recorded kernel program (Ops.record: gpu/backends/cpu/kernels/program.py).
 
-A decode step launches hundreds of small kernels, and at small batches their launch cost, not
-their work, bounds it. This module owns the buckets (`buckets_for`), the static inputs every
-graph reads (`DecodeBuffers`), the captured graphs and their memory pool. A step of B decode
-rows replays the smallest bucket >= B; the caller runs a step with a prompt chunk, or with more
-rows than the largest bucket, eagerly. The runner's calling order is `DecodeGraphs`' docstring.
+A decode step launches hundreds of small kernels, and at small batches their launch cost (on
+the CPU: the Python around each call), not their work, bounds it. This module owns the buckets
+(`buckets_for`), the static inputs every graph reads (`DecodeBuffers`), the captured graphs and
+their memory pool, or the recorded programs. A step of B decode rows replays the smallest bucket
+>= B; the caller runs a step with a prompt chunk, or with more rows than the largest bucket,
+eagerly. The runner's calling order is `DecodeGraphs`' docstring.
 
 Invariants:
 - no kernel grid depends on the step: graph b reads views [:b] of the buffers through metadata
   built once (`attn.build_graph_metadata`), and computes the slot mapping inside the graph;
 - padding rows, and table columns past a row's width (no kernel reads past seq_len), name only
   `scratch_block`, a KV block no sequence owns: a replay never touches a real sequence's cache;
-- built only where `can_capture` (CUDA, no --enforce-eager, `attn.supports_cuda_graphs`); with
-  capture=False the same buffers and padding run eagerly, so a CPU tests them.
+- captured only where `can_capture` (CUDA, no --enforce-eager, `attn.supports_decode_graphs`);
+  recorded on the CPU where the ops can (`record`), bucket by bucket, on its second step: a bucket
+  whose forward does work a recording cannot replay (NotRecordable: a torch op) runs eagerly,
+  logged once; with neither, the same buffers and padding run eagerly (the emulated device).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -27,6 +32,7 @@ import torch
 
 from conveyor.config.engine import EngineConfig
 from conveyor.gpu.backends.base import AttentionBackend, AttentionMetadata
+from conveyor.gpu.backends.ops import NotRecordable, Replay
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -35,9 +41,16 @@ log = logging.getLogger(__name__)
 
 # (input_ids [T], positions [T], meta, kv_caches) -> hidden [T, H]: the model's forward.
 DecodeModel = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, list[torch.Tensor]], torch.Tensor]
+# Ops.record: a forward -> (its output, its replay).
+Recorder = Callable[[Callable[[], torch.Tensor]], tuple[torch.Tensor, Replay]]
 
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 8  # past the small buckets, a bucket every 8 rows: at most 7 padding rows
+# On the CPU every row count up to this one is recorded: a padding row costs a CPU about what a
+# row does (~1.3 ms a row on SmolLM2, against ~2.9 ms of Python a program saves a step), not the
+# nothing it costs a GPU. Past it a step's kernels, not the Python around them, weigh
+# (docs/benchmarks/cpu-isa.md).
+CPU_MAX_BUCKET = 32
 
 
 def bucket_sizes(limit: int) -> list[int]:
@@ -50,14 +63,16 @@ def bucket_sizes(limit: int) -> list[int]:
     return [*sizes, limit]
 
 
-def buckets_for(config: EngineConfig) -> list[int]:
-    """The batch sizes captured for `config`: up to min(max_cuda_graph_batch_size, max_num_seqs)."""
-    return bucket_sizes(min(config.parallel.max_cuda_graph_batch_size, config.scheduler.max_num_seqs))
+def buckets_for(config: EngineConfig, recorded: bool = False) -> list[int]:
+    """The batch sizes captured for `config`: up to min(max_cuda_graph_batch_size, max_num_seqs);
+    where they are recorded kernel programs (the CPU), every size up to CPU_MAX_BUCKET too."""
+    limit = min(config.parallel.max_cuda_graph_batch_size, config.scheduler.max_num_seqs)
+    return list(range(1, min(limit, CPU_MAX_BUCKET) + 1)) if recorded else bucket_sizes(limit)
 
 
 def can_capture(config: EngineConfig, attn: AttentionBackend, device: torch.device) -> bool:
     """Whether decode steps are captured: CUDA, no --enforce-eager, a backend that supports it."""
-    return device.type == "cuda" and not config.parallel.enforce_eager and attn.supports_cuda_graphs
+    return device.type == "cuda" and not config.parallel.enforce_eager and attn.supports_decode_graphs
 
 
 class DecodeBuffers:
@@ -112,11 +127,12 @@ class DecodeGraphs:
     kv_caches: one per layer, as the model takes them; buckets: the batch sizes to capture;
     max_blocks_per_seq: the static tables' width; scratch_block: the padding rows' KV block;
     capture: False runs the model eagerly through the same buffers (any device); pool: a graph
-    memory pool to capture into (another DecodeGraphs' `pool`), None for a new one.
+    memory pool to capture into (another DecodeGraphs' `pool`), None for a new one; record: on
+    the CPU, the ops' Ops.record, which `capture_all` asks for each bucket's program (None: none).
 
     How the runner (gpu/step/runner.py) uses it:
-    1. Start-up, model loaded: if not `can_capture(config, attn, device)`, it never builds one;
-       every step runs eagerly.
+    1. Start-up, model loaded: if not `can_capture(config, attn, device)`, nor on the CPU with
+       `attn.supports_decode_graphs`, it never builds one; every step runs eagerly.
     2. KV sizing, BEFORE the profile run: `probe = DecodeGraphs.memory_probe(...)`, then
        `probe.capture_all()` -> (seconds, graph_bytes); the profile run and
        `num_blocks_for_memory` follow with `probe` alive, so its graph pool (the largest
@@ -125,6 +141,7 @@ class DecodeGraphs:
        of one block of its own: only padding rows run in a capture, touching the scratch block
        only. Before, not after, the profile run: every capture begins with
        torch.cuda.empty_cache(), which would hand back the activation peak the sizing must see.
+       The CPU has no probe: its programs' memory is the host's, not the KV pool's.
     3. After the pool is allocated with one block reserved as scratch: `from_config(config,
        model, attn, kv_caches, scratch_block=scratch, device=device, pool=probe.pool)`, then
        `capture_all()` (it logs each bucket's time and memory), then the probe is dropped.
@@ -148,8 +165,9 @@ class DecodeGraphs:
         device: torch.device,
         capture: bool,
         pool: _POOL_HANDLE | None = None,
+        record: Recorder | None = None,
     ) -> None:
-        if not attn.supports_cuda_graphs:
+        if not attn.supports_decode_graphs:
             raise ValueError(f"{type(attn).__name__} reads host data per step: its decode steps cannot be captured")
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
@@ -173,7 +191,12 @@ class DecodeGraphs:
             for n in buckets
         }
         self.pool = (pool or torch.cuda.graph_pool_handle()) if capture else None
+        self.record = None if capture else record
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._replays: dict[int, Replay] = {}  # bucket -> its recorded program (CPU)
+        self._seen: set[int] = set()  # buckets that ran once eagerly (CPU): the next step records
+        self._refused: set[int] = set()  # buckets the ops could not record (CPU): eager for good
+        self._reasons: set[str] = set()  # NotRecordable's messages, logged once each
         self._outputs: dict[int, torch.Tensor] = {}  # bucket -> hidden [bucket, H], written by its graph
 
     @classmethod
@@ -188,10 +211,12 @@ class DecodeGraphs:
         device: torch.device,
         largest_only: bool = False,
         pool: _POOL_HANDLE | None = None,
+        record: Recorder | None = None,
     ) -> DecodeGraphs:
         """The graphs `config` asks for (`buckets_for`; only the largest with largest_only),
-        captured where `can_capture` says so."""
-        buckets = buckets_for(config)
+        captured where `can_capture` says so, else recorded by `record` where given (the CPU)."""
+        record = None if config.parallel.enforce_eager else record
+        buckets = buckets_for(config, recorded=record is not None)
         block_size = config.cache.block_size
         return cls(
             model,
@@ -205,6 +230,7 @@ class DecodeGraphs:
             device=device,
             capture=can_capture(config, attn, device),
             pool=pool,
+            record=record,
         )
 
     @classmethod
@@ -225,7 +251,13 @@ class DecodeGraphs:
         of device memory the graphs took, from torch.cuda.mem_get_info; in a pool shared with a
         probe, what they took beyond it). Each bucket first runs
         once eagerly, so Triton compiles and cuBLAS sets up outside the capture. The buffers hold
-        padding only meanwhile: capture writes no KV but the scratch block's. Without capture: (0, 0)."""
+        padding only meanwhile: capture writes no KV but the scratch block's. Without capture:
+        (0, 0), the CPU's programs included: `run` records each bucket as it serves its second
+        step (its first runs eagerly, as a capture's warm-up, and sets up what the ops build
+        lazily), so recording costs no start-up time and no extra forward."""
+        if self.record is not None:
+            log.info("decode steps of 1 to %d rows replay kernel programs, each recorded on its second step", self.buckets[-1])
+            return 0.0, 0
         if not self.capture:
             return 0.0, 0
         device = self.buffers.input_ids.device
@@ -269,12 +301,42 @@ class DecodeGraphs:
         if bucket is None:
             raise ValueError(f"no decode graph for {num_rows} rows (buckets up to {self.buckets[-1]})")
         self.buffers.fill(input_ids, positions, block_tables, seq_lens, bucket)
+        replay = self._replays.get(bucket)
+        if replay is not None:
+            self.buffers.compute_slot_mapping(bucket, self.block_size)  # torch ops: before the program, not in it
+            replay.replay()
+            return self._outputs[bucket][:num_rows]
+        if self.record is not None and bucket not in self._refused:
+            if bucket in self._seen:
+                return self._recorded(bucket)[:num_rows]
+            self._seen.add(bucket)
         if not self.capture:
             return self._forward(bucket)[:num_rows]
         if bucket not in self._graphs:
             raise RuntimeError("run before capture_all")
         self._graphs[bucket].replay()
         return self._outputs[bucket][:num_rows]
+
+    def _recorded(self, bucket: int) -> torch.Tensor:
+        """The forward of the buffers' first `bucket` rows, recorded as it runs (Ops.record) ->
+        its output. A bucket the ops cannot record is refused for good (logged once per reason)
+        and this step runs again eagerly: a recording stopped part-way wrote only KV that the
+        eager forward writes again, alike."""
+        assert self.record is not None
+        b = self.buffers
+        b.compute_slot_mapping(bucket, self.block_size)
+        forward = functools.partial(self.model, b.input_ids[:bucket], b.positions[:bucket], self._metas[bucket], self.kv_caches)
+        try:
+            self._outputs[bucket], self._replays[bucket] = self.record(forward)
+        except NotRecordable as exc:
+            self._refused.add(bucket)
+            if str(exc) not in self._reasons:
+                self._reasons.add(str(exc))
+                log.info("decode steps of %d rows (and others like them) run eagerly: %s", bucket, exc)
+            return self._forward(bucket)
+        arena = getattr(self._replays[bucket], "num_bytes", 0) / 2**20
+        log.debug("recorded the decode kernel program of %d rows (arena %.1f MiB)", bucket, arena)
+        return self._outputs[bucket]
 
     def _forward(self, bucket: int) -> torch.Tensor:
         """What a graph holds: the slot mapping, then the model over the first `bucket` rows."""

@@ -13,7 +13,9 @@ result collection) is the same on both; only these differ:
   and a pass's results on their way to the host, readable once they land;
 - `draw`: a pass's draws from its logits (gpu/sampling/draws.py's draw_step, or emulated ids);
 - `runs_graphs`: whether decode steps take the CUDA-graph path (captured on CUDA; on the
-  emulated device the same host path, replayed without capture).
+  emulated device the same host path, replayed without capture); `records_programs`: whether
+  they take it as the ops' recorded kernel programs where the ops record (Ops.records: the
+  cpu backend on a real CPU).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ class ResultCopy(Protocol):
 class Platform(Protocol):
     device: torch.device  # where the runner's tensors live
     runs_graphs: bool
+    records_programs: bool
 
     def backend(self, name: str, model: ModelConfig, kv_dtype: str) -> Backend: ...
 
@@ -87,6 +90,7 @@ class TorchPlatform:
         if self.device.type == "cpu":
             keep_freed_memory()  # activations reuse warm heap pages instead of fresh mmaps
         self.runs_graphs = self.device.type == "cuda"
+        self.records_programs = self.device.type == "cpu"
 
     def backend(self, name: str, model: ModelConfig, kv_dtype: str) -> Backend:
         return select(name, self.device, model, kv_dtype)

@@ -128,7 +128,14 @@ class ModelRunner:
         if self._uses_graphs():
             pool = self._graph_probe.pool if self._graph_probe is not None else None
             self.graphs = DecodeGraphs.from_config(
-                self.config, self._decode_model(), self.attn, self.kv_caches, scratch_block=num_blocks, device=self.device, pool=pool
+                self.config,
+                self._decode_model(),
+                self.attn,
+                self.kv_caches,
+                scratch_block=num_blocks,
+                device=self.device,
+                pool=pool,
+                record=self.backend.ops.record if self.platform.records_programs else None,
             )
             self.graphs.capture_all()  # logs each bucket's time and memory
             self._graph_probe = None
@@ -141,10 +148,12 @@ class ModelRunner:
         return model
 
     def _uses_graphs(self) -> bool:
-        """Whether decode steps take the CUDA-graph path (captured on CUDA). Not with tp > 1: a graph
-        around NCCL collectives is possible but has not been run here, so those steps run eagerly."""
+        """Whether decode steps take the decode-graph path (captured on CUDA, recorded by the cpu
+        ops on a CPU). Not with tp > 1: a graph around collectives is possible but has not been run
+        here, so those steps run eagerly."""
         eager = self.config.parallel.enforce_eager or any(f.runs_eagerly for f in self.features)
-        return self.platform.runs_graphs and not eager and self.attn.supports_cuda_graphs and self.tp.size == 1
+        graphs = self.platform.runs_graphs or (self.platform.records_programs and self.backend.ops.records)
+        return graphs and not eager and self.attn.supports_decode_graphs and self.tp.size == 1
 
     # --- running plans ------------------------------------------------------------------------
 

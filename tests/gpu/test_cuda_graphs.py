@@ -190,13 +190,13 @@ def test_run_equals_the_eager_forward_and_padding_writes_only_the_scratch_block(
         assert bool(changed[:, 0].all()) == padded
 
 
-def test_only_the_triton_backend_supports_graphs(config):
+def test_the_triton_and_cpu_backends_support_graphs(config):
     from conveyor.gpu.backends.cpu import CpuAttention
 
-    assert triton_attn(config).supports_cuda_graphs
-    assert not CpuAttention.supports_cuda_graphs
+    assert triton_attn(config).supports_decode_graphs
+    assert CpuAttention.supports_decode_graphs  # recorded, not captured: tests/gpu/test_cpu_decode_programs.py
     torch_attn = torch_backend(config.model, "cpu").attn
-    assert not torch_attn.supports_cuda_graphs
+    assert not torch_attn.supports_decode_graphs
     assert not can_capture(config, torch_attn, torch.device("cuda"))
     kv = torch_attn.allocate_kv_caches(2, BLOCK_SIZE)
     with pytest.raises(ValueError, match="cannot be captured"):

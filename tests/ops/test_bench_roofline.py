@@ -57,8 +57,8 @@ def test_a_step_reads_every_weight_once_and_each_rows_context(quantization, rows
     ops = rig.round()["ops"]
     assert sum(o["weights"] for o in ops.values()) == s.steps * weights_read_per_step(model, rows)
     per_token = 2 * config.num_kv_heads * config.head_dim * 4  # float32 keys and values, one layer
-    # the metered steps follow warmup + steps plain ones; a step's context includes its new token
-    contexts = sum(s.context + s.warmup + s.steps + i + 1 for i in range(s.steps))
+    # the metered steps follow warmup + 2 x steps plain ones (as served, then eager); a step's context includes its new token
+    contexts = sum(s.context + s.warmup + 2 * s.steps + i + 1 for i in range(s.steps))
     assert ops["attention.attend"]["kv"] == rows * contexts * config.num_layers * per_token
     assert ops["attention.write_kv"]["kv"] == rows * s.steps * config.num_layers * per_token
     assert ops["attention.attend"]["calls"] == s.steps * config.num_layers
@@ -75,7 +75,13 @@ def test_the_figures_of_a_round():
             {"kind": "read", "threads": 2, "bytes_per_pass": 1e9, "seconds": [1.0]},
         ]
         ops = {"linears": {"seconds": 2 * op, "calls": 4, "weights": 2e6, "kv": 0, "other": 2e6}}
-        return {"bandwidth": bandwidth, "plain_seconds": [step, step / 2], "metered_seconds": [step, step], "ops": ops}
+        return {
+            "bandwidth": bandwidth,
+            "plain_seconds": [step, step / 2],
+            "eager_seconds": [step, step],
+            "metered_seconds": [step, step],
+            "ops": ops,
+        }
 
     s = summarize({"describe": "cpu", "threads": 2}, [round_(0.004, 0.001), round_(0.006, 0.002)])
     assert s["roofline_bandwidth"]["kind"] == "copy" and s["roofline_bandwidth"]["best_gbps"] == 2.0
@@ -85,6 +91,7 @@ def test_the_figures_of_a_round():
     assert op["roofline_ms"] == pytest.approx(1.0) and op["ms"] == pytest.approx(1.5)  # 2 MB at 2 GB/s; (1 + 2) / 2
     assert s["step_metered_ms"] == pytest.approx(5.0) and s["outside_ms"] == pytest.approx(3.5)
     assert s["step_plain_ms"] == pytest.approx((0.003 + 0.0045) / 2 * 1e3)
+    assert s["step_eager_ms"] == pytest.approx((0.004 + 0.006) / 2 * 1e3)
 
 
 @pytest.mark.parametrize(
@@ -115,7 +122,7 @@ def test_the_command_runs_a_variant_in_its_own_process(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "#### native:" in done.stdout and "| step, timers off |" in done.stdout
+    assert "#### native:" in done.stdout and "| step, timers off, eager |" in done.stdout
     figures = json.loads(out.read_text())["variants"]["native"]
     labels = {o["op"] for o in figures["ops"]}
     assert {"attention.attend", "LM head (argmax)", "embedding"} <= labels

@@ -27,6 +27,7 @@ from conveyor.gpu.kv.kv_fp8 import UNIT_SCALES, KVScales, as_bytes, dequantize_k
 
 class CpuAttention(AttentionBackend):
     kv_layout = "[2, num_blocks, Hkv, block_size * D]: keys [D, block_size], values [block_size, D] per (block, head)"
+    supports_decode_graphs = True  # the kernels read the tables, lengths and slots from tensors only
 
     def __init__(self, model, device: torch.device, kernel: PagedAttentionKernel, kv_dtype: str | None = None) -> None:
         super().__init__(model, device, kv_dtype)

@@ -13,7 +13,7 @@ Invariants:
   dtype (the model's, or fp8 e4m3 codes) (0 keys, 1 values): gpu/kv/kv_cache.py's layout, so
   `copy_blocks` is the base class's;
 - the metadata is the base class's AttentionMetadata: the kernels need no masks, and their grids
-  come from shapes alone, so decode steps capture in CUDA graphs (`supports_cuda_graphs`);
+  come from shapes alone, so decode steps capture in CUDA graphs (`supports_decode_graphs`);
 - importing this module imports triton, so gpu/backends/__init__.py imports it only when the
   backend is selected; on a CPU it runs only under Triton's interpreter (TRITON_INTERPRET=1 set
   before triton is imported), and `triton_backend` refuses otherwise with a ConfigError.
@@ -54,7 +54,7 @@ from conveyor.gpu.quant.weight import QuantizedWeight
 
 class TritonAttention(AttentionBackend):
     # The kernels size their grids from shapes and read seq lens, tables and slots on the device.
-    supports_cuda_graphs = True
+    supports_decode_graphs = True
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
         shape = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
