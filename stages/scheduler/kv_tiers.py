@@ -92,7 +92,7 @@ class KvTiers:
         self._num_loaded_now = 0  # blocks this plan loads for sequences that start in it
         self._prefetch_step: dict[int, int] = {}  # seq_id -> the step that loaded its blocks
         # Swap preemption (--preemption-mode swap): a preempted sequence's blocks in slots out of the
-        # LRU, then loaded back into held device blocks the step before it runs again.
+        # LRU, then loaded back into held device blocks (and room for its next token) the step before it runs again.
         self._swapped: dict[int, list[int]] = {}  # seq_id -> its host slots
         self._swapping_in: dict[int, list[int]] = {}  # seq_id -> the device blocks loaded back for it
         self._loaded_at: dict[int, int] = {}  # seq_id -> the scheduling round that loaded them back
@@ -250,10 +250,13 @@ class KvTiers:
         """A waiting sequence's swapped-out blocks: None if it has none (it computes as any);
         True while they are on their way (loaded back by this plan into blocks held for it, or
         the pool has no room yet: it waits); False once they are back: its table and computed
-        count are restored, and it runs from there. Blocks loaded back are held one scheduling
-        round: a sequence not run in the round after its load (the queue's head went first) is
-        recomputed, so that held blocks never keep the head out of the pool; nor is one whose
-        blocks find no room while nothing runs (`idle`) that could free it."""
+        count are restored, and it runs from there. Room for its next token is held with the
+        blocks it is loaded back into, so that the sequences admitted behind it meanwhile cannot
+        take it: it runs at the next plan unless the budget or the seats run out before its
+        turn. Blocks loaded back are held one scheduling round: a sequence not run in the round
+        after its load (the queue's head went first) is recomputed, so that held blocks never
+        keep the head out of the pool; nor is one whose blocks find no room while nothing runs
+        (`idle`) that could free it."""
         table = self._swapping_in.pop(seq.seq_id, None)
         if table is not None:  # its round of grace stays counted (_loaded_at), should hold_again take them back
             seq.block_ids, seq.num_computed_tokens = table, seq.num_swapped_tokens
@@ -261,13 +264,17 @@ class KvTiers:
         slots = self._swapped.get(seq.seq_id)
         if slots is None:
             return None
-        room = self.blocks.can_allocate(len(slots) + 1) or (self.release_holds() and self.blocks.can_allocate(len(slots) + 1))
+        # Its blocks, and one more where the last is full: room for its next token, held. Room
+        # only checked was taken by a sequence admitted behind it in this plan, its blocks went
+        # back after their round, and two such sequences took turns for ever.
+        num = self.blocks.blocks_needed(seq.num_swapped_tokens + 1, 0)
+        room = self.blocks.can_allocate(num) or (self.release_holds() and self.blocks.can_allocate(num))
         if idle and not room:  # nothing runs to free room: compute it again
             self.host.release(self._swapped.pop(seq.seq_id))
             return None
         if room:
-            fresh = self.blocks.allocate(len(slots))
-            self.loads += zip(slots, fresh)
+            fresh = self.blocks.allocate(num)
+            self.loads += zip(slots, fresh)  # the block past its slots, if any, is the room held for its next token
             self._reading.update(slots)
             self._read += self._swapped.pop(seq.seq_id)
             self._swapping_in[seq.seq_id] = fresh

@@ -218,6 +218,26 @@ def test_blocks_loaded_back_never_keep_the_queues_head_out():
     assert sched.num_preemptions > 0 and sched.blocks.num_used == 0
 
 
+def test_a_sequence_loaded_back_keeps_room_for_its_next_token():
+    """Found by the property test: two samples of a prompt, each needing 11 of the pool's 12 blocks,
+    both swapped out. The first was loaded back with room for its next token only checked, the
+    second, recomputed, took that room in the same plan; the first could not run, its blocks went
+    back after their round, and the two took turns for ever. The room is now held with the blocks:
+    every request finishes, with the fake model's tokens."""
+    sched, runner = make(1, 12, 2, 11, 2, 256, 64, policy="prefill_first", enable_prefix_caching=False, preemption_mode="swap")
+    driver = Driver(sched, runner)
+    wanted = [request(0, [66], max_tokens=3, ignore_eos=True), request(1, prompt_of(6, 20), max_tokens=2, n=2, ignore_eos=True)]
+    for req in wanted:
+        driver.core.add_request(req)
+    driver.run(max_ticks=200)  # it took turns for 2,000 ticks and more
+    tiers = sched.tiers
+    assert tiers is not None and tiers.num_swapped_out > 0 and sched.blocks.num_used == 0
+    assert len(driver.finished) == 3
+    for seq in driver.seqs.values():
+        req = wanted[int(seq.request_id[1:])]
+        assert seq.output_token_ids == reference(req.prompt_token_ids, req.params, seq.index, 512, False)
+
+
 # --- the disk tier: reads on a hit (kv_disk.py) -----------------------------------------------
 
 

@@ -81,6 +81,25 @@ requests_strategy = st.lists(
     load_now=0,
     warm=False,
 )
+# Found at 45 examples (--hypothesis-seed=70203242638453066573820507991835468533): two samples of
+# r6, swapped out, each needing 11 of the 12 blocks; the one loaded back left the room for its next
+# token free, the other took it in the same plan, and the two took turns for ever.
+@example(
+    reqs=[(0, 1, 1, 1, 0, False, 0)] * 5 + [(0, 1, 3, 1, 0, False, 0), (0, 20, 2, 2, 0, False, 0)],
+    block_size=2,
+    num_blocks=12,
+    budget=11,
+    max_seqs=2,
+    policy="prefill_first",
+    caching=False,
+    lookahead=False,
+    eos=False,
+    host_slots=64,
+    swap=True,
+    disk=0,
+    load_now=0,
+    warm=False,
+)
 def test_random_streams_keep_every_invariant(
     reqs, block_size, num_blocks, budget, max_seqs, policy, caching, lookahead, eos, host_slots, swap, disk, load_now, warm
 ):
