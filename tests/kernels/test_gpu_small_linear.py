@@ -1,5 +1,5 @@
 """The C++ small linear (gpu/backends/cpu/kernels/small_linear.cpp) against torch's, oneDNN's packed
-weights (gpu/backends/cpu/kernels/packed_linear.py), and the cpu backend's ops (gpu/backends/cpu/ops.py),
+weights (gpu/backends/cpu/kernels/onednn_linear.py), and the cpu backend's ops (gpu/backends/cpu/ops.py),
 whose `prepare` moves a Linear's weight to the transposed storage the kernel reads and whose
 `linear` picks a path by rows.
 
@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.gpu.backends.cpu.kernels import cpu_small_linear
-from conveyor.gpu.backends.cpu.kernels.packed_linear import (
+from conveyor.gpu.backends.cpu.kernels.onednn_linear import (
     PACKED_MIN_ROWS,
+    onednn_available,
     pack_linear_weight,
     packed_linear,
-    packed_linear_available,
 )
 from conveyor.gpu.backends.cpu.ops import CpuOps, SmallLinearWeight
 from conveyor.gpu.backends.torch import TorchOps
@@ -55,7 +55,7 @@ def test_linear_moves_its_weight_and_back_without_changing_results():
     ops.prepare(layer)
     assert isinstance(layer.prepared, SmallLinearWeight) and not layer.weight.is_contiguous()  # a view of [in, out] storage
     assert layer.weight.t().is_contiguous() and torch.equal(layer.weight, storage)
-    assert (layer.prepared.packed is not None) == (packed_linear_available() and small.packs)
+    assert (layer.prepared.packed is not None) == (onednn_available() and small.packs)
     assert torch.allclose(layer(x), want, rtol=1e-5, atol=1e-5)
     for rows in (PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 2047, small.max_rows + 1):  # each side of each switch
         tall = torch.randn(rows, 64)
@@ -105,7 +105,7 @@ def test_a_head_tied_to_the_embedding_keeps_its_layout():
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_weights_match_torch(bias):
-    assert packed_linear_available()
+    assert onednn_available()
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(PACKED_MIN_ROWS + 88, 256, generator=g), torch.randn(688, 256, generator=g)
     b = torch.randn(688, generator=g) if bias else None
@@ -120,7 +120,7 @@ def test_a_layer_routes_by_rows(monkeypatch):
     if layer.prepared.packed is None:
         pytest.skip("no oneDNN packed weights on this CPU (or in this torch)")
     calls = []
-    import conveyor.gpu.backends.cpu.kernels.packed_linear as packed
+    import conveyor.gpu.backends.cpu.kernels.onednn_linear as packed
 
     monkeypatch.setattr(packed, "packed_linear", lambda x, p, b: calls.append(("packed", len(x))) or packed_linear(x, p, b))
 
@@ -140,8 +140,8 @@ def test_a_layer_routes_by_rows(monkeypatch):
     assert calls == [("small", 1), ("small", 511), ("packed", 512), ("small", 2047), ("packed", 2048)]
 
 
-def test_without_packed_weights_rows_past_the_limit_go_to_sgemm(monkeypatch):
-    """AVX2: the kernel takes steps up to small.max_rows rows, torch's sgemm the rest."""
+def test_without_packed_weights_rows_past_the_limit_go_to_a_gemm(monkeypatch):
+    """AVX2: the kernel takes steps up to small.max_rows rows, a GEMM (oneDNN's or torch's) the rest."""
     layer = cpu_linear(64, 96, bias=False)
     if layer.prepared.packed is not None:
         pytest.skip("packed weights serve the many-row steps on this CPU")

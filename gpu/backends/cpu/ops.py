@@ -19,9 +19,10 @@ CPU tensors, torch's (TorchOps) for anything else.
   and lora_expand alone, which the layers do not call).
 - linear: for the layers small_linear.cpp supports (at most 1024 input features: small models),
   `prepare` moves each weight's storage to [in, out] (the kernel reads it transposed), leaving
-  `weight` a transposed view of it so torch's GEMM serves what the kernel does not take, and
-  keeps oneDNN's blocked copy (packed_linear.py) for steps of many rows in multiples of 64. A
-  weight tied to the embedding keeps its layout: the embedding's row lookups need it.
+  `weight` a transposed view of it so a GEMM serves what the kernel does not take, and keeps
+  oneDNN's blocked copy (onednn_linear.py) for steps of many rows in multiples of 64. A weight
+  tied to the embedding keeps its layout: the embedding's row lookups need it. Any other float32
+  product of many rows (wide layers, the tied head) is oneDNN's on the weight as stored.
 - embedding: the table's rows by one C call, a float32 table's gathered (fused_ops.cpp), a
   quantized one's decoded from its codes (quant_linear.cpp, the weight `prepared` as for its
   product; not act-order), where the activations are float32; torch's otherwise. An id outside
@@ -38,11 +39,10 @@ import dataclasses
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from conveyor.gpu.backends.column_groups import ColumnGroup, stack
-from conveyor.gpu.backends.cpu.kernels import packed_linear as packed
+from conveyor.gpu.backends.cpu.kernels import onednn_linear as onednn
 from conveyor.gpu.backends.cpu.kernels import program
 from conveyor.gpu.backends.cpu.kernels.fused_ops import CpuFusedOps, supports
 from conveyor.gpu.backends.cpu.kernels.lora import CpuLora
@@ -115,7 +115,7 @@ class CpuOps(TorchOps):
             weight_t = layer.weight.data.t().contiguous()  # no copy when already moved
             if small is not None and small.supports_weight(weight_t):
                 layer.weight.data = weight_t.t()  # [out, in] view of [in, out] storage
-                pack = packed.pack_linear_weight(layer.weight.data) if small.packs and packed.packed_linear_available() else None
+                pack = onednn.pack_linear_weight(layer.weight.data) if small.packs and onednn.onednn_available() else None
                 layer.prepared = SmallLinearWeight(pack)
             else:
                 layer.weight.data = layer.weight.data.contiguous()
@@ -124,11 +124,11 @@ class CpuOps(TorchOps):
     def linear(self, x: torch.Tensor, layer: LinearLayer) -> torch.Tensor:
         prepared, small = layer.prepared, self.small_linear
         if isinstance(prepared, SmallLinearWeight) and small is not None and x.dim() == 2 and supports(x):
-            if prepared.packed is not None and packed.use_packed(x.shape[0]):
-                return packed.packed_linear(x, prepared.packed, layer.bias)
+            if prepared.packed is not None and onednn.use_packed(x.shape[0]):
+                return onednn.packed_linear(x, prepared.packed, layer.bias)
             if x.shape[0] <= small.max_rows:
                 return small(x, layer.weight.t(), layer.bias)
-        return F.linear(x, layer.weight, layer.bias)
+        return onednn.linear(x, layer.weight, layer.bias)
 
     @property
     def records(self) -> bool:  # type: ignore[override]

@@ -13,8 +13,9 @@ Only what torch does badly on a CPU lives here, float32 only:
   (quant_argmax.py): each row's candidates, and its pick among them in three planes;
 - lora.cpp: a projection's batched LoRA update, a token reading only its own adapter slot, one
   call a projection instead of torch's thirty-odd small ops.
-packed_linear.py is not C++: it holds the same narrow layers' weights in oneDNN's blocked
-layout, for steps of many rows (prefill), through ops torch already ships.
+onednn_linear.py is not C++: oneDNN's float32 products, through ops torch already ships, for
+steps of many rows (prefill): on the weights as stored, and on the narrow layers' weights in
+oneDNN's blocked layout.
 `paged_attention_kernel()`, `cpu_fused_ops()`, `cpu_small_linear()`, `cpu_quant_linear()`, `cpu_quant_argmax()` and `cpu_lora()` return
 None when their library is unavailable (no compiler, a failed build, CONVEYOR_CPU_KERNELS=0); the
 cpu backend (gpu/backends/cpu), their only caller, then uses the torch backend's paths, which

@@ -18,8 +18,8 @@ import dataclasses
 import functools
 
 import torch
-import torch.nn.functional as F
 
+from conveyor.gpu.backends.cpu.kernels import onednn_linear as onednn
 from conveyor.gpu.backends.cpu.kernels.build import load_library
 from conveyor.gpu.backends.cpu.kernels.program import Kernel
 from conveyor.gpu.quant.weight import QuantizedWeight
@@ -143,7 +143,8 @@ class CpuQuantLinear:
         return y
 
     def _gemm(self, x: torch.Tensor, prepared: QuantArgs, bias: torch.Tensor | None) -> torch.Tensor:
-        """F.linear against W decoded SCRATCH_FLOATS at a time (whole rows, at least one)."""
+        """x against W decoded SCRATCH_FLOATS at a time (whole rows, at least one), by oneDNN's GEMM
+        (onednn_linear.py) where it runs, torch's F.linear otherwise."""
         n, k = prepared.shape
         step = max(1, min(n, SCRATCH_FLOATS // k))
         if self._scratch.numel() < step * k:
@@ -151,13 +152,13 @@ class CpuQuantLinear:
         if step == n:
             w = self._scratch[: n * k].view(n, k)
             self._dequantize(w.data_ptr(), 0, n, prepared.address)
-            return F.linear(x, w, bias)
+            return onednn.linear(x, w, bias)
         y = torch.empty(x.shape[0], n)
         for n0 in range(0, n, step):
             rows = min(step, n - n0)
             w = self._scratch[: rows * k].view(rows, k)
             self._dequantize(w.data_ptr(), n0, rows, prepared.address)
-            y[:, n0 : n0 + rows] = F.linear(x, w, None if bias is None else bias[n0 : n0 + rows])
+            y[:, n0 : n0 + rows] = onednn.linear(x, w, None if bias is None else bias[n0 : n0 + rows])
         return y
 
     def rows(self, ids: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:

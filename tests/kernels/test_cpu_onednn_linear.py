@@ -1,0 +1,113 @@
+"""oneDNN's float32 products on weights as stored (gpu/backends/cpu/kernels/onednn_linear.py):
+equal to F.linear up to float32 reassociation, taken from ONEDNN_MIN_ROWS rows, and the GEMM of
+every cpu-backend product no kernel of ours takes: wide float layers, a tied head, a quantized
+weight's decoded slices. (The packed form and the narrow layers' routing:
+test_gpu_small_linear.py.)
+
+Tolerance: float32 sums of K products in another order differ by about sqrt(K) * 2^-24 of
+|x| |W|^T; 1e-5 of that scale is far above it and far below a wrong row, column or bias.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conveyor.gpu.backends.cpu import ops as cpu_ops
+from conveyor.gpu.backends.cpu.kernels import cpu_quant_linear, cpu_small_linear
+from conveyor.gpu.backends.cpu.kernels import onednn_linear as onednn
+from conveyor.gpu.backends.cpu.kernels import quant_linear as qlm
+from conveyor.gpu.backends.cpu.ops import CpuOps
+from conveyor.gpu.models.layers import Linear
+from conveyor.gpu.quant.weight import quantize_groups
+
+needs_onednn = pytest.mark.skipif(not onednn.onednn_available(), reason="torch without oneDNN's linear ops")
+
+
+def close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    want = x.double() @ w.double().T + (0 if b is None else b.double())  # not F.linear: tests spy on it
+    scale = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    return got.dtype == x.dtype and got.shape == want.shape and bool(((got.double() - want).abs() <= 1e-5 * scale).all())
+
+
+class Spy:
+    """Counts the rows of each product it passes on to `fn`."""
+
+    def __init__(self, fn):
+        self.fn, self.rows = fn, []
+
+    def __call__(self, x, *args):
+        self.rows.append(x.shape[0])
+        return self.fn(x, *args)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [onednn.ONEDNN_MIN_ROWS, 64, 333, 2048])
+@pytest.mark.parametrize(("k", "n", "bias", "strided"), [(576, 960, False, False), (1536, 576, True, False), (96, 40, True, True)])
+def test_equals_f_linear(rows, k, n, bias, strided):
+    g = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k, generator=g)
+    w = torch.randn(k, n, generator=g).t() if strided else torch.randn(n, k, generator=g)  # a [in, out] storage's view
+    b = torch.randn(n, generator=g) if bias else None
+    assert close(onednn.linear(x, w, b), x, w, b)
+
+
+def test_few_rows_and_other_dtypes_stay_torchs(monkeypatch):
+    spy = Spy(F.linear)
+    monkeypatch.setattr(onednn.F, "linear", spy)
+    w = torch.randn(48, 32)
+    onednn.linear(torch.randn(onednn.ONEDNN_MIN_ROWS - 1, 32), w, None)  # a decode step's rows
+    onednn.linear(torch.randn(300, 32, dtype=torch.float64), w.double(), None)
+    monkeypatch.setattr(onednn, "onednn_available", lambda: False)  # torch without oneDNN: every product torch's
+    x = torch.randn(300, 32)
+    assert close(onednn.linear(x, w, None), x, w, None)
+    assert spy.rows == [onednn.ONEDNN_MIN_ROWS - 1, 300, 300]
+
+
+@needs_onednn
+def test_many_rows_are_onednns(monkeypatch):
+    spy = Spy(F.linear)
+    monkeypatch.setattr(onednn.F, "linear", spy)
+    x, w = torch.randn(onednn.ONEDNN_MIN_ROWS, 32), torch.randn(48, 32)
+    assert close(onednn.linear(x, w, None), x, w, None) and spy.rows == []
+
+
+@needs_onednn
+def test_a_wide_float_layer_takes_onednn_from_its_rows(monkeypatch):
+    """A layer small_linear declines (more than 1024 inputs, as SmolLM2's down_proj): F.linear for
+    a decode step's rows, oneDNN from ONEDNN_MIN_ROWS."""
+    ops = CpuOps(None, cpu_small_linear())
+    layer = Linear(1536, 64, True, ops)
+    ops.prepare(layer)
+    spy = Spy(onednn.linear)
+    monkeypatch.setattr(cpu_ops.onednn, "linear", spy)
+    torch_spy = Spy(F.linear)
+    monkeypatch.setattr(onednn.F, "linear", torch_spy)
+    for rows in (1, onednn.ONEDNN_MIN_ROWS - 1, onednn.ONEDNN_MIN_ROWS, 500):
+        x = torch.randn(rows, 1536)
+        assert close(layer(x), x, layer.weight, layer.bias)
+    assert spy.rows == [1, onednn.ONEDNN_MIN_ROWS - 1, onednn.ONEDNN_MIN_ROWS, 500]
+    assert torch_spy.rows == [1, onednn.ONEDNN_MIN_ROWS - 1]
+
+
+quant = cpu_quant_linear()
+
+
+@needs_onednn
+@pytest.mark.skipif(quant is None, reason="no C++ compiler for the CPU kernels")
+@pytest.mark.parametrize("rows", [qlm.DEQUANTIZE_MIN_ROWS, 600])
+def test_a_quantized_weights_many_rows_multiply_by_onednn(rows, monkeypatch):
+    """The dequantize path decodes W into a float scratch and multiplies it by oneDNN: the same
+    product as the dequantized reference, in one slice and in several."""
+    assert quant is not None
+    n, k = 200, 1536
+    g = torch.Generator().manual_seed(rows)
+    w = quantize_groups(torch.randn(n, k, generator=g), "u4", 32)  # with mins, as Q4_1
+    x, b = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    spy = Spy(onednn.linear)
+    monkeypatch.setattr(qlm.onednn, "linear", spy)
+    for scratch in (qlm.SCRATCH_FLOATS, 64 * k):  # the whole weight at once; slices of 64 rows
+        monkeypatch.setattr(qlm, "SCRATCH_FLOATS", scratch)
+        assert close(quant(x, w, b, path="dequantize"), x, w.dequantize(), b)
+    assert spy.rows == [rows] * (1 + 4)  # one product, then one per slice of 64 of the 200 rows
