@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from conveyor.gpu.backends.cpu.kernels import isa
 from conveyor.gpu.backends.cpu.kernels import quant_linear as qlm
 from conveyor.gpu.backends.cpu.kernels.build import load_library
 from conveyor.gpu.backends.cpu.kernels.quant_linear import CpuQuantLinear, QuantArgs, cpu_quant_linear
@@ -152,12 +153,26 @@ def test_the_row_count_picks_the_path(monkeypatch):
     gemm = NATIVE._gemm
     monkeypatch.setattr(NATIVE, "_gemm", lambda *args: calls.append(-1) or gemm(*args))
     u4, e4m3 = weight("u4", 48, 64, 32, True, False, 0), weight("e4m3", 48, 64, 32, False, False, 0)
-    for w, rows in itertools.product((u4, e4m3), (1, qlm.INT8_MAX_ROWS, qlm.DEQUANTIZE_MIN_ROWS)):
+    counts = (1, 2, qlm.INT8_MAX_ROWS, qlm.INT8_MAX_ROWS + 1, qlm.DEQUANTIZE_MIN_ROWS - 1, qlm.DEQUANTIZE_MIN_ROWS)
+    for w, rows in itertools.product((u4, e4m3), counts):
         NATIVE(torch.randn(rows, 64), w)
-    int8 = NATIVE.int8_path if NATIVE.has_int8 else qlm.PATHS["direct"]
     direct, dequantize = qlm.PATHS["direct"], qlm.PATHS["dequantize"]
-    assert calls == [int8, int8, dequantize, direct, direct, dequantize]
+    int8 = NATIVE.int8_path if NATIVE.has_int8 else direct
+    several = int8 if NATIVE.int8_max_rows > 1 else direct  # int8 past one row only with a VNNI dot product
+    assert NATIVE.int8_max_rows in (1, qlm.INT8_MAX_ROWS)
+    assert calls[:6] == [int8, several, several, direct, direct, dequantize]
+    assert calls[6:] == [direct] * 5 + [dequantize]  # e4m3: no int8 path
     assert NATIVE.int8_path == qlm.PATHS["int8x3"]  # the default: x to 22 bits (see quant_linear.py)
+
+
+@pytest.mark.parametrize("build_name", variant_params(int8=True))
+def test_int8_takes_several_rows_only_with_a_vnni_dot_product(build_name):
+    """Each build says which byte products it has: several rows go int8 only by vpdpbusd."""
+    kernel = build(build_name)
+    paths = isa.kernel_paths(isa.build_features(isa.variant(build_name)))
+    assert kernel.has_int8 == (paths.int8 is not None)
+    vnni = paths.int8 is not None and paths.int8.startswith("vpdpbusd")
+    assert kernel.int8_max_rows == (qlm.INT8_MAX_ROWS if vnni else 1)
 
 
 def test_mismatched_shapes_are_refused():

@@ -294,10 +294,11 @@ void conveyor_quant_dequantize_f32(float* out, int64_t n0, int64_t num_rows, con
   return dequantize_rows<float>(out, n0, num_rows, args);
 }
 
-// Whether path 2 (int8) exists in this build.
+// Whether path 2 (int8) exists in this build: 0 no; 1 its byte products by vpmaddubsw + vpmaddwd;
+// 2 by a VNNI dot product (vpdpbusd).
 int64_t conveyor_quant_linear_has_int8() {
 #if defined(CONVEYOR_INT8)
-  return 1;
+  return kVnni ? 2 : 1;
 #else
   return 0;
 #endif

@@ -8,7 +8,8 @@ codes, scales and mins contiguous, scales and mins float32 or both float16
 groups stay contiguous. `prepare(weight)` is the weight's `prepared` form: its pointers and sizes
 as the C call takes them, read once instead of on every call (a decode step of SmolLM2 makes 121
 of these calls, q/k/v and gate/up stacked by the cpu ops). Which of the kernel's paths a call
-takes is decided here, by its row count (INT8_MAX_ROWS, DEQUANTIZE_MIN_ROWS).
+takes is decided here, by its row count and the build's byte products (`int8_max_rows`,
+DEQUANTIZE_MIN_ROWS).
 """
 
 from __future__ import annotations
@@ -35,11 +36,23 @@ GROUP_MULTIPLE = {"u4": 32, "u8": 16, "e4m3": 16}  # the decoders' chunk of inpu
 PATHS = {"direct": 0, "int8": 2, "int8x2": 3, "int8x3": 4, "dequantize": -1}
 _DIRECT, _DEQUANTIZE = PATHS["direct"], PATHS["dequantize"]
 MAX_ROWS = 4096  # a step's rows: the cpu backend's largest token budget
-# Where the paths cross, on this 2-core AVX-512 Xeon (SmolLM2's shapes, medians of interleaved
-# runs; gate 1536 x 576 u4, us): 16 rows int8x3 424, direct 425, dequantize 478; 32 rows 917,
-# 851, 641. The int8 paths take up to 16 rows (direct where they cannot), dequantize the rest.
-INT8_MAX_ROWS = 16
-DEQUANTIZE_MIN_ROWS = 17
+# Where the paths cross. On a 2-core AVX-512 Xeon (gate 1536 x 576 u4, us): 16 rows int8x3 424,
+# direct 425, dequantize (MKL) 478; 32 rows 917, 851, 641. On a 2-core AMD EPYC (Zen 5), a layer's
+# four products (q/k/v 960, o 576, gate/up 3072 x 576, down 576 x 1536; u4), ms, int8x3 / direct
+# (/ dequantize, its GEMM oneDNN's), medians of 5 interleaved rounds (ops/bench/quant_paths.py):
+#   rows                 1            2            16            32
+#   native (VNNI, zmm)   0.07 / 0.08  0.12 / 0.10  0.56 / 0.60   1.52 / 1.18 / 1.82
+#   x86-64-v3-vnni       0.09 / 0.11  0.14 / 0.15  0.86 / 0.96   1.57 / 1.87 / 2.07
+#   x86-64-v3 (AVX2)     0.10 / 0.11  0.17 / 0.15  1.05 / 0.96   2.10 / 1.84 / 2.15
+#   x86-64-v4 (no VNNI)  0.08 / 0.08  0.12 / 0.10  0.83 / 0.53   1.77 / 1.07 / 1.87
+# Without a VNNI dot product, x's three int8 planes cost more than decoding W to floats from two
+# rows (a vpmaddubsw + vpmaddwd per plane), so those builds take int8 for one row only. The
+# dequantize path decodes all of W first (about 1.4 ms a layer: 20 MB of floats written, then
+# read) and paid from about 40 rows here. The kernel's own paths take up to 32 rows, every
+# decode-graph bucket (gpu/step/cuda_graphs.py), so those steps record (a recording refuses the
+# dequantize path's torch GEMM); dequantize the rest.
+INT8_MAX_ROWS = 16  # with a VNNI dot product; 1 without (`int8_max_rows`)
+DEQUANTIZE_MIN_ROWS = 33
 # The float slice of W decoded at a time: 8 MB, SmolLM2's stacked gate/up (3072 x 576) whole. At
 # 4 MB it took two slices, each product copied into a column range of the output: a 2048-token
 # prefill step took 2207 ms against 1994 (medians of 5, interleaved; float32's own GEMM 1864).
@@ -89,7 +102,9 @@ class CpuQuantLinear:
         self._fn = Kernel(lib, "conveyor_quant_linear_f32", [_ptr, _ptr, _i64, _i64, _ptr, _ptr])
         self._dequantize = Kernel(lib, "conveyor_quant_dequantize_f32", [_ptr, _i64, _i64, _ptr])
         self._rows = Kernel(lib, "conveyor_quant_rows_f32", [_ptr, _ptr, _i64, _ptr])
-        self.has_int8 = bool(lib.conveyor_quant_linear_has_int8())
+        int8 = lib.conveyor_quant_linear_has_int8()  # 0: no int8 path; 1: by vpmaddubsw; 2: by VNNI
+        self.has_int8 = int8 > 0
+        self.int8_max_rows = INT8_MAX_ROWS if int8 == 2 else 1
         self.int8_path = PATHS["int8"] + planes - 1
         self._scratch = torch.empty(0)
 
@@ -132,8 +147,8 @@ class CpuQuantLinear:
             x = x.index_select(1, prepared.perm)
         if path is not None:
             code = PATHS[path]
-        elif rows <= INT8_MAX_ROWS:
-            code = self.int8_path if prepared.int8 else _DIRECT
+        elif rows <= self.int8_max_rows and prepared.int8:
+            code = self.int8_path
         else:
             code = _DEQUANTIZE if rows >= DEQUANTIZE_MIN_ROWS else _DIRECT
         if code < 0:
