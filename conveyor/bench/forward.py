@@ -43,11 +43,11 @@ def parse_shape(text: str) -> tuple[int, int]:
 class StepDriver:
     """One variant's runner, and plans over it that play the scheduler's part."""
 
-    def __init__(self, variant: str, num_blocks: int) -> None:
+    def __init__(self, variant: str, num_blocks: int, model: str = "tiny") -> None:
         from conveyor.engine_config import build_engine_config
         from conveyor.gpu.step.runner import ModelRunner
 
-        config = build_engine_config("tiny", device="cpu", num_kv_blocks=num_blocks)
+        config = build_engine_config(model, device="cpu", num_kv_blocks=num_blocks)
         self.runner = ModelRunner(config, backend=variant_backend(variant, config.model))
         self.runner.initialize_cache(num_blocks)
         self.block_size = self.runner.block_size

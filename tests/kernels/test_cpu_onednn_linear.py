@@ -10,12 +10,16 @@ Tolerance: float32 sums of K products in another order differ by about sqrt(K) *
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conveyor.gpu.backends.cpu import ops as cpu_ops
-from conveyor.gpu.backends.cpu.kernels import cpu_quant_linear, cpu_small_linear
+from conveyor.gpu.backends.cpu.kernels import cpu_quant_linear, cpu_small_linear, isa
 from conveyor.gpu.backends.cpu.kernels import onednn_linear as onednn
 from conveyor.gpu.backends.cpu.kernels import quant_linear as qlm
 from conveyor.gpu.backends.cpu.ops import CpuOps
@@ -111,3 +115,20 @@ def test_a_quantized_weights_many_rows_multiply_by_onednn(rows, monkeypatch):
         monkeypatch.setattr(qlm, "SCRATCH_FLOATS", scratch)
         assert close(quant(x, w, b, path="dequantize"), x, w.dequantize(), b)
     assert spy.rows == [rows] * (1 + 4)  # one product, then one per slice of 64 of the 200 rows
+
+
+@needs_onednn
+@pytest.mark.skipif(isa.missing_features(isa.VARIANTS["x86-64-v3"]) != [], reason="this CPU does not run x86-64-v3")
+def test_an_isa_variant_holds_onednn_to_its_instructions():
+    """CONVEYOR_CPU_ISA=x86-64-v3 measures an AVX2 machine: oneDNN's GEMMs too (its verbose log
+    names the ISA it dispatches to), unless the user set ONEDNN_MAX_CPU_ISA."""
+    probe = "from conveyor.gpu.backends.cpu.kernels import onednn_linear as o; assert o.onednn_available()"
+
+    def isa_line(**extra: str) -> str:
+        environ = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+        environ.update(CONVEYOR_CPU_ISA="x86-64-v3", ONEDNN_VERBOSE="1", **extra)
+        out = subprocess.run([sys.executable, "-c", probe], env=environ, capture_output=True, text=True, check=True).stdout
+        return next(line for line in out.splitlines() if ",isa:" in line)
+
+    assert isa_line().endswith("isa:Intel AVX2")
+    assert "AVX2" not in isa_line(ONEDNN_MAX_CPU_ISA="SSE41")

@@ -57,16 +57,24 @@ class IsaVariant:
     name: str
     flags: tuple[str, ...]  # the compiler's target flags, in place of -march=native
     features: frozenset[str] | None  # what the CPU must have; None: the CPU's own (native)
+    # oneDNN's ONEDNN_MAX_CPU_ISA for the same restriction (its GEMMs serve the cpu backend's
+    # many-row products, onednn_linear.py); None: oneDNN's own pick (native)
+    onednn: str | None = None
 
 
 VARIANTS = {  # native, then the levels from the oldest up
     v.name: v
     for v in (
         IsaVariant("native", ("-march=native",), None),
-        IsaVariant("x86-64-v3", ("-march=x86-64-v3",), _V3),
-        IsaVariant("x86-64-v3-vnni", ("-march=x86-64-v3", "-mavxvnni"), _V3 | {"avx_vnni"}),
-        IsaVariant("x86-64-v4", ("-march=x86-64-v4",), _V4),
-        IsaVariant("x86-64-v4-vnni-bf16", ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"), _V4 | {"avx512_vnni", "avx512_bf16"}),
+        IsaVariant("x86-64-v3", ("-march=x86-64-v3",), _V3, "AVX2"),
+        IsaVariant("x86-64-v3-vnni", ("-march=x86-64-v3", "-mavxvnni"), _V3 | {"avx_vnni"}, "AVX2_VNNI"),
+        IsaVariant("x86-64-v4", ("-march=x86-64-v4",), _V4, "AVX512_CORE"),
+        IsaVariant(
+            "x86-64-v4-vnni-bf16",
+            ("-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"),
+            _V4 | {"avx512_vnni", "avx512_bf16"},
+            "AVX512_CORE_BF16",
+        ),
     )
 }
 

@@ -19,9 +19,13 @@ torch's F.linear; the results equal F.linear's up to float32 reassociation.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
+
+from conveyor.config import env
+from conveyor.gpu.backends.cpu.kernels import isa
 
 # On this 2-core AVX-512 machine, a 10 x 200 prefill step of the tiny model took 94.9 ms with
 # small_linear and 82.8 ms with the packed weights from 512 rows on (medians of 20 interleaved
@@ -78,9 +82,15 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 @functools.cache
 def onednn_available() -> bool:
-    """Whether both forms run here and agree with F.linear on a probe."""
+    """Whether both forms run here and agree with F.linear on a probe. First, oneDNN is held to
+    the instruction set the C++ kernels are built for (CONVEYOR_CPU_ISA, isa.py; a user's own
+    ONEDNN_MAX_CPU_ISA stands): a variant measures what that CPU would run, GEMMs included.
+    oneDNN reads the setting once, at its first primitive: this probe, in a worker."""
     if not torch.backends.mkldnn.is_available():
         return False
+    limit = isa.VARIANTS.get(env.cpu_isa())
+    if limit is not None and limit.onednn is not None:
+        os.environ.setdefault("ONEDNN_MAX_CPU_ISA", limit.onednn)
     try:
         g = torch.Generator().manual_seed(0)
         x, w, b = torch.randn(PACKED_MIN_ROWS, 64, generator=g), torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
