@@ -40,6 +40,21 @@ def test_auto_on_a_cpu_is_the_cpu_backend():
     assert isinstance(backend.attn, CpuAttention) and isinstance(backend.ops, CpuOps)
 
 
+@needs_kernel
+@pytest.mark.parametrize(
+    ("env", "warned"),
+    [({"OMP_PROC_BIND": "close"}, True), ({"OMP_PLACES": "cores"}, True), ({"OMP_PROC_BIND": "false"}, False), ({}, False)],
+)
+def test_bound_openmp_threads_are_warned_of(env, warned, monkeypatch, caplog):
+    for name in ("OMP_PROC_BIND", "OMP_PLACES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with caplog.at_level(logging.WARNING, logger="conveyor.gpu.backends.cpu"):
+        assert select("cpu", CPU, model_config()).name == "cpu"
+    assert ("binds OpenMP threads" in caplog.text) == warned
+
+
 def test_torch_is_the_reference_anywhere():
     backend = select("torch", CPU, model_config("bfloat16"))
     assert backend.name == "torch" and isinstance(backend.attn, TorchAttention) and type(backend.ops) is TorchOps

@@ -7,12 +7,14 @@ oneDNN's packed weights where they pay (AVX-512), and the quantized-linear kerne
 (cpu/ops.py). A piece whose library cannot be built is replaced by torch's; with none of them,
 or on another device or dtype, it raises BackendUnavailable with the reason, and `select` falls
 back to the torch backend with a warning. Once built, it logs the CPU's model and the kernels'
-ISA variant (CONVEYOR_CPU_ISA) with the paths that variant runs.
+ISA variant (CONVEYOR_CPU_ISA) with the paths that variant runs, and warns where OpenMP threads
+are bound (they would share one core).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -48,6 +50,7 @@ def cpu_backend(model: ModelConfig, device: torch.device, kv_dtype: str | None =
         reasons = "no compiler, a failed build, a CONVEYOR_CPU_ISA this CPU cannot run, or CONVEYOR_CPU_KERNELS=0"
         raise BackendUnavailable(f"no C++ kernel could be built ({reasons})")
     log.info("CPU %s", isa.describe_in_use())
+    _warn_if_threads_bound()
     attn: AttentionBackend = (
         CpuAttention(model, device, kernel, kv_dtype) if kernel is not None else TorchAttention(model, device, kv_dtype)
     )
@@ -65,6 +68,18 @@ def cpu_backend(model: ModelConfig, device: torch.device, kv_dtype: str | None =
         parts.append("the head's argmax from one plane")
     ops = CpuOps(fused, small_linear, quant, lora, argmax)
     return Backend(name="cpu", attn=attn, ops=ops, description=f"cpu ({', '.join(parts)})")
+
+
+def _warn_if_threads_bound() -> None:
+    """Binding OpenMP threads (OMP_PROC_BIND, OMP_PLACES) made the worker slower on the machine
+    measured: the process starts bound to the first place (its affinity one CPU), two threads then
+    streamed one core's bandwidth, and a one-row decode step took 1.9x as long, with the places as
+    cores or as explicit CPUs (docs/benchmarks/cpu-isa.md). The worker does not pin; a user who set
+    these hears why not."""
+    bound = {k: v for k in ("OMP_PROC_BIND", "OMP_PLACES") if (v := os.environ.get(k)) and v.lower() != "false"}
+    if bound:
+        settings = ", ".join(f"{k}={v}" for k, v in bound.items())
+        log.warning("%s binds OpenMP threads: measured 1.9x slower decode steps (docs/benchmarks/cpu-isa.md); unset it", settings)
 
 
 def _linears(small: CpuSmallLinear | None) -> str:
