@@ -286,6 +286,18 @@ class KvTiers:
         `resume` said True: it runs at the next, set aside meanwhile) or by the one before."""
         return seq.seq_id in self._swapping_in
 
+    def release_loaded_back(self) -> bool:
+        """A running sequence found no room in the pool: the blocks loaded back by an earlier plan
+        for swapped-out sequences that have not run yet go free, as held prefixes do (those
+        sequences compute again); whether any did. Those this plan loads stay out until it ran."""
+        released = False
+        for seq_id, at in list(self._loaded_at.items()):
+            if at < self._round and (table := self._swapping_in.pop(seq_id, None)) is not None:
+                del self._loaded_at[seq_id]
+                self.blocks.free(table)
+                released = True
+        return released
+
     def hold_again(self, seq: Sequence) -> None:
         """A sequence `resume` gave its table back to that could not run this step after all:
         the tier holds its blocks again until it does."""

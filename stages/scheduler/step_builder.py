@@ -189,7 +189,8 @@ class StepBuilder:
         sched = self.sched
         blocks = sched.blocks
         while (fit := min(num, blocks.num_appendable(seq))) < 1:
-            if sched.tiers is not None and sched.tiers.release_holds():  # prefixes held for waiting sequences yield first
+            tiers = sched.tiers  # blocks held for waiting sequences yield first: prefixes, then swapped-out blocks loaded back
+            if tiers is not None and (tiers.release_holds() or tiers.release_loaded_back()):
                 continue
             victim = max(
                 (s for s in sched.running if s.status is SeqStatus.RUNNING and s.seq_id not in self.scheduled),

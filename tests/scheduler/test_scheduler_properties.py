@@ -100,6 +100,25 @@ requests_strategy = st.lists(
     load_now=0,
     warm=False,
 )
+# Found at 20,000 examples (a helper's run): blocks loaded back from swap for a sequence that has
+# not run yet stayed held while a running sequence found no room, so the running one was
+# preempted, swapped out, loaded back, and the two took turns for ever; they now go free first.
+@example(
+    reqs=[(0, 1, 1, 1, 0, False, 0)] * 11 + [(0, 4, 2, 1, 0, False, 1), (0, 18, 4, 1, 0, False, 0)],
+    block_size=2,
+    num_blocks=12,
+    budget=8,
+    max_seqs=2,
+    policy="splitfuse",
+    caching=False,
+    lookahead=True,
+    eos=False,
+    host_slots=64,
+    swap=True,
+    disk=0,
+    load_now=0,
+    warm=False,
+)
 def test_random_streams_keep_every_invariant(
     reqs, block_size, num_blocks, budget, max_seqs, policy, caching, lookahead, eos, host_slots, swap, disk, load_now, warm
 ):
