@@ -3,7 +3,7 @@
 A prefill step is GEMMs: each prompt token costs 2 FLOPs per weight of the decoder's linears,
 plus causal attention (2 x 2 x heads x head_dim per earlier token, per layer) and, once per
 prompt, the LM head. So the machine's float32 GEMM rate bounds it. This measures:
-1. the GEMM rate at one layer's shapes (q/k/v, o, gate/up, down) and the head's, at 2048 rows:
+1. the GEMM rate at one layer's shapes (q/k/v, o, gate/up, down), at ROWS x LEN rows:
    torch's F.linear (MKL, or whatever BLAS torch was built with), oneDNN on the weight as stored,
    and oneDNN on its packed copy (gpu/backends/cpu/kernels/onednn_linear.py);
 2. a prefill step of ROWS fresh prompts of LEN tokens on the cpu backend as served (the worker's

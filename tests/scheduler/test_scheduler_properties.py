@@ -39,6 +39,12 @@ requests_strategy = st.lists(
 )
 
 
+def swap_livelock(**case):
+    """An @example of a swap-mode livelock this test found: no prefix cache, a host tier of 64
+    slots, no disk; `case` gives the rest."""
+    return example(caching=False, host_slots=64, swap=True, disk=0, load_now=0, warm=False, **case)
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     reqs=requests_strategy,
@@ -58,7 +64,7 @@ requests_strategy = st.lists(
 )
 # Found at ~1,700 examples: a swapped-out sequence loaded back but kept out by the head of the
 # queue was held again every round, so the head never found room and the two took turns for ever.
-@example(
+@swap_livelock(
     reqs=[
         (2, 28, 11, 3, 5, True, 1),
         (2, 1, 3, 2, 0, False, 2),
@@ -72,52 +78,34 @@ requests_strategy = st.lists(
     budget=49,
     max_seqs=4,
     policy="prefill_first",
-    caching=False,
     lookahead=True,
     eos=True,
-    host_slots=64,
-    swap=True,
-    disk=0,
-    load_now=0,
-    warm=False,
 )
 # Found at 45 examples (--hypothesis-seed=70203242638453066573820507991835468533): two samples of
 # r6, swapped out, each needing 11 of the 12 blocks; the one loaded back left the room for its next
 # token free, the other took it in the same plan, and the two took turns for ever.
-@example(
+@swap_livelock(
     reqs=[(0, 1, 1, 1, 0, False, 0)] * 5 + [(0, 1, 3, 1, 0, False, 0), (0, 20, 2, 2, 0, False, 0)],
     block_size=2,
     num_blocks=12,
     budget=11,
     max_seqs=2,
     policy="prefill_first",
-    caching=False,
     lookahead=False,
     eos=False,
-    host_slots=64,
-    swap=True,
-    disk=0,
-    load_now=0,
-    warm=False,
 )
 # Found at 20,000 examples (a helper's run): blocks loaded back from swap for a sequence that has
 # not run yet stayed held while a running sequence found no room, so the running one was
 # preempted, swapped out, loaded back, and the two took turns for ever; they now go free first.
-@example(
+@swap_livelock(
     reqs=[(0, 1, 1, 1, 0, False, 0)] * 11 + [(0, 4, 2, 1, 0, False, 1), (0, 18, 4, 1, 0, False, 0)],
     block_size=2,
     num_blocks=12,
     budget=8,
     max_seqs=2,
     policy="splitfuse",
-    caching=False,
     lookahead=True,
     eos=False,
-    host_slots=64,
-    swap=True,
-    disk=0,
-    load_now=0,
-    warm=False,
 )
 def test_random_streams_keep_every_invariant(
     reqs, block_size, num_blocks, budget, max_seqs, policy, caching, lookahead, eos, host_slots, swap, disk, load_now, warm
