@@ -21,6 +21,7 @@
 #pragma once
 
 #include "quant_int8_isa.h"
+#include "vector_math.h"
 
 #if defined(CONVEYOR_INT8)
 
@@ -35,8 +36,6 @@
 namespace {
 
 constexpr int kBlock = 32;                 // inputs per x scale
-constexpr int64_t kPrefetchBytes = 4096;   // how far ahead of its reads a thread asks for codes
-// (measured on one core of this machine, 1536 x 576 u4: none 100 us, 1 KB to 8 KB 95 to 99 us)
 
 // Which scales the lanes of one vector of codes take: lane l, group base + lane_group[l]. Every
 // vector reads the same number of scales, scale_lanes(K / G), from `base`: its first group, moved
@@ -176,19 +175,6 @@ inline void store_sums(const fvec* accs, int count, const float* bias, float* ou
   for (; i < count; ++i) out[i * stride] = hsum(accs[i]) + (bias ? bias[i * stride] : 0.f);
 }
 
-// The lines of s[0, count), asked for now. A row's scales and mins are a few dozen bytes in their
-// own arrays, read after its codes (the mins at the block's end): the streams the loop's codes
-// prefetch does not cover. Asked for as far ahead as the codes are, they cut a one-row step of
-// SmolLM2 Q4_1 from 4.19 to 3.25 ms (AMD EPYC Zen 5, medians of 10 interleaved rounds); left to
-// the hardware prefetcher, a quarter of the u4 kernel's samples sat on the mins' loads.
-template <class S>
-inline void prefetch_rows(const S* s, int64_t count) {
-  const char* p = reinterpret_cast<const char*>(s);
-  const int64_t bytes = count * static_cast<int64_t>(sizeof(S));
-  for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(p + at, _MM_HINT_T0);
-  _mm_prefetch(p + bytes - 1, _MM_HINT_T0);  // the last line, where the span is not line-aligned
-}
-
 // y[m, n0 + n] for m < MB (x's rows m0...), n < NB; y points at row m0.
 template <bool U4, int P, int MB, int NB, class S>
 void int8_block(const QuantizedX& xq, const uint8_t* q, const S* scales, const S* mins, int64_t m0,
@@ -202,8 +188,8 @@ void int8_block(const QuantizedX& xq, const uint8_t* q, const S* scales, const S
   const int8_t* xv = xq.q.data() + m0 * x_row;
   const float* dv = xq.dx.data() + m0 * dx_row;
   q += n0 * row_bytes, scales += n0 * groups, mins = mins ? mins + n0 * groups : nullptr;
-  prefetch_rows(scales + ahead / row_bytes * groups, NB * groups);
-  if (mins) prefetch_rows(mins + ahead / row_bytes * groups, NB * groups);
+  prefetch_span(scales + ahead / row_bytes * groups, NB * groups);
+  if (mins) prefetch_span(mins + ahead / row_bytes * groups, NB * groups);
   const VecPlan* plan = xq.plan;
   const FirstLanes vec_scales(scale_lanes(groups));  // read per vector of codes, from plan->base
   for (const uint8_t* codes = q; codes < q + row_bytes; codes += kVecBytes, xv += xq.xvec_stride, dv += kIntLanes, ++plan) {

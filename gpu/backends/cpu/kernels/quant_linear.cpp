@@ -86,6 +86,10 @@ void block(const float* __restrict x, const Weight<S>& w, int64_t n0, const floa
     for (int n = 0; n < NB; ++n) acc[m][n] = v16{};
   const int64_t K = w.K, groups = K / w.G;
   const uint8_t* q = w.q + n0 * w.row_bytes;
+  const int64_t ahead = n0 + std::max<int64_t>(NB, kPrefetchBytes / w.row_bytes);  // the rows asked for now
+  prefetch_span(w.q + ahead * w.row_bytes, NB * w.row_bytes);
+  prefetch_span(w.scales + ahead * groups, NB * groups);
+  if (w.mins) prefetch_span(w.mins + ahead * groups, NB * groups);
   for (int64_t g = 0; g < groups; ++g) {
     float s[NB], mn[NB];
     for (int n = 0; n < NB; ++n) {

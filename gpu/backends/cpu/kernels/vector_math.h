@@ -140,4 +140,23 @@ inline float exp_and_sum(float* __restrict p, int64_t n, float m) {
   return sum;
 }
 
+// The quantized linears' weights stream from memory once a step; a thread asks for the rows
+// kPrefetchBytes ahead of the ones it reads (measured on one core, 1536 x 576 u4: none 100 us, 1
+// KB to 8 KB 95 to 99 us; 2-16 KB made no difference to a one-row step of SmolLM2).
+constexpr int64_t kPrefetchBytes = 4096;
+
+// The cache lines of s[0, count), asked for now. A quantized row's scales and mins are a few
+// dozen bytes in arrays of their own, read after its codes (the mins at a block's end): streams
+// that a prefetch of the codes alone does not cover. Asked for as far ahead as the codes, they
+// cut a one-row step of SmolLM2 Q4_1 from 4.19 to 3.25 ms (AMD EPYC Zen 5, medians of 10
+// interleaved rounds); left to the hardware prefetcher, a quarter of the u4 kernel's samples sat
+// on the mins' loads.
+template <class T>
+inline void prefetch_span(const T* s, int64_t count) {
+  const char* p = reinterpret_cast<const char*>(s);
+  const int64_t bytes = count * static_cast<int64_t>(sizeof(T));
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at);
+  __builtin_prefetch(p + bytes - 1);  // the last line, where the span is not line-aligned
+}
+
 }  // namespace
