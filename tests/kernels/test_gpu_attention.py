@@ -155,6 +155,19 @@ def test_cpu_kernel_long_contexts_across_block_sizes(block_size):
 
 
 @needs_kernel
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("window", [None, 300, 517])
+def test_cpu_kernel_splits_long_decode_contexts(block_size, window):
+    """A step of fewer rows than twice the threads walks each decode token's keys in parts of 256
+    (paged_attention.cpp's kPartTokens), merged after: one row always splits, whatever the thread
+    count. Contexts that do and do not end on a block, windows starting inside a block and
+    inside a part, a part of a single key (769 = 3 x 256 + 1)."""
+    kernel = paged_attention_kernel()
+    for seed, (seq_lens, q_lens) in enumerate([([700], [1]), ([769], [1]), ([1030, 513], [1, 1]), ([600, 90], [1, 40])]):
+        run_case(seq_lens, q_lens, 9, 3, window, block_size=block_size, head_dim=64, seed=seed, kernel=kernel)
+
+
+@needs_kernel
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 4), (8, 1), (12, 4), (4, 4)])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("window", [None, 5, 37])

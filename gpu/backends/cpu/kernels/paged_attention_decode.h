@@ -90,17 +90,18 @@ inline void attend_tile(const float* __restrict qh, const float* __restrict kt,
   for (int dv = 0; dv < ND; ++dv) store16(a + dv * kLanes, NS == 2 ? acc[dv][0] + acc[dv][NS - 1] : acc[dv][0]);
 }
 
-// One query token, every head: q [Hq, D] pre-scaled -> out [Hq, D], times v_scale. Query heads
-// h * group .. h * group + group - 1 read kv head h. A block's tiles for all heads are adjacent,
-// so the token walks its context as one stream of whole blocks. BS and D are compile-time where
-// specialised (0: read the runtime value).
+// One query token, every head, over its keys [lo, hi): q [Hq, D] pre-scaled -> acc [Hq, D] (the
+// output before its division), m and l [Hq] (the running max, the sum of exponentials), which
+// merge_parts turns into the output. Query heads h * group .. h * group + group - 1 read kv head
+// h. A block's tiles for all heads are adjacent, so the token walks its keys as one stream of
+// whole blocks. BS and D are compile-time where specialised (0: read the runtime value). A long
+// context is walked in parts, on several threads, and the parts merged (paged_attention.cpp).
 template <int BS, int D, typename KV>
-void attend_token(const float* __restrict q, const KV* __restrict k_cache,
-                  const KV* __restrict v_cache, const int32_t* __restrict table, int64_t lo,
-                  int64_t hi, int bs_rt, int d_rt, int num_kv_heads, int group,
-                  float* __restrict out, float* __restrict acc /* [Hq, D] */,
-                  float* __restrict s /* [Hq, kMaxBlock] */, float* __restrict m,
-                  float* __restrict l /* [Hq] each */, float softcap, float v_scale) {
+void attend_part(const float* __restrict q, const KV* __restrict k_cache,
+                 const KV* __restrict v_cache, const int32_t* __restrict table, int64_t lo,
+                 int64_t hi, int bs_rt, int d_rt, int num_kv_heads, int group,
+                 float* __restrict acc /* [Hq, D] */, float* __restrict s /* [Hq, kMaxBlock] */,
+                 float* __restrict m, float* __restrict l /* [Hq] each */, float softcap) {
   const int bs = BS > 0 ? BS : bs_rt;
   const int d = D > 0 ? D : d_rt;
   const int num_heads = num_kv_heads * group;
@@ -193,12 +194,32 @@ void attend_token(const float* __restrict q, const KV* __restrict k_cache,
       }
     }
   }
+}
+
+// out [Hq, D] from parts of one token's keys, each (acc [Hq, D], m [Hq], l [Hq]) as attend_part
+// leaves them, `stride` floats apart: each part rescaled to the largest max, summed, divided by
+// the summed exponentials, times v_scale. One part is attend_token's own ending.
+inline void merge_parts(const float* parts, int num_parts, int64_t stride, int num_heads, int d,
+                        float* __restrict out, float v_scale) {
+  const int64_t m_at = static_cast<int64_t>(num_heads) * d, l_at = m_at + num_heads;
   for (int h = 0; h < num_heads; ++h) {
-    const float inv = l[h] > 0.f ? v_scale / l[h] : 0.f;  // an empty context gives zeros, not NaN
+    float top = kNegBig;
+    for (int p = 0; p < num_parts; ++p) top = std::max(top, parts[p * stride + m_at + h]);
+    float sum = 0.f;
+    for (int p = 0; p < num_parts; ++p) sum += parts[p * stride + l_at + h] * std::exp(parts[p * stride + m_at + h] - top);
+    const float inv = sum > 0.f ? v_scale / sum : 0.f;  // an empty context gives zeros, not NaN
     float* o = out + h * d;
-    const float* a = acc + h * d;
+    for (int p = 0; p < num_parts; ++p) {
+      const float w = std::exp(parts[p * stride + m_at + h] - top) * inv;
+      const float* a = parts + p * stride + h * d;
+      if (p == 0) {
 #pragma omp simd
-    for (int e = 0; e < d; ++e) o[e] = a[e] * inv;
+        for (int e = 0; e < d; ++e) o[e] = a[e] * w;
+      } else {
+#pragma omp simd
+        for (int e = 0; e < d; ++e) o[e] += a[e] * w;
+      }
+    }
   }
 }
 
