@@ -60,7 +60,8 @@ constexpr int64_t kSerialWork = 8192;  // key positions x kv heads below which o
 // A decode token's keys in parts of this many (whole blocks), each a work item, where the step has
 // fewer tokens than twice the threads: else one stream's token is one thread's work while the
 // others wait. SmolLM2 Q4_1 decode steps, 1536 tokens of context (AMD EPYC, 2 threads, process
-// ABAB, medians): one row 6.56 -> 5.61 ms, four rows 16.3 -> 14.5; 128 tokens (no part): unchanged.
+// ABAB, medians): one row 6.56 -> 5.61 ms, two rows 13.1 -> 10.3; four rows are not split (their
+// tokens fill two threads); at 128 tokens nothing is split and the step is unchanged.
 constexpr int64_t kPartTokens = 256;
 
 template <int BS, int D, typename KV>
