@@ -97,3 +97,19 @@ def test_greedy_tokens_equal_with_programs_and_enforce_eager(served, quantizatio
     eager = LLM(served, enforce_eager=True, **kwargs)
     assert eager.runner.graphs is None
     assert ours == [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
+
+
+def test_a_float_model_with_wide_layers_records(tmp_path):
+    """down_proj wider than small_linear takes (1056 inputs) and a head tied to the embedding: the
+    row kernel serves their decode rows, so the one-row steps replay a program (torch's GEMM there
+    refused the recording), with the tokens of --enforce-eager."""
+    sizes = dict(hidden_size=64, intermediate_size=1056, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    path = str(make_checkpoint(tmp_path / "hf", "Qwen2ForCausalLM", seed=3, **sizes))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    programs = LLM(path, device="cpu", num_kv_blocks=32)
+    graphs = programs.runner.graphs
+    assert graphs is not None
+    ours = programs.generate(["Hello, my name is"], params)[0].outputs[0].token_ids
+    assert 1 in graphs._replays
+    eager = LLM(path, device="cpu", num_kv_blocks=32, enforce_eager=True)
+    assert ours == eager.generate(["Hello, my name is"], params)[0].outputs[0].token_ids

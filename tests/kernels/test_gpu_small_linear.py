@@ -1,4 +1,5 @@
-"""The C++ small linear (gpu/backends/cpu/kernels/small_linear.cpp) against torch's, oneDNN's packed
+"""The C++ small linear (gpu/backends/cpu/kernels/small_linear.cpp; its row kernel too, for the
+weights it does not take) against torch's, oneDNN's packed
 weights (gpu/backends/cpu/kernels/onednn_linear.py), and the cpu backend's ops (gpu/backends/cpu/ops.py),
 whose `prepare` moves a Linear's weight to the transposed storage the kernel reads and whose
 `linear` picks a path by rows.
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.gpu.backends.cpu.kernels import cpu_small_linear
+from conveyor.gpu.backends.cpu.kernels.small_linear import ROW_MAX_ROWS
 from conveyor.gpu.backends.cpu.kernels.onednn_linear import (
     PACKED_MIN_ROWS,
     onednn_available,
@@ -162,3 +164,54 @@ def test_without_packed_weights_rows_past_the_limit_go_to_a_gemm(monkeypatch):
         x = torch.randn(rows, 64)
         assert torch.allclose(layer(x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-4)
     assert calls == [1, small.max_rows]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, ROW_MAX_ROWS])
+@pytest.mark.parametrize("k,n", [(16, 7), (64, 96), (1536, 577), (2048, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_row_kernel_matches_torch(rows, k, n, bias):
+    """The row kernel reads the weight as stored, [N, K]: every row count it takes, N not a
+    multiple of its block of rows (the tail one row at a time), K wider than small_linear takes."""
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    assert small.takes_rows(x, w, b)
+    assert torch.allclose(small.rows(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_row_kernel_refuses_what_it_cannot_read():
+    w = torch.randn(32, 64)
+    refused = [
+        (torch.randn(ROW_MAX_ROWS + 1, 64), w, None),  # past its rows: oneDNN's
+        (torch.randn(2, 48), torch.randn(32, 48)[:, :40].contiguous(), None),  # K = 40, not a multiple of 16
+        (torch.randn(2, 64), w.t().contiguous().t(), None),  # a transposed view
+        (torch.randn(2, 64).double(), w.double(), None),
+        (torch.randn(2, 64), w, torch.randn(31)),
+    ]
+    for x, weight, bias in refused:
+        assert not small.takes_rows(x, weight, bias)
+    with pytest.raises(ValueError, match="takes_rows"):
+        small.rows(*refused[0])
+
+
+def test_wide_layers_take_the_row_kernel_for_few_rows(monkeypatch):
+    """A layer small_linear does not take (2048 inputs) goes to the row kernel up to ROW_MAX_ROWS
+    rows, so a decode step records (program.py refuses torch's GEMM); oneDNN's or torch's GEMM past it."""
+    layer = cpu_linear(2048, 48, bias=True)
+    assert layer.prepared is None
+    calls = []
+    kernel = small
+
+    class RowSpy:
+        takes_rows = staticmethod(kernel.takes_rows)
+
+        def rows(self, x, w, b):
+            calls.append(len(x))
+            return kernel.rows(x, w, b)
+
+    monkeypatch.setattr(layer.ops, "small_linear", RowSpy())
+    for rows in (1, ROW_MAX_ROWS, ROW_MAX_ROWS + 1):
+        x = torch.randn(rows, 2048)
+        assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+    assert calls == [1, ROW_MAX_ROWS]
+

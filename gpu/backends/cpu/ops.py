@@ -21,8 +21,9 @@ CPU tensors, torch's (TorchOps) for anything else.
   `prepare` moves each weight's storage to [in, out] (the kernel reads it transposed), leaving
   `weight` a transposed view of it so a GEMM serves what the kernel does not take, and keeps
   oneDNN's blocked copy (onednn_linear.py) for steps of many rows in multiples of 64. A weight
-  tied to the embedding keeps its layout: the embedding's row lookups need it. Any other float32
-  product of many rows (wide layers, the tied head) is oneDNN's on the weight as stored.
+  tied to the embedding keeps its layout: the embedding's row lookups need it. The other float32
+  products (wide layers, the tied head) are small_linear.cpp's row kernel on the weight as stored
+  for steps of few rows (decode: so that those steps record), oneDNN's past them.
 - embedding: the table's rows by one C call, a float32 table's gathered (fused_ops.cpp), a
   quantized one's decoded from its codes (quant_linear.cpp, the weight `prepared` as for its
   product; not act-order), where the activations are float32; torch's otherwise. An id outside
@@ -128,6 +129,8 @@ class CpuOps(TorchOps):
                 return onednn.packed_linear(x, prepared.packed, layer.bias)
             if x.shape[0] <= small.max_rows:
                 return small(x, layer.weight.t(), layer.bias)
+        elif small is not None and small.takes_rows(x, layer.weight, layer.bias):
+            return small.rows(x, layer.weight, layer.bias)
         return onednn.linear(x, layer.weight, layer.bias)
 
     @property

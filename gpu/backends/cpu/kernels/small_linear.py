@@ -33,6 +33,16 @@ MAX_ROWS = 4096
 # oneDNN's packed weights lost to sgemm on 2048-row steps (7.9 against 7.2 ms for 576 x 576), so
 # AVX2 keeps no packed copy.
 AVX2_MAX_ROWS = 128
+# The weights small_linear does not take (wider than MAX_IN_FEATURES, or a tied LM head, whose
+# [out, in] layout the embedding needs) in steps of at most this many rows go to the row kernel
+# (conveyor_row_linear_f32, the weight as stored), oneDNN's GEMM past it (onednn_linear.py's
+# ONEDNN_MIN_ROWS, 17). Before it those products were torch's at decode, which a recording
+# refuses: a one-row step of SmolLM2 float32 (down_proj 1536 inputs, the tied head) took 26.9-27.4
+# ms, its head 7.4 (15 GB/s); with it 12.8-13.2, the head 1.8-1.9, and the step records (AMD EPYC
+# Zen 5, interleaved). Cold, ms, [49152, 576] at 1 / 4 / 16 rows: this kernel 2.35 / 3.07 / 6.30,
+# torch 7.21 / 12.98 / 15.46, oneDNN 2.45 / 4.94 / 6.02; [576, 1536]: 0.085 / 0.121 / 0.203 against
+# torch 0.199 / 0.291 / 0.411 and oneDNN 0.181 / 0.201 / 0.216.
+ROW_MAX_ROWS = 16
 
 
 class CpuSmallLinear:
@@ -41,6 +51,7 @@ class CpuSmallLinear:
 
     def __init__(self, lib: ctypes.CDLL, max_rows: int = MAX_ROWS, packs: bool = True) -> None:
         self._fn = Kernel(lib, "conveyor_small_linear_f32", [_ptr] * 4 + [_i64] * 3)
+        self._rows = Kernel(lib, "conveyor_row_linear_f32", [_ptr] * 4 + [_i64] * 3)
         self.max_rows = max_rows
         self.packs = packs
 
@@ -76,6 +87,31 @@ class CpuSmallLinear:
             k,
             weight_t.shape[1],
         )
+        return y
+
+
+    @staticmethod
+    def takes_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether `rows` takes x [M, K] against weight [N, K] as stored: float32, contiguous, on
+        the CPU, M at most ROW_MAX_ROWS, K a multiple of 16."""
+        tensors = (x, weight) if bias is None else (x, weight, bias)
+        return (
+            x.dim() == 2
+            and weight.dim() == 2
+            and 0 < x.shape[0] <= ROW_MAX_ROWS
+            and x.shape[1] == weight.shape[1]
+            and weight.shape[1] % 16 == 0
+            and (bias is None or bias.shape == (weight.shape[0],))
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        )
+
+    def rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K], weight [N, K] as stored, bias [N] (takes_rows) -> x weight^T + bias [M, N]."""
+        if not self.takes_rows(x, weight, bias):
+            raise ValueError(f"row_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}: see takes_rows")
+        rows, k = x.shape
+        y = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+        self._rows(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), rows, k, weight.shape[0])
         return y
 
 
