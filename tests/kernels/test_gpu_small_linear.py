@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.gpu.backends.cpu.kernels import cpu_small_linear
-from conveyor.gpu.backends.cpu.kernels.small_linear import ROW_MAX_ROWS
 from conveyor.gpu.backends.cpu.kernels.onednn_linear import (
     PACKED_MIN_ROWS,
     onednn_available,
     pack_linear_weight,
     packed_linear,
 )
+from conveyor.gpu.backends.cpu.kernels.small_linear import ROW_MAX_ROWS
 from conveyor.gpu.backends.cpu.ops import CpuOps, SmallLinearWeight
 from conveyor.gpu.backends.torch import TorchOps
 from conveyor.gpu.models.layers import Linear
@@ -214,4 +214,3 @@ def test_wide_layers_take_the_row_kernel_for_few_rows(monkeypatch):
         x = torch.randn(rows, 2048)
         assert torch.allclose(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
     assert calls == [1, ROW_MAX_ROWS]
-

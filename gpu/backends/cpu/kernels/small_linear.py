@@ -89,7 +89,6 @@ class CpuSmallLinear:
         )
         return y
 
-
     @staticmethod
     def takes_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether `rows` takes x [M, K] against weight [N, K] as stored: float32, contiguous, on
