@@ -32,8 +32,9 @@
 // The `group` = Hq / Hkv query heads sharing a kv head read its tile one after the other, so the
 // tile comes from memory once per group and from L1 after that. Work items are decode tokens
 // (in a step of few rows, parts of a long context, merged after: kPartTokens) and, in prompt
-// chunks, runs of tokens that attend together (attend_token_tile), spread over OpenMP threads (the same libgomp torch uses: it is already loaded, and the soname
-// resolves to it); a step too small to be worth a second thread runs on one.
+// chunks, runs of tokens that attend together (attend_token_tile), spread over OpenMP threads
+// (the same libgomp torch uses: it is already loaded, and the soname resolves to it); a step too
+// small to be worth a second thread runs on one.
 //
 // Blocks are scattered, so the hardware prefetcher cannot guess the next one: while a tile is
 // read, the same tile kPrefetchBlocks blocks on is requested in software, a few lines at a time
@@ -91,11 +92,12 @@ void run(const float* q, const KV* k_cache, const KV* v_cache, const int32_t* bl
   const bool split = num_rows < 2 * static_cast<int64_t>(omp_get_max_threads());
   const int64_t part_tokens = (kPartTokens + block_size - 1) / block_size * block_size;
   int32_t num_parts = 0;
+  const auto window_start = [window](int64_t hi) { return window > 0 ? std::max<int64_t>(0, hi - window) : int64_t{0}; };
   for (int64_t r = 0; r < num_rows; ++r) {
     const int32_t begin = query_start[r], end = query_start[r + 1];
     positions += static_cast<int64_t>(end - begin) * seq_lens[r];
     if (end - begin == 1) {
-      const int64_t hi = seq_lens[r], lo = window > 0 ? std::max<int64_t>(0, hi - window) : 0;
+      const int64_t hi = seq_lens[r], lo = window_start(hi);
       const int64_t first = lo - lo % block_size;  // parts start on blocks
       const int32_t count = split ? static_cast<int32_t>((hi - first + part_tokens - 1) / part_tokens) : 1;
       if (count < 2) {
@@ -112,7 +114,7 @@ void run(const float* q, const KV* k_cache, const KV* v_cache, const int32_t* bl
     const int32_t step = kTiled ? tile_tokens : 1;
     for (int32_t t = begin; t < end; t += step) {
       const int64_t hi = seq_lens[r] - (end - t) + 1;
-      items.push_back({static_cast<int32_t>(r), t, std::min(step, end - t), -1, window > 0 ? std::max<int64_t>(0, hi - window) : 0, hi});
+      items.push_back({static_cast<int32_t>(r), t, std::min(step, end - t), -1, window_start(hi), hi});
     }
   }
   const int64_t num_items = static_cast<int64_t>(items.size());

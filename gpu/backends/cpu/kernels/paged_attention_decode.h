@@ -198,7 +198,7 @@ void attend_part(const float* __restrict q, const KV* __restrict k_cache,
 
 // out [Hq, D] from parts of one token's keys, each (acc [Hq, D], m [Hq], l [Hq]) as attend_part
 // leaves them, `stride` floats apart: each part rescaled to the largest max, summed, divided by
-// the summed exponentials, times v_scale. One part is attend_token's own ending.
+// the summed exponentials, times v_scale. With one part, that division alone.
 inline void merge_parts(const float* parts, int num_parts, int64_t stride, int num_heads, int d,
                         float* __restrict out, float v_scale) {
   const int64_t m_at = static_cast<int64_t>(num_heads) * d, l_at = m_at + num_heads;

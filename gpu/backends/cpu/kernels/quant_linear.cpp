@@ -68,6 +68,14 @@ struct Weight {
   const S* scales;  // [N, K / G]
   const S* mins;    // [N, K / G] or null (zero)
   int64_t K, G;
+
+  // Asks for the rows kPrefetchBytes on from block n0's (at least NB on): codes, scales, mins.
+  void prefetch_ahead(int64_t n0, int64_t NB) const {
+    const int64_t groups = K / G, ahead = n0 + std::max<int64_t>(NB, kPrefetchBytes / row_bytes);
+    prefetch_span(q + ahead * row_bytes, NB * row_bytes);
+    prefetch_span(scales + ahead * groups, NB * groups);
+    if (mins) prefetch_span(mins + ahead * groups, NB * groups);
+  }
 };
 
 #if !defined(CONVEYOR_INT8)  // quant_int8_isa.h has x86's (v16 is its fvec)
@@ -87,10 +95,7 @@ void block(const float* __restrict x, const Weight<S>& w, int64_t n0, const floa
     for (int n = 0; n < NB; ++n) acc[m][n] = v16{};
   const int64_t K = w.K, groups = K / w.G;
   const uint8_t* q = w.q + n0 * w.row_bytes;
-  const int64_t ahead = n0 + std::max<int64_t>(NB, kPrefetchBytes / w.row_bytes);  // the rows asked for now
-  prefetch_span(w.q + ahead * w.row_bytes, NB * w.row_bytes);
-  prefetch_span(w.scales + ahead * groups, NB * groups);
-  if (w.mins) prefetch_span(w.mins + ahead * groups, NB * groups);
+  w.prefetch_ahead(n0, NB);
   for (int64_t g = 0; g < groups; ++g) {
     float s[NB], mn[NB];
     for (int n = 0; n < NB; ++n) {
@@ -117,26 +122,23 @@ void block(const float* __restrict x, const Weight<S>& w, int64_t n0, const floa
     for (int n = 0; n < NB; ++n) y[m * ldy + n0 + n] = hsum(acc[m][n]) + (bias ? bias[n0 + n] : 0.f);
 }
 
-// w[n0, n0 + NB) decoded to floats, buf [NB, K], in the chunks' input order: each value exactly
-// as block computes it (code * scale + min).
-template <class D, class S, int NB>
-void decode_block(const Weight<S>& w, int64_t n0, float* __restrict buf) {
+// out[r, k] = w[n0 + r, k] as float32 for r < num_rows, in the chunks' input order, on the
+// calling thread: each value exactly as block computes it (code * scale + min).
+template <class D, class S>
+void decode_rows(const Weight<S>& w, int64_t n0, int64_t num_rows, float* __restrict out) {
   const int64_t K = w.K, groups = K / w.G;
-  const uint8_t* q = w.q + n0 * w.row_bytes;
-  const int64_t ahead = n0 + std::max<int64_t>(NB, kPrefetchBytes / w.row_bytes);
-  prefetch_span(w.q + ahead * w.row_bytes, NB * w.row_bytes);
-  prefetch_span(w.scales + ahead * groups, NB * groups);
-  if (w.mins) prefetch_span(w.mins + ahead * groups, NB * groups);
-  for (int n = 0; n < NB; ++n)
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const uint8_t* q = w.q + (n0 + r) * w.row_bytes;
     for (int64_t g = 0; g < groups; ++g) {
-      const float s = widen(w.scales[(n0 + n) * groups + g]), mn = w.mins ? widen(w.mins[(n0 + n) * groups + g]) : 0.f;
+      const float s = widen(w.scales[(n0 + r) * groups + g]), mn = w.mins ? widen(w.mins[(n0 + r) * groups + g]) : 0.f;
       for (int64_t k = g * w.G; k < (g + 1) * w.G; k += D::kInputs)
         for (int p = 0; p < D::kParts; ++p) {
           v16 v[D::kVecs];
-          D::decode(q + n * w.row_bytes + k / D::kInputs * D::kBytes, p, v);
-          for (int j = 0; j < D::kVecs; ++j) store16(buf + n * K + k + D::offset(p, j), v[j] * s + mn);
+          D::decode(q + k / D::kInputs * D::kBytes, p, v);
+          for (int j = 0; j < D::kVecs; ++j) store16(out + r * K + k + D::offset(p, j), v[j] * s + mn);
         }
     }
+  }
 }
 
 // block's product from a decoded buf [NB, K]: the same sums in the same order, so the same bits.
@@ -161,7 +163,7 @@ void decoded_block(const float* __restrict x, const float* __restrict buf, int64
 }
 
 // Rows [0, mb) of x against outputs [n0, n0 + nb), nb <= NB: whole blocks of NB, or one by one.
-// Where the rows take three passes of kMB or more, a block's rows are decoded once (decode_block,
+// Where the rows take three passes of kMB or more, a block's rows are decoded once (decode_rows,
 // onto the stack) and every pass reads the floats, the same values summed in the same order. A
 // SmolLM2 layer's four u4 products, ms, decoded per pass / once (AMD EPYC Zen 5, interleaved, the
 // outputs bitwise equal): x86-64-v3 8 rows 0.50 / 0.48, 16 rows 0.99 / 0.81, 32 rows 1.91 / 1.48;
@@ -172,7 +174,8 @@ void rows(int64_t mb, int64_t nb, const float* x, const Weight<S>& w, int64_t n0
   if (mb > 2 * kMB && nb == NB && w.K <= kDecodedMaxK) {
     alignas(64) float buf[NB * kDecodedMaxK];
     for (int64_t n = n0; n < n0 + nb; n += NB) {
-      decode_block<D, S, NB>(w, n, buf);
+      w.prefetch_ahead(n, NB);
+      decode_rows<D>(w, n, NB, buf);
       for (int64_t m0 = 0; m0 < mb; m0 += kMB) {
         const float* xm = x + m0 * w.K;
         float* ym = y + m0 * ldy;
@@ -218,23 +221,11 @@ void direct(const float* x, const Weight<S>& w, const float* bias, float* y, int
   for (int64_t b = 0; b < num_blocks; ++b) rows<D, kNB>(M, std::min<int64_t>(kNB, N - b * kNB), x, w, b * kNB, bias, y, N);
 }
 
-// out[r, k] = w[n0 + r, k] as float32, for r < num_rows.
+// out[r, k] = w[n0 + r, k] as float32, for r < num_rows, rows spread over threads.
 template <class D, class S>
 void dequantize(const Weight<S>& w, int64_t n0, int64_t num_rows, float* __restrict out) {
-  const int64_t K = w.K, groups = K / w.G;
-#pragma omp parallel for schedule(static) if (num_rows * K > kSerialMacs)
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const uint8_t* q = w.q + (n0 + r) * w.row_bytes;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float s = widen(w.scales[(n0 + r) * groups + g]), mn = w.mins ? widen(w.mins[(n0 + r) * groups + g]) : 0.f;
-      for (int64_t k = g * w.G; k < (g + 1) * w.G; k += D::kInputs)
-        for (int p = 0; p < D::kParts; ++p) {
-          v16 v[D::kVecs];
-          D::decode(q + k / D::kInputs * D::kBytes, p, v);
-          for (int j = 0; j < D::kVecs; ++j) store16(out + r * K + k + D::offset(p, j), v[j] * s + mn);
-        }
-    }
-  }
+#pragma omp parallel for schedule(static) if (num_rows * w.K > kSerialMacs)
+  for (int64_t r = 0; r < num_rows; ++r) decode_rows<D>(w, n0 + r, 1, out + r * w.K);
 }
 
 #if defined(CONVEYOR_INT8)
@@ -424,4 +415,3 @@ void conveyor_quant_rows_f32(float* out, const int64_t* ids, int64_t T, const We
 }  // extern "C"
 
 CONVEYOR_PACKED(conveyor_quant_rows_f32)
-
