@@ -17,13 +17,14 @@ roundings, so both products lie within 2^-18 of that; table takes 2^-14.
 
 So the three-plane argmax is among the candidates {n : y1[n] + bound[n] >= max(y1 - bound)}: on
 SmolLM2's decode rows 1 at the median and 17 at most of 49152 (docs/benchmarks.md). Their union over
-the rows is recomputed in three planes by the same kernel path (same row count, so the same x
-planes and the same per-output sums: bit-identical to those outputs of the full product,
-tests/kernels/test_cpu_quant_argmax.py), and each row's argmax over its own candidates, the lowest id
-among equals as torch's argmax, is the full product's.
+the rows is recomputed by the path the full product takes at M rows (three planes, or past the
+int8 path's rows W decoded to floats against x itself, within the same bound of y1 since |x - x1|
+<= d / 2): the same row count, so the same per-output sums, bit-identical to those outputs of the
+full product (tests/kernels/test_cpu_quant_argmax.py). Each row's argmax over its own candidates,
+the lowest id among equals as torch's argmax, is the full product's.
 
 A row whose x is not finite gets valid False (and id 0), as the sampler marks a row whose logits
-are not. Only the int8 paths' rows (at most INT8_MAX_ROWS) come here; others take the product.
+are not. Steps of up to MAX_ROWS rows come here; others take the product.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 
 from conveyor.gpu.backends.cpu.kernels.build import load_library
 from conveyor.gpu.backends.cpu.kernels.program import Kernel
-from conveyor.gpu.backends.cpu.kernels.quant_linear import INT8_MAX_ROWS, PATHS, CpuQuantLinear, QuantArgs, cpu_quant_linear
+from conveyor.gpu.backends.cpu.kernels.quant_linear import PATHS, CpuQuantLinear, QuantArgs, cpu_quant_linear
 from conveyor.gpu.quant.weight import QuantizedWeight
 
 BLOCK = 32  # inputs per x scale (quant_int8.h's kBlock)
@@ -44,6 +45,12 @@ PLANE_GAP = 1.0 + 2.0**-15  # |x3 - x1| <= (d / 2) * PLANE_GAP
 ROUNDING = 2.0**-14  # of amax sum (cmax |scale| + |min|) over a block: the products' float rounding, with margin
 CMAX = {"u4": 16.0, "u8": 256.0}
 ROW_CANDIDATES = 256  # past this many a row (flat logits), the full product is cheaper
+# Rows a call takes; past them the caller takes the product. One plane is a third of the int8
+# path's arithmetic, so it stays ahead of the product past the int8 path's own rows (SmolLM2's
+# head over real decode rows, native build on a Zen 5 EPYC, ops/bench/head_argmax.py, ms of
+# product + argmax against this: 9 rows 3.21 / 2.16, 16 rows 4.27 / 3.62, 24 rows 5.75 / 5.45,
+# 32 rows 6.86 / 7.59).
+MAX_ROWS = 16
 TABLE_ROWS = 4096  # rows of W decoded at a time to build the table (16 MB of float32 at K = 1024)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -99,7 +106,7 @@ class QuantArgmax:
         each row's argmax of x W^T as the full product gives it; None where M is past the int8
         paths (the caller takes the product)."""
         m, k = x.shape
-        if m > INT8_MAX_ROWS:
+        if m > MAX_ROWS:
             return None
         n = weight.shape[0]
         y1 = self.kernel(x, weight, path="int8")  # [M, N], one plane

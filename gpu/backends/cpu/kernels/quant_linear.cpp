@@ -142,6 +142,7 @@ void decode_rows(const Weight<S>& w, int64_t n0, int64_t num_rows, float* __rest
 }
 
 // block's product from a decoded buf [NB, K]: the same sums in the same order, so the same bits.
+// Its MB + NB vectors a step are pinned in registers (vector_math.h `in_register`).
 template <class D, int MB, int NB>
 void decoded_block(const float* __restrict x, const float* __restrict buf, int64_t K, int64_t n0,
                    const float* __restrict bias, float* __restrict y, int64_t ldy) {
@@ -152,9 +153,9 @@ void decoded_block(const float* __restrict x, const float* __restrict buf, int64
     for (int p = 0; p < D::kParts; ++p)
       for (int j = 0; j < D::kVecs; ++j) {
         v16 wv[NB];
-        for (int n = 0; n < NB; ++n) wv[n] = load16(buf + n * K + k + D::offset(p, j));
+        for (int n = 0; n < NB; ++n) wv[n] = in_register(load16(buf + n * K + k + D::offset(p, j)));
         for (int m = 0; m < MB; ++m) {
-          const v16 xv = load16(x + m * K + k + D::offset(p, j));
+          const v16 xv = in_register(load16(x + m * K + k + D::offset(p, j)));
           for (int n = 0; n < NB; ++n) acc[m][n] += wv[n] * xv;
         }
       }

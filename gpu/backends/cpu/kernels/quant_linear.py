@@ -40,18 +40,19 @@ MAX_ROWS = 4096  # a step's rows: the cpu backend's largest token budget
 # direct 425, dequantize (MKL) 478; 32 rows 917, 851, 641. On a 2-core AMD EPYC (Zen 5), a layer's
 # four products (q/k/v 960, o 576, gate/up 3072 x 576, down 576 x 1536; u4), ms, int8x3 / direct
 # (/ dequantize, its GEMM oneDNN's), medians of 5 interleaved rounds (ops/bench/quant_paths.py):
-#   rows                 1            2            16            32
-#   native (VNNI, zmm)   0.07 / 0.08  0.12 / 0.10  0.56 / 0.60   1.52 / 1.18 / 1.82
-#   x86-64-v3-vnni       0.09 / 0.11  0.14 / 0.15  0.86 / 0.96   1.57 / 1.87 / 2.07
-#   x86-64-v3 (AVX2)     0.10 / 0.11  0.17 / 0.15  1.05 / 0.96   2.10 / 1.84 / 2.15
-#   x86-64-v4 (no VNNI)  0.08 / 0.08  0.12 / 0.10  0.83 / 0.53   1.77 / 1.07 / 1.87
-# Without a VNNI dot product, x's three int8 planes cost more than decoding W to floats from two
-# rows (a vpmaddubsw + vpmaddwd per plane), so those builds take int8 for one row only. The
-# dequantize path decodes all of W first (about 1.4 ms a layer: 20 MB of floats written, then
-# read) and paid from about 40 rows here. The kernel's own paths take up to 32 rows, every
-# decode-graph bucket (gpu/step/cuda_graphs.py), so those steps record (a recording refuses the
-# dequantize path's torch GEMM); dequantize the rest.
-INT8_MAX_ROWS = 16  # with a VNNI dot product; 1 without (`int8_max_rows`)
+#   rows                 1            2            8            12           16           32
+#   native (VNNI, zmm)   0.06 / 0.08  0.09 / 0.11  0.26 / 0.26  0.39 / 0.30  0.51 / 0.38  1.16 / 0.71 / 0.87
+#   x86-64-v3-vnni       0.08 / 0.12  0.12 / 0.15  0.39 / 0.39  0.60 / 0.55  0.79 / 0.70  1.56 / 1.30 / 0.86
+#   x86-64-v3 (AVX2)     0.09 / 0.12  0.16 / 0.15  0.54 / 0.39  0.79 / 0.55  1.03 / 0.70  2.04 / 1.28 / 0.88
+#   x86-64-v4 (no VNNI)  0.07 / 0.08  0.10 / 0.10  0.35 / 0.29  0.53 / 0.32  0.71 / 0.41  1.47 / 0.68 / 0.85
+# With a VNNI dot product the int8 path pays up to 8 rows; from 12 the direct path's decode-once
+# (quant_linear.cpp `rows`) is ahead. Without one, x's three int8 planes cost more than decoding W
+# to floats from two rows (a vpmaddubsw + vpmaddwd per plane), so those builds take int8 for one
+# row only. The dequantize path decodes all of W first and paid from about 32 rows on AVX2 and past
+# 64 with AVX-512. The kernel's own paths take up to 32 rows, every decode-graph bucket
+# (gpu/step/cuda_graphs.py), so those steps record (a recording refuses the dequantize path's
+# torch GEMM); dequantize the rest.
+INT8_MAX_ROWS = 8  # with a VNNI dot product; 1 without (`int8_max_rows`)
 DEQUANTIZE_MIN_ROWS = 33
 # The float slice of W decoded at a time: 8 MB, SmolLM2's stacked gate/up (3072 x 576) whole. At
 # 4 MB it took two slices, each product copied into a column range of the output: a 2048-token
