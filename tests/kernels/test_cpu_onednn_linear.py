@@ -101,7 +101,7 @@ quant = cpu_quant_linear()
 
 @needs_onednn
 @pytest.mark.skipif(quant is None, reason="no C++ compiler for the CPU kernels")
-@pytest.mark.parametrize("rows", [quant.dequantize_min_rows if quant else 33, 600])
+@pytest.mark.parametrize("rows", [qlm.DEQUANTIZE_MIN_ROWS, 600])
 def test_a_quantized_weights_many_rows_multiply_by_onednn(rows, monkeypatch):
     """The dequantize path decodes W into a float scratch and multiplies it by oneDNN: the same
     product as the dequantized reference, in one slice and in several."""

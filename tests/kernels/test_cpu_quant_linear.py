@@ -153,7 +153,7 @@ def test_the_row_count_picks_the_path(monkeypatch):
     gemm = NATIVE._gemm
     monkeypatch.setattr(NATIVE, "_gemm", lambda *args: calls.append(-1) or gemm(*args))
     u4, e4m3 = weight("u4", 48, 64, 32, True, False, 0), weight("e4m3", 48, 64, 32, False, False, 0)
-    counts = (1, 2, qlm.INT8_MAX_ROWS, qlm.INT8_MAX_ROWS + 1, NATIVE.dequantize_min_rows - 1, NATIVE.dequantize_min_rows)
+    counts = (1, 2, qlm.INT8_MAX_ROWS, qlm.INT8_MAX_ROWS + 1, qlm.DEQUANTIZE_MIN_ROWS - 1, qlm.DEQUANTIZE_MIN_ROWS)
     for w, rows in itertools.product((u4, e4m3), counts):
         NATIVE(torch.randn(rows, 64), w)
     direct, dequantize = qlm.PATHS["direct"], qlm.PATHS["dequantize"]
@@ -173,13 +173,6 @@ def test_int8_takes_several_rows_only_with_a_vnni_dot_product(build_name):
     assert kernel.has_int8 == (paths.int8 is not None)
     vnni = paths.int8 is not None and paths.int8.startswith("vpdpbusd")
     assert kernel.int8_max_rows == (qlm.INT8_MAX_ROWS if vnni else 1)
-
-
-@pytest.mark.parametrize("build_name", variant_params(int8=False))
-def test_the_dequantize_path_starts_where_the_builds_float_lanes_say(build_name):
-    """AVX-512's direct path keeps ahead of decode-then-GEMM to about 96 rows, AVX2's to 32."""
-    paths = isa.kernel_paths(isa.build_features(isa.variant(build_name)))
-    assert build(build_name).dequantize_min_rows == qlm.DEQUANTIZE_MIN_ROWS[16 if paths.float_lanes == 16 else 8]
 
 
 def test_mismatched_shapes_are_refused():
@@ -228,7 +221,7 @@ def grouped_layers(ops: CpuOps, weights: list[QuantizedWeight], bias: bool) -> t
     return tuple(layers)
 
 
-@pytest.mark.parametrize("rows", [1, 3, NATIVE.dequantize_min_rows if NATIVE else 33])
+@pytest.mark.parametrize("rows", [1, 3, qlm.DEQUANTIZE_MIN_ROWS])
 @pytest.mark.parametrize("bias", [False, True])
 def test_layers_of_one_input_multiply_as_one_weight(rows, bias, monkeypatch):
     """q/k/v-like layers of 48, 16 and 16 outputs through ops.linears: one kernel call, each

@@ -371,9 +371,6 @@ int64_t conveyor_quant_linear_has_int8() {
 #endif
 }
 
-// The float lanes of the direct path's vectors (vector_math.h kLanes): 16 with AVX-512, else 8.
-int64_t conveyor_quant_linear_float_lanes() { return kLanes; }
-
 }  // extern "C"
 
 // Their packed forms, for recorded programs (packed_call.h).

@@ -8,8 +8,8 @@ codes, scales and mins contiguous, scales and mins float32 or both float16
 groups stay contiguous. `prepare(weight)` is the weight's `prepared` form: its pointers and sizes
 as the C call takes them, read once instead of on every call (a decode step of SmolLM2 makes 121
 of these calls, q/k/v and gate/up stacked by the cpu ops). Which of the kernel's paths a call
-takes is decided here, by its row count and the build's byte products and float lanes
-(`int8_max_rows`, `dequantize_min_rows`).
+takes is decided here, by its row count and the build's byte products (`int8_max_rows`,
+DEQUANTIZE_MIN_ROWS).
 """
 
 from __future__ import annotations
@@ -48,16 +48,19 @@ MAX_ROWS = 4096  # a step's rows: the cpu backend's largest token budget
 # With a VNNI dot product the int8 path pays up to 8 rows; from 12 the direct path's decode-once
 # (quant_linear.cpp `rows`) is ahead. Without one, x's three int8 planes cost more than decoding W
 # to floats from two rows (a vpmaddubsw + vpmaddwd per plane), so those builds take int8 for one
-# row only. The dequantize path decodes all of W first; by the products alone it pays from 17
-# rows on AVX2 (oneDNN's GEMM changes kernels past 16: x86-64-v3 17 rows 0.72 direct / 0.62
-# dequantize, 24 rows 0.97 / 0.70) and from about 112 with AVX-512 (native 64 rows 1.23 / 1.37, 96
-# 1.75 / 1.78, 128 2.28 / 2.23). In whole decode steps (context 128, process ABAB, ms): x86-64-v3
-# at 24 rows 44.4 direct against 51.7 dequantize (a step that takes it is not recorded: a recording
-# refuses the GEMM), so AVX2 builds keep the kernel's paths to 32 rows, every decode-graph bucket
-# (gpu/step/cuda_graphs.py); native 48 rows 66.6 dequantize against 56.5 direct, x86-64-v4 64 rows
-# 75-130 (by the process) against 71-75, native 96 rows 101-160 against 98-102.
+# row only. The dequantize path decodes all of W into a float scratch, then oneDNN's GEMM; in a
+# layer's products alone, warm in the caches, it pays from 17 rows on AVX2 (oneDNN changes kernels
+# past 16: x86-64-v3 24 rows 0.97 direct / 0.70 dequantize) and from about 112 with AVX-512. In
+# served decode steps it pays later, and unevenly: the same step varies by up to 1.6x from one
+# process to the next, and perf puts the slow processes' time on the decode's stores to the scratch
+# (three times their share in a fast one; why, not yet known). Whole steps, context 128, ms, direct /
+# dequantize (in one process, interleaved; AMD EPYC Zen 5): x86-64-v3 48 rows 92 / 147, 96 rows
+# 173 / 214 (158 once), 128 rows 217 / 200, 192 rows 324 / 283; native 48 rows 56.5 / 66.6 (process
+# ABAB), 96 rows 98-102 / 101-160, 128 rows 131.5 / 132.8, 256 rows 275 / 241. So the kernel's
+# paths take up to 96 rows; every decode-graph bucket (up to 32, gpu/step/cuda_graphs.py) among
+# them, so those steps record (a recording refuses the GEMM).
 INT8_MAX_ROWS = 8  # with a VNNI dot product; 1 without (`int8_max_rows`)
-DEQUANTIZE_MIN_ROWS = {16: 97, 8: 33}  # by the build's float lanes (`dequantize_min_rows`)
+DEQUANTIZE_MIN_ROWS = 97
 # The float slice of W decoded at a time: 8 MB, SmolLM2's stacked gate/up (3072 x 576) whole. At
 # 4 MB it took two slices, each product copied into a column range of the output: a 2048-token
 # prefill step took 2207 ms against 1994 (medians of 5, interleaved; float32's own GEMM 1864).
@@ -110,7 +113,6 @@ class CpuQuantLinear:
         int8 = lib.conveyor_quant_linear_has_int8()  # 0: no int8 path; 1: by vpmaddubsw; 2: by VNNI
         self.has_int8 = int8 > 0
         self.int8_max_rows = INT8_MAX_ROWS if int8 == 2 else 1
-        self.dequantize_min_rows = DEQUANTIZE_MIN_ROWS[lib.conveyor_quant_linear_float_lanes()]
         self.int8_path = PATHS["int8"] + planes - 1
         self._scratch = torch.empty(0)
 
@@ -156,7 +158,7 @@ class CpuQuantLinear:
         elif rows <= self.int8_max_rows and prepared.int8:
             code = self.int8_path
         else:
-            code = _DEQUANTIZE if rows >= self.dequantize_min_rows else _DIRECT
+            code = _DEQUANTIZE if rows >= DEQUANTIZE_MIN_ROWS else _DIRECT
         if code < 0:
             return self._gemm(x, prepared, bias)
         y = torch.empty(rows, n, dtype=torch.float32)
