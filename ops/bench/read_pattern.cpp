@@ -1,11 +1,16 @@
 // The best a one-row decode step's quantized linears could stream on this machine: reads alone
 // (512-bit loads summed), in SmolLM2 Q4_1's shapes per layer (q/k/v 346 KB, o 207 KB, gate/up
 // 1.1 MB, down 553 KB, codes and scales; 30 layers, 66 MB, more than the L3), each chunk split
-// between the threads in one OpenMP region per chunk as the kernels split a call ("per call"), or
-// all of it in one region ("one region"). A cache-sized flush runs before each of 7 repetitions.
+// between the threads as the kernels split a call:
+//   p  one OpenMP region per chunk, as the kernels run (a fork and a join per call);
+//   b  one region for all, a barrier after each chunk (what a persistent team would pay: a call
+//      needs the one before it whole);
+//   n  one region, no barrier (not a valid step: the threads drift apart);
+//   w  one region, the 66 MB in two halves (two long streams: the most a pass could read).
+// A cache-sized flush runs before each of 7 repetitions.
 //
 //   g++ -O3 -march=native -fopenmp ops/bench/read_pattern.cpp -o /tmp/read_pattern
-//   /tmp/read_pattern p   # per call;   /tmp/read_pattern w   # one region
+//   for m in p b n w; do /tmp/read_pattern $m; done
 //
 // (docs/benchmarks/cpu-isa.md: the linears of a recorded program against this.)
 
@@ -27,7 +32,8 @@ int main(int argc, char** argv) {
   memset(buf, 1, total);
   // a second buffer to flush caches between reps
   const int64_t flush_bytes = 256 << 20; uint8_t* flush = (uint8_t*)aligned_alloc(64, flush_bytes); memset(flush, 2, flush_bytes);
-  const bool whole = argc > 1 && argv[1][0] == 'w';
+  const char mode = argc > 1 ? argv[1][0] : 'p';
+  const bool whole = mode == 'w';
   for (int rep = 0; rep < 7; ++rep) {
     volatile int64_t sink = 0;
     for (int64_t i = 0; i < flush_bytes; i += 64) sink += flush[i];
@@ -40,6 +46,27 @@ int main(int argc, char** argv) {
         int nt = omp_get_num_threads(), t = omp_get_thread_num();
         int64_t per = total / nt / 64 * 64;
         for (int64_t i = t * per; i < (t + 1) * per; i += 64) acc = _mm512_add_epi64(acc, _mm512_load_si512(buf + i));
+#pragma omp critical
+        acc_all = _mm512_add_epi64(acc_all, acc);
+      }
+    } else if (mode == 'b' || mode == 'n') {
+      const bool bar = mode == 'b';
+#pragma omp parallel
+      {
+        __m512i acc = _mm512_setzero_si512();
+        int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        int64_t off = 0;
+        for (int l = 0; l < layers; ++l)
+          for (int c = 0; c < 4; ++c) {
+            const int64_t n = chunks[c] / 64 * 64;
+            const uint8_t* p = buf + off;
+            int64_t per = n / nt / 64 * 64;
+            for (int64_t i = t * per; i < (t + 1) * per; i += 64) acc = _mm512_add_epi64(acc, _mm512_load_si512(p + i));
+            if (bar) {
+#pragma omp barrier
+            }
+            off += chunks[c];
+          }
 #pragma omp critical
         acc_all = _mm512_add_epi64(acc_all, acc);
       }
@@ -62,6 +89,6 @@ int main(int argc, char** argv) {
         }
     }
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    printf("%s: %.3f ms, %.1f GB/s\n", whole ? "one region" : "per call", s * 1e3, total / s / 1e9);
+    printf("%c: %.3f ms, %.1f GB/s\n", mode, s * 1e3, total / s / 1e9);
   }
 }
