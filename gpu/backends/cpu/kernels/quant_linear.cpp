@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -163,6 +164,22 @@ void decoded_block(const float* __restrict x, const float* __restrict buf, int64
     for (int n = 0; n < NB; ++n) y[m * ldy + n0 + n] = hsum(acc[m][n]) + (bias ? bias[n0 + n] : 0.f);
 }
 
+// f(std::integral_constant<int, R>{}) for a pass of R = min(left, kMB) rows of x: the row count as
+// a template argument, for block and decoded_block alike.
+template <class F>
+inline void with_pass_rows(int64_t left, F&& f) {
+  switch (std::min<int64_t>(left, kMB)) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+#if defined(__AVX512F__)
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
+#else
+    default: return f(std::integral_constant<int, 3>{});
+#endif
+  }
+}
+
 // Rows [0, mb) of x against outputs [n0, n0 + nb), nb <= NB: whole blocks of NB, or one by one.
 // Where the rows take three passes of kMB or more, a block's rows are decoded once (decode_rows,
 // onto the stack) and every pass reads the floats, the same values summed in the same order. A
@@ -180,16 +197,7 @@ void rows(int64_t mb, int64_t nb, const float* x, const Weight<S>& w, int64_t n0
       for (int64_t m0 = 0; m0 < mb; m0 += kMB) {
         const float* xm = x + m0 * w.K;
         float* ym = y + m0 * ldy;
-        switch (std::min<int64_t>(mb - m0, kMB)) {
-          case 1: decoded_block<D, 1, NB>(xm, buf, w.K, n, bias, ym, ldy); break;
-          case 2: decoded_block<D, 2, NB>(xm, buf, w.K, n, bias, ym, ldy); break;
-#if defined(__AVX512F__)
-          case 3: decoded_block<D, 3, NB>(xm, buf, w.K, n, bias, ym, ldy); break;
-          default: decoded_block<D, 4, NB>(xm, buf, w.K, n, bias, ym, ldy); break;
-#else
-          default: decoded_block<D, 3, NB>(xm, buf, w.K, n, bias, ym, ldy); break;
-#endif
-        }
+        with_pass_rows(mb - m0, [&](auto r) { decoded_block<D, decltype(r)::value, NB>(xm, buf, w.K, n, bias, ym, ldy); });
       }
     }
     return;
@@ -197,21 +205,11 @@ void rows(int64_t mb, int64_t nb, const float* x, const Weight<S>& w, int64_t n0
   for (int64_t m0 = 0; m0 < mb; m0 += kMB) {
     const float* xm = x + m0 * w.K;
     float* ym = y + m0 * ldy;
-    const int64_t left = std::min<int64_t>(mb - m0, kMB);
-    for (int64_t n = n0; n < n0 + nb; n += (nb == NB ? NB : 1)) {
-#define CONVEYOR_ROWS(R) (nb == NB ? block<D, S, R, NB>(xm, w, n, bias, ym, ldy) : block<D, S, R, 1>(xm, w, n, bias, ym, ldy))
-      switch (left) {
-        case 1: CONVEYOR_ROWS(1); break;
-        case 2: CONVEYOR_ROWS(2); break;
-#if defined(__AVX512F__)
-        case 3: CONVEYOR_ROWS(3); break;
-        default: CONVEYOR_ROWS(4); break;
-#else
-        default: CONVEYOR_ROWS(3); break;
-#endif
-      }
-#undef CONVEYOR_ROWS
-    }
+    for (int64_t n = n0; n < n0 + nb; n += (nb == NB ? NB : 1))
+      with_pass_rows(mb - m0, [&](auto r) {
+        constexpr int R = decltype(r)::value;
+        nb == NB ? block<D, S, R, NB>(xm, w, n, bias, ym, ldy) : block<D, S, R, 1>(xm, w, n, bias, ym, ldy);
+      });
   }
 }
 
