@@ -50,14 +50,18 @@ inline void store_int8(int8_t* p, ivec v) {  // kIntLanes int32, saturated to in
 inline ivec sign_of(ivec x, ivec c) {  // x where c >= 0, -x where c < 0 (AVX-512 has no vpsignb)
   return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(c), _mm512_setzero_si512(), x);
 }
+// Without VNNI, the byte products' two halves: 16-bit sums of adjacent pairs (saturating), and
+// adjacent 16-bit sums times w widened to int32 and added.
+inline ivec pair_sums(ivec u, ivec s) { return _mm512_maddubs_epi16(u, s); }
+inline ivec add16(ivec a, ivec b) { return _mm512_add_epi16(a, b); }
+inline ivec add32(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
+inline ivec widen(ivec pairs, int16_t w) { return _mm512_madd_epi16(pairs, _mm512_set1_epi16(w)); }
 #if defined(__AVX512VNNI__)
 constexpr bool kVnni = true;
 inline ivec dot(ivec acc, ivec u, ivec s) { return _mm512_dpbusd_epi32(acc, u, s); }
 #else
 constexpr bool kVnni = false;
-inline ivec dot(ivec acc, ivec u, ivec s) {
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
-}
+inline ivec dot(ivec acc, ivec u, ivec s) { return add32(acc, widen(pair_sums(u, s), 1)); }
 #endif
 // The lane sums of a, b, c, d: 128-bit quarters folded pairwise, then within each quarter.
 inline __m128 hsum4(fvec a, fvec b, fvec c, fvec d) {
@@ -130,6 +134,10 @@ inline void store_int8(int8_t* p, ivec v) {  // kIntLanes int32, saturated to in
   const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packs_epi16(w, w));
 }
+inline ivec pair_sums(ivec u, ivec s) { return _mm256_maddubs_epi16(u, s); }
+inline ivec add16(ivec a, ivec b) { return _mm256_add_epi16(a, b); }
+inline ivec add32(ivec a, ivec b) { return _mm256_add_epi32(a, b); }
+inline ivec widen(ivec pairs, int16_t w) { return _mm256_madd_epi16(pairs, _mm256_set1_epi16(w)); }
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 constexpr bool kVnni = true;
 inline ivec dot(ivec acc, ivec u, ivec s) { return _mm256_dpbusd_epi32(acc, u, s); }
@@ -138,9 +146,7 @@ constexpr bool kVnni = true;
 inline ivec dot(ivec acc, ivec u, ivec s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #else
 constexpr bool kVnni = false;
-inline ivec dot(ivec acc, ivec u, ivec s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
+inline ivec dot(ivec acc, ivec u, ivec s) { return add32(acc, widen(pair_sums(u, s), 1)); }
 #endif
 inline __m128 hsum4(fvec a, fvec b, fvec c, fvec d) {
   const fvec t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));  // a b c d (low 4), again (high 4)
