@@ -126,6 +126,14 @@ def test_the_environment_picks_the_flags(monkeypatch, fresh_loads):
     assert str(isa.kernel_paths(isa.VARIANTS["x86-64-v3-vnni"].features)).endswith("vpdpbusd (AVX-VNNI, ymm)")
 
 
+def test_the_cpu_is_named_with_its_family_and_model(monkeypatch):
+    fields = {"model name": "Intel(R) Xeon(R) Processor", "cpu family": "6", "model": "207"}
+    monkeypatch.setattr(isa, "_cpuinfo", lambda: fields)
+    assert isa.cpu_model() == "Intel(R) Xeon(R) Processor (family 6, model 207)"
+    monkeypatch.setattr(isa, "_cpuinfo", lambda: {"model name": "Neoverse-V2"})  # no x86 family: the name alone
+    assert isa.cpu_model() == "Neoverse-V2"
+
+
 @needs_compiler
 def test_the_cpu_backend_logs_the_cpu_and_the_variant(caplog):
     model = types.SimpleNamespace(num_layers=1, num_kv_heads=2, head_dim=32, dtype="float32", attn_logit_softcap=None)

@@ -165,8 +165,13 @@ def describe_in_use() -> str:
 
 
 def cpu_model() -> str:
-    """The CPU's name ("AMD EPYC", "Intel(R) Xeon(R) Platinum 8580"), as the OS tells it."""
-    return _cpuinfo().get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    """The CPU's name as the OS tells it, with its x86 family and model: a cloud guest's name is
+    often the vendor's alone ("Intel(R) Xeon(R) Processor (family 6, model 207)", an Emerald Rapids;
+    "AMD EPYC (family 26, model 2)", a Zen 5), and figures differ by micro-architecture."""
+    info = _cpuinfo()
+    name = info.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+    family, model = info.get("cpu family"), info.get("model")
+    return f"{name} (family {family}, model {model})" if family and model else name
 
 
 def cpu_features() -> frozenset[str] | None:
