@@ -7,10 +7,11 @@
 //      needs the one before it whole);
 //   n  one region, no barrier (not a valid step: the threads drift apart);
 //   w  one region, the 66 MB in two halves (two long streams: the most a pass could read).
-// A cache-sized flush runs before each of 7 repetitions.
+// A flush of FLUSH_MIB (default 256: more than the L3 of most machines) runs before each of 7
+// repetitions; 0 reads the weights warm, from whatever cache holds them.
 //
 //   g++ -O3 -march=native -fopenmp ops/bench/read_pattern.cpp -o /tmp/read_pattern
-//   for m in p b n w; do /tmp/read_pattern $m; done
+//   for m in p b n w; do /tmp/read_pattern $m; done       # /tmp/read_pattern p 0: warm
 //
 // (docs/benchmarks/cpu-isa.md: the linears of a recorded program against this.)
 
@@ -31,7 +32,9 @@ int main(int argc, char** argv) {
   uint8_t* buf = (uint8_t*)aligned_alloc(64, total + 4096);
   memset(buf, 1, total);
   // a second buffer to flush caches between reps
-  const int64_t flush_bytes = 256 << 20; uint8_t* flush = (uint8_t*)aligned_alloc(64, flush_bytes); memset(flush, 2, flush_bytes);
+  const int64_t flush_bytes = (argc > 2 ? atoll(argv[2]) : 256) << 20;
+  uint8_t* flush = (uint8_t*)aligned_alloc(64, flush_bytes + 64);
+  memset(flush, 2, flush_bytes);
   const char mode = argc > 1 ? argv[1][0] : 'p';
   const bool whole = mode == 'w';
   for (int rep = 0; rep < 7; ++rep) {
