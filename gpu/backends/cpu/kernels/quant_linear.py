@@ -48,9 +48,12 @@ MAX_ROWS = 4096  # a step's rows: the cpu backend's largest token budget
 # With a VNNI dot product the int8 path pays up to 8 rows; from 12 the direct path's decode-once
 # (quant_linear.cpp `rows`) is ahead. Without one, x's three int8 planes cost more than decoding W
 # to floats from two rows (a vpmaddubsw + vpmaddwd per plane), so those builds take int8 for one
-# row only. The dequantize path decodes all of W into a float scratch, then oneDNN's GEMM; in a
-# layer's products alone, warm in the caches, it pays from 17 rows on AVX2 (oneDNN changes kernels
-# past 16: x86-64-v3 24 rows 0.97 direct / 0.70 dequantize) and from about 112 with AVX-512. In
+# row only. (That table predates the u4 pair sums, quant_int8.h `dot_u4_pairs`; since them, on an
+# Intel Emerald Rapids, int8x3 is ahead to 4 rows on x86-64-v3 and to 2 on x86-64-v4: the limit
+# moves once the AMD machine has figures at 2-4 rows, docs/benchmarks/cpu-isa.md.) The dequantize
+# path decodes all of W into a float scratch, then oneDNN's GEMM; in a layer's products alone, warm
+# in the caches, it pays from 17 rows on AVX2 (oneDNN changes kernels past 16: x86-64-v3 24 rows
+# 0.97 direct / 0.70 dequantize) and from about 112 with AVX-512. In
 # served decode steps it pays later, and unevenly: the same step varies by up to 1.6x from one
 # process to the next, and perf puts the slow processes' time on the decode's stores to the scratch
 # (three times their share in a fast one; why, not yet known). Whole steps, context 128, ms, direct /
