@@ -22,13 +22,14 @@ STEPS = 3  # timed steps a setting a round (their median), after one untimed
 def main(rows: int, thresholds: list[int], rounds: int) -> None:
     if rows <= 32:
         raise SystemExit("steps of up to 32 rows replay recorded programs, whose paths are fixed: use more rows")
+    decodes = 3 + rounds * len(thresholds) * (STEPS + 1)  # the warm-up's, then each setting's
     rig = Rig(
         Settings(
             model=None,
             quantization=None,
             rows=rows,
             context=128,
-            steps=(rounds * len(thresholds) * (STEPS + 1) + 3) // 3 + 1,
+            steps=decodes // 3 + 1,  # a Rig holds tokens for 3 * steps decodes past the context
             warmup=0,
             array_bytes=0,
             repeats=0,

@@ -24,6 +24,13 @@
 #include <cstdlib>
 #include <cstring>
 
+// Thread t of nt's share of the n bytes at p (whole lines), summed into acc.
+static inline __m512i read_share(const uint8_t* p, int64_t n, int t, int nt, __m512i acc) {
+  const int64_t per = n / nt / 64 * 64;
+  for (int64_t i = t * per; i < (t + 1) * per; i += 64) acc = _mm512_add_epi64(acc, _mm512_load_si512(p + i));
+  return acc;
+}
+
 int main(int argc, char** argv) {
   const int64_t chunks[4] = {345600, 207360, 1105920, 552960};  // bytes, codes+scales approx
   const int layers = 30;
@@ -46,9 +53,7 @@ int main(int argc, char** argv) {
 #pragma omp parallel
       {
         __m512i acc = _mm512_setzero_si512();
-        int nt = omp_get_num_threads(), t = omp_get_thread_num();
-        int64_t per = total / nt / 64 * 64;
-        for (int64_t i = t * per; i < (t + 1) * per; i += 64) acc = _mm512_add_epi64(acc, _mm512_load_si512(buf + i));
+        acc = read_share(buf, total, omp_get_thread_num(), omp_get_num_threads(), acc);
 #pragma omp critical
         acc_all = _mm512_add_epi64(acc_all, acc);
       }
@@ -57,14 +62,11 @@ int main(int argc, char** argv) {
 #pragma omp parallel
       {
         __m512i acc = _mm512_setzero_si512();
-        int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         int64_t off = 0;
         for (int l = 0; l < layers; ++l)
           for (int c = 0; c < 4; ++c) {
-            const int64_t n = chunks[c] / 64 * 64;
-            const uint8_t* p = buf + off;
-            int64_t per = n / nt / 64 * 64;
-            for (int64_t i = t * per; i < (t + 1) * per; i += 64) acc = _mm512_add_epi64(acc, _mm512_load_si512(p + i));
+            acc = read_share(buf + off, chunks[c], t, nt, acc);
             if (bar) {
 #pragma omp barrier
             }
@@ -77,14 +79,9 @@ int main(int argc, char** argv) {
       int64_t off = 0;
       for (int l = 0; l < layers; ++l)
         for (int c = 0; c < 4; ++c) {
-          const int64_t n = chunks[c] / 64 * 64;
-          const uint8_t* p = buf + off;
 #pragma omp parallel
           {
-            __m512i acc = _mm512_setzero_si512();
-            int nt = omp_get_num_threads(), t = omp_get_thread_num();
-            int64_t per = n / nt / 64 * 64;
-            for (int64_t i = t * per; i < (t + 1) * per; i += 64) acc = _mm512_add_epi64(acc, _mm512_load_si512(p + i));
+            __m512i acc = read_share(buf + off, chunks[c], omp_get_thread_num(), omp_get_num_threads(), _mm512_setzero_si512());
 #pragma omp critical
             acc_all = _mm512_add_epi64(acc_all, acc);
           }

@@ -53,10 +53,10 @@ MAX_ROWS = 4096  # a step's rows: the cpu backend's largest token budget
 # moves once the AMD machine has figures at 2-4 rows, docs/benchmarks/cpu-isa.md.) The dequantize
 # path decodes all of W into a float scratch, then oneDNN's GEMM; in a layer's products alone, warm
 # in the caches, it pays from 17 rows on AVX2 (oneDNN changes kernels past 16: x86-64-v3 24 rows
-# 0.97 direct / 0.70 dequantize) and from about 112 with AVX-512. In
-# served decode steps it pays later, and unevenly: the same step varies by up to 1.6x from one
-# process to the next, and perf puts the slow processes' time on the decode's stores to the scratch
-# (three times their share in a fast one; why, not yet known). Whole steps, context 128, ms, direct /
+# 0.97 direct / 0.70 dequantize) and from about 112 with AVX-512. In served decode steps it pays
+# later, and unevenly: the same step varies by up to 1.6x from one process to the next, and perf
+# puts the slow processes' time on the decode's stores to the scratch (three times their share in
+# a fast one; why, not yet known). Whole steps, context 128, ms, direct /
 # dequantize (in one process, interleaved; AMD EPYC Zen 5): x86-64-v3 48 rows 92 / 147, 96 rows
 # 173 / 214 (158 once), 128 rows 217 / 200, 192 rows 324 / 283; native 48 rows 56.5 / 66.6 (process
 # ABAB), 96 rows 98-102 / 101-160, 128 rows 131.5 / 132.8, 256 rows 275 / 241. So the kernel's
