@@ -111,6 +111,8 @@ class SchedulerConfig:
 EMULATE_COSTS = ("table", "roofline")
 # gpu/backends: auto is triton on CUDA and cpu (the C++ kernels) on a CPU.
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+# torch.set_float32_matmul_precision's values, strictest first.
+FLOAT32_MATMUL_PRECISIONS = ("highest", "high", "medium")
 # The router's policies (stages/router/): see docs/architecture.md.
 ROUTING_POLICIES = ("cache_aware", "round_robin", "least_loaded")
 
@@ -149,6 +151,18 @@ class ParallelConfig:
     # batch size (1, 2, 4, 8, then steps of 8 up to the cap or --max-num-seqs). CUDA only.
     enforce_eager: bool = option(False, "never capture CUDA graphs (nor record CPU kernel programs): every step runs eagerly")
     max_cuda_graph_batch_size: int = option(256, "largest decode batch replayed from a CUDA graph", minimum=1)
+    # torch.set_float32_matmul_precision in the worker (gpu/step/platform.py): a float32 product may
+    # round its inputs to a faster format, accumulating and returning float32. What changes: on a
+    # CPU with AMX, `medium` lets oneDNN's GEMMs (prefill, and steps of 17+ rows: onednn_linear.py)
+    # take bfloat16 inputs, about 2x a prefill step; elsewhere on a CPU nothing. On CUDA, `high`
+    # and `medium` allow TF32. Greedy tokens may then differ from float32's (docs/benchmarks.md).
+    float32_matmul_precision: str | None = option(
+        None,
+        "float32 matmuls: highest (float32), high or medium (inputs rounded to TF32 or bfloat16 where the device "
+        "multiplies those faster: AMX on a CPU), as torch.set_float32_matmul_precision",
+        choices=FLOAT32_MATMUL_PRECISIONS,
+        none="torch's own (highest, unless the process set it)",
+    )
 
     @property
     def device_label(self) -> str:

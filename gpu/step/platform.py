@@ -80,11 +80,15 @@ class Platform(Protocol):
 
 @dataclasses.dataclass
 class TorchPlatform:
-    """A real device: `device` is cuda:N or cpu."""
+    """A real device: `device` is cuda:N or cpu. `float32_matmul_precision`: torch's setting for
+    the process (--float32-matmul-precision; None leaves the process's own)."""
 
     device: torch.device
+    float32_matmul_precision: str | None = None
 
     def __post_init__(self) -> None:
+        if self.float32_matmul_precision is not None:
+            torch.set_float32_matmul_precision(self.float32_matmul_precision)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.device.type == "cpu":
@@ -128,4 +132,4 @@ def platform_for(config: EngineConfig, device_index: int, num_ranks: int) -> Pla
     device = torch.device(config.parallel.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", device_index % max(1, torch.cuda.device_count()))
-    return TorchPlatform(device)
+    return TorchPlatform(device, config.parallel.float32_matmul_precision)

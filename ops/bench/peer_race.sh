@@ -10,7 +10,10 @@
 #             llama.cpp, conveyor; results NAME-r1 and NAME-r2), with LLAMACPP_ISA (a variant of
 #             ops/bench/llamacpp_isa.sh; default: the shared script's native build) and conveyor's
 #             kernels at CONVEYOR_CPU_ISA (default native), so a pair of one ISA races
-#   vllm      200 random 128/128 and 200 ShareGPT prompts: conveyor packed, conveyor float32, vLLM CPU (float32)
+#   vllm      200 random 128/128 and 200 ShareGPT prompts: conveyor packed, conveyor float32, vLLM CPU
+#             (float32); FORMS (default "packed f32") picks conveyor's, and VLLM=0 leaves vLLM out
+# CONVEYOR_ARGS: more flags for every conveyor server (e.g. --float32-matmul-precision medium),
+# and TAG a suffix for its result names, so a setting races its default in one OUT.
 # Results: vLLM's --save-result JSON files and logs under OUT. SHARED (default ../shared) holds
 # peers/ and workloads/.
 set -u
@@ -30,7 +33,8 @@ bench() { # PORT NAME MODEL ARGS...
     "${@:4}" > "$OUT/$2.log" 2>&1
 }
 conveyor_up() { # NAME MODEL
-  PYTHONPATH=$ROOT python -m conveyor serve --model "$2" --served-model-name smol --port 8000 > "$OUT/serve-$1.log" 2>&1 &
+  # shellcheck disable=SC2086  # CONVEYOR_ARGS: flags, split on purpose
+  PYTHONPATH=$ROOT python -m conveyor serve --model "$2" --served-model-name smol --port 8000 ${CONVEYOR_ARGS:-} > "$OUT/serve-$1${TAG:-}.log" 2>&1 &
   CPID=$!; wait_health 8000
 }
 conveyor_down() { kill -TERM $CPID; wait $CPID; sleep 3; }
@@ -74,10 +78,11 @@ for part in "$@"; do
     cstreams) streams no ;;
     abba) abba ;;
     vllm)
-      for form in packed f32; do
+      for form in ${FORMS:-packed f32}; do
         model=$([ $form = f32 ] && echo "$F32" || echo "$PACKED")
-        conveyor_up race-$form "$model"; bench 8000 c$form-random smol $(rnd 200); bench 8000 c$form-sharegpt smol "${SHARE[@]}"; conveyor_down
+        conveyor_up race-$form "$model"; bench 8000 c$form${TAG:-}-random smol $(rnd 200); bench 8000 c$form${TAG:-}-sharegpt smol "${SHARE[@]}"; conveyor_down
       done
+      [ "${VLLM:-1}" = 0 ] && continue
       bash "$SHARED/peers/vllm-cpu.sh" serve "$F32" 8100 > "$OUT/vllm-serve.log" 2>&1 & VPID=$!; wait_health 8100
       bench 8100 vllm-random "$F32" $(rnd 200); bench 8100 vllm-sharegpt "$F32" "${SHARE[@]}"; kill -TERM $VPID; wait $VPID; sleep 3 ;;
     *) echo "unknown part: $part (single, llamacpp, cstreams, abba, vllm)" >&2; exit 2 ;;

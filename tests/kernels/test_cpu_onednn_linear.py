@@ -133,3 +133,54 @@ def test_an_isa_variant_holds_onednn_to_its_instructions():
 
     assert isa_line().endswith("isa:Intel AVX2")
     assert "AVX2" not in isa_line(ONEDNN_MAX_CPU_ISA="SSE41")
+
+
+@pytest.fixture
+def float32_precision():
+    """Sets torch's float32 matmul precision for a test (a process-wide setting), then restores it."""
+    before = torch.get_float32_matmul_precision()
+    yield torch.set_float32_matmul_precision
+    torch.set_float32_matmul_precision(before)
+
+
+def rounds_to_bfloat16() -> bool:
+    """Whether oneDNN may round float32 inputs to bfloat16 here: it does on AMX, and only there."""
+    features = isa.cpu_features() or frozenset()
+    return {"amx_bf16", "amx_tile"} <= features and "ONEDNN_MAX_CPU_ISA" not in os.environ
+
+
+@needs_onednn
+def test_medium_precision_rounds_no_further_than_bfloat16(float32_precision):
+    """--float32-matmul-precision medium (torch's setting): oneDNN may round x and W to bfloat16
+    (8 bits; a product of two such within 2^-8 of its own size, the sum within 2^-8 of |x| |W|^T)
+    and accumulates in float32; the result stays float32. On a CPU with AMX it does (so the
+    setting reached oneDNN); elsewhere the products stay float32's."""
+    g = torch.Generator().manual_seed(7)
+    x, w, b = torch.randn(2048, 576, generator=g), torch.randn(960, 576, generator=g), torch.randn(960, generator=g)
+    want = x.double() @ w.double().T + b.double()
+    scale = x.double().abs() @ w.double().abs().T + b.double().abs()
+    float32_precision("medium")
+    got = onednn.linear(x, w, b)
+    assert got.dtype == torch.float32
+    err = (got.double() - want).abs()
+    assert bool((err <= 2**-8 * scale).all())
+    assert bool((err > 1e-5 * scale).any()) == rounds_to_bfloat16()
+    float32_precision("highest")
+    assert close(onednn.linear(x, w, b), x, w, b)
+
+
+def test_the_worker_takes_the_setting():
+    """--float32-matmul-precision reaches the worker's process (gpu/step/platform.py) and its
+    backend's description; without it the process keeps torch's own. In a fresh process each,
+    since the setting is the process's."""
+    script = (
+        "import sys, torch\n"
+        "from conveyor import LLM\n"
+        "options = {} if sys.argv[1] == 'default' else {'float32_matmul_precision': sys.argv[1]}\n"
+        "llm = LLM('tiny', max_num_seqs=4, **options)\n"
+        "print(torch.get_float32_matmul_precision(), 'precision' in llm.runner.backend.description)\n"
+    )
+    for option, want in (("medium", "medium True"), ("default", "highest False")):
+        done = subprocess.run([sys.executable, "-c", script, option], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split()[-2:] == want.split()

@@ -66,6 +66,9 @@ def cpu_backend(model: ModelConfig, device: torch.device, kv_dtype: str | None =
     argmax = cpu_quant_argmax() if quant is not None else None
     if argmax is not None:
         parts.append("the head's argmax from one plane")
+    precision = torch.get_float32_matmul_precision()
+    if precision != "highest":  # --float32-matmul-precision: bfloat16 inputs on AMX at medium
+        parts.append(f"GEMMs at float32 matmul precision {precision}")
     ops = CpuOps(fused, small_linear, quant, lora, argmax)
     return Backend(name="cpu", attn=attn, ops=ops, description=f"cpu ({', '.join(parts)})")
 

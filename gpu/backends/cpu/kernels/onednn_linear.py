@@ -13,7 +13,9 @@ measured, by 2.2x on an AMD EPYC, where MKL takes its AVX2 path. Two forms:
 Invariants: the packed copy is opaque (only `packed_linear` reads it) and a second copy of the
 weight, made only for narrow layers; where `onednn_available()` is False (torch built without
 oneDNN, a version that renamed these private ops, or a wrong answer on a probe) every product is
-torch's F.linear; the results equal F.linear's up to float32 reassociation.
+torch's F.linear; the results equal F.linear's up to float32 reassociation, both at the
+process's float32 matmul precision (--float32-matmul-precision medium lets oneDNN, F.linear's
+too, round their inputs to bfloat16 on a CPU with AMX; small_linear.cpp's products stay float32).
 """
 
 from __future__ import annotations
