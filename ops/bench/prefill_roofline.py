@@ -12,7 +12,7 @@ prompt, the LM head. So the machine's float32 GEMM rate bounds it. This measures
    tokens before half its prompts' FLOPs are done at the best GEMM rate (any order: the prompts
    are alike), nor, at the step's own rate, before half its tokens went through such steps.
 
-    python ops/bench/prefill_roofline.py CHECKPOINT... [--rows 16 --len 128 --burst 200]
+    python ops/bench/prefill_roofline.py CHECKPOINT... [--rows 16 --len 128 --burst 200] [--float32-matmul-precision medium]
 
 Figures: docs/benchmarks/cpu-isa.md (issue 52's burst TTFT).
 """
@@ -89,7 +89,14 @@ def main() -> None:
     parser.add_argument("--len", type=int, default=128, help="tokens a prompt")
     parser.add_argument("--burst", type=int, default=200, help="prompts in the burst the bound is for")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument(
+        "--float32-matmul-precision",
+        choices=("highest", "high", "medium"),
+        help="torch's setting for every product here (as the option)",
+    )
     args = parser.parse_args()
+    if args.float32_matmul_precision:
+        torch.set_float32_matmul_precision(args.float32_matmul_precision)
     config = AutoConfig.from_pretrained(args.checkpoints[0])
     rows = args.rows * args.len
     print(f"threads {torch.get_num_threads()}; GEMM GFLOP/s at {rows} rows:")
