@@ -155,7 +155,8 @@ class ParallelConfig:
     # round its inputs to a faster format, accumulating and returning float32. What changes: on a
     # CPU with AMX, `medium` lets oneDNN's GEMMs (prefill, and steps of 17+ rows: onednn_linear.py)
     # take bfloat16 inputs, about 2x a prefill step; elsewhere on a CPU nothing. On CUDA, `high`
-    # and `medium` allow TF32. Greedy tokens may then differ from float32's (docs/benchmarks.md).
+    # and `medium` allow TF32. Greedy tokens may then differ from float32's (docs/benchmarks/cpu-isa.md,
+    # "Prefill on AMX"), so the default leaves float32 alone.
     float32_matmul_precision: str | None = option(
         None,
         "float32 matmuls: highest (float32), high or medium (inputs rounded to TF32 or bfloat16 where the device "
