@@ -143,18 +143,12 @@ def float32_precision():
     torch.set_float32_matmul_precision(before)
 
 
-def rounds_to_bfloat16() -> bool:
-    """Whether oneDNN may round float32 inputs to bfloat16 here: it does on AMX, and only there."""
-    features = isa.cpu_features() or frozenset()
-    return {"amx_bf16", "amx_tile"} <= features and "ONEDNN_MAX_CPU_ISA" not in os.environ
-
-
 @needs_onednn
 def test_medium_precision_rounds_no_further_than_bfloat16(float32_precision):
     """--float32-matmul-precision medium (torch's setting): oneDNN may round x and W to bfloat16
     (8 bits; a product of two such within 2^-8 of its own size, the sum within 2^-8 of |x| |W|^T)
     and accumulates in float32; the result stays float32. On a CPU with AMX it does (so the
-    setting reached oneDNN); elsewhere the products stay float32's."""
+    setting reached oneDNN), as `bfloat16_products` says; elsewhere the products stay float32's."""
     g = torch.Generator().manual_seed(7)
     x, w, b = torch.randn(2048, 576, generator=g), torch.randn(960, 576, generator=g), torch.randn(960, generator=g)
     want = x.double() @ w.double().T + b.double()
@@ -164,8 +158,9 @@ def test_medium_precision_rounds_no_further_than_bfloat16(float32_precision):
     assert got.dtype == torch.float32
     err = (got.double() - want).abs()
     assert bool((err <= 2**-8 * scale).all())
-    assert bool((err > 1e-5 * scale).any()) == rounds_to_bfloat16()
+    assert bool((err > 1e-5 * scale).any()) == onednn.bfloat16_products()
     float32_precision("highest")
+    assert not onednn.bfloat16_products()
     assert close(onednn.linear(x, w, b), x, w, b)
 
 

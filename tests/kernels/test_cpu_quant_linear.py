@@ -163,6 +163,11 @@ def test_the_row_count_picks_the_path(monkeypatch):
     assert calls[:6] == [int8, several, several, direct, direct, dequantize]
     assert calls[6:] == [direct] * 5 + [dequantize]  # e4m3: no int8 path
     assert NATIVE.int8_path == qlm.PATHS["int8x3"]  # the default: x to 22 bits (see quant_linear.py)
+    calls.clear()  # where oneDNN takes bfloat16 inputs, the dequantize path from fewer rows
+    for bfloat16, rows in itertools.product((False, True), (qlm.DEQUANTIZE_MIN_ROWS_BF16 - 1, qlm.DEQUANTIZE_MIN_ROWS_BF16)):
+        monkeypatch.setattr(qlm.onednn, "bfloat16_products", lambda bfloat16=bfloat16: bfloat16)
+        NATIVE(torch.randn(rows, 64), u4)
+    assert calls == [direct, direct, direct, dequantize]
 
 
 @pytest.mark.parametrize("build_name", variant_params(int8=True))

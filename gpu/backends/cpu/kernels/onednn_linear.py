@@ -82,6 +82,22 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def bfloat16_products() -> bool:
+    """Whether oneDNN's float32 GEMMs take bfloat16 inputs now: the process's float32 matmul
+    precision is medium (--float32-matmul-precision) and oneDNN may use AMX here, the only ISA on
+    which it rounds (docs/benchmarks/cpu-isa.md, "Prefill on AMX"). A C call: ask it only where
+    the answer changes a path."""
+    return torch.backends.mkldnn.matmul.fp32_precision == "bf16" and _amx()
+
+
+@functools.cache
+def _amx() -> bool:
+    """The CPU has AMX for bfloat16 and oneDNN is not capped below it (ONEDNN_MAX_CPU_ISA, which an
+    ISA variant sets: `onednn_available`)."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    return {"amx_bf16", "amx_tile"} <= (isa.cpu_features() or frozenset()) and (cap == "ALL" or "AMX" in cap)
+
+
 @functools.cache
 def onednn_available() -> bool:
     """Whether both forms run here and agree with F.linear on a probe. First, oneDNN is held to

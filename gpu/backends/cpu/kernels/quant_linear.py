@@ -8,8 +8,8 @@ codes, scales and mins contiguous, scales and mins float32 or both float16
 groups stay contiguous. `prepare(weight)` is the weight's `prepared` form: its pointers and sizes
 as the C call takes them, read once instead of on every call (a decode step of SmolLM2 makes 121
 of these calls, q/k/v and gate/up stacked by the cpu ops). Which of the kernel's paths a call
-takes is decided here, by its row count and the build's byte products (`int8_max_rows`,
-DEQUANTIZE_MIN_ROWS).
+takes is decided here, by its row count, the build's byte products (`int8_max_rows`) and whether
+oneDNN's GEMM takes bfloat16 inputs (DEQUANTIZE_MIN_ROWS, DEQUANTIZE_MIN_ROWS_BF16).
 """
 
 from __future__ import annotations
@@ -64,6 +64,13 @@ MAX_ROWS = 4096  # a step's rows: the cpu backend's largest token budget
 # them, so those steps record (a recording refuses the GEMM).
 INT8_MAX_ROWS = 8  # with a VNNI dot product; 1 without (`int8_max_rows`)
 DEQUANTIZE_MIN_ROWS = 97
+# Where oneDNN's GEMM takes bfloat16 inputs (--float32-matmul-precision medium on a CPU with AMX:
+# onednn_linear.bfloat16_products), at about 4x float32's rate, the dequantize path pays from fewer
+# rows. Whole served steps on an Intel Emerald Rapids guest, context 128, ms, dequantize / direct
+# (ops/bench/dequantize_rows.py ROWS ROWS,1000 3 medium): 33 rows 129 / 124, 40 rows 97 / 120,
+# 48 rows 121 / 167 and 139 / 204, 96 rows 174 / 246 (at highest, 48 rows: 186 / 168). Above 32,
+# as the other: recorded steps never take the GEMM.
+DEQUANTIZE_MIN_ROWS_BF16 = 40
 # The float slice of W decoded at a time: 8 MB, SmolLM2's stacked gate/up (3072 x 576) whole. At
 # 4 MB it took two slices, each product copied into a column range of the output: a 2048-token
 # prefill step took 2207 ms against 1994 (medians of 5, interleaved; float32's own GEMM 1864).
@@ -161,7 +168,8 @@ class CpuQuantLinear:
         elif rows <= self.int8_max_rows and prepared.int8:
             code = self.int8_path
         else:
-            code = _DEQUANTIZE if rows >= DEQUANTIZE_MIN_ROWS else _DIRECT
+            many = rows >= DEQUANTIZE_MIN_ROWS or (rows >= DEQUANTIZE_MIN_ROWS_BF16 and onednn.bfloat16_products())
+            code = _DEQUANTIZE if many else _DIRECT
         if code < 0:
             return self._gemm(x, prepared, bias)
         y = torch.empty(rows, n, dtype=torch.float32)
