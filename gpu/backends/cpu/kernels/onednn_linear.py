@@ -87,7 +87,7 @@ def bfloat16_products() -> bool:
     precision is medium (--float32-matmul-precision) and oneDNN may use AMX here, the only ISA on
     which it rounds (docs/benchmarks/cpu-isa.md, "Prefill on AMX"). A C call: ask it only where
     the answer changes a path."""
-    return torch.backends.mkldnn.matmul.fp32_precision == "bf16" and _amx()
+    return torch.get_float32_matmul_precision() == "medium" and _amx()
 
 
 @functools.cache
