@@ -1,6 +1,6 @@
 """Greedy tokens at each float32 matmul precision against the reference backend's.
 
-ShareGPT's first human turns of 400-2000 characters (100-500 tokens, so the prompts' steps take
+ShareGPT's first turns of 400-2000 characters (100-500 tokens, so the prompts' steps take
 the many-row products that --float32-matmul-precision can change), greedy, on a checkpoint: the
 torch backend (the reference: dequantize + F.linear, at float32's own precision) and the cpu
 backend at each precision given. Prints, per precision, how many tokens of each prompt equal the
@@ -14,26 +14,18 @@ Figures: docs/benchmarks/cpu-isa.md ("Prefill on AMX").
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 from conveyor import LLM, SamplingParams
+from conveyor.sim.sharegpt import sharegpt_pairs
 
 WORKLOAD = Path(__file__).resolve().parents[3] / "shared" / "workloads" / "sharegpt_sample.json"
 
 
 def prompts(path: Path, count: int) -> list[str]:
-    chosen = []
-    for conversation in json.loads(path.read_text()):
-        turns = conversation.get("conversations") or []
-        text = turns[0].get("value", "") if turns else ""
-        if 400 < len(text) < 2000:
-            chosen.append(text)
-        if len(chosen) == count:
-            break
-    return chosen
+    return [prompt for prompt, _ in sharegpt_pairs(str(path)) if 400 < len(prompt) < 2000][:count]
 
 
 def first_difference(got: list[int], want: list[int]) -> int | str:

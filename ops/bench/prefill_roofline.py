@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from transformers import AutoConfig
 
 from conveyor.bench.forward import StepDriver
+from conveyor.config.engine import FLOAT32_MATMUL_PRECISIONS
 from conveyor.gpu.backends.cpu.kernels import onednn_linear as onednn
 
 
@@ -91,7 +92,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument(
         "--float32-matmul-precision",
-        choices=("highest", "high", "medium"),
+        choices=FLOAT32_MATMUL_PRECISIONS,
         help="torch's setting for every product here (as the option)",
     )
     args = parser.parse_args()
