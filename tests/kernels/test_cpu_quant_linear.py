@@ -158,11 +158,16 @@ def test_the_row_count_picks_the_path(monkeypatch):
         NATIVE(torch.randn(rows, 64), w)
     direct, dequantize = qlm.PATHS["direct"], qlm.PATHS["dequantize"]
     int8 = NATIVE.int8_path if NATIVE.has_int8 else direct
-    several = int8 if NATIVE.int8_max_rows > 1 else direct  # int8 past one row only with a VNNI dot product
-    assert NATIVE.int8_max_rows in (1, qlm.INT8_MAX_ROWS)
-    assert calls[:6] == [int8, several, several, direct, direct, dequantize]
+    several = int8 if NATIVE.int8_max_rows > 1 else direct
+    assert NATIVE.int8_max_rows in {1, qlm.INT8_MAX_ROWS, *qlm.INT8_MAX_ROWS_WITHOUT_VNNI.values()}
+    at_limit = int8 if NATIVE.int8_max_rows >= qlm.INT8_MAX_ROWS else direct
+    assert calls[:6] == [int8, several, at_limit, direct, direct, dequantize]
     assert calls[6:] == [direct] * 5 + [dequantize]  # e4m3: no int8 path
     assert NATIVE.int8_path == qlm.PATHS["int8x3"]  # the default: x to 22 bits (see quant_linear.py)
+    calls.clear()  # the limit itself, whichever build this is
+    for rows in (NATIVE.int8_max_rows, NATIVE.int8_max_rows + 1):
+        NATIVE(torch.randn(rows, 64), u4)
+    assert calls == ([int8, direct] if NATIVE.has_int8 else [direct, direct])
     calls.clear()  # where oneDNN takes bfloat16 inputs, the dequantize path from fewer rows
     for bfloat16, rows in itertools.product((False, True), (qlm.DEQUANTIZE_MIN_ROWS_BF16 - 1, qlm.DEQUANTIZE_MIN_ROWS_BF16)):
         monkeypatch.setattr(qlm.onednn, "bfloat16_products", lambda bfloat16=bfloat16: bfloat16)
@@ -171,13 +176,15 @@ def test_the_row_count_picks_the_path(monkeypatch):
 
 
 @pytest.mark.parametrize("build_name", variant_params(int8=True))
-def test_int8_takes_several_rows_only_with_a_vnni_dot_product(build_name):
-    """Each build says which byte products it has: several rows go int8 only by vpdpbusd."""
+def test_int8_row_limit_follows_the_byte_products(build_name):
+    """Each build says which byte products it has and at what width: VNNI's vpdpbusd takes int8 to
+    INT8_MAX_ROWS; vpmaddubsw to 5 rows in ymm (AVX2), one in zmm (quant_linear.py's table)."""
     kernel = build(build_name)
     paths = isa.kernel_paths(isa.build_features(isa.variant(build_name)))
     assert kernel.has_int8 == (paths.int8 is not None)
     vnni = paths.int8 is not None and paths.int8.startswith("vpdpbusd")
-    assert kernel.int8_max_rows == (qlm.INT8_MAX_ROWS if vnni else 1)
+    zmm = paths.int8 is not None and "zmm" in paths.int8
+    assert kernel.int8_max_rows == (qlm.INT8_MAX_ROWS if vnni else 1 if zmm else 5)
 
 
 def test_mismatched_shapes_are_refused():

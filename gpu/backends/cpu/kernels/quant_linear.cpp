@@ -369,6 +369,15 @@ int64_t conveyor_quant_linear_has_int8() {
 #endif
 }
 
+// The int8 path's vectors in 32-bit lanes: 16 (zmm, AVX-512 F and BW) or 8 (ymm); 0 without it.
+int64_t conveyor_quant_linear_int8_lanes() {
+#if defined(CONVEYOR_INT8)
+  return kIntLanes;
+#else
+  return 0;
+#endif
+}
+
 }  // extern "C"
 
 // Their packed forms, for recorded programs (packed_call.h).

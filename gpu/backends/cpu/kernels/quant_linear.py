@@ -46,12 +46,20 @@ MAX_ROWS = 4096  # a step's rows: the cpu backend's largest token budget
 #   x86-64-v3 (AVX2)     0.09 / 0.12  0.16 / 0.15  0.54 / 0.39  0.79 / 0.55  1.03 / 0.70  2.04 / 1.28 / 0.88
 #   x86-64-v4 (no VNNI)  0.07 / 0.08  0.10 / 0.10  0.35 / 0.29  0.53 / 0.32  0.71 / 0.41  1.47 / 0.68 / 0.85
 # With a VNNI dot product the int8 path pays up to 8 rows; from 12 the direct path's decode-once
-# (quant_linear.cpp `rows`) is ahead. Without one, x's three int8 planes cost more than decoding W
-# to floats from two rows (a vpmaddubsw + vpmaddwd per plane), so those builds take int8 for one
-# row only. (That table predates the u4 pair sums, quant_int8.h `dot_u4_pairs`; since them, on an
-# Intel Emerald Rapids, int8x3 is ahead to 4 rows on x86-64-v3 and to 2 on x86-64-v4: the limit
-# moves once the AMD machine has figures at 2-4 rows, docs/benchmarks/cpu-isa.md.) The dequantize
-# path decodes all of W into a float scratch, then oneDNN's GEMM; in a layer's products alone, warm
+# (quant_linear.cpp `rows`) is ahead. Without one (a vpmaddubsw + vpmaddwd per plane), that table
+# gave int8 one row only. It predates the u4 pair sums (quant_int8.h `dot_u4_pairs`); since them,
+# on an Intel Emerald Rapids, int8x3 / direct (quant_paths.py x86-64-v3,x86-64-v4 1,2,3,4,5,6,8
+# 25, two runs):
+#   rows                 1     2          3          4          5          6          8
+#   x86-64-v3 (ymm)      0.67  0.83-0.86  1.03-1.05  0.80       0.93-0.98  1.00-1.01  1.16
+#   x86-64-v4 (zmm)      0.70  0.94-0.97  0.97-0.98  1.06-1.13  0.98-1.01  1.02-1.06  1.11-1.14
+# The direct path's passes are kMB = 3 rows on AVX2, each decoding its block of W, so 4 and 5
+# rows take two decodes where the int8 path takes one: AVX2 builds without VNNI take int8 to 5
+# rows (3 rows lose 3-5%). AVX-512 builds without it keep one row: 2-3 rows gained 2-6%, too
+# little to move a limit the AMD machine has not measured. There, before the pair sums (which
+# took 7-20% off int8x3 here), x86-64-v3 at 2 rows was 0.16 / 0.15 ms and x86-64-v4 even.
+# The limits by the int8 vectors' 32-bit lanes: INT8_MAX_ROWS_WITHOUT_VNNI.
+# The dequantize path decodes all of W into a float scratch, then oneDNN's GEMM; in a layer's products alone, warm
 # in the caches, it pays from 17 rows on AVX2 (oneDNN changes kernels past 16: x86-64-v3 24 rows
 # 0.97 direct / 0.70 dequantize) and from about 112 with AVX-512. In served decode steps it pays
 # later, and unevenly: the same step varies by up to 1.6x from one process to the next, and perf
@@ -62,7 +70,8 @@ MAX_ROWS = 4096  # a step's rows: the cpu backend's largest token budget
 # ABAB), 96 rows 98-102 / 101-160, 128 rows 131.5 / 132.8, 256 rows 275 / 241. So the kernel's
 # paths take up to 96 rows; every decode-graph bucket (up to 32, gpu/step/cuda_graphs.py) among
 # them, so those steps record (a recording refuses the GEMM).
-INT8_MAX_ROWS = 8  # with a VNNI dot product; 1 without (`int8_max_rows`)
+INT8_MAX_ROWS = 8  # with a VNNI dot product (`int8_max_rows`)
+INT8_MAX_ROWS_WITHOUT_VNNI = {8: 5, 16: 1}  # by the int8 path's lanes, conveyor_quant_linear_int8_lanes
 DEQUANTIZE_MIN_ROWS = 97
 # Where oneDNN's GEMM takes bfloat16 inputs (--float32-matmul-precision medium on a CPU with AMX:
 # onednn_linear.bfloat16_products), at about 4x float32's rate, the dequantize path pays from fewer
@@ -122,7 +131,8 @@ class CpuQuantLinear:
         self._rows = Kernel(lib, "conveyor_quant_rows_f32", [_ptr, _ptr, _i64, _ptr])
         int8 = lib.conveyor_quant_linear_has_int8()  # 0: no int8 path; 1: by vpmaddubsw; 2: by VNNI
         self.has_int8 = int8 > 0
-        self.int8_max_rows = INT8_MAX_ROWS if int8 == 2 else 1
+        lanes = lib.conveyor_quant_linear_int8_lanes()
+        self.int8_max_rows = INT8_MAX_ROWS if int8 == 2 else INT8_MAX_ROWS_WITHOUT_VNNI.get(lanes, 1)
         self.int8_path = PATHS["int8"] + planes - 1
         self._scratch = torch.empty(0)
 
