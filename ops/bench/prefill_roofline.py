@@ -10,9 +10,11 @@ prompt, the LM head. So the machine's float32 GEMM rate bounds it. This measures
    ModelRunner.execute, `conveyor bench forward`'s driver), for each checkpoint given;
 3. the bound: a burst of BURST prompts of LEN tokens, all at once, cannot have half its first
    tokens before half its prompts' FLOPs are done at the best GEMM rate (any order: the prompts
-   are alike), nor, at the step's own rate, before half its tokens went through such steps.
+   are alike), nor, at the step's own rate, before half its tokens went through such steps;
+4. with --ops, the step's time per op (conveyor/bench/op_meter.py's timers, over as many more
+   steps): what of it is the GEMMs and what the rest.
 
-    python ops/bench/prefill_roofline.py CHECKPOINT... [--rows 16 --len 128 --burst 200] [--float32-matmul-precision medium]
+    python ops/bench/prefill_roofline.py CHECKPOINT... [--rows 16 --len 128 --burst 200] [--float32-matmul-precision medium] [--ops]
 
 Figures: docs/benchmarks/cpu-isa.md (issue 52's burst TTFT).
 """
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig
 
+from conveyor.bench import op_meter
 from conveyor.bench.forward import StepDriver
 from conveyor.config.engine import FLOAT32_MATMUL_PRECISIONS
 from conveyor.gpu.backends.cpu.kernels import onednn_linear as onednn
@@ -95,6 +98,7 @@ def main() -> None:
         choices=FLOAT32_MATMUL_PRECISIONS,
         help="torch's setting for every product here (as the option)",
     )
+    parser.add_argument("--ops", action="store_true", help="also time each op of the step (op_meter's timers)")
     args = parser.parse_args()
     if args.float32_matmul_precision:
         torch.set_float32_matmul_precision(args.float32_matmul_precision)
@@ -118,6 +122,25 @@ def main() -> None:
             f"{gflop / step:.0f} GFLOP/s, {step / (gflop / best):.2f}x the roofline; "
             f"half the burst at this rate: {args.burst / 2 / args.rows * step:.2f} s"
         )
+        if args.ops:
+            print_op_shares(driver, args)
+
+
+def print_op_shares(driver: StepDriver, args: argparse.Namespace) -> None:
+    """The step's time per op label, over args.steps steps with the timers on; the timers add
+    their own cost to the step, so the shares, not the sum, are the figure."""
+    meter = op_meter.install(driver.runner)
+    total = 0.0
+    try:
+        for _ in range(args.steps):
+            total += driver.prefill_and_drop(args.rows, args.len)
+            meter.settle()
+    finally:
+        meter.remove()
+    for label, seconds in sorted(meter.seconds.items(), key=lambda item: -item[1]):
+        print(f"  {label:20s} {seconds / args.steps * 1e3:8.1f} ms a step  {seconds / total:6.1%}")
+    outside = total - sum(meter.seconds.values())
+    print(f"  {'outside the ops':20s} {outside / args.steps * 1e3:8.1f} ms a step  {outside / total:6.1%}")
 
 
 if __name__ == "__main__":
