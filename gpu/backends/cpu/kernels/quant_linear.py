@@ -8,8 +8,9 @@ codes, scales and mins contiguous, scales and mins float32 or both float16
 groups stay contiguous. `prepare(weight)` is the weight's `prepared` form: its pointers and sizes
 as the C call takes them, read once instead of on every call (a decode step of SmolLM2 makes 121
 of these calls, q/k/v and gate/up stacked by the cpu ops). Which of the kernel's paths a call
-takes is decided here, by its row count, the build's byte products (`int8_max_rows`) and whether
-oneDNN's GEMM takes bfloat16 inputs (DEQUANTIZE_MIN_ROWS, DEQUANTIZE_MIN_ROWS_BF16).
+takes is decided here, by its row count, the build's byte products and their width
+(`int8_max_rows`) and whether oneDNN's GEMM takes bfloat16 inputs (DEQUANTIZE_MIN_ROWS,
+DEQUANTIZE_MIN_ROWS_BF16).
 """
 
 from __future__ import annotations
@@ -59,17 +60,17 @@ MAX_ROWS = 4096  # a step's rows: the cpu backend's largest token budget
 # little to move a limit the AMD machine has not measured. There, before the pair sums (which
 # took 7-20% off int8x3 here), x86-64-v3 at 2 rows was 0.16 / 0.15 ms and x86-64-v4 even.
 # The limits by the int8 vectors' 32-bit lanes: INT8_MAX_ROWS_WITHOUT_VNNI.
-# The dequantize path decodes all of W into a float scratch, then oneDNN's GEMM; in a layer's products alone, warm
-# in the caches, it pays from 17 rows on AVX2 (oneDNN changes kernels past 16: x86-64-v3 24 rows
-# 0.97 direct / 0.70 dequantize) and from about 112 with AVX-512. In served decode steps it pays
-# later, and unevenly: the same step varies by up to 1.6x from one process to the next, and perf
-# puts the slow processes' time on the decode's stores to the scratch (three times their share in
-# a fast one; why, not yet known). Whole steps, context 128, ms, direct /
-# dequantize (in one process, interleaved; AMD EPYC Zen 5): x86-64-v3 48 rows 92 / 147, 96 rows
-# 173 / 214 (158 once), 128 rows 217 / 200, 192 rows 324 / 283; native 48 rows 56.5 / 66.6 (process
-# ABAB), 96 rows 98-102 / 101-160, 128 rows 131.5 / 132.8, 256 rows 275 / 241. So the kernel's
-# paths take up to 96 rows; every decode-graph bucket (up to 32, gpu/step/cuda_graphs.py) among
-# them, so those steps record (a recording refuses the GEMM).
+# The dequantize path decodes all of W into a float scratch, then oneDNN's GEMM; in a layer's
+# products alone, warm in the caches, it pays from 17 rows on AVX2 (oneDNN changes kernels past 16:
+# x86-64-v3 24 rows 0.97 direct / 0.70 dequantize) and from about 112 with AVX-512. In served decode
+# steps it pays later, and unevenly: the same step varies by up to 1.6x from one process to the
+# next, and perf puts the slow processes' time on the decode's stores to the scratch (three times
+# their share in a fast one; why, not yet known). Whole steps, context 128, ms, direct / dequantize
+# (in one process, interleaved; AMD EPYC Zen 5): x86-64-v3 48 rows 92 / 147, 96 rows 173 / 214 (158
+# once), 128 rows 217 / 200, 192 rows 324 / 283; native 48 rows 56.5 / 66.6 (process ABAB), 96 rows
+# 98-102 / 101-160, 128 rows 131.5 / 132.8, 256 rows 275 / 241. So the kernel's paths take up to 96
+# rows; every decode-graph bucket (up to 32, gpu/step/cuda_graphs.py) among them, so those steps
+# record (a recording refuses the GEMM).
 INT8_MAX_ROWS = 8  # with a VNNI dot product (`int8_max_rows`)
 INT8_MAX_ROWS_WITHOUT_VNNI = {8: 5, 16: 1}  # by the int8 path's lanes, conveyor_quant_linear_int8_lanes
 DEQUANTIZE_MIN_ROWS = 97
