@@ -109,14 +109,19 @@ def test_a_head_tied_to_the_embedding_keeps_its_layout():
 def test_packed_weights_match_torch(bias):
     assert onednn_available()
     g = torch.Generator().manual_seed(3)
-    x, w = torch.randn(PACKED_MIN_ROWS + 88, 256, generator=g), torch.randn(688, 256, generator=g)
+    w = torch.randn(688, 256, generator=g)
     b = torch.randn(688, generator=g) if bias else None
-    assert torch.allclose(packed_linear(x, pack_linear_weight(w), b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    packed = pack_linear_weight(w)
+    for rows in (PACKED_MIN_ROWS + 64, PACKED_MIN_ROWS + 88, PACKED_MIN_ROWS + 127):  # 576 as is, 600 and 639 padded
+        x = torch.randn(rows, 256, generator=g)
+        y = packed_linear(x, packed, b)
+        assert y.shape == (rows, 688) and y.is_contiguous()
+        assert torch.allclose(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
 def test_a_layer_routes_by_rows(monkeypatch):
-    """Which path serves a step: spy on both. oneDNN takes many rows in multiples of 64 (its
-    per-shape primitives are then reused), the C++ kernel the rest."""
+    """Which path serves a step: spy on both. oneDNN takes many rows (padded to a multiple of 64,
+    so its per-shape primitives are reused), the C++ kernel the rest."""
     layer = cpu_linear(64, 96, bias=False)
     assert isinstance(layer.prepared, SmallLinearWeight)
     if layer.prepared.packed is None:
@@ -139,7 +144,7 @@ def test_a_layer_routes_by_rows(monkeypatch):
     monkeypatch.setattr(layer.ops, "small_linear", SmallSpy())
     for rows in (1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 2047, 2048):
         layer(torch.randn(rows, 64))
-    assert calls == [("small", 1), ("small", 511), ("packed", 512), ("small", 2047), ("packed", 2048)]
+    assert calls == [("small", 1), ("small", 511), ("packed", 512), ("packed", 2047), ("packed", 2048)]
 
 
 def test_without_packed_weights_rows_past_the_limit_go_to_a_gemm(monkeypatch):

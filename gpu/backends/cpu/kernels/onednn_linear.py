@@ -8,7 +8,8 @@ measured, by 2.2x on an AMD EPYC, where MKL takes its AVX2 path. Two forms:
   slices in quant_linear.py);
 - `packed_linear`: on a copy reordered once into oneDNN's blocked layout
   (`pack_linear_weight`), for the narrow layers small_linear.cpp takes, in steps where
-  `use_packed(rows)` (from 512 rows, multiples of 64); other steps keep small_linear.
+  `use_packed(rows)` (from 512 rows; x padded with zero rows to a multiple of 64); other steps
+  keep small_linear.
 
 Invariants: the packed copy is opaque (only `packed_linear` reads it) and a second copy of the
 weight, made only for narrow layers; where `onednn_available()` is False (torch built without
@@ -33,13 +34,17 @@ from conveyor.gpu.backends.cpu.kernels import isa
 # small_linear and 82.8 ms with the packed weights from 512 rows on (medians of 20 interleaved
 # steps, one process). At 256 rows the two kernels were even, and below that small_linear wins
 # (a one-row layer: 0.06 against 0.12 ms), so steps of fewer rows keep it.
-PACKED_MIN_ROWS = 512  # steps with at least this many rows use the packed weight,
+PACKED_MIN_ROWS = 512  # steps with at least this many rows use the packed weight
 # oneDNN builds a primitive per input shape, and building one cost about 0.5 ms per layer here (a
 # 1000-row call: 3.85 ms on a shape seen before, 4.4 ms on a new one, as slow as small_linear). A
-# server's steps come in every row count, so only multiples of 64 take this path: at most 64
-# shapes per weight up to the 4096-row limit, each built once, and a step that fills the default
-# budget (2048 rows, every prefill step of a burst) is one of them.
-PACKED_ROW_MULTIPLE = 64  # when their row count is a multiple of this
+# server's steps come in every row count, so x goes in padded with zero rows to a multiple of 64:
+# at most 64 shapes per weight up to the 4096-row limit, each built once. Those steps once kept
+# small_linear instead, and it is the slower kernel there: SmolLM2's narrow products (q/k/v, o,
+# gate/up) on an Intel Emerald Rapids guest, ms, small_linear / padded / unpadded at the multiple
+# of 64 above: 600 rows 39.2 / 24.4 / 23.6, 1000 rows 64.3 / 39.6 / 37.6, 2000 rows 127.8 / 76.8
+# / 74.7 (docs/benchmarks/cpu-isa.md). So a prompt chunk of any length from 512 rows, and a
+# step of a burst whose budget is not filled exactly, takes the GEMM.
+PACKED_ROW_MULTIPLE = 64  # x's rows padded to a multiple of this
 
 # On a 2-core AMD EPYC (Zen 5, AVX-512), SmolLM2's shapes, steady-state GFLOP/s, oneDNN on the
 # weight as stored against F.linear (MKL): 17 rows 3072 x 576 0.25 ms against 0.57, 576 x 1536
@@ -52,7 +57,7 @@ ONEDNN_MIN_ROWS = 17
 
 
 def use_packed(rows: int) -> bool:
-    return rows >= PACKED_MIN_ROWS and rows % PACKED_ROW_MULTIPLE == 0
+    return rows >= PACKED_MIN_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -78,7 +83,16 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, in] float32 -> [M, out], as F.linear(x, weight, bias)."""
+    """x [M, in] float32 -> [M, out] contiguous, as F.linear(x, weight, bias). oneDNN sees M
+    rounded up to a multiple of PACKED_ROW_MULTIPLE (x copied, zero rows after it), so it builds
+    one primitive per 64 row counts; the padding's outputs are computed and dropped."""
+    rows = x.shape[0]
+    padded = -(-rows // PACKED_ROW_MULTIPLE) * PACKED_ROW_MULTIPLE
+    if padded != rows:
+        x_padded = x.new_empty(padded, x.shape[1])
+        x_padded[:rows].copy_(x)
+        x_padded[rows:].zero_()
+        return torch.ops.mkldnn._linear_pointwise(x_padded, packed, bias, "none", [], "")[:rows]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
