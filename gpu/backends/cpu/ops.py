@@ -20,10 +20,11 @@ CPU tensors, torch's (TorchOps) for anything else.
 - linear: for the layers small_linear.cpp supports (at most 1024 input features: small models),
   `prepare` moves each weight's storage to [in, out] (the kernel reads it transposed), leaving
   `weight` a transposed view of it so a GEMM serves what the kernel does not take, and keeps
-  oneDNN's blocked copy (onednn_linear.py) for steps of many rows in multiples of 64. A weight
-  tied to the embedding keeps its layout: the embedding's row lookups need it. The other float32
-  products (wide layers, the tied head) are small_linear.cpp's row kernel on the weight as stored
-  for steps of few rows (decode: so that those steps record), oneDNN's past them.
+  oneDNN's blocked copy (onednn_linear.py) for steps of many rows (from 512, x padded to a
+  multiple of 64). A weight tied to the embedding keeps its layout: the embedding's row lookups
+  need it. The other float32 products (wide layers, the tied head) are small_linear.cpp's row
+  kernel on the weight as stored for steps of few rows (decode: so that those steps record),
+  oneDNN's past them.
 - embedding: the table's rows by one C call, a float32 table's gathered (fused_ops.cpp), a
   quantized one's decoded from its codes (quant_linear.cpp, the weight `prepared` as for its
   product; not act-order), where the activations are float32; torch's otherwise. An id outside
