@@ -73,12 +73,16 @@ class StepDriver:
 
     def prefill(self, rows: int, length: int, extra: int = 0) -> tuple[list[int], float]:
         """rows fresh prompts of `length` tokens, blocks for `extra` more each -> (ids, seconds)."""
+        return self.prefill_prompts([length] * rows, extra)
+
+    def prefill_prompts(self, lengths: list[int], extra: int = 0) -> tuple[list[int], float]:
+        """Fresh prompts of these lengths in one step, blocks for `extra` more each -> (ids, seconds)."""
         params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
-        ids = list(range(self.next_seq, self.next_seq + rows))
-        self.next_seq += rows
+        ids = list(range(self.next_seq, self.next_seq + len(lengths)))
+        self.next_seq += len(lengths)
         vocab = self.runner.config.model.vocab_size - 16
-        new = [NewSeq(i, [(i * 31 + j) % vocab for j in range(length)], params, length) for i in ids]
-        scheduled = [ScheduledSeq(i, length, self._blocks(length + extra)) for i in ids]
+        new = [NewSeq(i, [(i * 31 + j) % vocab for j in range(n)], params, n) for i, n in zip(ids, lengths)]
+        scheduled = [ScheduledSeq(i, n, self._blocks(n + extra)) for i, n in zip(ids, lengths)]
         return ids, self._execute(new, scheduled)
 
     def decode(self, ids: list[int]) -> float:
@@ -86,8 +90,12 @@ class StepDriver:
 
     def prefill_and_drop(self, rows: int, length: int) -> float:
         """A timed prefill of fresh prompts, which are then dropped and their blocks reused."""
+        return self.prompts_and_drop([length] * rows)
+
+    def prompts_and_drop(self, lengths: list[int]) -> float:
+        """prefill_and_drop with prompts of these lengths."""
         mark = self.next_block
-        ids, seconds = self.prefill(rows, length)
+        ids, seconds = self.prefill_prompts(lengths)
         self._execute([], [], finished=ids)
         self.next_block = mark
         return seconds

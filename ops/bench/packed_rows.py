@@ -18,31 +18,18 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import torch
+from prefill_roofline import timed  # the sibling script's (this folder is on sys.path when run)
 
 from conveyor.bench.forward import StepDriver
 from conveyor.gpu.backends.cpu.kernels import onednn_linear as onednn
 from conveyor.gpu.backends.cpu.kernels.build import load_library
 from conveyor.gpu.backends.cpu.kernels.small_linear import CpuSmallLinear
 from conveyor.gpu.step.host_memory import keep_freed_memory
-from conveyor.wire.messages import SamplingParams
-from conveyor.wire.step import NewSeq, ScheduledSeq
 
 NARROW = [(960, 576), (576, 576), (3072, 576)]  # (N, K)
 STEPS = {"2000 rows (15 x 128 + 80)": [128] * 15 + [80], "one 1000-token prompt": [1000], "2048 rows (16 x 128)": [128] * 16}
-
-
-def median_ms(fn, reps: int = 9) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def products() -> None:
@@ -60,32 +47,19 @@ def products() -> None:
                 lambda x=x_whole, packed=packed: onednn.packed_linear(x, packed, None),
             )
             for label, fn in zip(ms, forms):
-                ms[label] += median_ms(fn)
+                ms[label] += timed(fn, reps=9) * 1e3
         print(f"{rows} rows, the narrow products, ms: " + "  ".join(f"{label} {v:.1f}" for label, v in ms.items()))
 
 
 def steps(checkpoint: str, rounds: int) -> None:
     driver = StepDriver("cpu", num_blocks=600, model=checkpoint)
-    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
-    vocab = driver.runner.config.model.vocab_size - 16
     rules = {"old": lambda rows: rows >= onednn.PACKED_MIN_ROWS and rows % 64 == 0, "new": onednn.use_packed}
-
-    def fresh(lengths: list[int]) -> float:  # a prefill of fresh prompts, then dropped
-        mark, first = driver.next_block, driver.next_seq
-        ids = list(range(first, first + len(lengths)))
-        driver.next_seq += len(lengths)
-        new = [NewSeq(i, [(i * 31 + j) % vocab for j in range(n)], params, n) for i, n in zip(ids, lengths)]
-        seconds = driver._execute(new, [ScheduledSeq(i, n, driver._blocks(n)) for i, n in zip(ids, lengths)])
-        driver._execute([], [], finished=ids)
-        driver.next_block = mark
-        return seconds
-
     times: dict[tuple[str, str], list[float]] = {(s, r): [] for s in STEPS for r in rules}
     for r in range(rounds):
         for shape, lengths in STEPS.items():
             for rule in list(rules) if r % 2 == 0 else list(rules)[::-1]:
                 onednn.use_packed = rules[rule]  # ops.py reads it per call
-                times[(shape, rule)].append(fresh(lengths))
+                times[(shape, rule)].append(driver.prompts_and_drop(lengths))
     onednn.use_packed = rules["new"]
     for shape in STEPS:
         old, new = (statistics.median(times[(shape, rule)]) for rule in rules)
