@@ -93,6 +93,10 @@ class Rig:
     def decode(self, ids: list[int]) -> float:
         return self._execute([], [ScheduledSeq(i, 1) for i in ids])
 
+    def finish(self, ids: list[int]) -> None:
+        """The rows' sequences ended, their blocks free for the next start_rows."""
+        self._execute([], [], finished=ids)
+
     def round(self) -> dict[str, Any]:
         """Bandwidth, then decode steps without and with the meter (module docstring)."""
         import torch
@@ -119,7 +123,7 @@ class Rig:
                 meter.remove()
         finally:
             self.runner.graphs = graphs
-        self._execute([], [], finished=ids)
+        self.finish(ids)
         ops = {
             label: {"seconds": meter.seconds[label], "calls": meter.calls[label], **dataclasses.asdict(meter.traffic[label])}
             for label in meter.seconds

@@ -2,15 +2,17 @@
 bare read of its bytes at the same moment, and the quantized linears' arithmetic with no memory
 to wait on.
 
-1. The step as served (Rig: the recorded kernel program and the argmax head) at a context of 128,
-   each step followed by a two-thread read of as many bytes as the step moves (op_meter's count
-   from one eager step) from an array of its own (torch's sum, which the roofline bench's `read`
-   is). Each evicts the other from the caches, so both run from memory, and both see the same
-   machine: their ratio holds still where each alone swings with the other tenants.
+1. The step as served (Rig: the recorded kernel program and the argmax head) on fresh rows of 128
+   tokens each round, each step followed by a two-thread read of as many bytes as the step moves
+   (op_meter's count from one eager step) from an array of its own (torch's sum, which the
+   roofline bench's `read` is). Each runs right after the other, so both see the same machine
+   and the same caches (the read's array is as large as the step's bytes; an L3 holding both
+   would serve both): their ratio holds still where each alone swings with the other tenants.
 2. SmolLM2's 30 layers of u4 products (q/k/v, o, gate/up, down: 2.2 MB a layer, random weights)
    at one row, recorded and replayed with no Python between the calls: "hot" the same layer 30
-   times (it stays in the two cores' L2), "cold" 30 layers of their own (66 MB). Hot is the
-   kernel's arithmetic ceiling in GB/s of weights; cold adds the reads. "hot x1" is hot with x
+   times (it stays in the two cores' L2), "cold" 30 layers of their own (66 MB, past the L2;
+   an L3 may keep part). Hot is the kernel's arithmetic ceiling in GB/s of weights; cold adds
+   the reads. "hot x1" is hot with x
    in one int8 plane instead of INT8_PLANES = 3 (llama.cpp's precision, which exactness refuses:
    quant_linear.py): what the planes' arithmetic costs.
 
@@ -36,7 +38,7 @@ from conveyor.gpu.quant.weight import quantize_groups
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of one SmolLM2 layer, as served
 LAYERS = 30
-STEPS = 40  # per round
+STEPS, WARMUP = 40, 8  # per round
 
 
 def step_bytes(rig: Rig, ids: list[int]) -> int:
@@ -54,21 +56,24 @@ def step_bytes(rig: Rig, ids: list[int]) -> int:
 
 def step_against_read(rounds: int) -> None:
     rig = Rig(
-        Settings(model=None, quantization=None, rows=1, context=128, steps=rounds * STEPS + 20, warmup=0, array_bytes=0, repeats=0)
+        Settings(model=None, quantization=None, rows=1, context=128, steps=WARMUP + STEPS + 1, warmup=0, array_bytes=0, repeats=0)
     )
-    ids = rig.start_rows()
-    nbytes = step_bytes(rig, ids)
-    array = torch.ones(nbytes // 4)
-    for _ in range(8):
-        rig.decode(ids)
-    print(f"1. the one-row step as served against a bare read of its {nbytes / 1e6:.1f} MB, ms (medians of {STEPS})")
+    nbytes, array = 0, torch.empty(0)
     for r in range(rounds):
+        ids = rig.start_rows()  # fresh rows each round: every round decodes contexts 128 to 177
+        if r == 0:
+            nbytes = step_bytes(rig, ids)
+            array = torch.ones(nbytes // 4)
+            print(f"1. the one-row step as served against a bare read of its {nbytes / 1e6:.1f} MB, ms (medians of {STEPS})")
+        for _ in range(WARMUP):
+            rig.decode(ids)
         steps, reads = [], []
         for _ in range(STEPS):
             steps.append(rig.decode(ids))
             start = time.perf_counter()
             array.sum()
             reads.append(time.perf_counter() - start)
+        rig.finish(ids)
         step, read = statistics.median(steps), statistics.median(reads)
         gbps = nbytes / read / 1e9
         print(f"   round {r}: step {step * 1e3:.2f}, read {read * 1e3:.2f} ({gbps:.1f} GB/s); step / read {step / read:.2f}")
