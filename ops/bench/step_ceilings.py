@@ -8,12 +8,12 @@ to wait on.
    roofline bench's `read` is). Each runs right after the other, so both see the same machine
    and the same caches (the read's array is as large as the step's bytes; an L3 holding both
    would serve both): their ratio holds still where each alone swings with the other tenants.
-2. SmolLM2's 30 layers of u4 products (q/k/v, o, gate/up, down: 2.2 MB a layer, random weights)
-   at one row, recorded and replayed with no Python between the calls: "hot" the same layer 30
-   times (it stays in the two cores' L2), "cold" 30 layers of their own (66 MB, past the L2;
-   an L3 may keep part). Hot is the kernel's arithmetic ceiling in GB/s of weights; cold adds
-   the reads. "hot x1" is hot with x
-   in one int8 plane instead of INT8_PLANES = 3 (llama.cpp's precision, which exactness refuses:
+2. SmolLM2's 30 layers of u4 products (q/k/v, o, gate/up, down; random weights, their scales and
+   mins float16 as the served Q4_1 model's: 2.2 MB a layer) at one row, recorded and replayed
+   with no Python between the calls: "hot" the same layer 30 times (it stays in the two cores'
+   L2), "cold" 30 layers of their own (66 MB, past the L2; an L3 may keep part). Hot is the
+   kernel's arithmetic ceiling in GB/s of weights; cold adds the reads. "hot x1" is hot with x in
+   one int8 plane instead of INT8_PLANES = 3 (llama.cpp's precision, which exactness refuses:
    quant_linear.py): what the planes' arithmetic costs.
 
     python ops/bench/step_ceilings.py [ROUNDS]
@@ -86,8 +86,9 @@ def linears_hot_and_cold(rounds: int) -> None:
 
     def layer() -> list:
         weights = [quantize_groups(torch.randn(n, k, generator=g), "u4", 32) for n, k in SHAPES]
-        for w in weights:
-            w.compact()  # float16 scales where exact, as the cpu ops serve them
+        for w in weights:  # scales and mins rounded to float16 first, so compact keeps them so, as a GGUF's
+            w.scales, w.mins = w.scales.half().float(), w.mins.half().float()
+            w.compact()
             w.prepared = kernel.prepare(w)
         return weights
 
