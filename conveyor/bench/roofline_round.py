@@ -19,11 +19,13 @@ Each round's rows are finished at its end, so every round decodes the same conte
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from conveyor.bench import stream
@@ -97,6 +99,16 @@ class Rig:
         """The rows' sequences ended, their blocks free for the next start_rows."""
         self._execute([], [], finished=ids)
 
+    @contextlib.contextmanager
+    def eager(self) -> Iterator[None]:
+        """Steps inside run the eager path, whatever the backend records (the op meter times the
+        ops' Python faces, which a replay never calls)."""
+        graphs, self.runner.graphs = self.runner.graphs, None
+        try:
+            yield
+        finally:
+            self.runner.graphs = graphs
+
     def round(self) -> dict[str, Any]:
         """Bandwidth, then decode steps without and with the meter (module docstring)."""
         import torch
@@ -110,8 +122,7 @@ class Rig:
         for _ in range(s.warmup):
             self.decode(ids)
         plain = [self.decode(ids) for _ in range(s.steps)]
-        graphs, self.runner.graphs = self.runner.graphs, None  # the eager path, whatever the backend records
-        try:
+        with self.eager():
             eager = [self.decode(ids) for _ in range(s.steps)]
             meter = op_meter.install(self.runner)
             try:
@@ -121,8 +132,6 @@ class Rig:
                     meter.settle()
             finally:
                 meter.remove()
-        finally:
-            self.runner.graphs = graphs
         self.finish(ids)
         ops = {
             label: {"seconds": meter.seconds[label], "calls": meter.calls[label], **dataclasses.asdict(meter.traffic[label])}

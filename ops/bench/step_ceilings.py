@@ -28,6 +28,7 @@ import sys
 import time
 
 import torch
+from quant_paths import SHAPES  # the sibling script's SmolLM2 layer (this folder is on sys.path when run)
 
 from conveyor.bench import op_meter
 from conveyor.bench.roofline_round import Rig, Settings
@@ -36,21 +37,19 @@ from conveyor.gpu.backends.cpu.kernels.build import load_library
 from conveyor.gpu.backends.cpu.kernels.quant_linear import CpuQuantLinear
 from conveyor.gpu.quant.weight import quantize_groups
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of one SmolLM2 layer, as served
 LAYERS = 30
 STEPS, WARMUP = 40, 8  # per round
 
 
 def step_bytes(rig: Rig, ids: list[int]) -> int:
     """The bytes one eager step moves, as op_meter counts them (the roofline bench's figure)."""
-    graphs, rig.runner.graphs = rig.runner.graphs, None
-    meter = op_meter.install(rig.runner)
-    try:
-        rig.decode(ids)
-        meter.settle()
-    finally:
-        meter.remove()
-        rig.runner.graphs = graphs
+    with rig.eager():
+        meter = op_meter.install(rig.runner)
+        try:
+            rig.decode(ids)
+            meter.settle()
+        finally:
+            meter.remove()
     return sum(t.total for t in meter.traffic.values())
 
 

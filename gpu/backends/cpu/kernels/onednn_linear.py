@@ -87,13 +87,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     rounded up to a multiple of PACKED_ROW_MULTIPLE (x copied, zero rows after it), so it builds
     one primitive per 64 row counts; the padding's outputs are computed and dropped."""
     rows = x.shape[0]
-    padded = -(-rows // PACKED_ROW_MULTIPLE) * PACKED_ROW_MULTIPLE
-    if padded != rows:
-        x_padded = x.new_empty(padded, x.shape[1])
-        x_padded[:rows].copy_(x)
-        x_padded[rows:].zero_()
-        return torch.ops.mkldnn._linear_pointwise(x_padded, packed, bias, "none", [], "")[:rows]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    pad = -rows % PACKED_ROW_MULTIPLE
+    y = torch.ops.mkldnn._linear_pointwise(F.pad(x, (0, 0, 0, pad)) if pad else x, packed, bias, "none", [], "")
+    return y[:rows] if pad else y
 
 
 def bfloat16_products() -> bool:
