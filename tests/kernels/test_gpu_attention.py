@@ -17,14 +17,17 @@ from conveyor.gpu.backends.torch.attention import write_kv
 needs_kernel = pytest.mark.skipif(paged_attention_kernel() is None, reason="no C++ compiler for the CPU kernel")
 
 
-def dense_reference(q, k, v, window):
-    """q [q_len, Hq, D] at the last q_len of k/v's [L, Hkv, D] positions -> [q_len, Hq, D]."""
+def dense_reference(q, k, v, window, softcap=None):
+    """q [q_len, Hq, D] at the last q_len of k/v's [L, Hkv, D] positions -> [q_len, Hq, D]; softcap:
+    each scaled score s becomes softcap * tanh(s / softcap) first (Gemma 2)."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, head_dim = k.shape
     group = num_heads // num_kv_heads
     k = k.double().repeat_interleave(group, dim=1)  # query head h reads kv head h // group
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * head_dim**-0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
     key_pos = torch.arange(seq_len)[None, :]
     visible = key_pos <= query_pos
@@ -34,18 +37,20 @@ def dense_reference(q, k, v, window):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def attention_backend(num_kv_heads, head_dim, kernel=None):
+def attention_backend(num_kv_heads, head_dim, kernel=None, softcap=None):
     """The torch backend, or with `kernel` the cpu backend's attention, for one float32 layer."""
-    model = types.SimpleNamespace(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype="float32", attn_logit_softcap=None)
+    model = types.SimpleNamespace(
+        num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype="float32", attn_logit_softcap=softcap
+    )
     cpu = torch.device("cpu")
     return TorchAttention(model, cpu) if kernel is None else CpuAttention(model, cpu, kernel)
 
 
-def run_case(seq_lens, q_lens, num_heads, num_kv_heads, window, block_size=4, head_dim=16, seed=0, kernel=None):
+def run_case(seq_lens, q_lens, num_heads, num_kv_heads, window, block_size=4, head_dim=16, seed=0, kernel=None, softcap=None):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 5  # a few blocks nobody owns
     ids = torch.randperm(num_blocks, generator=gen).tolist()  # non-contiguous tables
-    attn = attention_backend(num_kv_heads, head_dim, kernel)
+    attn = attention_backend(num_kv_heads, head_dim, kernel, softcap)
     (cache,) = attn.allocate_kv_caches(num_blocks, block_size)
     tables = torch.zeros(len(seq_lens), max(-(-n // block_size) for n in seq_lens), dtype=torch.int32)
     full_k, full_v, queries, new_k, new_v, positions, slots = [], [], [], [], [], [], []
@@ -74,7 +79,7 @@ def run_case(seq_lens, q_lens, num_heads, num_kv_heads, window, block_size=4, he
 
     start = 0
     for i, q in enumerate(queries):
-        expected = dense_reference(q, full_k[i], full_v[i], window)
+        expected = dense_reference(q, full_k[i], full_v[i], window, softcap)
         got = out[start : start + len(q)]
         start += len(q)
         assert torch.allclose(got.double(), expected, atol=1e-5), f"row {i}"
@@ -165,6 +170,30 @@ def test_cpu_kernel_splits_long_decode_contexts(block_size, window):
     kernel = paged_attention_kernel()
     for seed, (seq_lens, q_lens) in enumerate([([700], [1]), ([769], [1]), ([1030, 513], [1, 1]), ([600, 90], [1, 40])]):
         run_case(seq_lens, q_lens, 9, 3, window, block_size=block_size, head_dim=64, seed=seed, kernel=kernel)
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (4, 2), (6, 2), (10, 2), (12, 2), (14, 2), (16, 2)])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_cpu_kernel_decode_heads_side_by_side(num_heads, num_kv_heads, head_dim, softcap):
+    """Decode tokens in blocks of 16 (paged_attention_decode.h's attend_heads): a kv head's query
+    heads in passes of up to four, so groups of 1, 2, 3, 5, 6, 7 and 8 cover every pass width and
+    every remainder; contexts within a block, ending on one and across several, a window starting
+    inside a block; and the scores capped (Gemma 2)."""
+    for window in (None, 21):
+        run_case(
+            [1, 9, 16, 40, 300],
+            [1, 1, 1, 1, 1],
+            num_heads,
+            num_kv_heads,
+            window,
+            block_size=16,
+            head_dim=head_dim,
+            seed=num_heads * head_dim,
+            kernel=paged_attention_kernel(),
+            softcap=softcap,
+        )
 
 
 @needs_kernel

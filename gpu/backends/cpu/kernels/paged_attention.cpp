@@ -29,8 +29,8 @@
 // [max(0, pos + 1 - window), pos] (window 0: no sliding window). With softcap > 0 (Gemma 2)
 // each scaled score s becomes softcap * tanh(s / softcap) before the mask and softmax.
 //
-// The `group` = Hq / Hkv query heads sharing a kv head read its tile one after the other, so the
-// tile comes from memory once per group and from L1 after that. Work items are decode tokens
+// The `group` = Hq / Hkv query heads sharing a kv head read its tile side by side, up to four in
+// one pass (attend_heads), so the tile comes from memory once per pass. Work items are decode tokens
 // (in a step of few rows, parts of a long context, merged after: kPartTokens) and, in prompt
 // chunks, runs of tokens that attend together (attend_token_tile), spread over OpenMP threads
 // (the same libgomp torch uses: it is already loaded, and the soname resolves to it); a step too
@@ -38,7 +38,7 @@
 //
 // Blocks are scattered, so the hardware prefetcher cannot guess the next one: while a tile is
 // read, the same tile kPrefetchBlocks blocks on is requested in software, a few lines at a time
-// between the FMAs (attend_tile). Decode at 256 rows x 500 context reads 25-28 GB/s on two
+// between the FMAs (attend_heads). Decode at 256 rows x 500 context reads 25-28 GB/s on two
 // cores; a bare scan of the same blocks, 30.
 //
 // C ABI for ctypes; no torch headers, so the build takes about a second.

@@ -19,75 +19,122 @@ inline void prefetch_line(const void* base, int64_t line) {
   __builtin_prefetch(static_cast<const char*>(base) + line * kLineBytes, 0, 1);
 }
 
-// One query head against one (block, kv head) tile, when BS and D are compile-time multiples of
-// 16: the scores of the block's keys, the online-softmax update of (m, l), and the value update
-// of the head's accumulator `a` [D]. p [BS] is scratch.
+// H query heads sharing a kv head against one (block, kv head) tile, when BS and D are
+// compile-time multiples of kLanes: each head's scores of the block's keys, the online-softmax
+// update of its (m, l), and the value update of its accumulator a [D]. q, a: the heads' D floats
+// each, one after the other; m, l: H each; p: H rows of kMaxBlock scratch.
 //
-// Two things made the plain loops (kept below for other shapes) run at half the memory
-// bandwidth a bare scan of the same blocks reaches:
+// What made the plain loops (kept below for other shapes) slow:
 //  - Prefetching a whole block ahead in one burst of 256 lines filled the core's miss buffers,
 //    so the burst stalled the arithmetic and the arithmetic then left memory idle. Here the
 //    caller names the same tile of a later block (pk, pv; null: nothing to fetch): its K lines
 //    are requested a few at a time between the score FMAs and its V lines (half the tile)
 //    before the value update, so loads and arithmetic overlap.
-//  - The dot products were one chain of D dependent FMAs into one score vector; they run in
-//    four independent partial sums here, the value update in two.
+//  - One query head at a time. Each head re-read the tile (the compiler folds a load into every
+//    FMA), its scores were four chains of D / 4 dependent FMAs, its max a scalar chain of BS,
+//    and the softmax's correction a call to expf, around which every vector register spilled.
+//    The heads of a group are independent, so here they run side by side: each K and V vector
+//    loaded once into a register for all H, H x NB x U score chains (U partial sums: at least
+//    eight chains, two FMA ports times the FMA's latency), H x kWidth value chains, each head's
+//    max a reduction tree, the correction inline. SmolLM2's one-row decode program (3 query
+//    heads a kv head, 128-177 keys): its attention 0.65-0.68 -> 0.42-0.48 ms a step.
 // KV types the later tile (the cache's element: it sets how many lines to prefetch); the tile
 // itself is floats (an fp8 one widened by the caller).
-template <int BS, int D, typename KV>
-inline void attend_tile(const float* __restrict qh, const float* __restrict kt,
-                        const float* __restrict vt, int i0, int i1, float* __restrict a,
-                        float* __restrict m, float* __restrict l, float* __restrict p,
-                        const KV* pk, const KV* pv, float softcap) {
+template <int BS, int D, int H, typename KV>
+inline void attend_heads(const float* __restrict q, const float* __restrict kt, const float* __restrict vt, int i0,
+                         int i1, float* __restrict a, float* __restrict m, float* __restrict l, float* __restrict p,
+                         const KV* pk, const KV* pv, float softcap) {
   constexpr int NB = BS / kLanes, ND = D / kLanes;
   constexpr int kLines = BS * D * static_cast<int>(sizeof(KV)) / kLineBytes;  // lines in a K (or V) tile
-  v16 s[NB][4];
-  for (int nb = 0; nb < NB; ++nb)
-    for (int u = 0; u < 4; ++u) s[nb][u] = v16{};
-  for (int e = 0; e < D; e += 4) {
-    if (pk) {  // kLines / D * 4 lines of the later K tile per step of 4 dimensions
-      for (int c = e * kLines / D; c < (e + 4) * kLines / D; ++c) prefetch_line(pk, c);
+  // Partial sums a score vector: at least 8 chains in all, two FMA ports times the FMA's latency.
+  constexpr int U = H * NB >= 8 ? 1 : H * NB >= 4 ? 2 : H * NB >= 2 ? 4 : 8;
+  // Value accumulators held at once, H x kWidth: at most half the vector registers (32 with
+  // AVX-512, 16 with AVX2), kWidth a power of two so that it divides ND (loops of fixed length
+  // keep the accumulators in registers).
+  constexpr int kBudget = (kLanes == 16 ? 16 : 8) / H;
+  constexpr int kWidth = std::min(ND, kBudget >= 8 ? 8 : kBudget >= 4 ? 4 : kBudget >= 2 ? 2 : 1);
+  static_assert(ND % kWidth == 0, "the value update steps kWidth vectors");
+  static_assert(D % U == 0, "the score loop steps U dimensions");
+  v16 s[H][NB][U];
+  for (int h = 0; h < H; ++h)
+    for (int nb = 0; nb < NB; ++nb)
+      for (int u = 0; u < U; ++u) s[h][nb][u] = v16{};
+  for (int e = 0; e < D; e += U) {
+    if (pk) {  // kLines / D * U lines of the later K tile per step of U dimensions
+      for (int c = e * kLines / D; c < (e + U) * kLines / D; ++c) prefetch_line(pk, c);
     }
-    for (int u = 0; u < 4; ++u) {
-      const float qe = qh[e + u];
-      for (int nb = 0; nb < NB; ++nb) s[nb][u] += qe * load16(kt + (e + u) * BS + nb * kLanes);
-    }
+    for (int u = 0; u < U; ++u)
+      for (int nb = 0; nb < NB; ++nb) {
+        const v16 k = in_register(load16(kt + (e + u) * BS + nb * kLanes));  // one load for the H heads
+        for (int h = 0; h < H; ++h) s[h][nb][u] += q[h * D + e + u] * k;
+      }
   }
   const bool full = i0 == 0 && i1 == BS;
-  float block_max = kNegBig;
-  for (int nb = 0; nb < NB; ++nb) {
-    v16 sv = (s[nb][0] + s[nb][1]) + (s[nb][2] + s[nb][3]);
-    store16(p + nb * kLanes, softcap > 0.f ? softcap16(sv, softcap) : sv);
-  }
-  if (!full) {
-    for (int i = 0; i < BS; ++i)
-      if (i < i0 || i >= i1) p[i] = kNegBig;
-  }
-#pragma omp simd reduction(max : block_max)
-  for (int i = 0; i < BS; ++i) block_max = std::max(block_max, p[i]);
-  const float new_m = std::max(*m, block_max);
-  const float correction = std::exp(*m - new_m);
-  *l = *l * correction + exp_and_sum(p, BS, new_m);
-  *m = new_m;
-  // Independent chains for the value update: two per lane group when there are few groups (D /
-  // kLanes < 4), one otherwise (eight ymm chains are already enough, and sixteen would spill).
-  constexpr int NS = ND >= 4 ? 1 : 2;
-  v16 acc[ND][NS];
-  for (int dv = 0; dv < ND; ++dv) {
-    acc[dv][0] = load16(a + dv * kLanes) * correction;
-    if constexpr (NS == 2) acc[dv][NS - 1] = v16{};
+  vi16 lane;
+  for (int i = 0; i < kLanes; ++i) lane[i] = i;
+  float correction[H];
+  for (int h = 0; h < H; ++h) {
+    v16 scores[NB], top = v16{} + kNegBig;
+    for (int nb = 0; nb < NB; ++nb) {
+      v16 sv = s[h][nb][0];
+      for (int u = 1; u < U; ++u) sv += s[h][nb][u];
+      if (softcap > 0.f) sv = softcap16(sv, softcap);
+      if (!full) {
+        const vi16 at = lane + nb * kLanes;
+        sv = (at >= i0 && at < i1) ? sv : v16{} + kNegBig;
+      }
+      scores[nb] = sv;
+      top = top > sv ? top : sv;
+    }
+    const float new_m = std::max(m[h], max_lanes(top));
+    correction[h] = exp16(v16{} + (m[h] - new_m))[0];  // inline: a call to expf spills every vector register
+    v16 sum = v16{};
+    for (int nb = 0; nb < NB; ++nb) {
+      const v16 e = exp16(scores[nb] - new_m);  // masked lanes: exactly 0
+      store16(p + h * kMaxBlock + nb * kLanes, e);
+      sum += e;
+    }
+    l[h] = l[h] * correction[h] + sum_lanes(sum);
+    m[h] = new_m;
   }
   if (pv) {
     for (int c = 0; c < kLines; ++c) prefetch_line(pv, c);
   }
-  if (full) {
-    for (int i = 0; i < BS; ++i)
-      for (int dv = 0; dv < ND; ++dv) acc[dv][i % NS] += p[i] * load16(vt + i * D + dv * kLanes);
-  } else {
-    for (int i = i0; i < i1; ++i)
-      for (int dv = 0; dv < ND; ++dv) acc[dv][i % NS] += p[i] * load16(vt + i * D + dv * kLanes);
+  const int lo = full ? 0 : i0, hi = full ? BS : i1;
+  for (int d0 = 0; d0 < ND; d0 += kWidth) {
+    v16 acc[H][kWidth];
+    for (int h = 0; h < H; ++h)
+      for (int dv = 0; dv < kWidth; ++dv) acc[h][dv] = load16(a + h * D + (d0 + dv) * kLanes) * correction[h];
+    for (int i = lo; i < hi; ++i)
+      for (int dv = 0; dv < kWidth; ++dv) {
+        const v16 v = in_register(load16(vt + i * D + (d0 + dv) * kLanes));
+        for (int h = 0; h < H; ++h) acc[h][dv] += p[h * kMaxBlock + i] * v;
+      }
+    for (int h = 0; h < H; ++h)
+      for (int dv = 0; dv < kWidth; ++dv) store16(a + h * D + (d0 + dv) * kLanes, acc[h][dv]);
   }
-  for (int dv = 0; dv < ND; ++dv) store16(a + dv * kLanes, NS == 2 ? acc[dv][0] + acc[dv][NS - 1] : acc[dv][0]);
+}
+
+// Query heads a tile pass takes at once, n = 1..kMaxHeads at run time: four where a vector is a
+// register (AVX-512's 32 zmm, AVX2's 16 ymm), else one (a v16 of 8 floats is two SSE or NEON
+// registers, and a baseline x86-64 build of four heads ran 1.3x slower than of one).
+#if defined(__AVX2__)
+constexpr int kMaxHeads = 4;
+#else
+constexpr int kMaxHeads = 1;
+#endif
+template <int BS, int D, typename KV>
+inline void attend_heads_n(int n, const float* q, const float* kt, const float* vt, int i0, int i1, float* a, float* m,
+                           float* l, float* p, const KV* pk, const KV* pv, float softcap) {
+  if constexpr (kMaxHeads == 4) {
+    switch (n) {
+      case 1: return attend_heads<BS, D, 1, KV>(q, kt, vt, i0, i1, a, m, l, p, pk, pv, softcap);
+      case 2: return attend_heads<BS, D, 2, KV>(q, kt, vt, i0, i1, a, m, l, p, pk, pv, softcap);
+      case 3: return attend_heads<BS, D, 3, KV>(q, kt, vt, i0, i1, a, m, l, p, pk, pv, softcap);
+      default: return attend_heads<BS, D, 4, KV>(q, kt, vt, i0, i1, a, m, l, p, pk, pv, softcap);
+    }
+  }
+  return attend_heads<BS, D, 1, KV>(q, kt, vt, i0, i1, a, m, l, p, pk, pv, softcap);
 }
 
 // One query token, every head, over its keys [lo, hi): q [Hq, D] pre-scaled -> acc [Hq, D] (the
@@ -140,10 +187,11 @@ void attend_part(const float* __restrict q, const KV* __restrict k_cache,
           }
           ktf = kbuf, vtf = vbuf;
         }
-        for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
-          const bool first_head = h == kvh * group;
-          attend_tile<BS, D, KV>(q + h * d, ktf, vtf, i0, i1, acc + h * d, m + h, l + h, s + h * kMaxBlock,
-                                 first_head ? pk : nullptr, first_head ? pv : nullptr, softcap);
+        for (int h = kvh * group; h < (kvh + 1) * group; h += kMaxHeads) {
+          const bool first_heads = h == kvh * group;
+          attend_heads_n<BS, D, KV>(std::min(kMaxHeads, (kvh + 1) * group - h), q + h * d, ktf, vtf, i0, i1, acc + h * d,
+                                    m + h, l + h, s + h * kMaxBlock, first_heads ? pk : nullptr,
+                                    first_heads ? pv : nullptr, softcap);
         }
         continue;
       }

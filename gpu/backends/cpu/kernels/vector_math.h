@@ -134,6 +134,34 @@ inline v16 softcap16(v16 x, float softcap) {
   return (1.f - 2.f / (e + 1.f)) * softcap;
 }
 
+// The largest and the sum of a vector's lanes: a reduction tree, not a chain of kLanes.
+inline float max_lanes(v16 x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(x));
+#elif defined(__AVX2__) && defined(__F16C__)
+  __m128 t = _mm_max_ps(_mm256_castps256_ps128(reinterpret_cast<__m256>(x)), _mm256_extractf128_ps(reinterpret_cast<__m256>(x), 1));
+  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+#else
+  float r = x[0];
+  for (int i = 1; i < kLanes; ++i) r = r > x[i] ? r : x[i];
+  return r;
+#endif
+}
+inline float sum_lanes(v16 x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(x));
+#elif defined(__AVX2__) && defined(__F16C__)
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(reinterpret_cast<__m256>(x)), _mm256_extractf128_ps(reinterpret_cast<__m256>(x), 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+#else
+  float r = 0.f;
+  for (int i = 0; i < kLanes; ++i) r += x[i];
+  return r;
+#endif
+}
+
 // p[i] = exp(p[i] - m) for i < n, returning their sum: the softmax's unnormalised weights.
 // Masked scores (kNegBig) give exactly 0.
 inline float exp_and_sum(float* __restrict p, int64_t n, float m) {
