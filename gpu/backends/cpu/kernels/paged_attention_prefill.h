@@ -27,7 +27,8 @@ namespace {
 // The scratch is kTileQueries x context floats (8 x 200 tokens: 6 KB). Decode tokens keep the
 // one-pass streaming path above: a single query has nothing to share.
 // Query vectors (token, head) sharing one pass over the tiles: as many as keep their score and
-// accumulator vectors in registers (NQ * (1 + D / 16) of AVX-512's 32). On AVX2 (8 lanes, 16
+// accumulator vectors in registers (NQ * (U + D / 16) of AVX-512's 32, U the score's partial
+// sums: 24 at every D). On AVX2 (8 lanes, 16
 // registers) the same counts measured best too (D = 64: 4 beat 2 and 3, SmolLM2's prompt chunks).
 template <int D>
 constexpr int tile_queries() {
@@ -54,22 +55,31 @@ void attend_queries(const QueryState* qs, const KV* __restrict k_cache,
   v16 mx[NQ];
   for (int j = 0; j < NQ; ++j) mx[j] = v16{} + kNegBig;
 
-  // 1. Scores.
+  // 1. Scores: each K vector loaded once into a register for the NQ queries (folded into each
+  // FMA, it was loaded NQ times), in U partial sums a score vector so that at least eight FMA
+  // chains run at once (two FMA ports times the FMA's latency; NQ x NB alone was four at D = 64).
+  constexpr int U = NQ * NB >= 8 ? 1 : NQ * NB >= 4 ? 2 : NQ * NB >= 2 ? 4 : 8;
+  static_assert(D % U == 0, "the score loop steps U dimensions");
   for (int64_t first = first0; first < hi; first += BS) {
     const KV* kt = k_cache + table[first / BS] * block_stride + kv_offset;  // [D, BS]
-    v16 s[NQ][NB];
+    v16 s[NQ][NB][U];
     for (int j = 0; j < NQ; ++j)
-      for (int nb = 0; nb < NB; ++nb) s[j][nb] = v16{};
-    for (int e = 0; e < D; ++e) {
-      for (int nb = 0; nb < NB; ++nb) {
-        const v16 k = load16(kt + e * BS + nb * kLanes);
-        for (int j = 0; j < NQ; ++j) s[j][nb] += qs[j].q[e] * k;
-      }
+      for (int nb = 0; nb < NB; ++nb)
+        for (int u = 0; u < U; ++u) s[j][nb][u] = v16{};
+    for (int e = 0; e < D; e += U) {
+      for (int u = 0; u < U; ++u)
+        for (int nb = 0; nb < NB; ++nb) {
+          const v16 k = in_register(load16(kt + (e + u) * BS + nb * kLanes));
+          for (int j = 0; j < NQ; ++j) s[j][nb][u] += qs[j].q[e + u] * k;
+        }
     }
     for (int j = 0; j < NQ; ++j) {
       float* pj = p + j * span + (first - first0);
-      for (int nb = 0; nb < NB; ++nb)
-        store16(pj + nb * kLanes, softcap > 0.f ? softcap16(s[j][nb], softcap) : s[j][nb]);
+      for (int nb = 0; nb < NB; ++nb) {
+        v16 sv = s[j][nb][0];
+        for (int u = 1; u < U; ++u) sv += s[j][nb][u];
+        store16(pj + nb * kLanes, softcap > 0.f ? softcap16(sv, softcap) : sv);
+      }
       if (qs[j].lo > first || qs[j].hi < first + BS) {  // partly outside: mask by lane
         for (int i = 0; i < BS; ++i)
           if (first + i < qs[j].lo || first + i >= qs[j].hi) pj[i] = kNegBig;
@@ -99,7 +109,7 @@ void attend_queries(const QueryState* qs, const KV* __restrict k_cache,
     const float* pb = p + (first - first0);
     for (int i = 0; i < BS; ++i) {
       for (int dv = 0; dv < ND; ++dv) {
-        const v16 v = load16(vt + i * D + dv * kLanes);
+        const v16 v = in_register(load16(vt + i * D + dv * kLanes));  // once for the NQ queries
         for (int j = 0; j < NQ; ++j) acc[j][dv] += pb[j * span + i] * v;
       }
     }
