@@ -28,8 +28,8 @@ namespace {
 // one-pass streaming path above: a single query has nothing to share.
 // Query vectors (token, head) sharing one pass over the tiles: as many as keep their score and
 // accumulator vectors in registers (NQ * (U + D / 16) of AVX-512's 32, U the score's partial
-// sums: 24 at every D). On AVX2 (8 lanes, 16
-// registers) the same counts measured best too (D = 64: 4 beat 2 and 3, SmolLM2's prompt chunks).
+// sums: 24 at every D). On AVX2 (8 lanes, 16 registers) the same counts measured best too
+// (D = 64: 4 beat 2 and 3, SmolLM2's prompt chunks).
 template <int D>
 constexpr int tile_queries() {
   return D <= 32 ? 8 : D <= 64 ? 4 : 2;
