@@ -7,7 +7,13 @@ over --rounds rounds of --reps replays each: the whole program, and the subprogr
 quantized linears alone, its attention alone, and everything else (norms, rotary, the KV write,
 SiLU * up, the embedding). Each part reads what it reads in the whole (the linears stream the
 weights from memory: the model is larger than the L3), so the parts' times add up to about the
-whole's. Prints ms per replay (median of rounds of medians) and the linears' GB/s.
+whole's, but for one: replayed without the linears, SiLU * up runs again and again on its own
+output (every layer's call on the same buffer), whose values run off to both ends (after 30
+calls, 1e33 at most, subnormals and zeros; after 330, 85 of 1536 not finite), where its exp
+takes libmvec's slow path: 10-35 us a call against 1-1.5 on live values. So "the rest" alone
+overstates its share (0.4-0.7 ms where its kernels take about 0.1); the whole less the linears
+and attention is printed beside it. Prints ms per replay (median of rounds of medians)
+and the linears' GB/s.
 
     python ops/bench/program_split.py [--rows 1] [--context 128] [--rounds 5] [--reps 20]
 """
@@ -103,10 +109,12 @@ def main() -> None:
         for name, m in rig.runner.model.named_modules()
         if getattr(m, "quantized", None) is not None and "layers." in name and name.endswith("proj")
     )
-    for label, values in results.items():
-        ms = statistics.median(values) * 1e3
+    medians = {label: statistics.median(values) * 1e3 for label, values in results.items()}
+    for label, ms in medians.items():
         extra = f" ({weights / 1e6:.1f} MB of weights: {weights / ms / 1e6:.1f} GB/s)" if label == "quantized linears" else ""
         print(f"{label}: {ms:.3f} ms{extra}")
+    rest = medians["whole program"] - medians["quantized linears"] - medians["attention"]
+    print(f"the whole less the linears and attention: {rest:.3f} ms")
 
 
 if __name__ == "__main__":
