@@ -97,6 +97,26 @@ def test_a_product_over_some_rows_is_the_full_products_columns(kind, group, mins
 
 @pytest.mark.parametrize("build_name", BUILDS)
 @pytest.mark.parametrize("kind,group,mins", HEADS)
+def test_the_rows_read_in_place_are_the_full_products_columns(kind, group, mins, build_name):
+    """CpuQuantLinear.subset, the recompute on the int8 path's rows: those outputs of the full
+    product bit for bit, read from W in place, for rows in any order, repeated, at every place in a
+    block of four; past the int8 path's rows it declines (the copy above serves those)."""
+    kernel = build(build_name)
+    w = head(kind, group, mins, seed=6)
+    w.prepared = kernel.prepare(w)
+    g = torch.Generator().manual_seed(7)
+    for m in range(1, qam.MAX_ROWS + 1):
+        x = rows(w, m, seed=20 + m)
+        some = torch.cat([torch.randint(0, VOCAB, (1 + m * 3,), generator=g), torch.tensor([0, 1, 2, 3, VOCAB - 1, 5, 5])])
+        got = kernel.subset(x, w, some.to(torch.int32))
+        if m > kernel.int8_max_rows:
+            assert got is None
+            continue
+        assert got is not None and torch.equal(got, kernel(x, w)[:, some])
+
+
+@pytest.mark.parametrize("build_name", BUILDS)
+@pytest.mark.parametrize("kind,group,mins", HEADS)
 def test_the_argmax_is_the_full_products(kind, group, mins, build_name):
     """Random rows (flat: many candidates, or past ROW_CANDIDATES and the full product) at every
     row count it takes, then peaked rows with near ties (rows of W a step apart), among

@@ -20,7 +20,9 @@ SmolLM2's decode rows 1 at the median and 17 at most of 49152 (docs/benchmarks.m
 the rows is recomputed by the path the full product takes at M rows (three planes, or past the
 int8 path's rows W decoded to floats against x itself, within the same bound of y1 since |x - x1|
 <= d / 2): the same row count, so the same per-output sums, bit-identical to those outputs of the
-full product (tests/kernels/test_cpu_quant_argmax.py). Each row's argmax over its own candidates,
+full product (tests/kernels/test_cpu_quant_argmax.py). On the int8 path the union's rows are read
+in place (CpuQuantLinear.subset); past it, from a copy of them. The copy (three index_selects, a
+QuantizedWeight and its prepared form) took 0.15-0.2 ms of a one-row head's 1.2-1.4. Each row's argmax over its own candidates,
 the lowest id among equals as torch's argmax, is the full product's.
 
 A row whose x is not finite gets valid False (and id 0), as the sampler marks a row whose logits
@@ -127,16 +129,17 @@ class QuantArgmax:
         ids = torch.zeros(m, dtype=torch.int64)
         if size == 0:  # no valid row
             return ids, valid
-        rows = union[:size].long()
-        mins = weight.mins
-        sub = dataclasses.replace(
-            weight,
-            qweight=weight.qweight.index_select(0, rows),
-            scales=weight.scales.index_select(0, rows),
-            mins=None if mins is None else mins.index_select(0, rows),
-            prepared=None,
-        )
-        y3 = self.kernel(x, sub)  # [M, U]: the path the full product takes at M rows
+        y3 = self.kernel.subset(x, weight, union[:size])  # [M, U]: the int8 path, in place
+        if y3 is None:  # past the int8 path's rows: the path the full product takes, on a copy
+            rows, mins = union[:size].long(), weight.mins
+            sub = dataclasses.replace(
+                weight,
+                qweight=weight.qweight.index_select(0, rows),
+                scales=weight.scales.index_select(0, rows),
+                mins=None if mins is None else mins.index_select(0, rows),
+                prepared=None,
+            )
+            y3 = self.kernel(x, sub)
         self._pick(
             y3.data_ptr(), m, size, union.data_ptr(), cols.data_ptr(), counts.data_ptr(), ROW_CANDIDATES,
             valid_u8.data_ptr(), ids.data_ptr(),

@@ -275,6 +275,49 @@ void int8_path(const float* x, const Weight<S>& w, const float* bias, float* y, 
   }
 }
 
+// y [M, count] = x W[rows]^T on the int8 path: for each row, its outputs as the full product
+// computes them. An output's sums do not depend on its neighbours' (int8_block: one accumulator
+// set per row; store_sums' four-row tree pairs the lanes as the one-row one does), so a few rows
+// of a wide product (quant_argmax.py's candidates) need neither a copy of their codes nor the rest.
+template <bool U4, int P, class S>
+void int8_subset(const float* x, const Weight<S>& w, const int32_t* rows, int64_t count, float* y, int64_t M) {
+  static thread_local QuantizedX buffers;  // as int8_path's
+  QuantizedX& xq = buffers;
+  xq.build(x, M, w.K, w.G, U4, P);
+  const int64_t groups = w.K / w.G;
+#pragma omp parallel for schedule(static) if (M * count * w.K > kSerialMacs)
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t n = rows[i];
+    const uint8_t* q = w.q + n * w.row_bytes;
+    const S* scales = w.scales + n * groups;
+    const S* mins = w.mins ? w.mins + n * groups : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += kI8MB) {
+      float* ym = y + m0 * count + i;  // column i of rows m0..
+      switch (std::min<int64_t>(M - m0, kI8MB)) {
+        case 1: int8_block<U4, P, 1, 1>(xq, q, scales, mins, m0, 0, nullptr, ym, count); break;
+#if defined(__AVX512F__)
+        case 2: int8_block<U4, P, 2, 1>(xq, q, scales, mins, m0, 0, nullptr, ym, count); break;
+        case 3: int8_block<U4, P, 3, 1>(xq, q, scales, mins, m0, 0, nullptr, ym, count); break;
+        default: int8_block<U4, P, 4, 1>(xq, q, scales, mins, m0, 0, nullptr, ym, count); break;
+#else
+        default: int8_block<U4, P, 2, 1>(xq, q, scales, mins, m0, 0, nullptr, ym, count); break;
+#endif
+      }
+    }
+  }
+}
+
+// int8_subset for a kind (u4 or u8) and a plane count (1 to 3) known at run time.
+template <class S>
+void int8_subset_planes(const Weight<S>& w, bool u4, int64_t planes, const float* x, const int32_t* rows,
+                        int64_t count, float* y, int64_t M) {
+  switch (planes) {
+    case 1: return u4 ? int8_subset<true, 1>(x, w, rows, count, y, M) : int8_subset<false, 1>(x, w, rows, count, y, M);
+    case 2: return u4 ? int8_subset<true, 2>(x, w, rows, count, y, M) : int8_subset<false, 2>(x, w, rows, count, y, M);
+    default: return u4 ? int8_subset<true, 3>(x, w, rows, count, y, M) : int8_subset<false, 3>(x, w, rows, count, y, M);
+  }
+}
+
 // x quantized to `planes` int8 planes (quant_int8.h).
 template <bool U4, class S>
 void int8_planes(int64_t planes, const float* x, const Weight<S>& w, const float* bias, float* y, int64_t M, int64_t N) {
@@ -357,6 +400,24 @@ void conveyor_quant_linear_f32(const float* x, float* y, int64_t M, int64_t path
 void conveyor_quant_dequantize_f32(float* out, int64_t n0, int64_t num_rows, const WeightArgs* args) {
   if (args->half_scales) return dequantize_rows<uint16_t>(out, n0, num_rows, args);
   return dequantize_rows<float>(out, n0, num_rows, args);
+}
+
+// y [M, count] = x W[rows]^T for `rows` [count] int32 in [0, N): each output as path `path`
+// (int8 with 1 to 3 planes, u4 or u8) gives it in the full product. Returns 0, or -1 where this
+// build or weight has no such path (the caller multiplies a copy of the rows instead).
+int64_t conveyor_quant_linear_subset_f32(const float* x, float* y, int64_t M, int64_t path, const int32_t* rows,
+                                         int64_t count, const WeightArgs* args) {
+#if defined(CONVEYOR_INT8)
+  if (path < kInt8 || path > kInt8 + 2 || args->kind == kE4M3) return -1;
+  if (args->half_scales)
+    int8_subset_planes(weight_of<uint16_t>(args), args->kind == kU4, path - kInt8 + 1, x, rows, count, y, M);
+  else
+    int8_subset_planes(weight_of<float>(args), args->kind == kU4, path - kInt8 + 1, x, rows, count, y, M);
+  return 0;
+#else
+  (void)x, (void)y, (void)M, (void)path, (void)rows, (void)count, (void)args;
+  return -1;
+#endif
 }
 
 // Whether path 2 (int8) exists in this build: 0 no; 1 its byte products by vpmaddubsw + vpmaddwd;

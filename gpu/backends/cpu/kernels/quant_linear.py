@@ -130,6 +130,8 @@ class CpuQuantLinear:
         self._fn = Kernel(lib, "conveyor_quant_linear_f32", [_ptr, _ptr, _i64, _i64, _ptr, _ptr])
         self._dequantize = Kernel(lib, "conveyor_quant_dequantize_f32", [_ptr, _i64, _i64, _ptr])
         self._rows = Kernel(lib, "conveyor_quant_rows_f32", [_ptr, _ptr, _i64, _ptr])
+        subset_args = [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr]
+        self._subset = Kernel(lib, "conveyor_quant_linear_subset_f32", subset_args, _i64, replayable=False)
         int8 = lib.conveyor_quant_linear_has_int8()  # 0: no int8 path; 1: by vpmaddubsw; 2: by VNNI
         self.has_int8 = int8 > 0
         lanes = lib.conveyor_quant_linear_int8_lanes()
@@ -185,6 +187,20 @@ class CpuQuantLinear:
             return self._gemm(x, prepared, bias)
         y = torch.empty(rows, n, dtype=torch.float32)
         self._fn(x.data_ptr(), y.data_ptr(), rows, code, None if bias is None else bias.data_ptr(), prepared.address)
+        return y
+
+    def subset(self, x: torch.Tensor, weight: QuantizedWeight, rows: torch.Tensor) -> torch.Tensor | None:
+        """x [M, K] float32 contiguous, weight (supports, no act-order perm), rows [U] int32
+        contiguous in [0, N) (unchecked) -> [M, U]: those columns of the full product, each as
+        __call__ computes it at M rows, read in place. None where M rows do not take an int8
+        path (the caller multiplies a copy of the rows)."""
+        prepared = weight.prepared if isinstance(weight.prepared, QuantArgs) else self.prepare(weight)
+        m = x.shape[0]
+        if m > self.int8_max_rows or not prepared.int8 or prepared.perm is not None:
+            return None
+        y = torch.empty(m, rows.shape[0], dtype=torch.float32)
+        if self._subset(x.data_ptr(), y.data_ptr(), m, self.int8_path, rows.data_ptr(), rows.shape[0], prepared.address) < 0:
+            return None
         return y
 
     def _gemm(self, x: torch.Tensor, prepared: QuantArgs, bias: torch.Tensor | None) -> torch.Tensor:
