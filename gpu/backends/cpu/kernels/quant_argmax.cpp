@@ -3,19 +3,23 @@
 // are recomputed in three planes. In torch they were a dozen ops over [M, N] (0.8 ms at 9 rows of
 // SmolLM2's 49152 logits, a third of what the plane saves); here one pass over y1 a row.
 //
-// Rows are finite where `valid` says so (the caller checks x); -ffast-math assumes no NaN or inf,
-// so a row that is not valid is never read.
+// A row of x is valid where all its inputs are finite, which is read from the bits (-ffast-math
+// assumes no NaN or inf, so a float test could be folded away); a row that is not valid has no
+// candidates, and its logits are never read.
 //
 // C ABI for ctypes; the OpenMP pool is torch's (see build.py).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kChunk = 16;  // outputs a chunk: its max is one vector's
+constexpr int64_t kBlock = 32;  // inputs per x scale (quant_int8.h's kBlock, quant_argmax.py's BLOCK)
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
@@ -66,15 +70,32 @@ int64_t row_candidates(const float* y, int64_t N, const float* amax, const float
 
 extern "C" {
 
-// y1 [M, N] (one plane), amax [M, B], table [N, B], widest [B], valid [M] -> cols [M, cap] (row
-// m's candidates in its first counts[m]), union_ (their union, ascending); returns its size, or
-// -1 where a row has more than cap (the caller takes the full product).
-int64_t conveyor_argmax_candidates(const float* y1, int64_t M, int64_t N, const float* amax, const float* table,
-                                   const float* widest, int64_t B, const uint8_t* valid, int32_t* cols, int64_t* counts,
+// y1 [M, N] (one plane), x [M, 32 B] (its rows), table [N, B], widest [B] -> valid [M] (x's row
+// finite), cols [M, cap] (row m's candidates in its first counts[m]), union_ (their union,
+// ascending); returns its size, or -1 where a row has more than cap (the caller takes the full
+// product).
+int64_t conveyor_argmax_candidates(const float* y1, const float* x, int64_t M, int64_t N, const float* table,
+                                   const float* widest, int64_t B, uint8_t* valid, int32_t* cols, int64_t* counts,
                                    int64_t cap, int32_t* union_) {
 #pragma omp parallel for schedule(static) if (M > 1)
-  for (int64_t m = 0; m < M; ++m)
-    counts[m] = valid[m] ? row_candidates(y1 + m * N, N, amax + m * B, table, widest, B, cols + m * cap, cap) : 0;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * B * kBlock;
+    std::vector<float> amax(B);  // each block's largest |x|: the bound's factor
+    bool finite = true;
+    for (int64_t b = 0; b < B; ++b) {
+      float top = 0.f;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const float v = xm[b * kBlock + i];
+        uint32_t bits;
+        std::memcpy(&bits, &v, sizeof bits);
+        finite &= (bits & 0x7f800000u) != 0x7f800000u;
+        top = std::max(top, std::fabs(v));
+      }
+      amax[b] = top;
+    }
+    valid[m] = finite;
+    counts[m] = finite ? row_candidates(y1 + m * N, N, amax.data(), table, widest, B, cols + m * cap, cap) : 0;
+  }
   std::vector<int32_t> all;
   for (int64_t m = 0; m < M; ++m) {
     if (counts[m] < 0) return -1;

@@ -76,6 +76,20 @@ class QuantArgmax:
         candidates_args = [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr]
         self._candidates = Kernel(lib, "conveyor_argmax_candidates", candidates_args, _i64, replayable=False)
         self._pick = Kernel(lib, "conveyor_argmax_pick", [_ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr], replayable=False)
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _scratch(self, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The candidates' buffers for m rows, made once: cols [m, ROW_CANDIDATES] int32, counts [m]
+        int64, union [m * ROW_CANDIDATES] int32. A worker runs one step at a time, and nothing
+        returned points into them."""
+        buffers = self._buffers.get(m)
+        if buffers is None:
+            buffers = self._buffers[m] = (
+                torch.empty(m, ROW_CANDIDATES, dtype=torch.int32),
+                torch.empty(m, dtype=torch.int64),
+                torch.empty(m * ROW_CANDIDATES, dtype=torch.int32),
+            )
+        return buffers
 
     def supports(self, weight: QuantizedWeight) -> bool:
         prepared = weight.prepared
@@ -112,15 +126,11 @@ class QuantArgmax:
             return None
         n = weight.shape[0]
         y1 = self.kernel(x, weight, path="int8")  # [M, N], one plane
-        amax = x.view(m, k // BLOCK, BLOCK).abs().amax(-1)  # [M, K / 32]
-        valid = amax.isfinite().all(-1)  # [M]: the others' logits are not finite either
-        valid_u8 = valid.to(torch.uint8)
-        cols = torch.empty(m, ROW_CANDIDATES, dtype=torch.int32)
-        counts = torch.empty(m, dtype=torch.int64)
-        union = torch.empty(m * ROW_CANDIDATES, dtype=torch.int32)
+        valid = torch.empty(m, dtype=torch.bool)  # x's rows finite: the others' logits are not either
+        cols, counts, union = self._scratch(m)
         size = self._candidates(
-            y1.data_ptr(), m, n, amax.data_ptr(), table.table.data_ptr(), table.widest.data_ptr(), k // BLOCK,
-            valid_u8.data_ptr(), cols.data_ptr(), counts.data_ptr(), ROW_CANDIDATES, union.data_ptr(),
+            y1.data_ptr(), x.data_ptr(), m, n, table.table.data_ptr(), table.widest.data_ptr(), k // BLOCK,
+            valid.data_ptr(), cols.data_ptr(), counts.data_ptr(), ROW_CANDIDATES, union.data_ptr(),
         )  # fmt: skip
         if size < 0:  # a row with too many: its logits are too flat for the bound to pay
             best, ids = self.kernel(x, weight).max(dim=-1)  # as the sampler's greedy rows
@@ -142,7 +152,7 @@ class QuantArgmax:
             y3 = self.kernel(x, sub)
         self._pick(
             y3.data_ptr(), m, size, union.data_ptr(), cols.data_ptr(), counts.data_ptr(), ROW_CANDIDATES,
-            valid_u8.data_ptr(), ids.data_ptr(),
+            valid.data_ptr(), ids.data_ptr(),
         )  # fmt: skip
         return ids, valid
 
