@@ -21,9 +21,10 @@ the rows is recomputed by the path the full product takes at M rows (three plane
 int8 path's rows W decoded to floats against x itself, within the same bound of y1 since |x - x1|
 <= d / 2): the same row count, so the same per-output sums, bit-identical to those outputs of the
 full product (tests/kernels/test_cpu_quant_argmax.py). On the int8 path the union's rows are read
-in place (CpuQuantLinear.subset); past it, from a copy of them. The copy (three index_selects, a
-QuantizedWeight and its prepared form) took 0.15-0.2 ms of a one-row head's 1.2-1.4. Each row's argmax over its own candidates,
-the lowest id among equals as torch's argmax, is the full product's.
+in place (CpuQuantLinear.subset); past it, from a copy of them. Each row's argmax over its own
+candidates, the lowest id among equals as torch's argmax, is the full product's. (The copy, and
+the dozen torch ops that found x's block maxima and buffers, took 0.3 ms of a one-row head's
+1.2-1.4; quant_argmax.cpp now finds the maxima: docs/benchmarks/cpu-isa.md.)
 
 A row whose x is not finite gets valid False (and id 0), as the sampler marks a row whose logits
 are not. Steps of up to MAX_ROWS rows come here; others take the product.
