@@ -94,8 +94,7 @@ void attend_queries(const QueryState* qs, const KV* __restrict k_cache,
   // 2. Softmax weights, unnormalised: exp(score - max), and their sum.
   float inv_sum[NQ];
   for (int j = 0; j < NQ; ++j) {
-    float m = kNegBig;
-    for (int i = 0; i < kLanes; ++i) m = std::max(m, mx[j][i]);
+    const float m = max_lanes(mx[j]);
     const float sum = exp_and_sum(p + j * span, span, m);
     inv_sum[j] = sum > 0.f ? v_scale / sum : 0.f;
   }

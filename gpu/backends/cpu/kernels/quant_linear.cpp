@@ -278,7 +278,8 @@ void int8_path(const float* x, const Weight<S>& w, const float* bias, float* y, 
 // y [M, count] = x W[rows]^T on the int8 path: for each row, its outputs as the full product
 // computes them. An output's sums do not depend on its neighbours' (int8_block: one accumulator
 // set per row; store_sums' four-row tree pairs the lanes as the one-row one does), so a few rows
-// of a wide product (quant_argmax.py's candidates) need neither a copy of their codes nor the rest.
+// of a wide product (quant_argmax.py's candidates) need neither a copy of their codes nor the rest:
+// each is int8_rows' block of one, on a Weight that starts at it and writes column i.
 template <bool U4, int P, class S>
 void int8_subset(const float* x, const Weight<S>& w, const int32_t* rows, int64_t count, float* y, int64_t M) {
   static thread_local QuantizedX buffers;  // as int8_path's
@@ -288,22 +289,9 @@ void int8_subset(const float* x, const Weight<S>& w, const int32_t* rows, int64_
 #pragma omp parallel for schedule(static) if (M * count * w.K > kSerialMacs)
   for (int64_t i = 0; i < count; ++i) {
     const int64_t n = rows[i];
-    const uint8_t* q = w.q + n * w.row_bytes;
-    const S* scales = w.scales + n * groups;
     const S* mins = w.mins ? w.mins + n * groups : nullptr;
-    for (int64_t m0 = 0; m0 < M; m0 += kI8MB) {
-      float* ym = y + m0 * count + i;  // column i of rows m0..
-      switch (std::min<int64_t>(M - m0, kI8MB)) {
-        case 1: int8_block<U4, P, 1, 1>(xq, q, scales, mins, m0, 0, nullptr, ym, count); break;
-#if defined(__AVX512F__)
-        case 2: int8_block<U4, P, 2, 1>(xq, q, scales, mins, m0, 0, nullptr, ym, count); break;
-        case 3: int8_block<U4, P, 3, 1>(xq, q, scales, mins, m0, 0, nullptr, ym, count); break;
-        default: int8_block<U4, P, 4, 1>(xq, q, scales, mins, m0, 0, nullptr, ym, count); break;
-#else
-        default: int8_block<U4, P, 2, 1>(xq, q, scales, mins, m0, 0, nullptr, ym, count); break;
-#endif
-      }
-    }
+    const Weight<S> row = {w.q + n * w.row_bytes, w.row_bytes, w.scales + n * groups, mins, w.K, w.G};
+    int8_rows<U4, P, 1>(xq, row, 1, 0, nullptr, y + i, count);
   }
 }
 

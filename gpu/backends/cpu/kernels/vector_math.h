@@ -134,32 +134,32 @@ inline v16 softcap16(v16 x, float softcap) {
   return (1.f - 2.f / (e + 1.f)) * softcap;
 }
 
-// The largest and the sum of a vector's lanes: a reduction tree, not a chain of kLanes.
-inline float max_lanes(v16 x) {
+// A vector's lanes folded by op (a generic lambda on GCC vectors: max or +), halves first: lanes i
+// and i + n / 2 at each level, a tree of log2(kLanes) steps where a loop over the lanes is a chain
+// of kLanes.
+template <class Op>
+inline float fold_lanes(v16 x, Op op) {
+#if defined(__AVX2__) && defined(__F16C__)
 #if defined(__AVX512F__)
-  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(x));
-#elif defined(__AVX2__) && defined(__F16C__)
-  __m128 t = _mm_max_ps(_mm256_castps256_ps128(reinterpret_cast<__m256>(x)), _mm256_extractf128_ps(reinterpret_cast<__m256>(x), 1));
-  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+  const __m512 z = reinterpret_cast<__m512>(x);
+  const __m256 h = op(_mm512_castps512_ps256(z), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(z), 1)));
+#else
+  const __m256 h = reinterpret_cast<__m256>(x);
+#endif
+  __m128 t = op(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  t = op(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(op(t, _mm_movehdup_ps(t)));
 #else
   float r = x[0];
-  for (int i = 1; i < kLanes; ++i) r = r > x[i] ? r : x[i];
+  for (int i = 1; i < kLanes; ++i) r = op(r, x[i]);
   return r;
 #endif
 }
+inline float max_lanes(v16 x) {
+  return fold_lanes(x, [](auto a, auto b) { return a > b ? a : b; });
+}
 inline float sum_lanes(v16 x) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(x));
-#elif defined(__AVX2__) && defined(__F16C__)
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(reinterpret_cast<__m256>(x)), _mm256_extractf128_ps(reinterpret_cast<__m256>(x), 1));
-  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-#else
-  float r = 0.f;
-  for (int i = 0; i < kLanes; ++i) r += x[i];
-  return r;
-#endif
+  return fold_lanes(x, [](auto a, auto b) { return a + b; });
 }
 
 // p[i] = exp(p[i] - m) for i < n, returning their sum: the softmax's unnormalised weights.
